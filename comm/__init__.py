@@ -1,0 +1,1 @@
+"""Context parallelism for varlen attention (installed as `varlen.comm`)."""

@@ -1,0 +1,20 @@
+"""varlen: packed variable-length ("THD") attention.
+
+    import varlen
+    out, lse = varlen.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, mask="causal")
+
+Arrays come from and go back to NumPy, PyTorch, JAX or CuPy through DLPack. See
+`docs/semantics.md` for the contract every backend meets.
+"""
+from ._api import attention, attention_backward, attention_forward
+from ._array import set_nan_fill
+from ._validate import set_validation
+from .masks import Mask, dense_mask, padding_mask
+from .plan import Plan, Segments, plan
+from . import reference
+
+__version__ = "0.1.0"
+
+__all__ = ["attention_forward", "attention_backward", "attention", "Mask", "plan", "Plan",
+           "Segments", "padding_mask", "dense_mask", "set_validation", "set_nan_fill",
+           "reference", "__version__"]

@@ -1,0 +1,257 @@
+"""Array interop: DLPack in, DLPack out, for NumPy, PyTorch, JAX and CuPy.
+
+Every public entry point turns its inputs into *working arrays* (NumPy on the host, CuPy on a
+CUDA device) with `to_working`, and hands results back with `Origin.wrap`, which rebuilds the
+caller's array type on the caller's device. bfloat16 travels as its 16-bit pattern where a
+framework's DLPack cannot carry it (NumPy's), and becomes `ml_dtypes.bfloat16` on the host.
+
+Heavy frameworks are imported lazily: only when an input comes from them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Origin", "to_working", "array_module", "empty", "set_nan_fill", "bfloat16_dtype",
+           "is_device_array"]
+
+# DLPack device types (dlpack.h)
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def bfloat16_dtype():
+    """`ml_dtypes.bfloat16` as a NumPy dtype, or None when ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _is_bf16(dtype) -> bool:
+    bf = bfloat16_dtype()
+    return bf is not None and np.dtype(dtype) == bf
+
+
+# --------------------------------------------------------------------------------------------
+# NaN-filled fresh buffers (test mode)
+# --------------------------------------------------------------------------------------------
+
+_NAN_FILL = os.environ.get("VARLEN_NAN_FILL", "0") not in ("", "0")
+
+
+def set_nan_fill(enabled: bool) -> bool:
+    """Fill every freshly allocated output buffer with NaN (test mode). Returns the old value.
+
+    With this on, a kernel or backend that forgets to write a row (a pad row, a fully masked
+    query) leaves NaN behind, and the tests see it.
+    """
+    global _NAN_FILL
+    old, _NAN_FILL = _NAN_FILL, bool(enabled)
+    return old
+
+
+def empty(xp, shape, dtype):
+    """A fresh output buffer: uninitialised, or NaN-filled in test mode."""
+    if _NAN_FILL and np.dtype(dtype).kind == "f":
+        return xp.full(shape, np.nan, dtype=dtype)
+    return xp.empty(shape, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Framework detection and conversion
+# --------------------------------------------------------------------------------------------
+
+def _framework(x) -> str:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return "torch"
+    if mod in ("jax", "jaxlib"):
+        return "jax"
+    if mod == "cupy":
+        return "cupy"
+    if isinstance(x, np.generic):
+        return "numpy"
+    if hasattr(x, "__dlpack__"):
+        return "dlpack"
+    return "python"
+
+
+def is_device_array(x) -> bool:
+    """True when `x` lives on a CUDA device (judged from its DLPack device, no data read)."""
+    fw = _framework(x)
+    if fw in ("numpy", "python"):
+        return False
+    if fw == "cupy":
+        return True
+    if fw == "torch":
+        return x.device.type == "cuda"
+    if fw == "jax":
+        return any(d.platform == "gpu" for d in x.devices())
+    return x.__dlpack_device__()[0] in (_DL_CUDA, _DL_CUDA_MANAGED)
+
+
+def array_module(x):
+    """NumPy or CuPy, whichever holds the working array `x`."""
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a caller's arrays came from, so results can be handed back the same way."""
+
+    framework: str                # numpy | torch | jax | cupy | dlpack | python
+    device: object = None         # framework device object (torch.device, jax Device)
+
+    @staticmethod
+    def of(x) -> "Origin":
+        fw = _framework(x)
+        if fw == "torch":
+            return Origin("torch", x.device)
+        if fw == "jax":
+            return Origin("jax", next(iter(x.devices())))
+        return Origin(fw)
+
+    @property
+    def on_device(self) -> bool:
+        if self.framework == "cupy":
+            return True
+        if self.framework == "torch":
+            return self.device.type == "cuda"
+        if self.framework == "jax":
+            return self.device.platform == "gpu"
+        return False
+
+    def wrap(self, a):
+        """Turn a working array (NumPy or CuPy) into the caller's array type and device."""
+        if a is None:
+            return None
+        fw = self.framework
+        if fw in ("numpy", "python", "dlpack"):
+            return a
+        if fw == "cupy":
+            return a
+        if fw == "torch":
+            return _to_torch(a, self.device)
+        if fw == "jax":
+            return _to_jax(a, self.device)
+        raise AssertionError(fw)
+
+
+def to_working(x, name: str):
+    """Turn any supported array into a NumPy (host) or CuPy (device) working array.
+
+    The result may share memory with `x`; callers never write into it.
+    """
+    fw = _framework(x)
+    if fw == "numpy":
+        return x if isinstance(x, np.ndarray) else np.asarray(x)
+    if fw == "python":
+        if isinstance(x, (list, tuple, int, float)):
+            return np.asarray(x)
+        raise TypeError(f"{name} must be an array (NumPy, PyTorch, JAX, CuPy or any DLPack "
+                        f"producer), got {type(x).__name__}")
+    if fw == "cupy":
+        return x
+    if fw == "torch":
+        return _from_torch(x, name)
+    if fw == "jax":
+        return _from_jax(x, name)
+    return _from_dlpack(x, name)
+
+
+def _from_dlpack(x, name):
+    dev = x.__dlpack_device__()[0]
+    if dev in (_DL_CUDA, _DL_CUDA_MANAGED):
+        import cupy
+        return cupy.from_dlpack(x)
+    if dev in (_DL_CPU, _DL_CUDA_HOST):
+        return np.from_dlpack(x)
+    raise TypeError(f"{name} lives on DLPack device type {dev}; expected CPU or CUDA")
+
+
+def _from_torch(x, name):
+    import torch
+    if x.device.type == "cuda":
+        import cupy
+        if x.dtype == torch.bfloat16:
+            _require_ml_dtypes(name)
+        return cupy.from_dlpack(x.detach())
+    if x.device.type != "cpu":
+        raise TypeError(f"{name} is on torch device {x.device}; expected cpu or cuda")
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        # NumPy's DLPack cannot carry bfloat16: move the bit pattern, then reinterpret.
+        bf16 = _require_ml_dtypes(name)
+        return x.view(torch.int16).numpy().view(bf16)
+    return x.numpy()
+
+
+def _from_jax(x, name):
+    dev = next(iter(x.devices()))
+    if dev.platform == "gpu":
+        import cupy
+        return cupy.from_dlpack(x)
+    # JAX keeps bfloat16 as ml_dtypes.bfloat16 on the host: np.asarray is zero-copy where it can be.
+    return np.asarray(x)
+
+
+def _require_ml_dtypes(name):
+    bf = bfloat16_dtype()
+    if bf is None:
+        raise TypeError(f"{name} is bfloat16, which needs the ml_dtypes package on this path "
+                        f"(pip install ml-dtypes)")
+    return bf
+
+
+def _to_torch(a, device):
+    import torch
+    if isinstance(a, np.ndarray):
+        if _is_bf16(a.dtype):
+            t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if device is None or device.type == "cpu" else t.to(device)
+    return torch.from_dlpack(a)
+
+
+def _to_jax(a, device):
+    import jax
+    if isinstance(a, np.ndarray):
+        return jax.device_put(a, device)
+    return jax.dlpack.from_dlpack(a)
+
+
+def common_origin(named_arrays) -> Origin:
+    """The origin shared by the data arrays; mixing frameworks or host/device is an error."""
+    origins = [(n, Origin.of(x)) for n, x in named_arrays if x is not None]
+    first_name, first = origins[0]
+    for n, o in origins[1:]:
+        if o.on_device != first.on_device:
+            where = lambda b: "a CUDA device" if b else "the host"  # noqa: E731
+            raise ValueError(f"{n} is on {where(o.on_device)} but {first_name} is on "
+                             f"{where(first.on_device)}; all arrays must live on one device")
+    return first
+
+
+def host_copy(x):
+    """A NumPy copy of a working array (a device read: only for validation and tests)."""
+    if isinstance(x, np.ndarray):
+        return x
+    return x.get()
+
+
+def module_name(xp) -> str:
+    return getattr(xp, "__name__", "numpy")
+
+
+def _torch_loaded():
+    return "torch" in sys.modules

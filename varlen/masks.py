@@ -1,0 +1,213 @@
+"""Mask policies, per sequence, and the sync-free mask builders.
+
+Visibility (DESIGN.md, "Semantics"): with `s = Lk - Lq` if `bottom_right` else `0`, query at
+global position `i` sees key at global position `j` iff
+
+    (left < 0 or j >= i + s - left) and (right < 0 or j <= i + s + right)
+
+Every field of a `Mask` is a scalar or a `[B]` array; negative windows mean unbounded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Mask", "as_mask", "visible", "padding_mask", "dense_mask", "MASK_NAMES"]
+
+MASK_NAMES = ("full", "causal", "causal_bottom_right")
+
+
+@dataclass(frozen=True, eq=False)
+class Mask:
+    """A per-sequence attention mask policy.
+
+    Args:
+        window_left: keys allowed to the left of the (aligned) diagonal; -1 = unbounded.
+            int or int32 `[B]` array.
+        window_right: keys allowed to the right of the diagonal; -1 = unbounded, 0 = causal.
+            int or int32 `[B]` array.
+        bottom_right: align the diagonal with the bottom-right corner (`s = Lk - Lq`) instead of
+            the top-left (`s = 0`). bool or bool/int32 `[B]` array.
+
+    Examples: full `Mask()`, causal `Mask(window_right=0)`, sliding causal of width 128
+    `Mask(window_left=128, window_right=0)`, per-sequence causal
+    `Mask.causal_where(is_causal)`.
+    """
+
+    window_left: object = -1
+    window_right: object = -1
+    bottom_right: object = False
+
+    @classmethod
+    def named(cls, name: str) -> "Mask":
+        if name == "full":
+            return cls(-1, -1, False)
+        if name == "causal":
+            return cls(-1, 0, False)
+        if name == "causal_bottom_right":
+            return cls(-1, 0, True)
+        raise ValueError(f"mask={name!r} is not a known mask name; expected one of "
+                         f"{', '.join(map(repr, MASK_NAMES))} or a varlen.Mask")
+
+    @classmethod
+    def causal_where(cls, is_causal, *, window_left=-1, bottom_right=False) -> "Mask":
+        """Causal where `is_causal[b]` is true, bidirectional elsewhere (seeds/003).
+
+        Built with the array's own module, so a device array stays on the device.
+        """
+        xp = _namespace(is_causal)
+        right = xp.where(is_causal, 0, -1)
+        if xp is not np and _is_torch(is_causal):
+            right = right.to(_torch_int32())
+        else:
+            right = right.astype(np.int32) if hasattr(right, "astype") else right
+        return cls(window_left, right, bottom_right)
+
+    def fields(self):
+        return self.window_left, self.window_right, self.bottom_right
+
+    def is_uniform(self) -> bool:
+        return all(np.ndim(f) == 0 and not hasattr(f, "__dlpack__") or _is_scalar(f)
+                   for f in self.fields())
+
+    def __repr__(self):
+        def show(f):
+            return repr(f) if _is_scalar(f) else f"<[{np.shape(f)[0]}] array>"
+        return (f"Mask(window_left={show(self.window_left)}, window_right={show(self.window_right)}"
+                f", bottom_right={show(self.bottom_right)})")
+
+
+def _is_scalar(f) -> bool:
+    return isinstance(f, (bool, int, np.integer, np.bool_)) or (
+        isinstance(f, np.ndarray) and f.ndim == 0)
+
+
+def as_mask(mask) -> Mask:
+    """Normalise the `mask` argument of the public API into a `Mask`."""
+    if isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, str):
+        return Mask.named(mask)
+    if mask is None:
+        return Mask()
+    raise TypeError(f"mask must be a mask name ({', '.join(map(repr, MASK_NAMES))}) or a "
+                    f"varlen.Mask, got {type(mask).__name__}")
+
+
+def visible(i, j, lq, lk, left, right, bottom_right):
+    """The visibility predicate, elementwise and broadcasting, in any array module.
+
+    `i`, `j` are global query/key positions; `lq`, `lk` global lengths (only used when
+    `bottom_right`); `left`, `right`, `bottom_right` the policy. Positions outside `[0, L)` are
+    not excluded here; the callers bound them.
+    """
+    s = (lk - lq) * bottom_right
+    ok_left = (left < 0) | (j >= i + s - left)
+    ok_right = (right < 0) | (j <= i + s + right)
+    return ok_left & ok_right
+
+
+# --------------------------------------------------------------------------------------------
+# Sync-free dense mask builders (seeds/004)
+# --------------------------------------------------------------------------------------------
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _torch_int32():
+    import torch
+    return torch.int32
+
+
+def _namespace(x):
+    """The array module of `x`: numpy, cupy, torch or jax.numpy (no import of the others)."""
+    mod = type(x).__module__.split(".")[0]
+    if mod == "cupy":
+        import cupy
+        return cupy
+    if mod == "torch":
+        import torch
+        return torch
+    if mod in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+        return jnp
+    return np
+
+
+def _arange(xp, n, like):
+    if xp is np:
+        return np.arange(n)
+    if _is_torch(like):
+        return xp.arange(n, device=like.device)
+    return xp.arange(n)
+
+
+def _per_seq(xp, f, batch_size, like, name):
+    """A policy field as a `[B, 1, 1]` array (or a scalar) in the namespace of `like`."""
+    if _is_scalar(f):
+        return int(f)
+    if _namespace(f) is not xp:
+        raise TypeError(f"mask.{name} is a {type(f).__module__} array but cu_seqlens is a "
+                        f"{type(like).__module__} array; pass both from one framework")
+    if f.shape[0] != batch_size:
+        raise ValueError(f"mask.{name} has shape {tuple(f.shape)}; expected [{batch_size}] "
+                         f"(one entry per sequence)")
+    f = f[:batch_size]
+    if _is_torch(f):
+        f = f.to(xp.int64)
+    else:
+        f = f.astype(np.int64)
+    return f[:, None, None]
+
+
+def _lengths(cu_seqlens, batch_size, name):
+    if cu_seqlens.ndim != 1:
+        raise ValueError(f"{name} must be 1-D [B+1], got shape {tuple(cu_seqlens.shape)}")
+    if batch_size is None:
+        batch_size = cu_seqlens.shape[0] - 1
+    if batch_size < 0 or cu_seqlens.shape[0] < batch_size + 1:
+        raise ValueError(f"{name} has {cu_seqlens.shape[0]} entries; batch_size={batch_size} "
+                         f"needs at least {batch_size + 1}")
+    # Entries past batch_size + 1 are ignored: inference buffers are sized for the largest batch.
+    return cu_seqlens[1:batch_size + 1] - cu_seqlens[:batch_size], batch_size
+
+
+def padding_mask(cu_seqlens, max_seqlen: int, batch_size: int | None = None):
+    """Boolean `[batch_size, max_seqlen]`, True at padding positions (`pos >= L[b]`).
+
+    One vectorised expression in the array's own module (NumPy, CuPy, PyTorch or JAX), so a
+    device `cu_seqlens` gives a device mask with no host synchronisation. `cu_seqlens` may hold
+    more than `batch_size + 1` entries; the extra ones are ignored. A sequence longer than
+    `max_seqlen` gives an all-False row.
+    """
+    xp = _namespace(cu_seqlens)
+    lengths, batch_size = _lengths(cu_seqlens, batch_size, "cu_seqlens")
+    pos = _arange(xp, int(max_seqlen), cu_seqlens)
+    return pos[None, :] >= lengths[:, None]
+
+
+def dense_mask(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, mask="full",
+               batch_size: int | None = None):
+    """Boolean `[B, max_seqlen_q, max_seqlen_k]`, True where attention is allowed.
+
+    The convention of torch's `scaled_dot_product_attention` boolean `attn_mask`. Row `i` of
+    sequence `b` is all False when `i >= Lq[b]` (padding) and column `j` when `j >= Lk[b]`.
+    `mask` is a name or a `varlen.Mask` with scalars or `[B]` arrays in the same framework as
+    `cu_seqlens_q`. Built on the arrays' device with no host synchronisation.
+    """
+    xp = _namespace(cu_seqlens_q)
+    if _namespace(cu_seqlens_k) is not xp:
+        raise TypeError("cu_seqlens_q and cu_seqlens_k must come from the same framework")
+    lq, batch_size = _lengths(cu_seqlens_q, batch_size, "cu_seqlens_q")
+    lk, _ = _lengths(cu_seqlens_k, batch_size, "cu_seqlens_k")
+    m = as_mask(mask)
+    left = _per_seq(xp, m.window_left, batch_size, cu_seqlens_q, "window_left")
+    right = _per_seq(xp, m.window_right, batch_size, cu_seqlens_q, "window_right")
+    br = _per_seq(xp, m.bottom_right, batch_size, cu_seqlens_q, "bottom_right")
+    i = _arange(xp, int(max_seqlen_q), cu_seqlens_q)[None, :, None]
+    j = _arange(xp, int(max_seqlen_k), cu_seqlens_q)[None, None, :]
+    lq3, lk3 = lq[:, None, None], lk[:, None, None]
+    inside = (i < lq3) & (j < lk3)
+    return inside & visible(i, j, lq3, lk3, left, right, br)

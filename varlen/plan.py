@@ -1,0 +1,362 @@
+"""Plans: the metadata every kernel consumes, derived from `cu_seqlens`, offsets and the mask.
+
+A plan is built from host-known sizes only (array shapes, `B`, block sizes, optional
+`max_seqlen_*` bounds). All per-sequence values stay in the arrays' module (NumPy here, CuPy on
+a device), so building a plan never reads device memory on the host. The format is documented
+in `docs/plan.md`; in short:
+
+* **Segments** `[B, m]`: runs of packed rows with contiguous global positions. Plain varlen has
+  `m = 1` (one segment per sequence); a zigzag context-parallel shard has `m = 2`.
+* **Tiles**: every segment is cut into tiles of `block_m` query rows (or `block_n` key rows).
+  The tile table has a host-known number of slots; unused slots have `seq = -1`.
+* **Schedule**: for each query tile and each key segment of its sequence, four key-tile indices
+  `begin <= full_begin <= full_end <= end`: tiles in `[begin, end)` hold a visible pair, tiles in
+  `[full_begin, full_end)` hold only visible pairs (no mask arithmetic needed), the rest of
+  `[begin, end)` are partially masked, and every tile outside is skipped. The transposed
+  schedule (for each key tile, the query tiles of each query segment) drives dK/dV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .masks import Mask, as_mask
+
+__all__ = ["Segments", "Plan", "plan", "build_plan", "segments_from_cu_seqlens",
+           "TILE_FIELDS", "SCHED_FIELDS"]
+
+# Columns of the tile tables `q_tiles` / `k_tiles` (int32 [num_tiles, 5]).
+TILE_FIELDS = ("seq", "seg", "row", "rows", "pos")
+TILE_SEQ, TILE_SEG, TILE_ROW, TILE_ROWS, TILE_POS = range(5)
+# Last axis of the schedules `q_sched` [num_q_tiles, mk, 4] / `k_sched` [num_k_tiles, mq, 4].
+SCHED_FIELDS = ("begin", "full_begin", "full_end", "end")
+
+# Stands for an unbounded window edge in int64 position arithmetic (far beyond any int32 row).
+_INF = 1 << 40
+
+
+def _xp(a):
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Rows of a packed `[T, ...]` array grouped into runs with contiguous global positions.
+
+    Attributes (int32 arrays, NumPy or CuPy):
+        row: `[B, m]` first packed row of each segment.
+        length: `[B, m]` number of valid rows in it (0 for an empty segment).
+        pos: `[B, m]` global position (inside its sequence) of the segment's first row.
+        seqlen: `[B]` global length of each sequence; positions `>= seqlen` are padding.
+        num_rows: `T`, the rows of the packed array the segments index.
+    """
+
+    row: object
+    length: object
+    pos: object
+    seqlen: object
+    num_rows: int
+
+    @property
+    def batch(self) -> int:
+        return int(self.row.shape[0])
+
+    @property
+    def per_seq(self) -> int:
+        return int(self.row.shape[1])
+
+    def covered(self):
+        """Bool `[T]`: rows that belong to a segment (the rest are padding)."""
+        xp = _xp(self.row)
+        T = self.num_rows
+        # Difference array over row boundaries: +1 at each start, -1 at each end.
+        starts = self.row.reshape(-1).astype(np.int64)
+        ends = starts + self.length.reshape(-1).astype(np.int64)
+        delta = xp.zeros(T + 1, dtype=np.int64)
+        _scatter_add(xp, delta, starts, 1)
+        _scatter_add(xp, delta, ends, -1)
+        return xp.cumsum(delta[:T]) > 0
+
+
+def _scatter_add(xp, target, idx, value):
+    if xp is np:
+        np.add.at(target, idx, value)
+    else:
+        import cupyx
+        cupyx.scatter_add(target, idx, xp.full(idx.shape, value, dtype=target.dtype))
+
+
+def segments_from_cu_seqlens(cu_seqlens, seq_offsets, num_rows: int) -> Segments:
+    """One segment per sequence: rows `[off[b], off[b] + L[b])`, positions from 0.
+
+    Rows are clamped into `[0, num_rows)`, so even unvalidated device metadata cannot make a
+    kernel touch memory outside the buffer.
+    """
+    xp = _xp(cu_seqlens)
+    cu = cu_seqlens.astype(np.int64)
+    B = cu.shape[0] - 1
+    length = cu[1:] - cu[:-1]
+    row = (cu[:-1] if seq_offsets is None else seq_offsets[:B].astype(np.int64))
+    row = xp.clip(row, 0, num_rows)
+    length = xp.clip(xp.minimum(length, num_rows - row), 0, None)
+    return Segments(row=row.astype(np.int32).reshape(B, 1),
+                    length=length.astype(np.int32).reshape(B, 1),
+                    pos=xp.zeros((B, 1), dtype=np.int32),
+                    seqlen=(cu[1:] - cu[:-1]).astype(np.int32),
+                    num_rows=int(num_rows))
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Device metadata for one packed batch and mask, reusable by forward, backward and layers.
+
+    Attributes:
+        q, k: `Segments` of the query and key arrays.
+        window_left, window_right, bottom_right: int32 `[B]` mask policy per sequence.
+        block_m, block_n: query and key tile sizes.
+        q_tiles: int32 `[num_q_tiles, 5]` (seq, seg, row, rows, pos) per query tile slot.
+        q_sched: int32 `[num_q_tiles, mk, 4]` key-tile ranges (begin, full_begin, full_end, end)
+            per key segment.
+        k_tiles, k_sched: the same for key tiles against query segments (dK/dV).
+    """
+
+    q: Segments
+    k: Segments
+    window_left: object
+    window_right: object
+    bottom_right: object
+    block_m: int
+    block_n: int
+    q_tiles: object
+    q_sched: object
+    k_tiles: object
+    k_sched: object
+
+    @property
+    def batch(self) -> int:
+        return self.q.batch
+
+    @property
+    def num_q_tiles(self) -> int:
+        return int(self.q_tiles.shape[0])
+
+    @property
+    def num_k_tiles(self) -> int:
+        return int(self.k_tiles.shape[0])
+
+    @property
+    def xp(self):
+        return _xp(self.q_tiles)
+
+    def to_host(self) -> "Plan":
+        """A NumPy copy (reads device memory: for tests and inspection)."""
+        if self.xp is np:
+            return self
+
+        def h(a):
+            return a.get()
+
+        def hs(s):
+            return Segments(h(s.row), h(s.length), h(s.pos), h(s.seqlen), s.num_rows)
+        return Plan(hs(self.q), hs(self.k), h(self.window_left), h(self.window_right),
+                    h(self.bottom_right), self.block_m, self.block_n, h(self.q_tiles),
+                    h(self.q_sched), h(self.k_tiles), h(self.k_sched))
+
+
+def tile_bound(num_rows: int, num_segments: int, block: int, max_seqlen=None) -> int:
+    """Host-known upper bound on the tiles of `num_segments` segments over `num_rows` rows.
+
+    Each segment adds at most one ragged tile: `sum ceil(L/b) <= (T + S(b-1)) / b`; with a
+    bound `max_seqlen` on each segment, also `S * ceil(max_seqlen / b)`.
+    """
+    n = (num_rows + num_segments * (block - 1)) // block
+    if max_seqlen is not None:
+        n = min(n, num_segments * (-(-int(max_seqlen) // block)))
+    return max(int(n), 0)
+
+
+def _tile_table(xp, seg: Segments, block: int, num_slots: int):
+    """int32 `[num_slots, 5]`: which segment and rows each tile slot covers (-1 when unused)."""
+    S = seg.batch * seg.per_seq
+    if S == 0:
+        table = xp.zeros((num_slots, 5), dtype=np.int32)
+        table[:, :TILE_ROW] = -1
+        return table
+    length = seg.length.reshape(-1).astype(np.int64)
+    ntiles = (length + block - 1) // block                            # [S]
+    ends = xp.cumsum(ntiles)                                          # inclusive prefix
+    t = xp.arange(num_slots, dtype=np.int64)
+    s = xp.searchsorted(ends, t, side="right")                        # segment of slot t
+    used = s < S
+    s = xp.minimum(s, S - 1)
+    offset = (t - (ends[s] - ntiles[s])) * block                      # first row inside segment
+    rows = xp.minimum(block, length[s] - offset)
+    row = seg.row.reshape(-1).astype(np.int64)[s] + offset
+    pos = seg.pos.reshape(-1).astype(np.int64)[s] + offset
+    m = seg.per_seq
+    table = xp.stack([xp.where(used, s // m, -1), xp.where(used, s % m, -1),
+                      xp.where(used, row, 0), xp.where(used, rows, 0),
+                      xp.where(used, pos, 0)], axis=1)
+    return table.astype(np.int32)
+
+
+# Tile-range helpers, in coordinates local to a segment of `n` rows cut into tiles of `b`:
+# tile t spans [t*b, min((t+1)*b, n) - 1]. All arguments broadcast; int64.
+
+def _first_last_ge(xp, c, n, b, nt):
+    """Smallest t whose last row is >= c."""
+    return xp.where(c >= n, nt, xp.clip(c // b, 0, nt))
+
+
+def _count_first_le(xp, d, b, nt):
+    """Number of tiles whose first row is <= d."""
+    return xp.where(d < 0, 0, xp.minimum(nt, d // b + 1))
+
+
+def _first_first_ge(xp, e, b, nt):
+    """Smallest t whose first row is >= e."""
+    return xp.clip(-((-e) // b), 0, nt)
+
+
+def _count_last_le(xp, f, n, b, nt):
+    """Number of tiles whose last row is <= f."""
+    return xp.where(f >= n - 1, nt, xp.clip((f + 1) // b, 0, nt))
+
+
+def _ranges(xp, begin, end, fbegin, fend):
+    """Normalise to begin <= full_begin <= full_end <= end; empty ranges collapse."""
+    empty = begin >= end
+    begin = xp.where(empty, 0, begin)
+    end = xp.where(empty, 0, end)
+    fbegin = xp.clip(fbegin, begin, end)
+    fend = xp.clip(fend, fbegin, end)
+    no_full = fbegin >= fend
+    fbegin = xp.where(no_full, end, fbegin)
+    fend = xp.where(no_full, end, fend)
+    return xp.stack([begin, fbegin, fend, end], axis=-1).astype(np.int32)
+
+
+def _policy(xp, plan_mask, b):
+    left = plan_mask[0].astype(np.int64)[b]
+    right = plan_mask[1].astype(np.int64)[b]
+    br = plan_mask[2].astype(np.int64)[b]
+    return left, right, br
+
+
+def _schedule_q(xp, tiles, q: Segments, k: Segments, pol, block_n):
+    """For each query tile, the key-tile ranges of each key segment of its sequence."""
+    used = tiles[:, TILE_SEQ] >= 0
+    b = xp.maximum(tiles[:, TILE_SEQ], 0).astype(np.int64)
+    p0 = tiles[:, TILE_POS].astype(np.int64)
+    p1 = p0 + tiles[:, TILE_ROWS].astype(np.int64) - 1
+    left, right, br = _policy(xp, pol, b)
+    s = (k.seqlen.astype(np.int64)[b] - q.seqlen.astype(np.int64)[b]) * br
+    # Visible band of query position i: keys in [lo(i), hi(i)].
+    def lo(i):
+        return xp.where(left < 0, -_INF, i + s - left)
+
+    def hi(i):
+        return xp.where(right < 0, _INF, i + s + right)
+    lo0, lo1, hi0, hi1 = (lo(p0)[:, None], lo(p1)[:, None], hi(p0)[:, None], hi(p1)[:, None])
+    kpos = k.pos.astype(np.int64)[b]                                  # [n, mk]
+    klen = k.length.astype(np.int64)[b]
+    nt = (klen + block_n - 1) // block_n
+    n, bn = klen, block_n
+    begin = _first_last_ge(xp, lo0 - kpos, n, bn, nt)
+    end = _count_first_le(xp, hi1 - kpos, bn, nt)
+    fbegin = _first_first_ge(xp, lo1 - kpos, bn, nt)
+    fend = _count_last_le(xp, hi0 - kpos, n, bn, nt)
+    end = xp.where(used[:, None], end, 0)
+    return _ranges(xp, begin, end, fbegin, fend)
+
+
+def _schedule_k(xp, tiles, q: Segments, k: Segments, pol, block_m):
+    """For each key tile, the query-tile ranges of each query segment of its sequence."""
+    used = tiles[:, TILE_SEQ] >= 0
+    b = xp.maximum(tiles[:, TILE_SEQ], 0).astype(np.int64)
+    j0 = tiles[:, TILE_POS].astype(np.int64)
+    j1 = j0 + tiles[:, TILE_ROWS].astype(np.int64) - 1
+    left, right, br = _policy(xp, pol, b)
+    s = (k.seqlen.astype(np.int64)[b] - q.seqlen.astype(np.int64)[b]) * br
+    # Query i sees key j iff i in [j - s - right, j - s + left] (unbounded sides drop out).
+    def qlo(j):
+        return xp.where(right < 0, -_INF, j - s - right)
+
+    def qhi(j):
+        return xp.where(left < 0, _INF, j - s + left)
+    qlo0, qlo1, qhi0, qhi1 = (qlo(j0)[:, None], qlo(j1)[:, None], qhi(j0)[:, None],
+                              qhi(j1)[:, None])
+    qpos = q.pos.astype(np.int64)[b]                                  # [n, mq]
+    qlen = q.length.astype(np.int64)[b]
+    nt = (qlen + block_m - 1) // block_m
+    begin = _first_last_ge(xp, qlo0 - qpos, qlen, block_m, nt)
+    end = _count_first_le(xp, qhi1 - qpos, block_m, nt)
+    fbegin = _first_first_ge(xp, qlo1 - qpos, block_m, nt)
+    fend = _count_last_le(xp, qhi0 - qpos, qlen, block_m, nt)
+    end = xp.where(used[:, None], end, 0)
+    return _ranges(xp, begin, end, fbegin, fend)
+
+
+def _policy_arrays(xp, mask: Mask, B: int):
+    """The three policy fields as int32 `[B]` arrays in module `xp` (scalars broadcast)."""
+    out = []
+    for name, f in zip(("window_left", "window_right", "bottom_right"), mask.fields()):
+        if isinstance(f, (bool, int, np.integer, np.bool_)) or np.ndim(f) == 0 and \
+                isinstance(f, np.ndarray):
+            out.append(xp.full(B, int(f), dtype=np.int32))
+        else:
+            out.append(f.astype(np.int32))
+    return tuple(out)
+
+
+def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: int = 64,
+               max_seqlen_q=None, max_seqlen_k=None) -> Plan:
+    """Build a plan from query and key segments (the general form, used by context parallelism).
+
+    `mask` fields must already be working arrays of the segments' module (or scalars).
+    """
+    if block_m <= 0 or block_n <= 0:
+        raise ValueError(f"block sizes must be positive, got {block_m=} and {block_n=}")
+    if q.batch != k.batch:
+        raise ValueError(f"query segments cover {q.batch} sequences but key segments "
+                         f"{k.batch}; expected the same batch")
+    xp = _xp(q.row)
+    mask = as_mask(mask)
+    pol = _policy_arrays(xp, mask, q.batch)
+    nq = tile_bound(q.num_rows, q.batch * q.per_seq, block_m, max_seqlen_q)
+    nk = tile_bound(k.num_rows, k.batch * k.per_seq, block_n, max_seqlen_k)
+    q_tiles = _tile_table(xp, q, block_m, nq)
+    k_tiles = _tile_table(xp, k, block_n, nk)
+    q_sched = _schedule_q(xp, q_tiles, q, k, pol, block_n)
+    k_sched = _schedule_k(xp, k_tiles, q, k, pol, block_m)
+    return Plan(q=q, k=k, window_left=pol[0], window_right=pol[1], bottom_right=pol[2],
+                block_m=int(block_m), block_n=int(block_n), q_tiles=q_tiles, q_sched=q_sched,
+                k_tiles=k_tiles, k_sched=k_sched)
+
+
+def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, mask="full",
+         num_rows_q=None, num_rows_k=None, max_seqlen_q=None, max_seqlen_k=None,
+         block_m: int = 64, block_n: int = 64) -> Plan:
+    """Build the reusable device metadata of a packed batch (see `docs/plan.md`).
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k: int32 `[B+1]` cumulative lengths (any framework).
+        seq_offsets_q, seq_offsets_k: optional int32 `[B+1]` first row of each sequence.
+        mask: a mask name or a `varlen.Mask` (per-sequence arrays on the data's device).
+        num_rows_q, num_rows_k: rows `T` of the packed arrays (default: the last cu_seqlens /
+            offsets entry, which needs a host read and is refused for device arrays).
+        max_seqlen_q, max_seqlen_k: optional bounds that tighten the tile-table size.
+        block_m, block_n: tile sizes; a backend refuses a plan whose tiles it cannot run.
+
+    Returns a `Plan` whose arrays live where `cu_seqlens_q` lives. No host synchronisation
+    when `num_rows_*` are given.
+    """
+    from . import _api
+    return _api.make_plan(cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+                          seq_offsets_k=seq_offsets_k, mask=mask, num_rows_q=num_rows_q,
+                          num_rows_k=num_rows_k, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k, block_m=block_m, block_n=block_n)
