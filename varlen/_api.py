@@ -110,11 +110,11 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q, seq_offsets_
         check_layout_values(cu_k, off_k, Tk, max_seqlen_k, "k")
     if plan is None:
         bm, bn = mod.default_blocks(dtype_name(qw.dtype), D)
-        plan = build_plan(segments_from_cu_seqlens(cu_q, off_q, Tq),
+        plan = getattr(mod, "make_plan", build_plan)(segments_from_cu_seqlens(cu_q, off_q, Tq),
                           segments_from_cu_seqlens(cu_k, off_k, Tk), wmask, block_m=bm,
                           block_n=bn, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     else:
-        _check_plan(plan, mod, B, Tq, Tk, xp)
+        _check_plan(plan, mod, B, Tq, Tk)
         if validation_enabled(on_device):
             _check_plan_matches(plan, segments_from_cu_seqlens(cu_q, off_q, Tq),
                                 segments_from_cu_seqlens(cu_k, off_k, Tk), wmask)
@@ -130,7 +130,7 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q, seq_offsets_
     return _Call(origin, qw, kw, vw, plan, mod, softmax_scale, softcap), extra_w
 
 
-def _check_plan(plan, mod, B, Tq, Tk, xp):
+def _check_plan(plan, mod, B, Tq, Tk):
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a varlen.Plan from varlen.plan(), got "
                         f"{type(plan).__name__}")
@@ -139,8 +139,6 @@ def _check_plan(plan, mod, B, Tq, Tk, xp):
     if plan.q.num_rows != Tq or plan.k.num_rows != Tk:
         raise ValueError(f"plan was built for {plan.q.num_rows} query and {plan.k.num_rows} key "
                          f"rows but q has {Tq} and k has {Tk}")
-    if plan.xp is not xp:
-        raise ValueError("plan lives on a different device than the attention inputs")
     why = mod.check_plan(plan)
     if why:
         raise ValueError(f"plan cannot be used by backend {mod.name!r}: {why}")

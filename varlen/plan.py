@@ -43,6 +43,15 @@ def _xp(a):
     return cupy
 
 
+def _to_numpy(a):
+    """Host copy of a plan array (NumPy, CuPy or a Numba device array)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "copy_to_host"):
+        return a.copy_to_host()
+    return a.get()
+
+
 @dataclass(frozen=True)
 class Segments:
     """Rows of a packed `[T, ...]` array grouped into runs with contiguous global positions.
@@ -154,11 +163,9 @@ class Plan:
 
     def to_host(self) -> "Plan":
         """A NumPy copy (reads device memory: for tests and inspection)."""
-        if self.xp is np:
+        if isinstance(self.q_tiles, np.ndarray):
             return self
-
-        def h(a):
-            return a.get()
+        h = _to_numpy
 
         def hs(s):
             return Segments(h(s.row), h(s.length), h(s.pos), h(s.seqlen), s.num_rows)

@@ -13,8 +13,10 @@ import importlib
 
 NAMES = ("numpy", "numba", "cupy")
 _MODULES = {"numpy": "numpy_backend", "numba": "numba_backend", "cupy": "cupy_backend"}
-# Preference when backend=None: fastest first.
+# Preference when backend=None: fastest first. Host data always goes to NumPy by default (the
+# Numba simulator accepts host arrays too, but only when asked for by name).
 _ORDER = ("cupy", "numba", "numpy")
+_HOST_ORDER = ("numpy",)
 
 
 def load(name: str):
@@ -42,7 +44,7 @@ def select(name, *, dtype, head_dim, head_dim_v, on_device):
             raise ValueError(f"backend={name!r} cannot run this call: {why}")
         return mod
     reasons = []
-    for cand in _ORDER:
+    for cand in (_ORDER if on_device else _HOST_ORDER):
         mod = load(cand)
         if mod is None:
             continue
