@@ -1,0 +1,183 @@
+"""The tile schedule is exact: checked pair by pair against the visibility predicate."""
+import numpy as np
+import pytest
+
+import varlen
+from varlen.plan import (Segments, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEG, TILE_SEQ,
+                         build_plan, tile_bound)
+
+
+def _tile_positions(seg: Segments, b, m, t, block):
+    n = int(seg.length[b, m])
+    lo = t * block
+    return int(seg.pos[b, m]) + np.arange(lo, min(lo + block, n))
+
+
+def _visibility(plan, b, qpos, kpos):
+    lq, lk = int(plan.q.seqlen[b]), int(plan.k.seqlen[b])
+    left, right = int(plan.window_left[b]), int(plan.window_right[b])
+    s = lk - lq if plan.bottom_right[b] else 0
+    i, j = qpos[:, None], kpos[None, :]
+    ok = np.ones((len(qpos), len(kpos)), bool)
+    if left >= 0:
+        ok &= j >= i + s - left
+    if right >= 0:
+        ok &= j <= i + s + right
+    return ok
+
+
+def _classify(vis):
+    if not vis.any():
+        return "skip"
+    return "full" if vis.all() else "partial"
+
+
+def check_schedule_exact(plan):
+    """Every (query tile, key tile) pair: visited iff it holds a visible pair; in the full range
+    iff all its pairs are visible. Same for the transposed schedule."""
+    for tiles, sched, mine, other, bm, bn, forward in (
+            (plan.q_tiles, plan.q_sched, plan.q, plan.k, plan.block_m, plan.block_n, True),
+            (plan.k_tiles, plan.k_sched, plan.k, plan.q, plan.block_n, plan.block_m, False)):
+        covered = 0
+        for t in range(tiles.shape[0]):
+            b, seg, row, rows, pos = (int(x) for x in tiles[t])
+            if b < 0:
+                assert rows == 0 and (sched[t] == 0).all(), f"unused slot {t} has a schedule"
+                continue
+            covered += rows
+            assert 0 < rows <= bm
+            my_pos = pos + np.arange(rows)
+            for m in range(other.per_seq):
+                begin, fbegin, fend, end = sched[t, m]
+                assert begin <= fbegin <= fend <= end
+                ntiles = -(-int(other.length[b, m]) // bn)
+                assert end <= ntiles
+                for u in range(ntiles):
+                    partner = _tile_positions(other, b, m, u, bn)
+                    vis = (_visibility(plan, b, my_pos, partner) if forward
+                           else _visibility(plan, b, partner, my_pos))
+                    want = _classify(vis)
+                    got = ("skip" if not begin <= u < end else
+                           "full" if fbegin <= u < fend else "partial")
+                    assert got == want, (f"{'q' if forward else 'k'} tile {t} (seq {b}, rows "
+                                         f"{row}+{rows}) vs tile {u} of segment {m}: "
+                                         f"schedule says {got}, pairs say {want}")
+        assert covered == int(mine.length.sum()), "tiles do not cover every segment row"
+
+
+def _random_segments(rng, B, m, max_len, gaps):
+    """Segments like a context-parallel shard: m runs per sequence at increasing positions."""
+    lengths = rng.integers(0, max_len + 1, size=(B, m))
+    seqlen = lengths.sum(1) + rng.integers(0, 3, size=B) * (m > 1)
+    pos = np.zeros((B, m), np.int64)
+    for b in range(B):
+        # runs in increasing global order, possibly with holes between them
+        p = 0
+        for r in range(m):
+            p += int(rng.integers(0, 2)) if m > 1 else 0
+            pos[b, r] = p
+            p += lengths[b, r]
+        seqlen[b] = max(seqlen[b], p)
+    row = np.zeros((B, m), np.int64)
+    r0 = 0
+    for b in range(B):
+        for r in range(m):
+            r0 += int(rng.integers(0, 3)) if gaps else 0
+            row[b, r] = r0
+            r0 += lengths[b, r]
+    T = r0 + (2 if gaps else 0)
+    return Segments(row.astype(np.int32), lengths.astype(np.int32), pos.astype(np.int32),
+                    seqlen.astype(np.int32), T)
+
+
+def _random_mask(rng, B):
+    return varlen.Mask(window_left=rng.choice([-1, 0, 1, 3, 7], size=B).astype(np.int32),
+                       window_right=rng.choice([-1, 0, 2, 5], size=B).astype(np.int32),
+                       bottom_right=rng.integers(0, 2, size=B).astype(np.int32))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_schedule_exact_random(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 6))
+    mq, mk = int(rng.choice([1, 2])), int(rng.choice([1, 2]))
+    q = _random_segments(rng, B, mq, 23, gaps=seed % 2 == 0)
+    k = _random_segments(rng, B, mk, 29, gaps=seed % 3 == 0)
+    # bottom-right alignment reads both global lengths, so they must agree on what exists
+    plan = build_plan(q, k, _random_mask(rng, B), block_m=int(rng.choice([1, 3, 4, 8])),
+                      block_n=int(rng.choice([1, 2, 5, 8])))
+    check_schedule_exact(plan)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "causal_bottom_right",
+                                  varlen.Mask(window_left=4, window_right=0),
+                                  varlen.Mask(window_left=0, window_right=0),
+                                  varlen.Mask(window_left=2, window_right=3, bottom_right=True)],
+                         ids=["full", "causal", "causal_br", "sliding4", "diag", "band_br"])
+def test_schedule_exact_cu_seqlens(mask):
+    cu_q = np.array([0, 0, 1, 9, 9, 26, 40], np.int32)
+    cu_k = np.array([0, 3, 3, 20, 21, 30, 30], np.int32)
+    plan = varlen.plan(cu_q, cu_k, mask=mask, block_m=4, block_n=8)
+    check_schedule_exact(plan)
+
+
+def test_tile_table_layout():
+    cu = np.array([0, 5, 5, 13], np.int32)
+    off = np.array([2, 9, 9, 20], np.int32)
+    p = varlen.plan(cu, cu, seq_offsets_q=off, seq_offsets_k=off, block_m=4, block_n=4)
+    used = p.q_tiles[p.q_tiles[:, TILE_SEQ] >= 0]
+    assert used[:, TILE_SEQ].tolist() == [0, 0, 2, 2]
+    assert used[:, TILE_SEG].tolist() == [0, 0, 0, 0]
+    assert used[:, TILE_ROW].tolist() == [2, 6, 9, 13]
+    assert used[:, TILE_ROWS].tolist() == [4, 1, 4, 4]
+    assert used[:, TILE_POS].tolist() == [0, 4, 0, 4]
+    assert p.num_q_tiles == tile_bound(20, 3, 4)
+
+
+def test_tile_bound_respects_max_seqlen():
+    cu = np.array([0, 5, 10, 15], np.int32)
+    p = varlen.plan(cu, cu, max_seqlen_q=5, max_seqlen_k=5, block_m=4, block_n=4)
+    assert p.num_q_tiles == 6     # 3 sequences x ceil(5/4)
+    check_schedule_exact(p)
+
+
+def test_causal_skips_upper_tiles():
+    """One 64-row causal sequence in 16x16 tiles: 4 diagonal partial, 6 full, 6 skipped."""
+    cu = np.array([0, 64], np.int32)
+    p = varlen.plan(cu, cu, mask="causal", block_m=16, block_n=16)
+    sched = p.q_sched[:4, 0]
+    visited = (sched[:, 3] - sched[:, 0]).sum()
+    full = (sched[:, 2] - sched[:, 1]).sum()
+    assert (visited, full) == (10, 6)
+
+
+def test_plan_reused_across_calls_and_head_counts():
+    rng = np.random.default_rng(0)
+    cu = np.array([0, 7, 20], np.int32)
+    p = varlen.plan(cu, cu, mask="causal", block_m=4, block_n=4)
+    for hq, hk in ((4, 4), (8, 2)):
+        q = rng.standard_normal((20, hq, 8))
+        k = rng.standard_normal((20, hk, 8))
+        o1 = varlen.attention(q, k, k, cu, cu, mask="causal", plan=p)
+        o2 = varlen.attention(q, k, k, cu, cu, mask="causal")
+        np.testing.assert_allclose(o1, o2, rtol=0, atol=1e-13)
+
+
+def test_plan_mismatch_is_refused():
+    cu = np.array([0, 7, 20], np.int32)
+    p = varlen.plan(cu, cu, mask="causal")
+    q = np.zeros((20, 2, 8))
+    with pytest.raises(ValueError, match="another mask"):
+        varlen.attention(q, q, q, cu, cu, mask="full", plan=p)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        varlen.attention(q, q, q, np.array([0, 8, 20], np.int32), cu, mask="causal", plan=p)
+    with pytest.raises(TypeError, match="varlen.Plan"):
+        varlen.attention(q, q, q, cu, cu, plan=object())
+
+
+def test_plan_needs_rows_for_device_metadata_only():
+    cu = np.array([0, 3, 5], np.int32)
+    p = varlen.plan(cu, cu)
+    assert p.q.num_rows == 5 and p.k.num_rows == 5
+    p = varlen.plan(cu, cu, num_rows_q=9, num_rows_k=6)
+    assert p.q.num_rows == 9 and p.k.num_rows == 6
