@@ -133,6 +133,11 @@ def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0):
     return out
 
 
+def _amax(a):
+    a = np.abs(np.asarray(a, dtype=np.float64))
+    return float(a.max()) if a.size else 0.0
+
+
 def _stats(got, want):
     got = np.asarray(got, dtype=np.float64)
     diff = np.abs(got - want)
@@ -150,7 +155,7 @@ def assert_close(label, got, want, *, dtype, naive_err=0.0, factor=2.0, floor=8.
     assert not np.isnan(got64).any(), (
         f"{label}: {int(np.isnan(got64).sum())} NaN values (an unwritten row?)")
     eps = EPS[dtype]
-    scale = max(float(np.abs(want).max()) if want.size else 0.0, 1e-30)
+    scale = max(_amax(want), 1e-30)
     max_err, rms = _stats(got64, want)
     bound = factor * naive_err + floor * eps * scale
     assert max_err <= bound, (f"{label}: max abs error {max_err:.3e} > bound {bound:.3e} "
@@ -168,7 +173,7 @@ def assert_lse(label, got, want, *, dtype):
         f"{label}: -inf pattern differs at {np.argwhere(np.isneginf(got) != inf_ref)[:5]}")
     fin = ~inf_ref
     if fin.any():
-        err = np.abs(got[fin] - want[fin]).max()
+        err = _amax(got[fin] - want[fin])
         tol = (1e-12 if dtype == "float64" else 1e-5) * (1 + np.abs(want[fin]).max())
         assert err <= tol, f"{label}: max lse error {err:.3e} > {tol:.3e}"
 
@@ -189,7 +194,7 @@ def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale
     ref_out, ref_lse = batch.ref_forward(**kw)
     naive = 0.0
     if batch.dtype != "float64":
-        naive = float(np.abs(naive_same_dtype(batch, **kw) - ref_out).max())
+        naive = _amax(naive_same_dtype(batch, **kw) - ref_out)
     assert_close(f"{label} out", out, ref_out, dtype=batch.dtype, naive_err=naive, factor=2.0)
     assert_lse(f"{label} lse", lse, ref_lse, dtype=batch.dtype)
     if grads is None:
@@ -198,6 +203,6 @@ def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         # Gradients of a same-dtype computation err about as much as its output, relative to
         # the gradient's own scale.
-        rel = naive / max(float(np.abs(ref_out).max()), 1e-30)
+        rel = naive / max(_amax(ref_out), 1e-30)
         assert_close(f"{label} {name}", g, r, dtype=batch.dtype,
-                     naive_err=rel * max(float(np.abs(r).max()), 1e-30), factor=3.0, floor=16.0)
+                     naive_err=rel * max(_amax(r), 1e-30), factor=3.0, floor=16.0)
