@@ -10,7 +10,6 @@ Heavy frameworks are imported lazily: only when an input comes from them.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,26 +108,18 @@ class Origin:
     """Where a caller's arrays came from, so results can be handed back the same way."""
 
     framework: str                # numpy | torch | jax | cupy | dlpack | python
+    on_device: bool = False       # lives on a CUDA device
     device: object = None         # framework device object (torch.device, jax Device)
 
     @staticmethod
     def of(x) -> "Origin":
         fw = _framework(x)
         if fw == "torch":
-            return Origin("torch", x.device)
+            return Origin("torch", x.device.type == "cuda", x.device)
         if fw == "jax":
-            return Origin("jax", next(iter(x.devices())))
-        return Origin(fw)
-
-    @property
-    def on_device(self) -> bool:
-        if self.framework == "cupy":
-            return True
-        if self.framework == "torch":
-            return self.device.type == "cuda"
-        if self.framework == "jax":
-            return self.device.platform == "gpu"
-        return False
+            dev = next(iter(x.devices()))
+            return Origin("jax", dev.platform == "gpu", dev)
+        return Origin(fw, is_device_array(x))
 
     def wrap(self, a):
         """Turn a working array (NumPy or CuPy) into the caller's array type and device."""
@@ -252,6 +243,3 @@ def host_copy(x):
 def module_name(xp) -> str:
     return getattr(xp, "__name__", "numpy")
 
-
-def _torch_loaded():
-    return "torch" in sys.modules
