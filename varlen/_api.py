@@ -150,16 +150,15 @@ def _check_plan_matches(plan, q_seg, k_seg, mask):
         return      # a segment plan (context parallelism) is checked where it is built
     for side, mine, theirs in (("q", plan.q, q_seg), ("k", plan.k, k_seg)):
         for field in ("row", "length", "seqlen"):
-            if not np.array_equal(host_copy(getattr(mine, field)), host_copy(getattr(theirs, field))):
-                raise ValueError(f"plan was built for other cu_seqlens_{side}/seq_offsets_{side} "
-                                 f"than this call's ({field} differs)")
-    B = plan.batch
-    for name, have, want in zip(("window_left", "window_right", "bottom_right"),
-                                (plan.window_left, plan.window_right, plan.bottom_right),
-                                mask.fields()):
-        want = np.broadcast_to(np.asarray(host_copy(want) if not isinstance(want, int) else want,
-                                          dtype=np.int32), (B,))
-        if not np.array_equal(host_copy(have), want):
+            if not np.array_equal(host_copy(getattr(mine, field)),
+                                  host_copy(getattr(theirs, field))):
+                raise ValueError(f"plan was built for other cu_seqlens_{side}/seq_offsets_{side}"
+                                 f" than this call's ({field} differs)")
+    have = (plan.window_left, plan.window_right, plan.bottom_right)
+    for name, got, want in zip(("window_left", "window_right", "bottom_right"), have,
+                               mask.fields()):
+        want = want if isinstance(want, int) else host_copy(want)
+        if not np.array_equal(host_copy(got), np.broadcast_to(want, (plan.batch,))):
             raise ValueError(f"plan was built for another mask than this call's (mask.{name} "
                              f"differs)")
 

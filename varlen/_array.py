@@ -238,8 +238,3 @@ def host_copy(x):
     if isinstance(x, np.ndarray):
         return x
     return x.get()
-
-
-def module_name(xp) -> str:
-    return getattr(xp, "__name__", "numpy")
-

@@ -58,18 +58,15 @@ class Mask:
         """
         xp = _namespace(is_causal)
         right = xp.where(is_causal, 0, -1)
-        if xp is not np and _is_torch(is_causal):
-            right = right.to(_torch_int32())
-        else:
-            right = right.astype(np.int32) if hasattr(right, "astype") else right
+        right = right.to(xp.int32) if _is_torch(right) else right.astype(np.int32)
         return cls(window_left, right, bottom_right)
 
     def fields(self):
         return self.window_left, self.window_right, self.bottom_right
 
     def is_uniform(self) -> bool:
-        return all(np.ndim(f) == 0 and not hasattr(f, "__dlpack__") or _is_scalar(f)
-                   for f in self.fields())
+        """True when every field is a scalar (one policy for the whole batch)."""
+        return all(_is_scalar(f) for f in self.fields())
 
     def __repr__(self):
         def show(f):
@@ -114,11 +111,6 @@ def visible(i, j, lq, lk, left, right, bottom_right):
 
 def _is_torch(x) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
-
-
-def _torch_int32():
-    import torch
-    return torch.int32
 
 
 def _namespace(x):

@@ -310,14 +310,8 @@ def _schedule_k(xp, tiles, q: Segments, k: Segments, pol, block_m):
 
 def _policy_arrays(xp, mask: Mask, B: int):
     """The three policy fields as int32 `[B]` arrays in module `xp` (scalars broadcast)."""
-    out = []
-    for name, f in zip(("window_left", "window_right", "bottom_right"), mask.fields()):
-        if isinstance(f, (bool, int, np.integer, np.bool_)) or np.ndim(f) == 0 and \
-                isinstance(f, np.ndarray):
-            out.append(xp.full(B, int(f), dtype=np.int32))
-        else:
-            out.append(f.astype(np.int32))
-    return tuple(out)
+    return tuple(xp.full(B, int(f), dtype=np.int32) if np.ndim(f) == 0 else f.astype(np.int32)
+                 for f in mask.fields())
 
 
 def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: int = 64,
