@@ -201,13 +201,14 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
             inputs); `-inf` for padding rows and for queries with no visible key (whose output
             is 0, never NaN).
     """
-    call, _ = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
-                       seq_offsets_k=seq_offsets_k, mask=mask, softmax_scale=softmax_scale,
-                       softcap=softcap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                       backend=backend, plan=plan)
-    out, lse = call.backend.forward(call.plan, call.q, call.k, call.v,
-                                    softmax_scale=call.softmax_scale, softcap=call.softcap)
-    return call.origin.wrap(out), call.origin.wrap(lse)
+    with Origin.of(q).stream_scope():
+        call, _ = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+                           seq_offsets_k=seq_offsets_k, mask=mask, softmax_scale=softmax_scale,
+                           softcap=softcap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                           backend=backend, plan=plan)
+        out, lse = call.backend.forward(call.plan, call.q, call.k, call.v,
+                                        softmax_scale=call.softmax_scale, softcap=call.softcap)
+        return call.origin.wrap(out), call.origin.wrap(lse)
 
 
 def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
@@ -225,11 +226,18 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
 
     Padding rows get zero gradients; so do queries with no visible key, and keys no query sees.
     """
+    with Origin.of(q).stream_scope():
+        return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                         seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, mask=mask,
+                         softmax_scale=softmax_scale, softcap=softcap,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         backend=backend, plan=plan, deterministic=deterministic)
+
+
+def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, deterministic, **kw):
     call, (dout_w, out_w, lse_w) = _prepare(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
-        seq_offsets_k=seq_offsets_k, mask=mask, softmax_scale=softmax_scale, softcap=softcap,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, backend=backend, plan=plan,
-        extra=(("dout", dout), ("out", out), ("lse", lse)))
+        q, k, v, cu_seqlens_q, cu_seqlens_k, extra=(("dout", dout), ("out", out), ("lse", lse)),
+        **kw)
     Tq, Hq, _ = call.q.shape
     Dv = call.v.shape[2]
     for name, a in (("dout", dout_w), ("out", out_w)):

@@ -9,6 +9,7 @@ Heavy frameworks are imported lazily: only when an input comes from them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -120,6 +121,22 @@ class Origin:
             dev = next(iter(x.devices()))
             return Origin("jax", dev.platform == "gpu", dev)
         return Origin(fw, is_device_array(x))
+
+    def stream_scope(self):
+        """Make the caller's current CUDA stream CuPy's current stream for the call.
+
+        PyTorch keeps its own current stream; kernels must run on it (no host sync, correct
+        ordering with the caller's work). CuPy and JAX inputs need nothing: CuPy launches on its
+        own current stream, and DLPack orders a JAX producer before it.
+        """
+        if self.framework != "torch" or not self.on_device:
+            return contextlib.nullcontext()
+        import cupy
+        import torch
+        ts = torch.cuda.current_stream(self.device)
+        if hasattr(ts, "__cuda_stream__"):
+            return cupy.cuda.Stream.from_external(ts)
+        return cupy.cuda.ExternalStream(ts.cuda_stream, self.device.index or 0)
 
     def wrap(self, a):
         """Turn a working array (NumPy or CuPy) into the caller's array type and device."""
