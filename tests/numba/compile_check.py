@@ -1,0 +1,114 @@
+"""Compile every Numba kernel to PTX for sm_80 and sm_90 with the real CUDA target (no GPU).
+
+The simulator runs kernels as Python, so it never types them; NVVM does. Run in a process of
+its own with NUMBA_ENABLE_CUDASIM=0 (the simulator replaces `numba.cuda` process-wide):
+
+    NUMBA_ENABLE_CUDASIM=0 python tests/numba/compile_check.py [--quick]
+
+Prints one JSON line: {"ok": [...], "failed": {name: error}, "seconds": ...}; exit status 1
+when anything failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import types as pytypes
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+
+from numba import cuda  # noqa: E402
+from numba import types as nt  # noqa: E402
+
+import numba.cuda.dispatcher as _dispatcher  # noqa: E402
+
+from varlen.backends import _numba_kernels as K  # noqa: E402
+
+CCS = ((8, 0), (9, 0))
+_CC = [CCS[-1]]
+# Device functions are compiled for "the current device"; without a GPU, say which one.
+_dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=_CC[0])
+
+i32, i64, f32 = nt.int32, nt.int64, nt.float32
+ELEM = {"float16": nt.float16, "bfloat16": nt.uint16, "float32": nt.float32}
+
+
+def a1(t):
+    return t[::1]
+
+
+def a2(t):
+    return t[:, ::1]
+
+
+def a3(t):
+    return t[:, :, ::1]
+
+
+def kernels(quick: bool):
+    """(name, python function, signature) of every kernel and variant worth typing."""
+    out = [
+        ("segments_from_cu", K.segments_from_cu,
+         (a1(i32), a1(i32), i64, a2(i32), a2(i32), a2(i32), a1(i32))),
+        ("policy_arrays[int32]", K.policy_arrays,
+         (a1(i32), a1(i32), a1(i32), i64, i64, i64, i64, i64, i64, a1(i32), a1(i32), a1(i32))),
+        ("policy_arrays[bool]", K.policy_arrays,
+         (a1(i32), a1(i32), a1(nt.boolean), i64, i64, i64, i64, i64, i64, a1(i32), a1(i32),
+          a1(i32))),
+        ("tile_scan", K.tile_scan, (a2(i32), i64, a1(i64))),
+        ("tiles_and_schedule", K.tiles_and_schedule,
+         (a1(i64), a2(i32), a2(i32), a2(i32), a1(i32), a2(i32), a2(i32), a1(i32), a1(i32),
+          a1(i32), a1(i32), i64, i64, i64, a2(i32), a3(i32))),
+    ]
+    for dt, el in ELEM.items():
+        out.append((f"fill[{dt}]", K.fill, (a1(el), el)))
+        out.append((f"convert[{dt}]", K.convert_kernel(dt), (a1(f32), a1(el))))
+        out.append((f"delta[{dt}]", K.delta_kernel(dt), (a3(el), a3(el), a2(f32))))
+    out.append(("fill[int32]", K.fill, (a1(i32), i32)))
+    # Every dtype, and both sides of the softcap branch.
+    variants = [("float16", True), ("bfloat16", True), ("float32", False)]
+    if quick:
+        variants = variants[:1]
+    for dt, softcap in variants:
+        el = ELEM[dt]
+        var = K.Variant(dt, 64, 64, 32, 32, softcap)
+        tag = f"{dt},softcap={softcap}"
+        out.append((f"forward[{tag}]", K.forward_kernel(var),
+                    (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(i32), a3(i32), a2(i32),
+                     a2(i32), a2(i32), a1(i32), a1(i32), a1(i32), a1(i32), a1(i32), f32, f32)))
+        for atomic in (True, False):
+            out.append((f"dkdv[{tag},atomic_dq={atomic}]", K.dkdv_kernel(var, atomic),
+                        (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(f32), a3(el),
+                         a3(el), a2(i32), a3(i32), a2(i32), a2(i32), a2(i32), a1(i32), a1(i32),
+                         a1(i32), a1(i32), a1(i32), f32, f32)))
+        out.append((f"dq[{tag}]", K.dq_kernel(var),
+                    (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(el), a2(i32),
+                     a3(i32), a2(i32), a2(i32), a2(i32), a1(i32), a1(i32), a1(i32), a1(i32),
+                     a1(i32), f32, f32)))
+    return out
+
+
+def main(argv):
+    quick = "--quick" in argv
+    t0 = time.time()
+    ok, failed = [], {}
+    for name, kern, sig in kernels(quick):
+        fn = getattr(kern, "py_func", kern)
+        for cc in CCS:
+            _CC[0] = cc
+            label = f"{name}@sm_{cc[0]}{cc[1]}"
+            try:
+                ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
+                assert f".target sm_{cc[0]}{cc[1]}" in ptx, "unexpected PTX target"
+                ok.append(label)
+            except Exception as e:  # noqa: BLE001
+                failed[label] = f"{type(e).__name__}: {e}"[:2000]
+                traceback.print_exc(file=sys.stderr)
+    print(json.dumps({"ok": ok, "failed": failed, "seconds": round(time.time() - t0, 1)}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
