@@ -1,0 +1,259 @@
+"""`varlen.jax.varlen_attention`: the custom VJP against the float64 reference, eagerly and
+under `jax.jit(jax.grad(...))`, through both callback paths on the CPU."""
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import varlen  # noqa: E402
+import varlen.jax as vj  # noqa: E402
+from varlen import Mask  # noqa: E402
+
+from helpers import check_against_reference, covered_rows, make_batch  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Each case: lengths_q, lengths_k, heads, dims, a mask builder taking an array constructor
+# (so the reference gets NumPy fields and the adapter JAX arrays), and call keywords.
+CASES = {
+    "B3-T13-Hq4-Hk2-D16-causal_where": dict(
+        lengths_q=[5, 1, 7], lengths_k=None, Hq=4, Hk=2, D=16, Dv=16, gaps=False,
+        mask=lambda a: Mask.causal_where(a([True, False, True])), kw={}),
+    "B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window": dict(
+        lengths_q=[4, 0, 1, 6], lengths_k=[5, 0, 3, 6], Hq=4, Hk=1, D=8, Dv=8, gaps=True,
+        mask=lambda a: Mask(window_left=a([2, -1, 0, 1]), window_right=a([0, -1, 1, -1]),
+                            bottom_right=a([True, False, True, False])), kw={}),
+    "B2-last-zero-Hq2-Hk2-D8-Dv12-causal_bottom_right-softcap": dict(
+        lengths_q=[6, 0], lengths_k=[8, 0], Hq=2, Hk=2, D=8, Dv=12, gaps=False,
+        mask=lambda a: "causal_bottom_right", kw=dict(softmax_scale=0.3, softcap=5.0)),
+}
+
+
+def np_array(x):
+    return np.asarray(x, dtype=bool if isinstance(x[0], bool) else np.int32)
+
+
+def jnp_array(x):
+    return jnp.asarray(np_array(x))
+
+
+def build(case, dtype, seed=0):
+    c = CASES[case]
+    rng = np.random.default_rng(seed)
+    batch = make_batch(rng, c["lengths_q"], c["lengths_k"], Hq=c["Hq"], Hk=c["Hk"], D=c["D"],
+                       Dv=c["Dv"], dtype=dtype, mask=c["mask"](np_array), gaps=c["gaps"])
+    return batch, c
+
+
+def _opt(x):
+    return None if x is None else jnp.asarray(x)
+
+
+def inputs(batch):
+    return (jnp.asarray(batch.q), jnp.asarray(batch.k), jnp.asarray(batch.v),
+            jnp.asarray(batch.cu_q), jnp.asarray(batch.cu_k), _opt(batch.off_q),
+            _opt(batch.off_k), jnp.asarray(batch.dout))
+
+
+def attention_fn(case, **extra):
+    """`(q, k, v, metadata...) -> (out, lse)`, every array an argument (traced under jit)."""
+    def fn(q, k, v, cu_q, cu_k, off_q, off_k):
+        return vj.varlen_attention(q, k, v, cu_q, cu_k, seq_offsets_q=off_q,
+                                   seq_offsets_k=off_k, mask=case["mask"](jnp_array),
+                                   return_lse=True, **case["kw"], **extra)
+    return fn
+
+
+def fwd_and_vjp(batch, case, jit=True, **extra):
+    q, k, v, cu_q, cu_k, off_q, off_k, dout = inputs(batch)
+    fn = attention_fn(case, **extra)
+
+    def run(q, k, v, cu_q, cu_k, off_q, off_k, dout):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: fn(q, k, v, cu_q, cu_k, off_q, off_k),
+                                       q, k, v)
+        return out, lse, pullback((dout, jnp.zeros_like(lse)))
+    if jit:
+        run = jax.jit(run)
+    return run(q, k, v, cu_q, cu_k, off_q, off_k, dout)
+
+
+def x64(dtype):
+    """float64 needs JAX's x64 mode, switched on for the test only."""
+    return jax.enable_x64(dtype == "float64")
+
+
+# --------------------------------------------------------------------------------------------
+# Against the reference
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_grads_match_reference(case, dtype, jit):
+    with x64(dtype):
+        batch, c = build(case, dtype)
+        out, lse, grads = fwd_and_vjp(batch, c, jit=jit)
+        assert out.dtype == np.dtype(dtype) and out.shape == (batch.q.shape[0], c["Hq"], c["Dv"])
+        assert lse.dtype == np.dtype("float64" if dtype == "float64" else "float32")
+        check_against_reference(batch, np.asarray(out), np.asarray(lse),
+                                [np.asarray(g) for g in grads], label=f"jax {case} {dtype}",
+                                **c["kw"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", list(CASES)[:2])
+def test_half_precision_forward(case, dtype):
+    batch, c = build(case, dtype, seed=1)
+    q, k, v, cu_q, cu_k, off_q, off_k, _ = inputs(batch)
+    out, lse = jax.jit(attention_fn(c))(q, k, v, cu_q, cu_k, off_q, off_k)
+    assert out.dtype == batch.q.dtype and lse.dtype == np.float32
+    check_against_reference(batch, np.asarray(out), np.asarray(lse), label=f"jax {case} {dtype}",
+                            **c["kw"])
+
+
+def test_jit_grad_of_a_loss():
+    """`jax.jit(jax.grad(loss))` with the metadata traced, against the reference gradients."""
+    batch, c = build("B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window", "float32")
+    q, k, v, cu_q, cu_k, off_q, off_k, dout = inputs(batch)
+    fn = attention_fn(c)
+
+    def loss(q, k, v, cu_q, cu_k, off_q, off_k, dout):
+        out, _ = fn(q, k, v, cu_q, cu_k, off_q, off_k)
+        return jnp.sum(out * dout)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, cu_q, cu_k, off_q, off_k, dout)
+    out, lse = fn(q, k, v, cu_q, cu_k, off_q, off_k)
+    check_against_reference(batch, np.asarray(out), np.asarray(lse),
+                            [np.asarray(g) for g in grads], label="jit(grad)")
+
+
+def test_metadata_is_data_not_a_constant():
+    """One jitted function, two batches with the same shapes but other lengths and masks."""
+    step = jax.jit(lambda q, k, v, cu, is_causal: vj.varlen_attention(
+        q, k, v, cu, cu, mask=Mask.causal_where(is_causal), return_lse=True))
+    for seed, lengths, flags in ((0, [5, 3, 4], [True, False, True]),
+                                 (1, [1, 0, 11], [False, True, True])):
+        batch = make_batch(np.random.default_rng(seed), lengths, Hq=2, Hk=2, D=8,
+                           dtype="float32", mask=Mask.causal_where(np.array(flags)))
+        out, lse = step(jnp.asarray(batch.q), jnp.asarray(batch.k), jnp.asarray(batch.v),
+                        jnp.asarray(batch.cu_q), jnp.asarray(flags))
+        check_against_reference(batch, np.asarray(out), np.asarray(lse),
+                                label=f"lengths {lengths}")
+    assert step._cache_size() == 1, "the jitted function was traced more than once"
+
+
+def test_padding_rows_lse_and_no_lse_gradient():
+    batch, c = build("B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window", "float32")
+    q, k, v, cu_q, cu_k, off_q, off_k, _ = inputs(batch)
+    fn = attention_fn(c)
+    out, lse = fn(q, k, v, cu_q, cu_k, off_q, off_k)
+    pad_q, pad_k = ~covered_rows(batch, "q"), ~covered_rows(batch, "k")
+    assert pad_q.any() and pad_k.any(), "the case must have padding rows"
+    assert (np.asarray(out)[pad_q] == 0).all() and np.isneginf(np.asarray(lse)[:, pad_q]).all()
+    dq, dk, dv = jax.grad(lambda q, k, v: jnp.sum(jnp.where(
+        jnp.isfinite(lse), fn(q, k, v, cu_q, cu_k, off_q, off_k)[1], 0.0)), (0, 1, 2))(q, k, v)
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not np.asarray(g).any(), f"{name}: lse must carry no gradient"
+
+
+def test_buffer_callback_path_on_cpu(monkeypatch):
+    """The CUDA path's plumbing (XLA buffers in, results copied into XLA's output buffers),
+    run with NumPy views on the CPU; pure_callback is made unusable to prove it is not taken."""
+    monkeypatch.setattr(vj, "_CPU_BUFFER_PATH", True)
+
+    def no_pure_callback(*a, **k):
+        raise AssertionError("pure_callback used on the buffer path")
+    monkeypatch.setattr(vj.jax, "pure_callback", no_pure_callback)
+    batch, c = build("B3-T13-Hq4-Hk2-D16-causal_where", "float32")
+    out, lse, grads = fwd_and_vjp(batch, c, jit=True)
+    check_against_reference(batch, np.asarray(out), np.asarray(lse),
+                            [np.asarray(g) for g in grads], label="buffer path")
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    batch, c = build("B3-T13-Hq4-Hk2-D16-causal_where", "float32")
+    first = fwd_and_vjp(batch, c, deterministic=True)[2]
+    second = fwd_and_vjp(batch, c, deterministic=True)[2]
+    for a, b in zip(first, second):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors name the argument
+# --------------------------------------------------------------------------------------------
+
+def _small():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((6, 2, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((6, 1, 8)), jnp.float32)
+    return q, k, k, jnp.asarray([0, 2, 6], jnp.int32)
+
+
+@pytest.mark.parametrize("change,err,match", [
+    pytest.param(dict(q=jnp.zeros((6, 16))), ValueError, "q must be 3-D", id="q-2d"),
+    pytest.param(dict(k=jnp.zeros((6, 3, 8)), v=jnp.zeros((6, 3, 8))), ValueError,
+                 "multiple of k heads", id="heads"),
+    pytest.param(dict(v=jnp.zeros((6, 1, 8), jnp.float16)), TypeError, "share one dtype",
+                 id="v-dtype"),
+    pytest.param(dict(q=[1.0]), TypeError, "q must be a JAX or NumPy array", id="q-list"),
+    pytest.param(dict(cu_seqlens_q=jnp.asarray([0.0, 2.0, 6.0])), TypeError,
+                 "cu_seqlens_q must hold", id="cu-float"),
+    pytest.param(dict(cu_seqlens_k=jnp.asarray([0, 6])), ValueError, "cu_seqlens_k",
+                 id="cu-k-length"),
+    pytest.param(dict(seq_offsets_q=jnp.asarray([0, 2])), ValueError, "seq_offsets_q",
+                 id="offsets-length"),
+    pytest.param(dict(mask=Mask(window_right=jnp.zeros(3, jnp.int32))), ValueError,
+                 r"mask.window_right has shape \(3,\)", id="mask-field-shape"),
+    pytest.param(dict(mask="diagonal"), ValueError, "not a known mask name", id="mask-name"),
+    pytest.param(dict(softmax_scale=jnp.asarray(0.5)), TypeError, "softmax_scale",
+                 id="scale-array"),
+    pytest.param(dict(max_seqlen_q=1.5), TypeError, "max_seqlen_q", id="max-seqlen-float"),
+])
+def test_errors_name_the_argument(change, err, match):
+    q, k, v, cu = _small()
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    kw = {n: change.pop(n) for n in list(change) if n not in args}
+    args.update(change)
+    with pytest.raises(err, match=match):
+        vj.varlen_attention(*args.values(), **kw)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_value_errors_from_the_core_name_the_argument(jit):
+    """Metadata values are only known at run time: the core's message comes back from the
+    callback."""
+    q, k, v, _ = _small()
+    fn = lambda cu_k: vj.varlen_attention(q, k, v, jnp.asarray([0, 2, 6]), cu_k)  # noqa: E731
+    fn = jax.jit(fn) if jit else fn
+    with pytest.raises(Exception, match="cu_seqlens_k must be non-decreasing"):
+        jax.block_until_ready(fn(jnp.asarray([0, 4, 2], jnp.int32)))
+
+
+# --------------------------------------------------------------------------------------------
+# Example and GPU
+# --------------------------------------------------------------------------------------------
+
+def test_example_runs():
+    path = ROOT / "docs" / "examples" / "jax_example.py"
+    spec = importlib.util.spec_from_file_location("jax_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_jit_grad(dtype):
+    """On a GPU: XLA's buffers and stream, the GPU backend, results match the reference."""
+    gpu = jax.devices("gpu")[0]
+    batch, c = build("B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window", dtype)
+    with jax.default_device(gpu):
+        out, lse, grads = fwd_and_vjp(batch, c, jit=True)
+    assert next(iter(out.devices())).platform == "gpu"
+    check_against_reference(batch, np.asarray(out), np.asarray(lse),
+                            [np.asarray(g) for g in grads], label=f"jax cuda {dtype}")
