@@ -1,5 +1,7 @@
 """Property tests over random packed batches: the NumPy backend equals the float64 reference,
 and the tile schedule is exact, for any lengths, gaps, heads, tiles and per-sequence policies."""
+import os
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,6 +11,8 @@ import varlen
 from helpers import check_against_reference, fwd_bwd, make_batch
 from test_plan import check_schedule_exact
 
+# more examples locally: VARLEN_PROPERTY_EXAMPLES=600 python -m pytest tests/test_properties.py
+EXAMPLES = int(os.environ.get("VARLEN_PROPERTY_EXAMPLES", "60"))
 window = st.sampled_from([-1, 0, 1, 2, 5, 9])
 
 
@@ -36,7 +40,7 @@ def batches(draw):
     return b, blocks, softcap
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_numpy_backend_equals_reference(args):
     b, (bm, bn), softcap = args
