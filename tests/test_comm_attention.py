@@ -201,3 +201,43 @@ def test_argument_error_without_validation_aborts_instead_of_hanging():
         assert time.perf_counter() - t < 10
     finally:
         varlen.set_validation(old)
+
+
+def test_numba_backend_ring(monkeypatch):
+    """A small float32 ring case on the Numba kernels (the CUDA simulator on a CPU)."""
+    backend = varlen.backends.load("numba")
+    if backend is None or backend.supports(dtype="float32", head_dim=8, head_dim_v=8,
+                                           on_device=False):
+        pytest.skip("the numba backend cannot run host float32 here")
+    if backend.simulated():
+        # The simulator keeps its kernel context in a global, so two ranks' threads must not
+        # launch at once; the communication stays concurrent.
+        lock = threading.Lock()
+
+        def serialised(fn):
+            def call(*a, **kw):
+                with lock:
+                    return fn(*a, **kw)
+            return call
+        for name in ("make_plan", "forward", "backward"):
+            monkeypatch.setattr(backend, name, serialised(getattr(backend, name)))
+    case = Case("numba", (5, 3), Hq=2, Hk=1, D=8,
+                mask=varlen.Mask(window_right=np.array([0, -1], np.int32)))
+    g = make_global(case)
+    part = vc.partition(g["cu_q"], 2)
+
+    def body(grp):
+        q, k, v, do = (part.shard(g[x], grp.rank).astype(np.float32)
+                       for x in ("q", "k", "v", "dout"))
+        kw = dict(mask=case.mask, backend="numba")
+        out, lse = vc.attention_forward(q, k, v, part, grp, **kw)
+        return (out, lse) + vc.attention_backward(do, q, k, v, out, lse, part, grp, **kw)
+    res = vc.local_group(2).run(body)
+    ref = reference.attention_dense(g["q"], g["k"], g["v"], g["cu_q"], g["cu_q"],
+                                    mask=case.mask)[:1]
+    ref += reference.attention_dense_backward(g["dout"], g["q"], g["k"], g["v"], g["cu_q"],
+                                              g["cu_q"], mask=case.mask)
+    for name, i, want in zip(("out", "dq", "dk", "dv"), (0, 2, 3, 4), ref):
+        got = part.unshard([r[i] for r in res])
+        err = float(np.abs(got - want).max())
+        assert err < 1e-5 * max(1.0, float(np.abs(want).max())), f"numba {name}: {err:.2e}"
