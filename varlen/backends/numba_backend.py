@@ -84,12 +84,14 @@ def supports(*, dtype, head_dim, head_dim_v, on_device):
 
 
 def default_blocks(dtype, head_dim):
+    """The largest tiles (of a fixed ladder) whose shared memory fits, assuming Dv = D."""
+    ladder = _GPU_BLOCKS
     if simulated():
-        return _SIM_BLOCKS
-    for bm, bn in _GPU_BLOCKS:
+        ladder = _GPU_BLOCKS[_GPU_BLOCKS.index(_SIM_BLOCKS):]
+    for bm, bn in ladder:
         if _k().fits(dtype, head_dim, head_dim, bm, bn) is None:
             return bm, bn
-    return _GPU_BLOCKS[-1]
+    return ladder[-1]
 
 
 def check_plan(plan: Plan):

@@ -1,0 +1,60 @@
+"""The Numba backend's suite: one set of tests for the CUDA simulator (CPU) and a GPU.
+
+The root conftest picks the simulator before numba is imported when no GPU is usable. Here:
+
+* `SIM`: whether kernels run in the simulator (tiny shapes there: one OS thread per CUDA
+  thread, about a millisecond per thread per launch), and `sizes()` to pick shapes by mode.
+* The PTX compile pass (`compile_check.py`) runs in a subprocess with the simulator off; it is
+  started as soon as the suite is collected, so it compiles while the simulated tests run, and
+  `test_numba_ptx.py` collects its result.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from numba import config as _numba_config
+
+SIM = bool(getattr(_numba_config, "ENABLE_CUDASIM", 0))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+_COMPILE = {}
+
+
+def sizes(sim, gpu):
+    """`sim` in the simulator, `gpu` on a device."""
+    return sim if SIM else gpu
+
+
+def pytest_collection_modifyitems(config, items):
+    if any(item.nodeid.split("::")[0].endswith("test_numba_ptx.py") for item in items):
+        start_compile_check()
+
+
+def start_compile_check():
+    """Start the PTX compile subprocess once (stdout to a temporary file)."""
+    if "proc" in _COMPILE:
+        return _COMPILE
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = tempfile.TemporaryFile(mode="w+")
+    err = tempfile.TemporaryFile(mode="w+")
+    _COMPILE.update(out=out, err=err, proc=subprocess.Popen(
+        [sys.executable, str(HERE / "compile_check.py")], stdout=out, stderr=err, env=env,
+        cwd=str(ROOT)))
+    return _COMPILE
+
+
+def pytest_unconfigure(config):
+    proc = _COMPILE.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def compile_check():
+    return start_compile_check()

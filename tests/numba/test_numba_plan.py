@@ -1,0 +1,108 @@
+"""Device plans: the Numba plan kernels build exactly the arrays of the NumPy builder.
+
+Random batches with zero-length sequences (first, middle, last), row offsets with padding
+gaps, per-sequence masks (windows, alignment), Lq != Lk, and two segments per sequence (the
+context-parallel shard layout). Compared field by field, slot count included.
+"""
+import numpy as np
+import pytest
+
+from varlen import Mask
+from varlen.backends import numba_backend as nb
+from varlen.plan import Segments, build_plan, segments_from_cu_seqlens
+
+FIELDS = ("window_left", "window_right", "bottom_right", "q_tiles", "q_sched", "k_tiles",
+          "k_sched")
+
+
+def _lengths(rng, B, hi):
+    L = rng.integers(0, hi, size=B)
+    L[rng.integers(0, B)] = 0
+    L[-1] = rng.choice([0, L[-1]])
+    return L.astype(np.int32)
+
+
+def _cu(L):
+    return np.concatenate([[0], np.cumsum(L)]).astype(np.int32)
+
+
+def _offsets(rng, L):
+    gaps = rng.integers(0, 5, size=len(L))
+    return (int(rng.integers(0, 4)) + np.concatenate([[0], np.cumsum(L + gaps)])).astype(np.int32)
+
+
+def _mask(rng, B):
+    return Mask(window_left=rng.choice([-1, 0, 3, 9], size=B).astype(np.int32),
+                window_right=rng.choice([-1, 0, 2], size=B).astype(np.int32),
+                bottom_right=rng.integers(0, 2, size=B).astype(bool))
+
+
+def _two_segments(rng, L, cp=2):
+    """Zigzag-like shard segments: chunks r and 2cp-1-r of every (padded) sequence."""
+    B = len(L)
+    r = int(rng.integers(0, cp))
+    chunk = -(-L // (2 * cp))
+    row = np.zeros((B, 2), np.int64)
+    length = np.zeros((B, 2), np.int64)
+    pos = np.zeros((B, 2), np.int64)
+    at = 0
+    for b in range(B):
+        for s, c in enumerate((r, 2 * cp - 1 - r)):
+            pos[b, s] = c * chunk[b]
+            length[b, s] = max(0, min(chunk[b], L[b] - pos[b, s]))
+            row[b, s] = at
+            at += chunk[b]
+    return Segments(row.astype(np.int32), length.astype(np.int32), pos.astype(np.int32),
+                    L.astype(np.int32), int(at))
+
+
+def assert_same_plan(got, want, label):
+    assert got.block_m == want.block_m and got.block_n == want.block_n, label
+    for f in FIELDS:
+        g, w = getattr(got, f), getattr(want, f)
+        assert isinstance(g, np.ndarray), f"{label}: {f} is {type(g).__name__}"
+        assert g.shape == w.shape, f"{label}: {f} shape {g.shape} != {w.shape}"
+        assert g.dtype == w.dtype, f"{label}: {f} dtype {g.dtype} != {w.dtype}"
+        bad = np.argwhere(g != w)
+        assert bad.size == 0, f"{label}: {f} differs at {bad[:4].tolist()}: {g[tuple(bad[0])]} " \
+                              f"!= {w[tuple(bad[0])]}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_from_cu_seqlens_matches_numpy(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 6))
+    Lq, Lk = _lengths(rng, B, 30), _lengths(rng, B, 30)
+    off_q = _offsets(rng, Lq) if seed % 2 else None
+    off_k = _offsets(rng, Lk) if seed % 2 else None
+    Tq = int((off_q if off_q is not None else _cu(Lq))[-1]) + int(rng.integers(0, 3))
+    Tk = int((off_k if off_k is not None else _cu(Lk))[-1])
+    mask = _mask(rng, B) if seed != 2 else "causal_bottom_right"
+    bm, bn = [(8, 8), (16, 8), (8, 16), (4, 16)][seed]
+    msq = int(Lq.max()) if seed == 3 else None
+    got = nb.plan_from_cu_seqlens(_cu(Lq), _cu(Lk), seq_offsets_q=off_q, seq_offsets_k=off_k,
+                                  num_rows_q=Tq, num_rows_k=Tk, mask=mask, block_m=bm,
+                                  block_n=bn, max_seqlen_q=msq)
+    want = build_plan(segments_from_cu_seqlens(_cu(Lq), off_q, Tq),
+                      segments_from_cu_seqlens(_cu(Lk), off_k, Tk), mask, block_m=bm,
+                      block_n=bn, max_seqlen_q=msq)
+    assert_same_plan(got, want, f"seed {seed}")
+    for side in ("q", "k"):
+        for f in ("row", "length", "pos", "seqlen"):
+            g, w = getattr(getattr(got, side), f), getattr(getattr(want, side), f)
+            assert np.array_equal(g, w), f"seed {seed}: {side}.{f} {g} != {w}"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_make_plan_two_segments_matches_numpy(seed):
+    rng = np.random.default_rng(100 + seed)
+    B = int(rng.integers(1, 5))
+    L = _lengths(rng, B, 40)
+    q = _two_segments(rng, L)
+    Lk = L if seed != 1 else (L + rng.integers(0, 9, size=B)).astype(np.int32)
+    k = _two_segments(rng, Lk) if seed != 2 else segments_from_cu_seqlens(_cu(Lk), None,
+                                                                           int(Lk.sum()))
+    mask = _mask(rng, B) if seed else Mask(window_left=5, window_right=0, bottom_right=True)
+    got = nb.make_plan(q, k, mask, block_m=8, block_n=4)
+    want = build_plan(q, k, mask, block_m=8, block_n=4)
+    assert_same_plan(got, want, f"two segments, seed {seed}")
