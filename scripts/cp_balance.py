@@ -1,0 +1,201 @@
+"""Per-rank attention work and communication of a context-parallel partition, on the CPU.
+
+For a document-length distribution and a list of cp sizes, builds `varlen.comm.partition` for
+the zigzag and contiguous schemes and reports, from the partition alone (no attention is run):
+
+* visible query-key pairs per rank (the attention FLOPs are 4 * D * pairs per head), max and
+  mean over ranks; max / mean is the load imbalance the slowest rank sets;
+* pad rows added by the partition;
+* bytes each rank sends per layer (forward + backward) with each method:
+    ring       K/V: (cp-1) hops forward, (cp-1) again in backward; dK/dV accumulators in
+               float32: cp hops;
+    allgather  K/V all-gathered forward and backward ((cp-1) blocks each); dK/dV in float32
+               reduce-scattered ((cp-1) blocks);
+    ulysses    all-to-all of (cp-1)/cp of q, k, v (KV heads replicated up to a multiple of
+               cp), out and lse forward; q, k, v, out, dout, lse in and dq, dk, dv back in
+               backward; "-" when Hq is not divisible by cp.
+and writes a PNG of per-rank work (matplotlib, Agg backend).
+
+    python scripts/cp_balance.py                                   # quick default, < 20 s
+    python scripts/cp_balance.py --tokens 262144 --cp 2 4 8 16 --mask sliding:4096 \\
+        --dist long-tail --out cp_balance.png --json cp_balance.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import varlen.comm as vc  # noqa: E402
+
+DISTS = ("uniform", "long-tail", "one-long")
+FLOAT32 = 4
+
+
+def document_lengths(dist: str, tokens: int, mean: int, rng) -> np.ndarray:
+    """Document lengths summing to `tokens` (the last one cut to fit)."""
+    if dist == "one-long":
+        long = tokens // 2
+        rest = document_lengths("uniform", tokens - long, mean, rng)
+        return np.concatenate([[long], rest]).astype(np.int64)
+    out, total = [], 0
+    while total < tokens:
+        if dist == "uniform":
+            n = rng.integers(1, 2 * mean)
+        elif dist == "long-tail":
+            # Pareto tail (alpha 1.2), most documents short, a few very long.
+            n = int(min(mean * 0.2 * (1 + rng.pareto(1.2)), tokens))
+        else:
+            raise ValueError(f"unknown distribution {dist!r}; expected one of {DISTS}")
+        n = int(max(1, min(n, tokens - total)))
+        out.append(n)
+        total += n
+    return np.asarray(out, np.int64)
+
+
+def parse_mask(text: str):
+    """(left, right) window: full (-1, -1), causal (-1, 0), sliding:W (W, 0)."""
+    if text == "full":
+        return -1, -1
+    if text == "causal":
+        return -1, 0
+    if text.startswith("sliding:"):
+        return int(text.split(":", 1)[1]), 0
+    raise argparse.ArgumentTypeError(f"mask must be full, causal or sliding:W, got {text!r}")
+
+
+def visible_pairs(part, rank: int, window) -> int:
+    """Query-key pairs rank `rank`'s queries see (per head), from its global positions."""
+    left, right = window
+    pos = part.positions(rank)
+    valid = part.valid(rank)
+    local_cu = part.local_cu_seqlens.astype(np.int64)
+    seq = np.searchsorted(local_cu[1:], np.arange(part.local_rows), side="right")
+    seq = np.minimum(seq, max(part.batch - 1, 0))
+    L = part.seqlens.astype(np.int64)[seq] if part.batch else np.zeros_like(pos)
+    hi = L - 1 if right < 0 else np.minimum(L - 1, pos + right)
+    lo = np.zeros_like(pos) if left < 0 else np.maximum(0, pos - left)
+    return int(np.where(valid, np.maximum(hi - lo + 1, 0), 0).sum())
+
+
+def bytes_per_rank(local_rows, cp, Hq, Hk, D, Dv, elem) -> dict:
+    """Bytes one rank sends per layer, forward + backward, for each method."""
+    if cp == 1:
+        return {"ring": 0, "allgather": 0, "ulysses": 0}
+    kv = local_rows * Hk * (D + Dv)                       # elements of this rank's K and V
+    out = {"ring": 2 * (cp - 1) * kv * elem + cp * kv * FLOAT32,
+           "allgather": 2 * (cp - 1) * kv * elem + (cp - 1) * kv * FLOAT32}
+    if Hq % cp:
+        out["ulysses"] = None
+    else:
+        hk = Hk * (cp // math.gcd(Hk, cp))                 # KV heads after replication
+        frac = (cp - 1) / cp
+        q, o, lse = local_rows * Hq * D, local_rows * Hq * Dv, local_rows * Hq
+        kv_r = local_rows * hk * (D + Dv)
+        fwd = (q + kv_r + o) * elem + lse * FLOAT32
+        bwd = (q + kv_r + 2 * o + q + kv_r) * elem + lse * FLOAT32
+        out["ulysses"] = int(frac * (fwd + bwd))
+    return out
+
+
+def analyse(lengths, cp, scheme, window, heads) -> dict:
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    part = vc.partition(cu, cp, scheme)
+    work = np.array([visible_pairs(part, r, window) for r in range(cp)], dtype=np.int64)
+    Hq, Hk, D, Dv, elem = heads
+    return {"cp": cp, "scheme": scheme, "tokens": int(cu[-1]), "documents": len(lengths),
+            "local_rows": part.local_rows,
+            "pad_rows": int(part.padded_seqlens.sum() - cu[-1]),
+            "pairs_per_rank": work.tolist(), "pairs_max": int(work.max()),
+            "pairs_mean": float(work.mean()),
+            "imbalance": float(work.max() / work.mean()) if work.mean() > 0 else 1.0,
+            "bytes_per_rank": bytes_per_rank(part.local_rows, cp, Hq, Hk, D, Dv, elem)}
+
+
+def _mb(x):
+    return "-" if x is None else f"{x / 2 ** 20:9.1f}"
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dists = list(results)
+    fig, axes = plt.subplots(1, len(dists), figsize=(5 * len(dists), 3.6), squeeze=False)
+    for ax, dist in zip(axes[0], dists):
+        rows = results[dist]
+        cp = max(r["cp"] for r in rows)
+        for i, scheme in enumerate(("zigzag", "contiguous")):
+            r = next(x for x in rows if x["cp"] == cp and x["scheme"] == scheme)
+            w = np.asarray(r["pairs_per_rank"], float) / max(r["pairs_mean"], 1.0)
+            ax.bar(np.arange(cp) + (i - 0.5) * 0.4, w, width=0.4,
+                   label=f"{scheme} (max/mean {r['imbalance']:.2f})")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{dist}, cp={cp}")
+        ax.set_xlabel("rank")
+        ax.set_ylabel("visible pairs / mean")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=65536, help="tokens per batch (65536)")
+    ap.add_argument("--mean", type=int, default=2048, help="mean document length (2048)")
+    ap.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8], help="cp sizes (2 4 8)")
+    ap.add_argument("--dist", nargs="+", default=list(DISTS), choices=DISTS,
+                    help="document-length distributions (all)")
+    ap.add_argument("--mask", type=parse_mask, default=(-1, 0),
+                    help="full | causal | sliding:W (causal)")
+    ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HK"),
+                    help="query and key/value heads (32 8)")
+    ap.add_argument("--head-dim", type=int, default=128, help="D = Dv (128)")
+    ap.add_argument("--elem-bytes", type=int, default=2, help="bytes per element (2: bf16)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="cp_balance.png", help="PNG path (cp_balance.png)")
+    ap.add_argument("--json", default=None, help="also write the numbers as JSON")
+    args = ap.parse_args(argv)
+    if any(c < 1 for c in args.cp):
+        ap.error("--cp sizes must be >= 1")
+
+    heads = (args.heads[0], args.heads[1], args.head_dim, args.head_dim, args.elem_bytes)
+    rng = np.random.default_rng(args.seed)
+    results = {}
+    print(f"mask window (left, right) = {args.mask}; Hq={heads[0]} Hk={heads[1]} "
+          f"D={heads[2]}, {heads[4]}-byte elements; pairs per head; MiB sent per rank per "
+          f"layer (forward + backward)")
+    print(f"{'dist':10} {'cp':>3} {'scheme':10} {'docs':>5} {'pad rows':>8} "
+          f"{'pairs max':>12} {'pairs mean':>12} {'max/mean':>8} "
+          f"{'ring MiB':>9} {'allg MiB':>9} {'ulys MiB':>9}")
+    for dist in args.dist:
+        lengths = document_lengths(dist, args.tokens, args.mean, rng)
+        rows = results[dist] = []
+        for cp in args.cp:
+            for scheme in ("zigzag", "contiguous"):
+                r = analyse(lengths, cp, scheme, args.mask, heads)
+                rows.append(r)
+                b = r["bytes_per_rank"]
+                print(f"{dist:10} {cp:3d} {scheme:10} {r['documents']:5d} {r['pad_rows']:8d} "
+                      f"{r['pairs_max']:12d} {r['pairs_mean']:12.0f} {r['imbalance']:8.3f} "
+                      f"{_mb(b['ring'])} {_mb(b['allgather'])} {_mb(b['ulysses'])}")
+    plot(results, args.out)
+    print(f"wrote {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
+                                               "results": results}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
