@@ -1,6 +1,7 @@
 """`varlen.jax.varlen_attention`: the custom VJP against the float64 reference, eagerly and
 under `jax.jit(jax.grad(...))`, through both callback paths on the CPU."""
 import importlib.util
+import os
 import pathlib
 
 import numpy as np
@@ -10,7 +11,6 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
-import varlen  # noqa: E402
 import varlen.jax as vj  # noqa: E402
 from varlen import Mask  # noqa: E402
 
@@ -173,6 +173,19 @@ def test_buffer_callback_path_on_cpu(monkeypatch):
     out, lse, grads = fwd_and_vjp(batch, c, jit=True)
     check_against_reference(batch, np.asarray(out), np.asarray(lse),
                             [np.asarray(g) for g in grads], label="buffer path")
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
+                    reason="host arrays reach the Numba kernels only in the CUDA simulator")
+def test_backend_is_passed_through_numba_simulator():
+    """`backend=` reaches the core: the Numba kernels (simulated on the CPU) in the callbacks."""
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, [3, 0, 4], Hq=2, Hk=1, D=8, dtype="float32",
+                       mask=Mask.causal_where(np.array([True, False, False])))
+    case = dict(mask=lambda a: Mask.causal_where(a([True, False, False])), kw={})
+    out, lse, grads = fwd_and_vjp(batch, case, backend="numba")
+    check_against_reference(batch, np.asarray(out), np.asarray(lse),
+                            [np.asarray(g) for g in grads], label="jax numba")
 
 
 def test_deterministic_backward_is_bitwise_repeatable():

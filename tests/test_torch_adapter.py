@@ -1,6 +1,7 @@
 """`varlen.torch.varlen_attention`: the custom op against the float64 reference, autograd,
 gradcheck, the fake implementation and `torch.compile(fullgraph=True)`."""
 import importlib.util
+import os
 import pathlib
 
 import numpy as np
@@ -143,6 +144,19 @@ def test_strided_views_of_a_fused_qkv():
         qkv.grad = None
         fn(qkv).backward()
         torch.testing.assert_close(qkv.grad, ref.grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
+                    reason="host arrays reach the Numba kernels only in the CUDA simulator")
+def test_backend_is_passed_through_numba_simulator():
+    """`backend=` reaches the core: the Numba kernels (simulated on the CPU) behind the op."""
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, [3, 0, 4], Hq=2, Hk=1, D=8, dtype="float32",
+                       mask=Mask.causal_where(np.array([True, False, False])))
+    case = dict(mask=lambda a: Mask.causal_where(a([True, False, False])), kw={})
+    out, lse, grads = run_torch(batch, case, backend="numba")
+    check_against_reference(batch, to_numpy(out), to_numpy(lse), [to_numpy(g) for g in grads],
+                            label="torch numba")
 
 
 def test_gradcheck_float64():
@@ -293,13 +307,26 @@ def test_example_runs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cuda_on_a_side_stream(dtype):
-    """CUDA tensors: the GPU backend, PyTorch's current stream, results match the reference."""
+def test_cuda_on_a_side_stream_without_host_sync(dtype):
+    """CUDA tensors: the GPU backend on PyTorch's current (side) stream, no synchronising
+    PyTorch operation on the way (sync debug mode raises on one), results match the reference."""
     batch, c = build("B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window", dtype)
+    q, k, v = (to_torch(x, "cuda", requires_grad=True) for x in (batch.q, batch.k, batch.v))
+    meta = [to_torch(x, "cuda") for x in (batch.cu_q, batch.cu_k, batch.off_q, batch.off_k)]
+    mask = c["mask"](lambda x: torch_array(x, "cuda"))
+    dout = to_torch(batch.dout, "cuda")
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        out, lse, grads = run_torch(batch, c, device="cuda")
+    stream.wait_stream(torch.cuda.current_stream())
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            out, lse = vt.varlen_attention(q, k, v, meta[0], meta[1], seq_offsets_q=meta[2],
+                                           seq_offsets_k=meta[3], mask=mask, return_lse=True)
+            out.backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
     stream.synchronize()
-    assert out.device.type == "cuda" and grads[0].device.type == "cuda"
-    check_against_reference(batch, to_numpy(out), to_numpy(lse), [to_numpy(g) for g in grads],
-                            label=f"cuda {dtype}")
+    assert out.device.type == "cuda" and q.grad.device.type == "cuda"
+    check_against_reference(batch, to_numpy(out), to_numpy(lse),
+                            [to_numpy(x.grad) for x in (q, k, v)], label=f"cuda {dtype}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass
 from functools import partial
 
@@ -102,7 +103,7 @@ def _buffer_call(fn, result_shapes, platform: str):
     with NumPy views (the tests use it to exercise this path on a CPU).
     """
     def callback(ctx, outs, *args):
-        leaves = [b for b in jax.tree.leaves(args)]
+        leaves = jax.tree.leaves(args)
         if platform == "cuda":
             device_id = leaves[0].__dlpack_device__()[1]
             scope = _cupy_on(ctx.stream, device_id)
@@ -227,10 +228,29 @@ def _mask_args(mask, batch: int):
     return arrays, tuple(scalars)
 
 
-def _optional(value, kind, name, what):
-    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise TypeError(f"{name} must be {what} or None, got {value!r}")
-    return value
+def _static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend):
+    """The scalar arguments as plain Python values (they are static: part of the op's schema or
+    of the trace), with the core API's messages for the wrong kind of value."""
+    def real(x, name):
+        if not isinstance(x, numbers.Real) or isinstance(x, bool):
+            raise TypeError(f"{name} must be a float, got {x!r}")
+        return float(x)
+
+    def bound(x, name):
+        if x is None:
+            return None
+        if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 0:
+            raise TypeError(f"{name} must be a non-negative int (a host-known bound), got {x!r}")
+        return int(x)
+
+    if softmax_scale is not None:
+        softmax_scale = real(softmax_scale, "softmax_scale")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be 'numpy', 'numba', 'cupy' or None, got {backend!r}")
+    return (softmax_scale, real(softcap or 0.0, "softcap"), bound(max_seqlen_q, "max_seqlen_q"),
+            bound(max_seqlen_k, "max_seqlen_k"), backend)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
@@ -295,17 +315,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     off_q = _index_array(seq_offsets_q, "seq_offsets_q", n)
     off_k = _index_array(seq_offsets_k, "seq_offsets_k", n)
     mask_arrays, mask_ints = _mask_args(mask, n - 1)
-    if softmax_scale is not None:
-        if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
-            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-        softmax_scale = float(softmax_scale)
-    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
-        raise TypeError(f"softcap must be a float (0 disables it), got {softcap!r}")
-    _optional(max_seqlen_q, int, "max_seqlen_q", "a non-negative int")
-    _optional(max_seqlen_k, int, "max_seqlen_k", "a non-negative int")
-    _optional(backend, str, "backend", "'numpy', 'numba', 'cupy'")
+    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend = _static_scalars(
+        softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend)
     static = _Static(mask_ints, softmax_scale, float(softcap), max_seqlen_q, max_seqlen_k,
                      backend, bool(deterministic))
     meta = (cu_q, cu_k, off_q, off_k, *mask_arrays)

@@ -11,14 +11,15 @@ implementations give output shapes and dtypes, so `torch.compile(fullgraph=True)
 them without graph breaks, and `register_autograd` wires the backward op into autograd.
 
 CPU tensors run on the NumPy backend (zero-copy through `Tensor.numpy()`); CUDA tensors on the
-fastest GPU backend, with CuPy's current device and stream set to the tensor's device and
-PyTorch's current stream, so the call is ordered with the surrounding PyTorch work and never
+fastest GPU backend, on the tensor's device and PyTorch's current stream (which the core API
+makes CuPy's current stream), so the call is ordered with the surrounding PyTorch work and never
 synchronises the host. See `docs/frameworks.md`.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -43,35 +44,18 @@ def _mask(arrays, scalars) -> Mask:
     return Mask(*(s if a is None else a for a, s in zip(arrays, scalars)))
 
 
-class _StreamRef:
-    """A raw `cudaStream_t` handle behind the CUDA stream protocol (for CuPy)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
 def _on_device_of(x: torch.Tensor):
-    """CuPy's current device and stream := `x`'s device and PyTorch's current stream there.
+    """CuPy's current device := `x`'s CUDA device (a no-op for CPU tensors).
 
-    Every DLPack exchange inside then names that stream as producer and consumer, so no event
-    is needed and nothing waits on the host; the backend launches on the same stream.
+    The core API makes PyTorch's current stream CuPy's current stream for torch inputs, so
+    DLPack exchanges and launches are ordered on it without host synchronisation; CuPy launches
+    on its current device, which must be the tensor's.
     """
     if x.device.type != "cuda":
         return contextlib.nullcontext()
     import cupy
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    ptr = torch.cuda.current_stream(index).cuda_stream
-    stack = contextlib.ExitStack()
-    stack.enter_context(cupy.cuda.Device(index))
-    if hasattr(cupy.cuda.Stream, "from_external"):
-        stream = cupy.cuda.Stream.from_external(_StreamRef(ptr))
-    else:
-        stream = cupy.cuda.ExternalStream(ptr, index)
-    stack.enter_context(stream)
-    return stack
+    return cupy.cuda.Device(index)
 
 
 @torch.library.custom_op("varlen::attention_forward", mutates_args=())
@@ -236,10 +220,29 @@ def _mask_args(mask, batch: int):
     return arrays, scalars
 
 
-def _optional(value, kind, name, what):
-    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise TypeError(f"{name} must be {what} or None, got {value!r}")
-    return value
+def _static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend):
+    """The scalar arguments as plain Python values (they are static: part of the op's schema or
+    of the trace), with the core API's messages for the wrong kind of value."""
+    def real(x, name):
+        if not isinstance(x, numbers.Real) or isinstance(x, bool):
+            raise TypeError(f"{name} must be a float, got {x!r}")
+        return float(x)
+
+    def bound(x, name):
+        if x is None:
+            return None
+        if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 0:
+            raise TypeError(f"{name} must be a non-negative int (a host-known bound), got {x!r}")
+        return int(x)
+
+    if softmax_scale is not None:
+        softmax_scale = real(softmax_scale, "softmax_scale")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be 'numpy', 'numba', 'cupy' or None, got {backend!r}")
+    return (softmax_scale, real(softcap or 0.0, "softcap"), bound(max_seqlen_q, "max_seqlen_q"),
+            bound(max_seqlen_k, "max_seqlen_k"), backend)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
@@ -301,17 +304,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     off_q = _index_tensor(seq_offsets_q, "seq_offsets_q", n)
     off_k = _index_tensor(seq_offsets_k, "seq_offsets_k", n)
     arrays, scalars = _mask_args(mask, n - 1)
-    if softmax_scale is not None:
-        if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
-            raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-        softmax_scale = float(softmax_scale)
-    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
-        raise TypeError(f"softcap must be a float (0 disables it), got {softcap!r}")
-    _optional(max_seqlen_q, int, "max_seqlen_q", "a non-negative int")
-    _optional(max_seqlen_k, int, "max_seqlen_k", "a non-negative int")
-    _optional(backend, str, "backend", "'numpy', 'numba', 'cupy'")
+    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend = _static_scalars(
+        softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend)
     out, lse = _forward_op(q, k, v, cu_q, cu_k, off_q, off_k, *arrays, *scalars, softmax_scale,
                            float(softcap), max_seqlen_q, max_seqlen_k, backend,
                            bool(deterministic))
