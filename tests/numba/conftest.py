@@ -1,9 +1,8 @@
 """The Numba backend's suite: one set of tests for the CUDA simulator (CPU) and a GPU.
 
-The root conftest picks the simulator before numba is imported when no GPU is usable. Here:
+The root conftest picks the simulator before numba is imported when no GPU is usable; the
+test modules read the mode from `numba_mode.SIM`. Here:
 
-* `SIM`: whether kernels run in the simulator (tiny shapes there: one OS thread per CUDA
-  thread, about a millisecond per thread per launch), and `sizes()` to pick shapes by mode.
 * The PTX compile pass (`compile_check.py`) runs in a subprocess with the simulator off; it is
   started as soon as the suite is collected, so it compiles while the simulated tests run, and
   `test_numba_ptx.py` collects its result.
@@ -16,17 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from numba import config as _numba_config
-
-SIM = bool(getattr(_numba_config, "ENABLE_CUDASIM", 0))
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 _COMPILE = {}
-
-
-def sizes(sim, gpu):
-    """`sim` in the simulator, `gpu` on a device."""
-    return sim if SIM else gpu
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ import varlen
 from varlen import Mask
 from varlen.backends import numba_backend as nb
 
-from conftest import SIM
+from numba_mode import SIM
 from helpers import check_against_reference, covered_rows, make_batch
 
 

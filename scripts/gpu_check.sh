@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# GPU check: the GPU test suite and a short Numba benchmark, in under 8 minutes.
+#
+#   scripts/gpu_check.sh            # logs and JSON under $OUT when set, else ./gpu_check_out
+#
+# Steps (each under its own timeout, so the whole run stays below 8 minutes):
+#   1. machine header (nvidia-smi, library versions)            -> machine.txt
+#   2. the Numba suite on the GPU (kernels at real sizes, graphs) -> numba_tests.{log,xml}
+#   3. every other test marked `gpu`                             -> gpu_tests.{log,xml}
+#   4. the Numba benchmark (parity-checked, CUDA events)         -> bench_numba.{log,json}
+# summary.json lists each step's exit status and duration. Without a usable GPU the script
+# says so, writes summary.json with "gpu": false and exits 0.
+# Later issues append their steps below; keep the total under the limit.
+set -u
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${OUT:-$ROOT/gpu_check_out}"
+mkdir -p "$OUT_DIR"
+cd "$ROOT" || exit 1
+export PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/varlen_cupy_cache}"
+PY="${PYTHON:-python}"
+
+STEPS=()
+record() {  # name rc seconds
+    STEPS+=("{\"step\": \"$1\", \"rc\": $2, \"seconds\": $3}")
+}
+
+run_step() {  # name timeout_s command...
+    local name="$1" limit="$2"
+    shift 2
+    local t0 rc
+    t0=$(date +%s)
+    echo "== $name (limit ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    rc=$?
+    record "$name" "$rc" "$(( $(date +%s) - t0 ))"
+    tail -n 3 "$OUT_DIR/$name.log"
+    echo "== $name: rc=$rc"
+}
+
+write_summary() {  # gpu(true|false)
+    local joined
+    joined=$(IFS=,; echo "${STEPS[*]:-}")
+    printf '{"gpu": %s, "steps": [%s]}\n' "$1" "$joined" >"$OUT_DIR/summary.json"
+    cat "$OUT_DIR/summary.json"
+}
+
+{
+    date -u
+    command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not found"
+    "$PY" - <<'EOF'
+import importlib, platform
+print("python", platform.python_version())
+for m in ("numpy", "numba", "numba_cuda", "cupy", "torch", "jax", "ml_dtypes"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "?"))
+    except Exception as e:
+        print(m, "unavailable:", type(e).__name__)
+EOF
+} >"$OUT_DIR/machine.txt" 2>&1
+
+if ! "$PY" - <<'EOF'
+import ctypes, sys
+try:
+    lib = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    sys.exit(1)
+n = ctypes.c_int(0)
+sys.exit(0 if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0 else 1)
+EOF
+then
+    echo "gpu_check: no usable CUDA GPU; nothing to run (the CPU suite covers the simulator)"
+    write_summary false
+    exit 0
+fi
+
+run_step numba_tests 240 "$PY" -m pytest -q -rfEs tests/numba --junitxml="$OUT_DIR/numba_tests.xml"
+run_step gpu_tests 100 "$PY" -m pytest -q -rfEs -m gpu tests --ignore=tests/numba \
+    --junitxml="$OUT_DIR/gpu_tests.xml"
+run_step bench_numba 100 "$PY" scripts/bench_numba.py --quick --json "$OUT_DIR/bench_numba.json"
+
+write_summary true
+for s in "${STEPS[@]}"; do
+    case "$s" in *'"rc": 0,'*) ;; *) exit 1 ;; esac
+done
+exit 0
