@@ -1,0 +1,106 @@
+// Walking the plan's tile schedule (varlen/plan.py, docs/plan.md).
+//
+// q_tiles / k_tiles: int32 [num_tiles, 5] = (seq, seg, row, rows, pos); seq = -1 marks an
+// unused slot. q_sched / k_sched: int32 [num_tiles, m, 4] = (begin, full_begin, full_end, end)
+// partner-tile indices per partner segment: [begin, end) holds a visible pair, [full_begin,
+// full_end) only visible pairs, the rest of [begin, end) is partially masked and everything
+// outside is skipped (never loaded).
+#pragma once
+
+#include "common.cuh"
+
+namespace varlen {
+
+constexpr int TILE_FIELDS = 5;
+constexpr int SCHED_FIELDS = 4;
+
+struct TileInfo {
+    int seq;    // sequence b, -1 for an unused slot
+    int seg;    // segment inside the sequence
+    int row;    // first packed row
+    int rows;   // valid rows (<= the tile size)
+    int pos;    // global position of the first row inside the sequence
+};
+
+__device__ __forceinline__ TileInfo load_tile(const int* p_tiles, int i_tile) {
+    const int* p = p_tiles + static_cast<int64_t>(i_tile) * TILE_FIELDS;
+    return TileInfo{p[0], p[1], p[2], p[3], p[4]};
+}
+
+// One chunk of partner rows to visit: `rows` rows starting at packed row `row` and global
+// position `pos`, belonging to head offset `head`; `full` = every pair is visible and every
+// row present, so no mask arithmetic is needed.
+struct Chunk {
+    int row;
+    int rows;
+    int pos;
+    int head;
+    bool full;
+};
+
+// Iterates over the partner chunks of one tile: for each of NUM_HEADS head offsets (the
+// query heads sharing a key head in dK/dV; 1 elsewhere), each partner segment and each chunk
+// of CHUNK rows inside the scheduled range. A plan tile of partner rows splits into `ratio`
+// chunks (plan tile = ratio * CHUNK rows, checked on the host), each inheriting its tile's
+// full/partial flag. Every thread of a block holds the same cursor state (uniform control
+// flow).
+template <int CHUNK>
+struct PartnerCursor {
+
+    const int* p_sched;    // [num_segments, 4] schedule row of this tile
+    const int* p_row;      // [num_segments] partner segments of this sequence
+    const int* p_len;
+    const int* p_pos;
+    int num_segments;
+    int num_heads;
+    int ratio;
+
+    int head, seg, c, c_end, f_begin, f_end;
+
+    __device__ __forceinline__ void init(const int* sched, const int* row, const int* len,
+                                         const int* pos, int segments, int heads,
+                                         int chunks_per_tile) {
+        p_sched = sched; p_row = row; p_len = len; p_pos = pos;
+        num_segments = segments; num_heads = heads; ratio = chunks_per_tile;
+        head = 0; seg = 0;
+        enter();
+    }
+
+    // Moves to the first non-empty chunk range at or after (head, seg).
+    __device__ __forceinline__ void enter() {
+        while (head < num_heads) {
+            while (seg < num_segments) {
+                const int* s = p_sched + seg * SCHED_FIELDS;
+                const int len = p_len[seg];
+                const int num_chunks = (len + CHUNK - 1) / CHUNK;
+                c = s[0] * ratio;
+                c_end = min(s[3] * ratio, num_chunks);
+                f_begin = s[1] * ratio;
+                f_end = s[2] * ratio;
+                if (c < c_end) return;
+                ++seg;
+            }
+            ++head;
+            seg = 0;
+        }
+    }
+
+    __device__ __forceinline__ bool valid() const { return head < num_heads; }
+
+    __device__ __forceinline__ void advance() {
+        if (++c >= c_end) {
+            ++seg;
+            enter();
+        }
+    }
+
+    __device__ __forceinline__ Chunk chunk() const {
+        const int len = p_len[seg];
+        const int offset = c * CHUNK;
+        const int rows = min(CHUNK, len - offset);
+        return Chunk{p_row[seg] + offset, rows, p_pos[seg] + offset, head,
+                     c >= f_begin && c < f_end && rows == CHUNK};
+    }
+};
+
+}  // namespace varlen

@@ -1,0 +1,111 @@
+"""CI budget of the CuPy kernels: every variant compiles with NVRTC for sm_80 and sm_90 (no GPU
+needed), without register spills and within each architecture's shared memory."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from varlen.backends import _cupy_spec
+from varlen.backends._cupy_spec import KernelSpec
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
+
+
+@pytest.fixture(scope="module")
+def report():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_kernels.py"),
+                           "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 1), f"compile script failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)
+
+
+def test_every_variant_compiled_for_both_archs(report):
+    have = {(r["kernel"], r["arch"]) for r in report}
+    for spec in _cupy_spec.all_specs():
+        for name in spec.name_expressions:
+            for arch in _cupy_spec.ARCHS:
+                assert (name, arch) in have, f"{spec.label}: {name} missing for {arch}"
+    for r in report:
+        assert set(r) >= {"kernel", "arch", "registers", "spill_bytes", "shared_bytes"}, r
+        assert "fwd" in r["kernel"] or "bwd" in r["kernel"], f"unexpected kernel {r['kernel']}"
+
+
+def test_no_spills(report):
+    spilled = [f"{r['arch']} {r['kernel']}: {r['spill_bytes']} B" for r in report
+               if r["spill_bytes"]]
+    assert not spilled, "register spills:\n" + "\n".join(spilled)
+
+
+def test_registers_fit(report):
+    over = [r for r in report if not 0 < r["registers"] <= 255]
+    assert not over, f"register counts out of range: {over}"
+
+
+def test_shared_memory_budget(report):
+    for r in report:
+        budget = _cupy_spec.SMEM_BUDGET[r["arch"]]
+        assert r["shared_bytes"] <= budget, (
+            f"{r['arch']} {r['kernel']}: {r['shared_bytes']} B shared > budget {budget} B")
+
+
+def test_host_smem_matches_kernel_layout():
+    """The host's dynamic shared-memory sizes equal the kernels' own layout constants."""
+    from varlen.backends._cupy_compile import cuda_include_dirs
+    lines = ['#include "varlen_attention.cu"']
+    for s in _cupy_spec.all_specs():
+        if s.kind == "fwd":
+            lines.append(f"static_assert(2 * FwdConfig<{s.head_dim}, {s.block_m}, "
+                         f"{s.block_n}>::SMEM_ELEMS == {s.fwd_smem()}, \"{s.label} fwd\");")
+            continue
+        lines.append(f"static_assert(2 * DqConfig<{s.head_dim}, {s.block_m}, {s.block_n}>"
+                     f"::SMEM_ELEMS == {s.dq_smem()}, \"{s.label} dq\");")
+        for atomic in (False, True):
+            cfg = (f"DkdvConfig<{s.head_dim}, {s.block_n}, {s.bwd_query_chunk}, "
+                   f"{'true' if atomic else 'false'}>")
+            lines.append(f"static_assert(2 * {cfg}::T_ELEMS + 4 * {cfg}::F_ELEMS == "
+                         f"{s.dkdv_smem(atomic)}, \"{s.label} dkdv\");")
+    src = "\n".join(lines) + "\n"
+    prog = nvrtc.nvrtcCreateProgram(src.encode(), b"check.cu", 0, [], [])[1]
+    opts = ["--gpu-architecture=sm_80", "--std=c++17", *_cupy_spec.compile_options(),
+            *[f"-I{d}" for d in cuda_include_dirs()]]
+    res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+    size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(prog)
+    assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")[-3000:]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kind="fwd", dtype="float32"), "dtype"),
+    (dict(kind="fwd", head_dim=80), "head_dim"),
+    (dict(kind="bwd", block_m=32), "blocks"),
+    (dict(kind="both"), "kind"),
+    (dict(kind="fwd", has_softcap=1), "has_softcap"),
+], ids=["dtype", "head-dim", "blocks", "kind", "softcap-flag"])
+def test_spec_rejects_invalid(kw, match):
+    base = dict(kind="fwd", dtype="float16", head_dim=64, block_m=64, block_n=64,
+                has_softcap=False)
+    with pytest.raises(ValueError, match=match):
+        KernelSpec(**{**base, **kw})
+
+
+def test_spec_names_and_cache_key():
+    a = KernelSpec("bwd", "bfloat16", 128, 128, 64, True)
+    b = KernelSpec("bwd", "bfloat16", 128, 128, 64, True)
+    assert a == b and hash(a) == hash(b)
+    names = a.name_expressions
+    assert names == ("varlen_bwd_preprocess<__nv_bfloat16, 128>",
+                     "varlen_bwd_dkdv<__nv_bfloat16, 128, 64, 32, true, true>",
+                     "varlen_bwd_dkdv<__nv_bfloat16, 128, 64, 32, true, false>",
+                     "varlen_bwd_dq<__nv_bfloat16, 128, 128, 64, true>",
+                     "varlen_bwd_dq_convert<__nv_bfloat16>")
+    assert KernelSpec("fwd", "float16", 64, 64, 64, False).name_expressions == (
+        "varlen_fwd<__half, 64, 64, 64, false>",)
+    assert any(o.startswith("-DVARLEN_SOURCE_HASH=") for o in _cupy_spec.compile_options())

@@ -1,0 +1,114 @@
+"""Ahead-of-time compile check of the CuPy kernels with NVRTC, no GPU needed.
+
+Compiles the kernel sources to cubin (not PTX: a newer NVRTC emits PTX the driver may reject)
+for a given architecture through `cuda.bindings.nvrtc`, and reads the register, spill and
+shared-memory figures from the `-Xptxas=-v` log. Used by `scripts/compile_kernels.py` and the
+CI compile test.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+
+from . import _cupy_spec as spec_mod
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+
+
+def cuda_include_dirs():
+    """CUDA headers (cuda_fp16.h, cuda_bf16.h): $CUDA_HOME/include, $CUDA_PATH/include, or
+    the header directory of the nvidia-cuda-runtime wheel."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_fp16.h")):
+            return (os.path.join(root, "include"),)
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            return (found,)
+    except ImportError:
+        pass
+    return ("/usr/local/cuda/include",)
+
+
+def _check(res, what):
+    from cuda.bindings import nvrtc
+    if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC {what} failed: {nvrtc.nvrtcGetErrorString(res[0])[1].decode()}")
+    return res[1] if len(res) == 2 else res[1:]
+
+
+def parse_ptxas_log(log: str) -> dict:
+    """{mangled name: {registers, spill_stores, spill_loads, static_smem}}."""
+    out, cur = {}, None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            cur = out.setdefault(m[1], {"arch": m[2]})
+        elif cur is not None and (m := _FRAME.search(line)):
+            cur.update(spill_stores=int(m[2]), spill_loads=int(m[3]))
+        elif cur is not None and (m := _USED.search(line)):
+            cur.update(registers=int(m[1]), static_smem=int(m[3] or 0))
+    return out
+
+
+def compile_names(names, arch: str):
+    """Compile the kernels named by `names` (template name expressions) for `arch` (sm_XX).
+
+    Returns (cubin bytes, {name expression: usage dict}).
+    """
+    from cuda.bindings import nvrtc
+    prog = _check(nvrtc.nvrtcCreateProgram(spec_mod.module_source().encode(), b"varlen.cu", 0,
+                                           [], []), "create")
+    try:
+        for name in names:
+            _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), "add name expression")
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", *spec_mod.compile_options(),
+                "-Xptxas=-v",
+                *[f"-I{d}" for d in cuda_include_dirs()]]
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.rstrip(b"\x00").decode(errors="replace")
+        if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"compiling {len(names)} kernels for {arch} failed:\n{log}")
+        lowered = {name: _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()),
+                                "lowered name").decode() for name in names}
+        cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    usage = parse_ptxas_log(log)
+    return cubin, {name: usage[lowered[name]] for name in names}
+
+
+def compile_groups(specs=None, archs=spec_mod.ARCHS):
+    """Jobs of the compile check: one NVRTC program per (arch, dtype, head dim), each with
+    the distinct kernels of those specs. Returns [(arch, names, {name: dynamic smem})]."""
+    specs = spec_mod.all_specs() if specs is None else specs
+    groups = defaultdict(dict)
+    seen = set()
+    for s in specs:
+        for name, _, smem in s.kernels():
+            if name not in seen:          # kernels shared by several specs compile once
+                seen.add(name)
+                groups[(s.dtype, s.head_dim)][name] = smem
+    return [(arch, tuple(kern), kern) for arch in archs for _, kern in sorted(groups.items())]
+
+
+def run_group(job):
+    """Compile one group; rows of the JSON report."""
+    arch, names, dyn_smem = job
+    _, usage = compile_names(names, arch)
+    rows = []
+    for name in names:
+        u = usage[name]
+        rows.append({"kernel": name, "arch": arch, "registers": u["registers"],
+                     "spill_bytes": u["spill_stores"] + u["spill_loads"],
+                     "shared_bytes": u["static_smem"] + dyn_smem[name],
+                     "shared_budget": spec_mod.SMEM_BUDGET[arch]})
+    return rows

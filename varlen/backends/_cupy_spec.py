@@ -1,0 +1,190 @@
+"""Kernel variants of the CuPy backend: what to compile, how big it is, how to name it.
+
+Pure Python (no CuPy import), so the compile script and the CPU tests use it too. A
+`KernelSpec` names one compiled module: a kind (`"fwd"` or `"bwd"`), an element type, a head
+dim, the plan's tile sizes and the softcap flag. It validates itself, produces the template
+name expressions of its kernels, their launch geometry and dynamic shared memory, and is the
+key of the module cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+from ..kernels_cuda import SOURCE_DIR
+
+# Entry file of the CUDA sources (it includes every header in kernels_cuda/).
+ENTRY_FILE = "varlen_attention.cu"
+
+DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+HEAD_DIMS = (64, 128)
+# (block_m, block_n) tile sizes a plan may use with this backend. (64, 64) is varlen.plan's
+# default; (128, 64) gives 8 warps per query tile.
+BLOCKS = ((64, 64), (128, 64))
+KINDS = ("fwd", "bwd")
+
+WARP_ROWS = 16        # rows of a register tile per warp (mma M)
+WARP_SIZE = 32
+SMEM_PAD = 8          # elements of padding per shared-memory row (kernels_cuda/common.cuh)
+ELEM_BYTES = 2
+STATIC_SMEM_LIMIT = 48 * 1024     # above this the kernel attribute must be raised
+PREPROCESS_WARPS = 4              # kernels_cuda/bwd_preprocess.cuh
+CONVERT_THREADS = 256
+STAGES = 2
+
+# Largest dynamic shared memory per block (opt-in) by architecture: A100 163 KiB,
+# H100/H200 227 KiB (CUDA C++ Programming Guide, "Compute capabilities" table).
+SMEM_BUDGET = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+ARCHS = tuple(SMEM_BUDGET)
+
+
+def _cxx_bool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled variant. Invalid combinations raise ValueError here, before compiling."""
+
+    kind: str            # "fwd" | "bwd"
+    dtype: str           # "float16" | "bfloat16"
+    head_dim: int
+    block_m: int
+    block_n: int
+    has_softcap: bool
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"KernelSpec.kind={self.kind!r}; expected one of {KINDS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KernelSpec.dtype={self.dtype!r}; the tensor-core kernels take "
+                             f"{', '.join(DTYPES)}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"KernelSpec.head_dim={self.head_dim}; compiled head dims are "
+                             f"{HEAD_DIMS}")
+        if (self.block_m, self.block_n) not in BLOCKS:
+            raise ValueError(f"KernelSpec blocks ({self.block_m}, {self.block_n}) are not "
+                             f"supported; expected one of {BLOCKS}")
+        if not isinstance(self.has_softcap, bool):
+            raise ValueError(f"KernelSpec.has_softcap must be a bool, got {self.has_softcap!r}")
+        if self.block_m % self.bwd_query_chunk:
+            raise ValueError(f"block_m={self.block_m} does not split into query chunks of "
+                             f"{self.bwd_query_chunk}")
+
+    # ---- geometry -----------------------------------------------------------------------
+
+    @property
+    def ctype(self) -> str:
+        return DTYPES[self.dtype]
+
+    @property
+    def stride(self) -> int:
+        return self.head_dim + SMEM_PAD
+
+    @property
+    def bwd_query_chunk(self) -> int:
+        """Query rows per step of the dK/dV kernel: 32 for D > 64 keeps it free of spills."""
+        return 32 if self.head_dim > 64 else 64
+
+    @property
+    def fwd_threads(self) -> int:
+        return self.block_m // WARP_ROWS * WARP_SIZE
+
+    @property
+    def dq_threads(self) -> int:
+        return self.block_m // WARP_ROWS * WARP_SIZE
+
+    @property
+    def dkdv_threads(self) -> int:
+        return self.block_n // WARP_ROWS * WARP_SIZE
+
+    def fwd_smem(self) -> int:
+        """Q [BM] + 2 stages of K and V [BN], rows of D + 8 elements."""
+        return (self.block_m + 2 * STAGES * self.block_n) * self.stride * ELEM_BYTES
+
+    def dq_smem(self) -> int:
+        """Q, dO [BM] + 2 stages of K and V [BN]."""
+        return (2 * self.block_m + 2 * STAGES * self.block_n) * self.stride * ELEM_BYTES
+
+    def dkdv_smem(self, atomic_dq: bool) -> int:
+        """K, V [BN] + 2 stages of Q, dO [BQ] (+ dS^T [BN][BQ + 8]) + 2 stages of lse2, delta."""
+        bq = self.bwd_query_chunk
+        elems = (2 * self.block_n + 2 * STAGES * bq) * self.stride
+        if atomic_dq:
+            elems += self.block_n * (bq + SMEM_PAD)
+        return elems * ELEM_BYTES + 2 * STAGES * bq * 4
+
+    # ---- names --------------------------------------------------------------------------
+
+    def fwd_name(self) -> str:
+        return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{_cxx_bool(self.has_softcap)}>")
+
+    def dkdv_name(self, atomic_dq: bool) -> str:
+        return (f"varlen_bwd_dkdv<{self.ctype}, {self.head_dim}, {self.block_n}, "
+                f"{self.bwd_query_chunk}, {_cxx_bool(self.has_softcap)}, "
+                f"{_cxx_bool(atomic_dq)}>")
+
+    def dq_name(self) -> str:
+        return (f"varlen_bwd_dq<{self.ctype}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{_cxx_bool(self.has_softcap)}>")
+
+    def preprocess_name(self) -> str:
+        return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}>"
+
+    def convert_name(self) -> str:
+        return f"varlen_bwd_dq_convert<{self.ctype}>"
+
+    def kernels(self):
+        """(name expression, threads per block, dynamic shared bytes) of each kernel."""
+        if self.kind == "fwd":
+            return ((self.fwd_name(), self.fwd_threads, self.fwd_smem()),)
+        return ((self.preprocess_name(), PREPROCESS_WARPS * WARP_SIZE, 0),
+                (self.dkdv_name(True), self.dkdv_threads, self.dkdv_smem(True)),
+                (self.dkdv_name(False), self.dkdv_threads, self.dkdv_smem(False)),
+                (self.dq_name(), self.dq_threads, self.dq_smem()),
+                (self.convert_name(), CONVERT_THREADS, 0))
+
+    @property
+    def name_expressions(self) -> tuple:
+        return tuple(name for name, _, _ in self.kernels())
+
+    def max_smem(self) -> int:
+        return max(smem for _, _, smem in self.kernels())
+
+    @property
+    def label(self) -> str:
+        return (f"{self.kind}-{self.dtype}-D{self.head_dim}-BM{self.block_m}-BN{self.block_n}"
+                f"{'-softcap' if self.has_softcap else ''}")
+
+
+def all_specs():
+    """Every variant the backend ships."""
+    return [KernelSpec(kind, dtype, d, bm, bn, sc)
+            for kind in KINDS for dtype in DTYPES for d in HEAD_DIMS for bm, bn in BLOCKS
+            for sc in (False, True)]
+
+
+def source_files():
+    return sorted(f for f in os.listdir(SOURCE_DIR) if f.endswith((".cuh", ".cu")))
+
+
+def source_hash() -> str:
+    """Hash of every CUDA source: part of the compile options, so the kernel cache (which
+    does not hash included headers) never serves a stale binary."""
+    h = hashlib.sha256()
+    for name in source_files():
+        h.update(name.encode())
+        with open(os.path.join(SOURCE_DIR, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def compile_options():
+    """NVRTC options of the runtime build (CuPy adds -std=c++17 and -arch itself)."""
+    return ("--use_fast_math", f"-I{SOURCE_DIR}", f"-DVARLEN_SOURCE_HASH=0x{source_hash()}")
+
+
+def module_source() -> str:
+    return f'#include "{ENTRY_FILE}"\n'
