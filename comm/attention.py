@@ -171,6 +171,9 @@ def _run(group, on_device, prepare, compute):
         ctx = prepare()
     except (ValueError, TypeError) as e:
         err = e
+    except BaseException as e:   # noqa: B902  (an unexpected failure must not strand peers)
+        group.abort(e)
+        raise
     # Every rank must take the same branch here; validation defaults follow the data's device.
     if validation_enabled(on_device):
         try:
