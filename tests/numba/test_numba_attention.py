@@ -11,8 +11,11 @@ import zlib
 import numpy as np
 import pytest
 
+from numba import cuda   # a module global: the simulator swaps it inside kernels
+
 import varlen
 from varlen import Mask
+from varlen.backends import _numba_kernels as K
 from varlen.backends import numba_backend as nb
 
 from numba_mode import SIM
@@ -40,6 +43,11 @@ CASES = {
         [17, 0, 1, 13], [17, 5, 1, 20],
         dict(Hq=2, Hk=2, D=8, dtype="bfloat16", mask=Mask(window_left=4, window_right=1),
              gaps=True), dict(deterministic=True)),
+    # Lq > Lk bottom-right: the first Lq - Lk queries see no key (lse -inf, zero grads); a
+    # sequence with queries and no keys; 40 rows = several tiles, so fully visible tiles too.
+    "B3-fp32-Hq3Hk3-D8Dv16-causal_br-Lq>Lk": (
+        [12, 40, 3], [4, 45, 0],
+        dict(Hq=3, Hk=3, D=8, Dv=16, dtype="float32", mask="causal_bottom_right"), {}),
 }
 
 
@@ -89,6 +97,73 @@ def test_explicit_plan_unequal_tiles_deterministic_is_bitwise_repeatable():
     g3 = varlen.attention_backward(*args, **kw, deterministic=False)
     for name, a, b in zip(("dq", "dk", "dv"), g1, g3):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_two_segments_per_sequence_match_numpy_backend():
+    """The context-parallel shard layout (two segments per sequence at global positions, pad
+    rows inside the chunks): the kernels walk the same plan as the NumPy backend."""
+    from varlen.backends import numpy_backend
+    from varlen.plan import build_plan
+    from test_numba_plan import _two_segments
+    rng = np.random.default_rng(21)
+    L = np.array([13, 0, 7, 22], np.int32)
+    q, k = _two_segments(rng, L), _two_segments(rng, L)
+    mask = Mask(window_left=np.array([-1, 3, 4, -1], np.int32),
+                window_right=np.array([0, 0, -1, 0], np.int32), bottom_right=False)
+    plan = build_plan(q, k, mask, block_m=8, block_n=4)
+    Hq, Hk, D = 2, 1, 8
+
+    def data(T, H):
+        return rng.standard_normal((T, H, D)).astype(np.float32)
+    qa, ka, va, do = data(q.num_rows, Hq), data(k.num_rows, Hk), data(k.num_rows, Hk), \
+        data(q.num_rows, Hq)
+    kw = dict(softmax_scale=0.35, softcap=0.0)
+    out, lse = nb.forward(plan, qa, ka, va, **kw)
+    grads = nb.backward(plan, do, qa, ka, va, out, lse, **kw)
+    f64 = [a.astype(np.float64) for a in (qa, ka, va, do)]
+    out_r, lse_r = numpy_backend.forward(plan, *f64[:3], **kw)
+    grads_r = numpy_backend.backward(plan, f64[3], *f64[:3], out_r, lse_r, **kw)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_r)), "lse -inf pattern"
+    fin = np.isfinite(lse_r)
+    np.testing.assert_allclose(lse[fin], lse_r[fin], rtol=1e-5, atol=1e-5, err_msg="lse")
+    for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_r, *grads_r)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * np.abs(r).max(), err_msg=name)
+
+
+def test_bf16_bit_conversions_match_ml_dtypes():
+    """Every bf16 bit pattern widens exactly; float32 rounds to nearest-even (ties included)."""
+    import ml_dtypes
+
+    @cuda.jit
+    def convert(bits, widened, f, rounded):
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for i in range(start, bits.shape[0], step):
+            widened[i] = K.bf16_to_f32(bits[i])
+        for i in range(start, f.shape[0], step):
+            rounded[i] = K.f32_to_bf16(f[i])
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    if SIM:
+        bits = np.ascontiguousarray(bits[::16])
+    rng = np.random.default_rng(0)
+    u = rng.integers(0, 1 << 32, size=2048, dtype=np.uint64).astype(np.uint32)
+    u[: 512] = (u[: 512] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)          # exact ties
+    f = np.concatenate([u.view(np.float32),
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, 1e-45],
+                                 np.float32)])
+    widened = np.zeros(bits.shape, np.float32)
+    rounded = np.zeros(f.shape, np.uint16)
+    convert[2, 32](bits, widened, f, rounded)
+    want = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(widened), nan)
+    assert np.array_equal(widened[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    with np.errstate(invalid="ignore"):
+        want_r = f.astype(ml_dtypes.bfloat16)
+    nan_r = np.isnan(f)
+    assert np.isnan(rounded.view(ml_dtypes.bfloat16)[nan_r].astype(np.float32)).all()
+    bad = np.flatnonzero(rounded[~nan_r] != want_r[~nan_r].view(np.uint16))
+    assert bad.size == 0, f"rounding differs for {f[~nan_r][bad[:4]]}"
 
 
 def test_default_blocks_fit_every_head_dim():
