@@ -17,7 +17,7 @@ import pytest
 import varlen.comm as vc
 from varlen.comm.nccl_group import NcclGroup
 
-from comm_workers.cases import CASES, cases_for, check_case, methods_for
+from comm_workers.cases import cases_for, check_case, methods_for
 
 
 class DevArray(np.ndarray):
@@ -183,7 +183,8 @@ def test_attention_through_the_nccl_group(fake, cp):
                 for m in methods_for(case, cp)]
     for errs in nccl.world.run(body):
         assert max(errs) < 1e-12
-    assert max(nccl.grouped_ops) >= 2 * cp          # the grouped all-to-all: a send and a recv per peer
+    # The grouped all-to-all issues a send and a receive per peer in one group.
+    assert max(nccl.grouped_ops) >= 2 * cp
 
 
 def test_collectives_through_the_nccl_group(fake):

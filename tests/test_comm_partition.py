@@ -90,6 +90,13 @@ def test_offsets_with_gaps_keep_the_room():
     np.testing.assert_array_equal(part.unshard(shards), want)
 
 
+def test_unshard_takes_an_allgathered_stack():
+    part = vc.partition(_cu([5, 0, 9]), 3)
+    x = np.arange(14.0 * 2).reshape(14, 2)
+    stacked = vc.local_group(3).run(lambda g: g.allgather(part.shard(x, g.rank)))[0]
+    np.testing.assert_array_equal(part.unshard(stacked), x)
+
+
 def test_lse_axis_and_fill():
     part = vc.partition(_cu([7]), 2)
     lse = np.arange(14.0).reshape(2, 7)
