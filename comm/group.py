@@ -265,6 +265,10 @@ class LocalGroups:
     def __len__(self):
         return len(self._ranks)
 
+    @property
+    def size(self) -> int:
+        return len(self._ranks)
+
     def __getitem__(self, rank) -> LocalGroup:
         return self._ranks[rank]
 
@@ -303,10 +307,13 @@ class LocalGroups:
         return results
 
 
-def local_group(n: int, *, timeout: float = 120.0) -> LocalGroups:
+def local_group(n: int, *, timeout: float = 60.0) -> LocalGroups:
     """`n` in-process ranks (threads sharing a mailbox) for tests and single-device runs.
 
-    `timeout` bounds every blocking wait: a rank stuck longer aborts the group.
+    Rank code must run concurrently, one thread per rank: `local_group(n).run(fn)`, or your own
+    threads with `groups[r]`. Calling the ranks one after another from one thread would leave
+    rank 0 waiting for rank 1; `timeout` (seconds) bounds every blocking wait, and a rank stuck
+    longer aborts the group with a TimeoutError.
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be an int >= 1 (the number of ranks), got {n!r}")
