@@ -105,8 +105,6 @@ def _parts(part):
         if (pq.cp_size, pq.scheme, pq.batch) != (pk.cp_size, pk.scheme, pk.batch):
             raise ValueError(f"the query partition {pq} and key partition {pk} disagree on "
                              f"cp_size, scheme or batch")
-        if pq.xp is not pk.xp:
-            raise ValueError("the query and key partitions live on different devices")
         return pq, pk
     raise TypeError(f"part must be a varlen.comm.partition(...) or a (queries, keys) pair of "
                     f"them, got {type(part).__name__}")
@@ -118,15 +116,13 @@ def _prepare(q, k, v, part, group, *, mask, softmax_scale, softcap, method, back
     qw, kw, vw = to_working(q, "q"), to_working(k, "k"), to_working(v, "v")
     Tq, Hq, D, Tk, Hk, Dv = check_qkv(qw, kw, vw)
     xp = array_module(qw)
-    pq, pk = _parts(part)
+    pq, pk = (p.on(xp) for p in _parts(part))
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a known method; expected one of "
                          f"{', '.join(map(repr, METHODS))}")
     if group.size != pq.cp_size:
         raise ValueError(f"group has {group.size} ranks but part was built for "
                          f"cp_size={pq.cp_size}")
-    if pq.xp is not xp:
-        raise ValueError("q and the partition's cu_seqlens live on different devices")
     for name, T, p in (("q", Tq, pq), ("k", Tk, pk)):
         if T != p.local_rows:
             raise ValueError(f"{name} has {T} rows but the partition gives every rank "

@@ -168,6 +168,26 @@ class Partition:
             raise ValueError(f"local_rows={self.local_rows} is too small: the padded "
                              f"sequences need {int(host_copy(local_cu)[-1])} rows per rank")
         self._index = {}
+        self._twins = {}
+
+    def on(self, xp) -> "Partition":
+        """This partition with its metadata in array module `xp` (NumPy or CuPy).
+
+        A host partition used with device data is copied to the device once (a host-to-device
+        copy, no synchronisation) and cached; a device partition is never read back.
+        """
+        if xp is self.xp:
+            return self
+        if self.xp is not np:
+            raise ValueError("the partition's cu_seqlens live on a CUDA device but the data "
+                             "is on the host; build the partition from host cu_seqlens")
+        twin = self._twins.get(xp.__name__)
+        if twin is None:
+            off = None if self.seq_offsets is None else xp.asarray(self.seq_offsets)
+            twin = Partition(xp.asarray(self.cu_seqlens), off, self.cp_size, self.scheme,
+                             self.num_rows, self.local_rows)
+            self._twins[xp.__name__] = twin
+        return twin
 
     def __repr__(self):
         return (f"Partition(scheme={self.scheme!r}, cp_size={self.cp_size}, batch={self.batch}, "
@@ -261,12 +281,11 @@ class Partition:
         Pad rows are filled with `fill` (0; use `-inf` for an lse). Returns the caller's array
         type; no host synchronisation.
         """
-        src, valid, _ = self._gather_index(rank)
         origin = common_origin([("x", x)])
         xw = to_working(x, "x")
         xp = array_module(xw)
-        if xp is not self.xp:
-            raise ValueError("x and the partition's cu_seqlens live on different devices")
+        part = self.on(xp)
+        src, valid, _ = part._gather_index(rank)
         axis = _axis(axis, xw.ndim, "x")
         if xw.shape[axis] < self.num_rows:
             raise ValueError(f"x has {xw.shape[axis]} rows along axis {axis}; the partition "
@@ -295,11 +314,12 @@ class Partition:
             if s.shape[axis] != self.local_rows or s.shape != ws[0].shape:
                 raise ValueError(f"shards[{r}] has shape {tuple(s.shape)}; expected "
                                  f"{self.local_rows} rows along axis {axis}, like shards[0]")
+        part = self.on(xp)
         moved = [xp.moveaxis(s, axis, 0) for s in ws]
         # One extra row takes every pad row's write, so the scatter needs no boolean indexing.
         out = xp.full((T + 1,) + moved[0].shape[1:], fill, dtype=ws[0].dtype)
         for r, s in enumerate(moved):
-            src, valid, _ = self._gather_index(r)
+            src, valid, _ = part._gather_index(r)
             out[xp.where(valid, src, T)] = s
         return origin.wrap(xp.moveaxis(out[:T], 0, axis))
 

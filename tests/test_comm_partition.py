@@ -137,3 +137,15 @@ def test_errors_name_the_argument(call, match):
 def test_float_cu_seqlens_is_a_type_error():
     with pytest.raises(TypeError, match="cu_seqlens must hold integers"):
         vc.partition(np.array([0, 5.0]), 2)
+
+
+def test_a_host_partition_moves_to_the_data_module_once():
+    import types
+    fake = types.ModuleType("devicelike")          # stands in for CuPy: NumPy's functions
+    fake.__dict__.update({k: getattr(np, k) for k in dir(np) if not k.startswith("__")})
+    part = vc.partition(_cu([7, 3]), 2, seq_offsets=np.array([0, 8, 12], np.int32))
+    twin = part.on(fake)
+    assert twin is part.on(fake) and twin is not part and part.on(np) is part
+    assert (twin.num_rows, twin.local_rows) == (part.num_rows, part.local_rows)
+    for r in range(2):
+        np.testing.assert_array_equal(twin.positions(r), part.positions(r))
