@@ -132,6 +132,20 @@ def test_jit_grad_of_a_loss():
                             [np.asarray(g) for g in grads], label="jit(grad)")
 
 
+def test_metadata_gets_float0_cotangents():
+    """Differentiating through the integer metadata (allow_int) gives float0 zeros, not an error."""
+    q, k, v, cu = _small()
+    is_causal = jnp.asarray([True, False])
+
+    def loss(q, cu, is_causal):
+        return vj.varlen_attention(q, k, v, cu, cu, mask=Mask.causal_where(is_causal)).sum()
+
+    dq, dcu, dflags = jax.jit(jax.grad(loss, argnums=(0, 1, 2), allow_int=True))(q, cu, is_causal)
+    assert dq.shape == q.shape and np.asarray(dq).any()
+    assert dcu.dtype == jax.dtypes.float0 and dcu.shape == cu.shape
+    assert dflags.dtype == jax.dtypes.float0 and dflags.shape == is_causal.shape
+
+
 def test_metadata_is_data_not_a_constant():
     """One jitted function, two batches with the same shapes but other lengths and masks."""
     step = jax.jit(lambda q, k, v, cu, is_causal: vj.varlen_attention(

@@ -208,7 +208,12 @@ def test_opcheck():
             to_torch(batch.off_q), to_torch(batch.off_k), *mask.fields(), 0, 0, 0, None, 0.0,
             None, None, None, False)
     result = torch.library.opcheck(torch.ops.varlen.attention_forward.default, args)
-    assert all(v == "SUCCESS" for v in result.values()), result
+    assert all(v == "SUCCESS" for v in result.values()), ("forward", result)
+    out, lse = torch.ops.varlen.attention_forward(*args)
+    grad_args = (to_torch(batch.dout), *(a.detach() for a in args[:3]), out.detach(),
+                 lse.detach(), *args[3:])
+    result = torch.library.opcheck(torch.ops.varlen.attention_backward.default, grad_args)
+    assert all(v == "SUCCESS" for v in result.values()), ("backward", result)
 
 
 def _loss(q, k, v, cu_q, cu_k, dout, mask):
