@@ -19,8 +19,7 @@ COMBOS = [pytest.param(case, cp, method, id=f"cp{cp}-{case.id}-{method}")
 
 @pytest.mark.parametrize("case, cp, method", COMBOS)
 def test_matches_single_process_reference(case, cp, method):
-    errs = vc.local_group(cp).run(check_case, case, method)
-    assert max(errs) < 1e-12
+    vc.local_group(cp).run(check_case, case, method)     # asserts on every rank
 
 
 def _run_case(cp, case, method="ring", **over):

@@ -24,10 +24,11 @@ varlen.set_nan_fill(True)
 
 
 def run_cases(group):
-    n, worst = 0, 0.0
+    n, worst = 0, {}
     for case in cases_for(group.size):
         for method in methods_for(case, group.size):
-            worst = max(worst, check_case(group, case, method))
+            err = check_case(group, case, method)
+            worst[case.dtype] = max(worst.get(case.dtype, 0.0), err)
             n += 1
     return n, worst
 
@@ -76,7 +77,8 @@ def main(mode):
         n, worst = run_cases(group)
         expect_consistent_errors(group)
         if group.rank == 0:
-            print(f"OK size={group.size} checks={n} max_err={worst:.1e} "
+            errs = " ".join(f"max_err_{dt}={e:.1e}" for dt, e in sorted(worst.items()))
+            print(f"OK size={group.size} checks={n} {errs} "
                   f"time={time.perf_counter() - t:.1f}s", flush=True)
     elif mode == "fault":
         inject_fault(rank_to_fail=1, on_call=2)
