@@ -240,3 +240,28 @@ def test_numba_backend_ring(monkeypatch):
         got = part.unshard([r[i] for r in res])
         err = float(np.abs(got - want).max())
         assert err < 1e-5 * max(1.0, float(np.abs(want).max())), f"numba {name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("method", vc.METHODS)
+def test_spare_local_rows_are_padding(method):
+    """`local_rows` above the need (the device default is an upper bound) adds pad rows."""
+    case = CASES[1]
+    g = make_global(case)
+    exact = vc.partition(g["cu_q"], 2).local_rows
+    part = vc.partition(g["cu_q"], 2, local_rows=exact + 3)
+
+    def body(grp):
+        q, k, v, do = (part.shard(g[x], grp.rank) for x in ("q", "k", "v", "dout"))
+        out, lse = vc.attention_forward(q, k, v, part, grp, mask=case.mask, method=method)
+        dq, dk, dv = vc.attention_backward(do, q, k, v, out, lse, part, grp, mask=case.mask,
+                                           method=method)
+        assert not out[exact:].any() and np.isneginf(lse[:, exact:]).all()
+        assert not dq[exact:].any() and not dk[exact:].any() and not dv[exact:].any()
+        return out, dk
+    res = vc.local_group(2).run(body)
+    ref_out, _ = reference.attention_dense(g["q"], g["k"], g["v"], g["cu_q"], g["cu_q"],
+                                           mask=case.mask)
+    ref_dk = reference.attention_dense_backward(g["dout"], g["q"], g["k"], g["v"], g["cu_q"],
+                                                g["cu_q"], mask=case.mask)[1]
+    np.testing.assert_allclose(part.unshard([o for o, _ in res]), ref_out, atol=1e-13)
+    np.testing.assert_allclose(part.unshard([d for _, d in res]), ref_dk, atol=1e-13)
