@@ -25,7 +25,9 @@ class MpiGroup(Group):
     def __init__(self, comm, *, cuda_aware: bool = False):
         from mpi4py import MPI
         self._MPI = MPI
-        self.comm = comm
+        # A private duplicate: the caller's own messages can never match the ring's (a
+        # collective call, like init itself).
+        self.comm = comm.Dup()
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.cuda_aware = bool(cuda_aware)
