@@ -1,7 +1,7 @@
 """The Numba backend's suite: one set of tests for the CUDA simulator (CPU) and a GPU.
 
 The root conftest picks the simulator before numba is imported when no GPU is usable; the
-test modules read the mode from `numba_mode.SIM`. Here:
+test modules read the mode from `numba_testing.SIM`. Here:
 
 * The PTX compile pass (`compile_check.py`) runs in a subprocess with the simulator off; it is
   started as soon as the suite is collected, so it compiles while the simulated tests run, and

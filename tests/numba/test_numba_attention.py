@@ -18,7 +18,7 @@ from varlen import Mask
 from varlen.backends import _numba_kernels as K
 from varlen.backends import numba_backend as nb
 
-from numba_mode import SIM
+from numba_testing import SIM, two_segments
 from helpers import check_against_reference, covered_rows, make_batch
 
 
@@ -104,10 +104,9 @@ def test_two_segments_per_sequence_match_numpy_backend():
     rows inside the chunks): the kernels walk the same plan as the NumPy backend."""
     from varlen.backends import numpy_backend
     from varlen.plan import build_plan
-    from test_numba_plan import _two_segments
     rng = np.random.default_rng(21)
     L = np.array([13, 0, 7, 22], np.int32)
-    q, k = _two_segments(rng, L), _two_segments(rng, L)
+    q, k = two_segments(rng, L), two_segments(rng, L)
     mask = Mask(window_left=np.array([-1, 3, 4, -1], np.int32),
                 window_right=np.array([0, 0, -1, 0], np.int32), bottom_right=False)
     plan = build_plan(q, k, mask, block_m=8, block_n=4)
@@ -171,6 +170,21 @@ def test_default_blocks_fit_every_head_dim():
         for D in (8, 16, 32, 64, 80, 96, 128, 192, 256):
             bm, bn = nb.default_blocks(dtype, D)
             assert nb._k().fits(dtype, D, D, bm, bn) is None, (dtype, D, bm, bn)
+
+
+def test_errors_name_the_problem():
+    rng = np.random.default_rng(2)
+    batch = make_batch(rng, [3, 4], D=128, Hq=1, Hk=1, dtype="float16")
+    plan = varlen.plan(batch.cu_q, batch.cu_k, block_m=64, block_n=64)
+    with pytest.raises(ValueError, match="shared memory"):
+        varlen.attention_forward(batch.q, batch.k, batch.v, batch.cu_q, batch.cu_k,
+                                 backend="numba", plan=plan)
+    if SIM:
+        small = make_batch(rng, [3, 4], D=8, Hq=1, Hk=1, dtype="float32")
+        host_plan = varlen.plan(small.cu_q, small.cu_k, block_m=8, block_n=8)
+        dev = [cuda.to_device(a) for a in (small.q, small.k, small.v)]
+        with pytest.raises(ValueError, match="plan"):
+            nb.forward(host_plan, *dev, softmax_scale=1.0, softcap=0.0)
 
 
 def test_supports_reports_reasons():

@@ -16,7 +16,7 @@ import pytest
 from varlen import Mask
 from varlen.backends import numba_backend as nb
 
-from numba_mode import SIM
+from numba_testing import SIM
 from helpers import check_against_reference, make_batch
 
 pytestmark = pytest.mark.skipif(not SIM, reason="patches the simulator's device arrays")

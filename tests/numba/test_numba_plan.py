@@ -9,7 +9,9 @@ import pytest
 
 from varlen import Mask
 from varlen.backends import numba_backend as nb
-from varlen.plan import Segments, build_plan, segments_from_cu_seqlens
+from varlen.plan import build_plan, segments_from_cu_seqlens
+
+from numba_testing import two_segments
 
 FIELDS = ("window_left", "window_right", "bottom_right", "q_tiles", "q_sched", "k_tiles",
           "k_sched")
@@ -35,25 +37,6 @@ def _mask(rng, B):
     return Mask(window_left=rng.choice([-1, 0, 3, 9], size=B).astype(np.int32),
                 window_right=rng.choice([-1, 0, 2], size=B).astype(np.int32),
                 bottom_right=rng.integers(0, 2, size=B).astype(bool))
-
-
-def _two_segments(rng, L, cp=2):
-    """Zigzag-like shard segments: chunks r and 2cp-1-r of every (padded) sequence."""
-    B = len(L)
-    r = int(rng.integers(0, cp))
-    chunk = -(-L // (2 * cp))
-    row = np.zeros((B, 2), np.int64)
-    length = np.zeros((B, 2), np.int64)
-    pos = np.zeros((B, 2), np.int64)
-    at = 0
-    for b in range(B):
-        for s, c in enumerate((r, 2 * cp - 1 - r)):
-            pos[b, s] = c * chunk[b]
-            length[b, s] = max(0, min(chunk[b], L[b] - pos[b, s]))
-            row[b, s] = at
-            at += chunk[b]
-    return Segments(row.astype(np.int32), length.astype(np.int32), pos.astype(np.int32),
-                    L.astype(np.int32), int(at))
 
 
 def assert_same_plan(got, want, label):
@@ -98,9 +81,9 @@ def test_make_plan_two_segments_matches_numpy(seed):
     rng = np.random.default_rng(100 + seed)
     B = int(rng.integers(1, 5))
     L = _lengths(rng, B, 40)
-    q = _two_segments(rng, L)
+    q = two_segments(rng, L)
     Lk = L if seed != 1 else (L + rng.integers(0, 9, size=B)).astype(np.int32)
-    k = _two_segments(rng, Lk) if seed != 2 else segments_from_cu_seqlens(_cu(Lk), None,
+    k = two_segments(rng, Lk) if seed != 2 else segments_from_cu_seqlens(_cu(Lk), None,
                                                                            int(Lk.sum()))
     mask = _mask(rng, B) if seed else Mask(window_left=5, window_right=0, bottom_right=True)
     got = nb.make_plan(q, k, mask, block_m=8, block_n=4)

@@ -180,7 +180,10 @@ class _Ctx:
         if self.kind == "host":
             a = a.copy_to_host()
         if _is_bf16(dtype):
-            a = a.view(bfloat16_dtype()) if self.kind == "host" or self.kind == "cupy" else a
+            try:
+                a = a.view(bfloat16_dtype())
+            except (TypeError, ValueError, NotImplementedError):
+                pass            # a Numba device array without bf16 support stays uint16 bits
         return a
 
     def launch(self, kernel, grid, block, *args):
