@@ -4,9 +4,12 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-// NVRTC compiles without the C library headers: the fixed-width types come from here.
+// NVRTC compiles without the C library headers: the fixed-width types come from here (the
+// host emulation of the kernels takes them from <cstdint>).
+#ifndef VARLEN_HOST_EMULATION
 using int64_t = long long;
 using uint32_t = unsigned int;
+#endif
 static_assert(sizeof(int64_t) == 8 && sizeof(uint32_t) == 4, "fixed-width integer types");
 
 namespace varlen {

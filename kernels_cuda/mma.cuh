@@ -37,6 +37,9 @@
 
 namespace varlen {
 
+// The PTX primitives. A host emulation of the kernels (used to test their index arithmetic
+// on a CPU) defines VARLEN_HOST_EMULATION and supplies its own versions of these six.
+#ifndef VARLEN_HOST_EMULATION
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -87,6 +90,8 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
+
+#endif  // VARLEN_HOST_EMULATION
 
 // Row stride, in elements, of a padded shared-memory tile with D columns.
 template <int D>

@@ -181,3 +181,31 @@ def _null_pointer():
     atomics): 8 bytes, like the float* it stands for."""
     import cupy
     return cupy.uint64(0)
+
+
+def _warm_one(spec: KernelSpec) -> str:
+    for name, _, smem in spec.kernels():
+        module(spec).function(name, smem)
+    return spec.label
+
+
+def warm_cache(specs=None, jobs: int = 8):
+    """Compile the given variants (default: all) for the current GPU in parallel processes,
+    filling CuPy's on-disk kernel cache (`CUPY_CACHE_DIR`) so later processes only load them.
+    Returns the labels compiled."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    from ._cupy_spec import all_specs
+    specs = all_specs() if specs is None else specs
+    ctx = multiprocessing.get_context("spawn")      # a CUDA context must not be forked
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        return list(pool.map(_warm_one, specs))
+
+
+if __name__ == "__main__":
+    import sys
+    import time
+    t0 = time.time()
+    done = warm_cache(jobs=int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+    print(f"compiled {len(done)} kernel modules in {time.time() - t0:.0f} s")
