@@ -1,8 +1,12 @@
 // Shared definitions of the varlen attention kernels: element types, constants, smem layout.
 #pragma once
 
+#ifdef VARLEN_HOST_EMULATION
+#include "host_emulation.cuh"
+#else
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#endif
 
 // NVRTC compiles without the C library headers: the fixed-width types come from here (the
 // host emulation of the kernels takes them from <cstdint>).

@@ -1,0 +1,188 @@
+// Host emulation of the CUDA features the varlen kernels use, so their index arithmetic,
+// schedule walking, masking and softmax can be executed and tested on a CPU
+// (varlen/backends/_cupy_emulation.py compiles them with g++ -DVARLEN_HOST_EMULATION).
+//
+// One OS thread per CUDA thread, blocks one after the other, __syncthreads as a barrier.
+// Warp-collective PTX primitives (ldmatrix, mma.sync, shuffles) exchange operands through a
+// per-warp slot array between two warp barriers, and follow the fragment ownership of the
+// PTX ISA spelled out in mma.cuh: an independent statement of the same layouts, so an index
+// error in a kernel shows up as a wrong result. cp.async copies synchronously (the pipeline's
+// wait/commit order is not exercised here); shared memory starts as NaN bytes each block.
+// Not a GPU: it checks logic, not timing, races or register budgets.
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <thread>
+#include <vector>
+#include <functional>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+
+using std::min;
+using std::max;
+
+struct dim3e { unsigned x = 0, y = 0, z = 0; };
+inline thread_local dim3e threadIdx, blockIdx;
+inline dim3e gridDim;
+
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+
+inline float __int_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// ---- element types --------------------------------------------------------------------
+struct __half { uint16_t bits; };
+struct __nv_bfloat16 { uint16_t bits; };
+struct __half2 { __half x, y; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+
+inline __half __float2half_rn(float f) { _Float16 h = (_Float16)f; __half r; std::memcpy(&r.bits, &h, 2); return r; }
+inline float __half2float(__half h) { _Float16 v; std::memcpy(&v, &h.bits, 2); return (float)v; }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    __nv_bfloat16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) { r.bits = 0x7fc0; return r; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = (uint16_t)(u >> 16);
+    return r;
+}
+inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = (uint32_t)b.bits << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline __half2 __floats2half2_rn(float a, float b) { return __half2{__float2half_rn(a), __float2half_rn(b)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
+
+// ---- block and warp synchronisation ---------------------------------------------------
+struct WarpX {
+    std::barrier<> bar{32};
+    const void* ptr[32];
+    uint32_t a[32][4];
+    uint32_t b[32][2];
+    float c[32][4];
+    float f[32];
+};
+inline std::barrier<>* g_block_bar = nullptr;
+inline WarpX* g_warps = nullptr;
+
+inline WarpX& my_warp() { return g_warps[threadIdx.x / 32]; }
+inline int my_lane() { return threadIdx.x % 32; }
+
+inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+inline void __syncwarp() { my_warp().bar.arrive_and_wait(); }
+
+inline float __shfl_xor_sync(unsigned, float x, int m) {
+    WarpX& w = my_warp(); int l = my_lane();
+    w.f[l] = x; w.bar.arrive_and_wait();
+    float r = w.f[l ^ m]; w.bar.arrive_and_wait();
+    return r;
+}
+
+inline float atomicAdd(float* p, float v) {
+    std::atomic_ref<float> ref(*p);
+    return ref.fetch_add(v);
+}
+
+// ---- PTX primitives, emulated from the PTX ISA description ---------------------------
+namespace varlen {
+
+inline uint16_t ld16(const void* p, int elem) { uint16_t v; std::memcpy(&v, (const char*)p + 2 * elem, 2); return v; }
+
+// ldmatrix.m8n8.x4: lanes 8i..8i+7 address the rows of matrix i; lane l gets, in register
+// i, M_i[l/4][2(l%4)] (low 16 bits) and M_i[l/4][2(l%4)+1] (high 16 bits).
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    WarpX& w = my_warp(); int l = my_lane();
+    w.ptr[l] = p; w.bar.arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        const void* row = w.ptr[8 * i + l / 4];
+        r[i] = ld16(row, 2 * (l % 4)) | ((uint32_t)ld16(row, 2 * (l % 4) + 1) << 16);
+    }
+    w.bar.arrive_and_wait();
+}
+
+// .trans: lane l gets M_i[2(l%4)][l/4] (low) and M_i[2(l%4)+1][l/4] (high).
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+    WarpX& w = my_warp(); int l = my_lane();
+    w.ptr[l] = p; w.bar.arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        const void* r0 = w.ptr[8 * i + 2 * (l % 4)];
+        const void* r1 = w.ptr[8 * i + 2 * (l % 4) + 1];
+        r[i] = ld16(r0, l / 4) | ((uint32_t)ld16(r1, l / 4) << 16);
+    }
+    w.bar.arrive_and_wait();
+}
+
+template <typename T> float to_f(uint16_t bits);
+template <> inline float to_f<__half>(uint16_t bits) { return __half2float(__half{bits}); }
+template <> inline float to_f<__nv_bfloat16>(uint16_t bits) { return __bfloat162float(__nv_bfloat16{bits}); }
+
+// mma.m16n8k16, fragment ownership from the PTX ISA:
+//   A[r][k]: lane 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2
+//   B[k][n]: lane 4 n + (k % 8) / 2, register (k >= 8), half k % 2
+//   C[r][n]: lane 4 (r % 8) + (n % 8) / 2, element 2 (r >= 8) + n % 2
+template <typename T>
+inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    WarpX& w = my_warp(); int l = my_lane();
+    for (int i = 0; i < 4; ++i) { w.a[l][i] = a[i]; w.c[l][i] = d[i]; }
+    w.b[l][0] = b0; w.b[l][1] = b1;
+    w.bar.arrive_and_wait();
+    auto A = [&](int r, int k) {
+        uint32_t reg = w.a[4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
+        return to_f<T>((uint16_t)(k % 2 ? reg >> 16 : reg & 0xffff));
+    };
+    auto B = [&](int k, int n) {
+        uint32_t reg = w.b[4 * n + (k % 8) / 2][k >= 8];
+        return to_f<T>((uint16_t)(k % 2 ? reg >> 16 : reg & 0xffff));
+    };
+    const int g = l / 4, t = l % 4;
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        const int r = g + 8 * (e >= 2), n = 2 * t + (e % 2);
+        double acc = w.c[l][e];
+        for (int k = 0; k < 16; ++k) acc += (double)A(r, k) * (double)B(k, n);
+        out[e] = (float)acc;
+    }
+    w.bar.arrive_and_wait();
+    for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+inline void cp_async_16(void* dst, const void* src, bool valid) {
+    if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+}
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
+
+}  // namespace varlen
+
+// ---- launching -----------------------------------------------------------------------
+alignas(16) inline unsigned char smem_raw[256 * 1024];
+
+template <typename F>
+void launch(unsigned gx, unsigned gy, unsigned threads, F&& body) {
+    gridDim = dim3e{gx, gy, 1};
+    for (unsigned by = 0; by < gy; ++by) {
+        for (unsigned bx = 0; bx < gx; ++bx) {
+            std::memset(smem_raw, 0xff, sizeof(smem_raw));    // garbage (NaN) shared memory
+            std::barrier<> bar((std::ptrdiff_t)threads);
+            std::vector<WarpX> warps(threads / 32);
+            g_block_bar = &bar;
+            g_warps = warps.data();
+            std::vector<std::thread> ts;
+            for (unsigned t = 0; t < threads; ++t) {
+                ts.emplace_back([&, t, bx, by] {
+                    threadIdx = dim3e{t, 0, 0};
+                    blockIdx = dim3e{bx, by, 0};
+                    body();
+                });
+            }
+            for (auto& th : ts) th.join();
+        }
+    }
+}

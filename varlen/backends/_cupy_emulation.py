@@ -1,0 +1,205 @@
+"""Run the CuPy backend's CUDA kernels on a CPU, through a host emulation, for testing.
+
+    python -m varlen.backends._cupy_emulation [--quick]
+
+The kernel sources are compiled with g++ (`-DVARLEN_HOST_EMULATION`, see
+`kernels_cuda/host_emulation.cuh`): one OS thread per CUDA thread, warp-collective PTX
+primitives (ldmatrix, mma.sync, shuffles) emulated from the PTX ISA's fragment layouts. The
+real launchers of `_cupy_kernels.py` drive them: a stand-in `cupy` module turns each kernel
+launch into a call of the emulated kernel with the very argument tuple a GPU launch would
+get, so argument order, scalar types, grids, shared-memory sizes (and the >48 KiB opt-in) are
+exercised too. Results are compared with the float64 reference (STYLE.md tolerances).
+
+This checks the kernels' logic (fragment indexing, schedule walking, masks, online softmax,
+backward algebra, pad rows), not timing, races or register budgets; it is slow (seconds per
+block) and only for small batches. It replaces `sys.modules["cupy"]`, so run it in its own
+process (the CI test does).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import numpy as np
+
+from ..kernels_cuda import SOURCE_DIR
+from . import _cupy_spec
+
+ENTRY = os.path.join(SOURCE_DIR, "host_emulation_entry.cu")
+BUILD_DIR = os.environ.get("VARLEN_EMULATION_DIR",
+                           os.path.join(tempfile.gettempdir(), "varlen_host_emulation"))
+STATIC_SMEM_LIMIT = _cupy_spec.STATIC_SMEM_LIMIT
+EMULATED_SMEM = 256 * 1024          # size of the emulation's shared-memory buffer
+
+_libs: dict = {}
+
+
+def _build(T, D, BM, BN, BQ, SC):
+    key = (T, D, BM, BN, BQ, SC)
+    if key in _libs:
+        return _libs[key]
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    tag = hashlib.sha256(f"{key}{_cupy_spec.source_hash()}".encode()).hexdigest()[:16]
+    path = os.path.join(BUILD_DIR, f"varlen_emu_{tag}.so")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        cmd = [os.environ.get("CXX", "g++"), "-x", "c++", "-std=c++20", "-O1", "-pthread",
+               "-shared", "-fPIC", "-DVARLEN_HOST_EMULATION", f"-I{SOURCE_DIR}",
+               f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
+               f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}", ENTRY, "-o", tmp]
+        subprocess.run(cmd, check=True)
+        os.replace(tmp, path)
+    lib = _libs[key] = ctypes.CDLL(path)
+    return lib
+
+
+class _Kernel:
+    """Stands for a CuPy RawKernel: same call signature, runs the emulated kernel."""
+
+    def __init__(self, name: str, block_m: int):
+        self.name = name
+        self.max_dynamic_shared_size_bytes = 0
+        kind, args = re.fullmatch(r"(\w+)<(.*)>", name).groups()
+        a = [x.strip() for x in args.split(",")]
+        T, D, BM, BN, SC = a[0], 64, block_m, 64, "false"
+        if kind in ("varlen_fwd", "varlen_bwd_dq"):
+            D, BM, BN, SC = int(a[1]), int(a[2]), int(a[3]), a[4]
+            self.entry = "emu_fwd" if kind == "varlen_fwd" else "emu_dq"
+        elif kind == "varlen_bwd_dkdv":
+            D, BN, SC = int(a[1]), int(a[2]), a[4]
+            self.entry = "emu_dkdv_atomic" if a[5] == "true" else "emu_dkdv_plain"
+        elif kind == "varlen_bwd_preprocess":
+            D = int(a[1])
+            self.entry = "emu_pre"
+        elif kind == "varlen_bwd_dq_convert":
+            self.entry = "emu_convert"
+        else:
+            raise AssertionError(f"unknown kernel {name}")
+        bq = int(a[3]) if kind == "varlen_bwd_dkdv" else (32 if D > 64 else 64)
+        self.lib = _build(T, D, BM, BN, bq, SC)
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        assert shared_mem <= EMULATED_SMEM, f"{self.name}: {shared_mem} B of shared memory"
+        if shared_mem > STATIC_SMEM_LIMIT:
+            assert self.max_dynamic_shared_size_bytes >= shared_mem, (
+                f"{self.name}: {shared_mem} B dynamic shared memory without the opt-in")
+        conv = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                assert a.flags.c_contiguous, f"{self.name}: non-contiguous argument"
+                conv.append(ctypes.c_void_p(a.ctypes.data))
+            elif isinstance(a, np.int32):
+                conv.append(ctypes.c_int(int(a)))
+            elif isinstance(a, np.float32):
+                conv.append(ctypes.c_float(float(a)))
+            elif isinstance(a, np.int64):
+                conv.append(ctypes.c_longlong(int(a)))
+            elif isinstance(a, np.uint64):
+                conv.append(ctypes.c_void_p(int(a)))
+            else:
+                raise TypeError(f"{self.name}: argument of type {type(a).__name__} would not "
+                                f"be passed as a 32-bit scalar or a pointer")
+        grid = tuple(grid) + (1,) * (2 - len(grid))
+        getattr(self.lib, self.entry)(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
+                                      ctypes.c_uint(block[0]), *conv)
+
+
+def install_fake_cupy(block_m: int):
+    """Replace `cupy` by NumPy plus an emulating RawModule (this process only)."""
+    fake = types.ModuleType("cupy")
+    for n in ("int32", "float32", "int64", "uint64", "uint16", "zeros", "full", "empty",
+              "ascontiguousarray", "ndarray"):
+        setattr(fake, n, getattr(np, n))
+
+    class RawModule:
+        def __init__(self, code=None, options=(), name_expressions=()):
+            self.names = list(name_expressions)
+
+        def get_function(self, name):
+            assert name in self.names, f"{name} is not among the name expressions"
+            return _Kernel(name, block_m)
+
+    fake.RawModule = RawModule
+    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
+    sys.modules["cupy"] = fake
+    from . import _cupy_kernels
+    _cupy_kernels._modules.clear()
+    _cupy_kernels._data = np.ascontiguousarray       # host arrays have no device pointer
+    return fake
+
+
+def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softcap, block_m,
+             seed=0):
+    """Forward and both backward modes of one batch through the emulated kernels, checked
+    against the float64 reference. Raises AssertionError on a mismatch."""
+    sys.path.insert(0, os.path.join(SOURCE_DIR, "..", "tests"))
+    from helpers import check_against_reference, make_batch
+
+    import varlen
+    from . import cupy_backend
+    install_fake_cupy(block_m)
+    rng = np.random.default_rng(seed)
+    b = make_batch(rng, lengths_q, lengths_k, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
+                   gaps=gaps)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
+                       block_m=block_m, block_n=64)
+    scale = 1.0 / math.sqrt(D)
+    out, lse = cupy_backend.forward(plan, b.q, b.k, b.v, softmax_scale=scale, softcap=softcap)
+    for det in (False, True):
+        grads = cupy_backend.backward(plan, b.dout, b.q, b.k, b.v, out, lse,
+                                      softmax_scale=scale, softcap=softcap, deterministic=det)
+        check_against_reference(b, out, lse, grads, softcap=softcap,
+                                label=f"{label} (emulated, deterministic={det})")
+
+
+def cases(quick: bool):
+    from ..masks import Mask
+    per_seq = Mask(window_left=np.array([-1, 3, -1, 0, 5, -1, 40], np.int32),
+                   window_right=np.array([0, -1, -1, 0, 0, 2, -1], np.int32),
+                   bottom_right=np.array([0, 0, 1, 1, 0, 1, 1], np.int32))
+    small = dict(label="B3-gqa-perseq-gaps-fp16-D64", lengths_q=[0, 70, 5],
+                 lengths_k=[3, 66, 9], Hq=2, Hk=1, D=64, dtype="float16",
+                 mask=Mask(window_left=np.array([-1, 20, -1], np.int32),
+                           window_right=np.array([0, -1, 0], np.int32),
+                           bottom_right=np.array([0, 1, 1], np.int32)),
+                 gaps=True, softcap=0.0, block_m=64)
+    if quick:
+        return [small]
+    return [small,
+            dict(label="B7-perseq-bf16-D128-BM128", lengths_q=[0, 9, 1, 200, 0, 97, 2],
+                 lengths_k=[4, 9, 3, 129, 1, 0, 150], Hq=4, Hk=2, D=128, dtype="bfloat16",
+                 mask=per_seq, gaps=True, softcap=0.0, block_m=128),
+            dict(label="B2-softcap-bf16-D64-BM128", lengths_q=[40, 130], lengths_k=[140, 1],
+                 Hq=2, Hk=2, D=64, dtype="bfloat16", mask="full", gaps=False, softcap=5.0,
+                 block_m=128),
+            dict(label="B3-mqa-causal_br-fp16-D128", lengths_q=[1, 97, 113],
+                 lengths_k=[30, 3, 200], Hq=2, Hk=1, D=128, dtype="float16",
+                 mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64)]
+
+
+def main(argv=None) -> int:
+    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    ok = True
+    for case in cases(quick):
+        t0 = time.time()
+        label = case["label"]
+        try:
+            run_case(**case)
+            print(f"ok      {label} ({time.time() - t0:.0f} s)", flush=True)
+        except AssertionError as e:
+            ok = False
+            print(f"FAILED  {label}: {e}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
