@@ -209,7 +209,7 @@ def _run(group, on_device, prepare, compute):
 def _has_work(plan) -> bool:
     """False when no query tile visits any key tile. Device plans are not read (no host
     sync): their kernels skip the empty tiles instead."""
-    if not isinstance(plan.q_sched, np.ndarray):
+    if not plan.on_host:
         return True
     s = plan.q_sched
     return bool((s[..., 3] > s[..., 0]).any())

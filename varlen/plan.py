@@ -158,12 +158,13 @@ class Plan:
         return int(self.k_tiles.shape[0])
 
     @property
-    def xp(self):
-        return _xp(self.q_tiles)
+    def on_host(self) -> bool:
+        """True when the plan's arrays are NumPy arrays (else CuPy or Numba device arrays)."""
+        return isinstance(self.q_tiles, np.ndarray)
 
     def to_host(self) -> "Plan":
         """A NumPy copy (reads device memory: for tests and inspection)."""
-        if isinstance(self.q_tiles, np.ndarray):
+        if self.on_host:
             return self
         h = _to_numpy
 

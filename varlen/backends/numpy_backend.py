@@ -30,7 +30,7 @@ def default_blocks(dtype, head_dim):
 
 
 def check_plan(plan: Plan):
-    if not isinstance(plan.q_tiles, np.ndarray):
+    if not plan.on_host:
         return "its arrays live on a device; build it from host cu_seqlens for host data"
     return None
 
