@@ -18,7 +18,7 @@ from ..kernels_cuda import SOURCE_DIR
 ENTRY_FILE = "varlen_attention.cu"
 
 DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (32, 64, 96, 128)
 # (block_m, block_n) tile sizes a plan may use with this backend. (64, 64) is varlen.plan's
 # default; (128, 64) gives 8 warps per query tile.
 BLOCKS = ((64, 64), (128, 64))
