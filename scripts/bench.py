@@ -232,9 +232,14 @@ def run_varlen(torch, d):
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32,
                           device="cuda")
         L = max(lengths)
-        kw = {"is_causal": causal} if "is_causal" in params else {}
-        if "is_causal" not in params and causal:
-            raise RuntimeError("varlen_attn has no is_causal argument in this torch")
+        if "window_size" in params:
+            kw = {"window_size": (-1, 0) if causal else (-1, -1)}
+        elif "is_causal" in params:
+            kw = {"is_causal": causal}
+        elif causal:
+            raise RuntimeError("this torch's varlen_attn takes no causal mask")
+        else:
+            kw = {}
 
         def forward(q, k, v, cu=cu, L=L, kw=kw):
             return varlen_attn(q, k, v, cu, cu, L, L, **kw)
