@@ -161,6 +161,50 @@ def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softc
                                 label=f"{label} (emulated, deterministic={det})")
 
 
+def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
+    """Context-parallel segment plans (two query segments per sequence, all-gathered keys:
+    2 * cp_size key segments) through the emulated kernels, against the NumPy backend on the
+    same plan, for every rank."""
+    from .. import comm
+    from ..masks import Mask
+    from ..plan import build_plan
+    from . import cupy_backend, numpy_backend
+    install_fake_cupy(64)
+    cu = np.array([0, 37, 37, 200, 290], np.int32)
+    part = comm.partition(cu, cp_size, "zigzag")
+    mask = Mask(window_left=np.array([-1, -1, 30, -1], np.int32),
+                window_right=np.array([0, -1, 0, 5], np.int32),
+                bottom_right=np.array([0, 0, 1, 0], np.int32))
+    rng = np.random.default_rng(seed)
+    Hq, Hk, D = 4, 2, 64
+    scale = 1.0 / math.sqrt(D)
+    for rank in range(cp_size):
+        plan = build_plan(part.segments(rank), part.gathered_segments(), mask, block_m=64,
+                          block_n=64)
+        q, dout = (rng.standard_normal((plan.q.num_rows, Hq, D)).astype(np.float16)
+                   for _ in range(2))
+        k, v = (rng.standard_normal((plan.k.num_rows, Hk, D)).astype(np.float16)
+                for _ in range(2))
+        f64 = [x.astype(np.float64) for x in (dout, q, k, v)]
+        ref_out, ref_lse = numpy_backend.forward(plan, *f64[1:], softmax_scale=scale,
+                                                 softcap=0.0)
+        ref = (ref_out, *numpy_backend.backward(plan, f64[0], *f64[1:], ref_out, ref_lse,
+                                                softmax_scale=scale, softcap=0.0))
+        out, lse = cupy_backend.forward(plan, q, k, v, softmax_scale=scale, softcap=0.0)
+        for det in (False, True):
+            got = (out, *cupy_backend.backward(plan, dout, q, k, v, out, lse,
+                                               softmax_scale=scale, softcap=0.0,
+                                               deterministic=det))
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+                err = float(np.abs(a.astype(np.float64) - b).max())
+                bound = 2.0 ** -7 * float(np.abs(b).max()) + 2.0 ** -10
+                assert err <= bound, (f"{label} rank {rank} {name} (deterministic={det}): "
+                                      f"max error {err:.3e} > {bound:.3e}")
+        finite = np.isfinite(ref_lse)
+        assert np.array_equal(np.isfinite(lse), finite), f"{label} rank {rank}: lse -inf rows"
+        assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-2, f"{label} rank {rank}: lse"
+
+
 def cases(quick: bool):
     from ..masks import Mask
     per_seq = Mask(window_left=np.array([-1, 3, -1, 0, 5, -1, 40], np.int32),
@@ -189,11 +233,13 @@ def cases(quick: bool):
 def main(argv=None) -> int:
     quick = "--quick" in (argv if argv is not None else sys.argv[1:])
     ok = True
-    for case in cases(quick):
+    todo = [(c["label"], run_case, c) for c in cases(quick)]
+    if not quick:
+        todo.append(("CP2-zigzag-segments-fp16-D64", run_cp_case, {}))
+    for label, fn, case in todo:
         t0 = time.time()
-        label = case["label"]
         try:
-            run_case(**case)
+            fn(**case)
             print(f"ok      {label} ({time.time() - t0:.0f} s)", flush=True)
         except AssertionError as e:
             ok = False
