@@ -156,13 +156,13 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
         gemm_a_bt<T, NB_Q, D / 16, STRIDE, STRIDE>(acc_s, s_k, row0, s_qst, lane);
         gemm_a_bt<T, NB_Q, D / 16, STRIDE, STRIDE>(acc_dp, s_v, row0, s_dost, lane);
 
-        const bool need_mask = !cur.full || ragged_keys;
+        const bool m_partial = !cur.full || ragged_keys;     // mask arithmetic needed
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int key_row = row0 + g + 8 * half;
-            Band band{1, 0};                      // empty: a key row past the tile
+            Band m_band{1, 0};                      // empty: a key row past the tile
             if (key_row < tile.rows) {
-                band = query_band(pol, tile.pos + key_row, cur.pos, cur.pos + cur.rows - 1);
+                m_band = query_band(pol, tile.pos + key_row, cur.pos, cur.pos + cur.rows - 1);
             }
             #pragma unroll
             for (int nb = 0; nb < NB_Q; ++nb) {
@@ -172,7 +172,7 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                     float th = 0.f;
                     float x = score_log2<HAS_SOFTCAP>(acc_s[nb][2 * half + e], softmax_scale,
                                                       softcap, &th);
-                    if (need_mask && !band.contains(cur.pos + col)) x = neg_inf();
+                    if (m_partial && !m_band.contains(cur.pos + col)) x = neg_inf();
                     const float p = exp2f(x - s_lse2st[col]);
                     float ds = p * (acc_dp[nb][2 * half + e] - s_deltast[col]);
                     if (HAS_SOFTCAP) ds *= 1.f - th * th;

@@ -139,7 +139,7 @@ varlen_bwd_dq(const T* __restrict__ q,            // [Tq, Hq, D]
 
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const Band band = key_band(pol, tile.pos + row0 + g + 8 * half, cur.pos,
+            const Band m_band = key_band(pol, tile.pos + row0 + g + 8 * half, cur.pos,
                                        cur.pos + cur.rows - 1);
             #pragma unroll
             for (int nb = 0; nb < NB_S; ++nb) {
@@ -149,7 +149,7 @@ varlen_bwd_dq(const T* __restrict__ q,            // [Tq, Hq, D]
                     float th = 0.f;
                     float x = score_log2<HAS_SOFTCAP>(acc_s[nb][2 * half + e], softmax_scale,
                                                       softcap, &th);
-                    if (!cur.full && !band.contains(cur.pos + col)) x = neg_inf();
+                    if (!cur.full && !m_band.contains(cur.pos + col)) x = neg_inf();
                     const float p = exp2f(x - row_lse2[half]);
                     float ds = p * (acc_dp[nb][2 * half + e] - row_delta[half]);
                     if (HAS_SOFTCAP) ds *= 1.f - th * th;

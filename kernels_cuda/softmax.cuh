@@ -30,13 +30,13 @@ __device__ __forceinline__ void mask_scores(float (&s)[NB][4], const SeqPolicy& 
     const int g = lane / 4, t = lane % 4;
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const Band band = key_band(pol, q_pos + g + 8 * half, k_pos0, k_pos0 + k_rows - 1);
+        const Band m_band = key_band(pol, q_pos + g + 8 * half, k_pos0, k_pos0 + k_rows - 1);
         #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
             #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int j = k_pos0 + nb * 8 + 2 * t + e;
-                if (!band.contains(j)) s[nb][2 * half + e] = neg_inf();
+                if (!m_band.contains(j)) s[nb][2 * half + e] = neg_inf();
             }
         }
     }
