@@ -122,3 +122,26 @@ def test_kernels_match_reference_on_host_emulation():
     proc = subprocess.run([sys.executable, "-m", "varlen.backends._cupy_emulation", "--quick"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"host emulation:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_backend_interface_without_a_gpu():
+    from varlen.backends import cupy_backend as cb
+    assert cb.name == "cupy"
+    assert cb.DEFAULT_ELIGIBLE is False, "flip only after the GPU suite has passed"
+    kw = dict(head_dim=128, head_dim_v=128)
+    why = cb.supports(dtype="bfloat16", on_device=True, **kw)
+    assert why is None or why.startswith("CuPy is not importable"), why
+    assert "host" in cb.supports(dtype="bfloat16", on_device=False, **kw)
+    assert "float32" in cb.supports(dtype="float32", on_device=True, **kw)
+    assert "head_dim=80" in cb.supports(dtype="float16", head_dim=80, head_dim_v=80,
+                                        on_device=True)
+    assert "head_dim_v" in cb.supports(dtype="float16", head_dim=64, head_dim_v=32,
+                                       on_device=True)
+    for D in _cupy_spec.HEAD_DIMS:
+        assert tuple(cb.default_blocks("float16", D)) in _cupy_spec.BLOCKS
+    import numpy as np
+    import varlen
+    cu = np.array([0, 5, 9], np.int32)
+    assert "tiles" in cb.check_plan(varlen.plan(cu, cu, block_m=32, block_n=32))
+    pytest.importorskip("cupy")
+    assert "device" in cb.check_plan(varlen.plan(cu, cu, block_m=64, block_n=64))
