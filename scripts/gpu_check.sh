@@ -67,7 +67,8 @@ try:
 except OSError:
     sys.exit(1)
 n = ctypes.c_int(0)
-sys.exit(0 if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0 else 1)
+ok = lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0
+sys.exit(0 if ok else 1)
 EOF
 then
     echo "gpu_check: no usable CUDA GPU; nothing to run (the CPU suite covers the simulator)"

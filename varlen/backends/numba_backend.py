@@ -96,7 +96,8 @@ def default_blocks(dtype, head_dim):
 
 def check_plan(plan: Plan):
     if plan.block_m > 1024 or plan.block_n > 1024:
-        return f"block_m={plan.block_m} and block_n={plan.block_n} must be <= 1024 (a thread per row)"
+        return (f"block_m={plan.block_m} and block_n={plan.block_n} must be <= 1024 (a thread "
+                f"per row)")
     if _kind(plan.q_tiles) is None:
         return f"its arrays are {type(plan.q_tiles).__name__}; expected NumPy, CuPy or Numba"
     return None
@@ -143,9 +144,7 @@ class _Ctx:
     def dev(self, x, name="array"):
         """`x` as a kernel argument of this call (bf16 as its uint16 bits)."""
         kind = _kind(x)
-        if kind == "host" and _is_bf16(x.dtype):
-            x = x.view(np.uint16)
-        elif kind in ("cupy", "numba") and _is_bf16(x.dtype):
+        if kind is not None and _is_bf16(x.dtype):
             x = x.view(np.uint16)
         if self.kind == "host":
             if kind == "host":
@@ -182,7 +181,7 @@ class _Ctx:
         if _is_bf16(dtype):
             try:
                 a = a.view(bfloat16_dtype())
-            except (TypeError, ValueError, NotImplementedError):
+            except Exception:  # noqa: BLE001
                 pass            # a Numba device array without bf16 support stays uint16 bits
         return a
 
