@@ -89,3 +89,15 @@ def test_make_plan_two_segments_matches_numpy(seed):
     got = nb.make_plan(q, k, mask, block_m=8, block_n=4)
     want = build_plan(q, k, mask, block_m=8, block_n=4)
     assert_same_plan(got, want, f"two segments, seed {seed}")
+
+
+def test_many_sequences_two_segments_with_bounds():
+    """S = 2B = 74 segments: the prefix-sum kernel's threads each sum a chunk; max_seqlen
+    bounds shrink both tile tables."""
+    rng = np.random.default_rng(7)
+    L = rng.integers(0, 12, size=37).astype(np.int32)
+    L[[0, 17, -1]] = 0
+    q, k = two_segments(rng, L, cp=3), two_segments(rng, L, cp=3)
+    mask = _mask(rng, 37)
+    kw = dict(block_m=4, block_n=2, max_seqlen_q=4, max_seqlen_k=3)
+    assert_same_plan(nb.make_plan(q, k, mask, **kw), build_plan(q, k, mask, **kw), "B37")
