@@ -4,7 +4,7 @@
 #   scripts/gpu_check_cupy.sh       # logs and JSON under $OUT/cupy when $OUT is set, else
 #                                   # ./gpu_check_out/cupy; exit status 0 only if all passed
 #
-# Steps, each under its own timeout (about 4.5 minutes at most in all):
+# Steps, each under its own timeout (3.5 minutes at most in all):
 #   1. compile every kernel variant for this GPU in parallel processes (CuPy disk cache)
 #   2. tests/test_cupy_gpu.py: parity with the float64 reference, determinism, graph capture
 #   3. scripts/bench.py --quick (parity-gated; flex_attention and numba only in the full run)
@@ -40,10 +40,10 @@ run_step() {  # name timeout_s command...
     [ "$rc" -eq 0 ] || STATUS=1
 }
 
-run_step warm_cache 90 "$PY" -m varlen.backends._cupy_kernels 12
-run_step tests 150 "$PY" -m pytest -q -rfEs tests/test_cupy_gpu.py \
+run_step warm_cache 60 "$PY" -m varlen.backends._cupy_kernels 12
+run_step tests 90 "$PY" -m pytest -q -rfEs tests/test_cupy_gpu.py \
     --junitxml="$OUT_DIR/tests.xml"
-run_step bench 100 "$PY" scripts/bench.py --quick --tokens 8192 --iters 3 \
+run_step bench 60 "$PY" scripts/bench.py --quick --tokens 8192 --iters 3 \
     --runners cupy,sdpa-flash,sdpa-cudnn,varlen --json "$OUT_DIR/bench.json"
 
 joined=$(IFS=,; echo "${STEPS[*]}")

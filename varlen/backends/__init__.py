@@ -48,6 +48,9 @@ def select(name, *, dtype, head_dim, head_dim_v, on_device):
         mod = load(cand)
         if mod is None:
             continue
+        if not getattr(mod, "DEFAULT_ELIGIBLE", True):
+            reasons.append(f"{cand}: not chosen by default yet (ask for it by name)")
+            continue
         why = mod.supports(**kw)
         if not why:
             return mod
@@ -60,7 +63,8 @@ def available(on_device: bool):
     out = []
     for cand in _ORDER:
         mod = load(cand)
-        if mod is not None and not mod.supports(dtype="float32", head_dim=64, head_dim_v=64,
-                                                on_device=on_device):
+        if mod is not None and any(
+                not mod.supports(dtype=dt, head_dim=64, head_dim_v=64, on_device=on_device)
+                for dt in ("float32", "float16", "bfloat16")):
             out.append(cand)
     return out
