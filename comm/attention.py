@@ -31,7 +31,7 @@ import numpy as np
 from varlen import backends
 from varlen._api import working_mask
 from varlen._array import array_module, common_origin, host_copy, to_working
-from varlen._validate import check_qkv, dtype_name, validation_enabled
+from varlen._validate import check_qkv, dtype_name, scale_and_softcap, validation_enabled
 from varlen.plan import build_plan
 
 from .group import Group, GroupAborted
@@ -132,14 +132,7 @@ def _prepare(q, k, v, part, group, *, mask, softmax_scale, softcap, method, back
                          f"divisible by cp_size={pq.cp_size}; use 'ring' or 'allgather'")
     mod = backends.select(backend, dtype=dtype_name(qw.dtype), head_dim=D, head_dim_v=Dv,
                           on_device=xp is not np)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
-    softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    softcap = float(softcap or 0.0)
-    if not (softcap >= 0.0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
     ew = [to_working(x, n) for n, x in extra]
     return _Ctx(origin, xp, group, pq, pk, method, mod, working_mask(mask, pq.batch, xp),
                 softmax_scale, softcap, qw, kw, vw, ew)

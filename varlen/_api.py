@@ -1,14 +1,14 @@
 """The validated public functions: arrays in from any framework, a backend call, arrays out."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import backends
 from ._array import Origin, array_module, common_origin, host_copy, to_working
-from ._validate import (as_index_array, as_policy_array, check_layout_values, check_qkv,
+from ._validate import (as_index_array, as_policy_array, check_bound, check_layout_values,
+                        check_qkv, scale_and_softcap,
                         dtype_name, validation_enabled)
 from .masks import Mask, as_mask
 from .plan import Plan, build_plan, segments_from_cu_seqlens
@@ -39,14 +39,6 @@ def _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k):
     return B, cu_q, cu_k, off_q, off_k
 
 
-def _check_bound(name, value):
-    if value is None:
-        return None
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-        raise TypeError(f"{name} must be a non-negative int (a host-known bound), got {value!r}")
-    return int(value)
-
-
 def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None,
               mask="full", num_rows_q=None, num_rows_k=None, max_seqlen_q=None,
               max_seqlen_k=None, block_m=64, block_n=64) -> Plan:
@@ -56,8 +48,8 @@ def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=N
     on_device = xp is not np
     B, cu_q, cu_k, off_q, off_k = _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
                                           seq_offsets_k)
-    max_seqlen_q = _check_bound("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _check_bound("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = check_bound("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_bound("max_seqlen_k", max_seqlen_k)
     rows = []
     for side, n, cu, off in (("q", num_rows_q, cu_q, off_q), ("k", num_rows_k, cu_k, off_k)):
         if n is None:
@@ -65,7 +57,7 @@ def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=N
                 raise ValueError(f"num_rows_{side} is required for device cu_seqlens: it sizes "
                                  f"the plan without reading device memory")
             n = int(host_copy(off if off is not None else cu)[-1])
-        rows.append(_check_bound(f"num_rows_{side}", n))
+        rows.append(check_bound(f"num_rows_{side}", n))
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         if not isinstance(blk, (int, np.integer)) or blk <= 0:
             raise ValueError(f"{name} must be a positive int, got {blk!r}")
@@ -102,8 +94,8 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q, seq_offsets_
                           on_device=on_device)
     B, cu_q, cu_k, off_q, off_k = _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
                                           seq_offsets_k)
-    max_seqlen_q = _check_bound("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _check_bound("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = check_bound("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_bound("max_seqlen_k", max_seqlen_k)
     wmask = working_mask(mask, B, xp)
     if validation_enabled(on_device):
         check_layout_values(cu_q, off_q, Tq, max_seqlen_q, "q")
@@ -118,14 +110,7 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q, seq_offsets_
         if validation_enabled(on_device):
             _check_plan_matches(plan, segments_from_cu_seqlens(cu_q, off_q, Tq),
                                 segments_from_cu_seqlens(cu_k, off_k, Tk), wmask)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
-    softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    softcap = float(softcap or 0.0)
-    if not (softcap >= 0.0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
     extra_w = [to_working(x, n) for n, x in extra]
     return _Call(origin, qw, kw, vw, plan, mod, softmax_scale, softcap), extra_w
 

@@ -4,12 +4,16 @@ data unless `set_validation(True)` asks for the synchronising read.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 
 from ._array import bfloat16_dtype, host_copy, to_working
 
 __all__ = ["set_validation", "validation_enabled", "check_qkv", "as_index_array",
-           "check_layout_values", "FLOAT_DTYPES"]
+           "check_layout_values", "check_bound", "scale_and_softcap", "static_scalars",
+           "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -142,3 +146,42 @@ def check_layout_values(cu, off, num_rows: int, max_seqlen, side: str):
     if o[-1] > num_rows:
         raise ValueError(f"{off_name}[-1]={o[-1]} exceeds the {num_rows} rows of "
                          f"{'q' if side == 'q' else 'k/v'}")
+
+
+def check_bound(name: str, value):
+    """An optional host-known bound (`max_seqlen_*`, `num_rows_*`): None or an int >= 0."""
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"{name} must be a non-negative int (a host-known bound), got {value!r}")
+    return int(value)
+
+
+def scale_and_softcap(softmax_scale, softcap, head_dim=None):
+    """`(softmax_scale, softcap)` as checked floats; the scale defaults to `1/sqrt(head_dim)`
+    (it stays None when the head dim is not known yet)."""
+    if softmax_scale is None and head_dim is not None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if softmax_scale is not None:
+        if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
+            raise TypeError(f"softmax_scale must be a float, got {softmax_scale!r}")
+        softmax_scale = float(softmax_scale)
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    softcap = softcap or 0.0
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
+        raise TypeError(f"softcap must be a float, got {softcap!r}")
+    softcap = float(softcap)
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    return softmax_scale, softcap
+
+
+def static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend):
+    """The scalar arguments as plain Python values, for adapters that make them static (part of
+    an op's schema or of a trace), with the core API's messages for the wrong kind of value."""
+    softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be 'numpy', 'numba', 'cupy' or None, got {backend!r}")
+    return (softmax_scale, softcap, check_bound("max_seqlen_q", max_seqlen_q),
+            check_bound("max_seqlen_k", max_seqlen_k), backend)

@@ -19,8 +19,6 @@ settings are a hashable static argument. See `docs/frameworks.md`.
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from dataclasses import dataclass
 from functools import partial
 
@@ -29,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._api import attention_backward, attention_forward
-from ._validate import check_qkv
+from ._validate import check_qkv, static_scalars
 from .masks import Mask, as_mask
 
 __all__ = ["varlen_attention"]
@@ -228,31 +226,6 @@ def _mask_args(mask, batch: int):
     return arrays, tuple(scalars)
 
 
-def _static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend):
-    """The scalar arguments as plain Python values (they are static: part of the op's schema or
-    of the trace), with the core API's messages for the wrong kind of value."""
-    def real(x, name):
-        if not isinstance(x, numbers.Real) or isinstance(x, bool):
-            raise TypeError(f"{name} must be a float, got {x!r}")
-        return float(x)
-
-    def bound(x, name):
-        if x is None:
-            return None
-        if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 0:
-            raise TypeError(f"{name} must be a non-negative int (a host-known bound), got {x!r}")
-        return int(x)
-
-    if softmax_scale is not None:
-        softmax_scale = real(softmax_scale, "softmax_scale")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be 'numpy', 'numba', 'cupy' or None, got {backend!r}")
-    return (softmax_scale, real(softcap or 0.0, "softcap"), bound(max_seqlen_q, "max_seqlen_q"),
-            bound(max_seqlen_k, "max_seqlen_k"), backend)
-
-
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
@@ -315,7 +288,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     off_q = _index_array(seq_offsets_q, "seq_offsets_q", n)
     off_k = _index_array(seq_offsets_k, "seq_offsets_k", n)
     mask_arrays, mask_ints = _mask_args(mask, n - 1)
-    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend = _static_scalars(
+    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend = static_scalars(
         softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend)
     static = _Static(mask_ints, softmax_scale, float(softcap), max_seqlen_q, max_seqlen_k,
                      backend, bool(deterministic))

@@ -18,8 +18,6 @@ synchronises the host. See `docs/frameworks.md`.
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from typing import Optional
 
 import numpy as np
@@ -27,7 +25,7 @@ import torch
 
 from ._api import attention_backward, attention_forward
 from ._array import bfloat16_dtype
-from ._validate import check_qkv
+from ._validate import check_qkv, static_scalars
 from .masks import Mask, as_mask
 
 __all__ = ["varlen_attention"]
@@ -220,31 +218,6 @@ def _mask_args(mask, batch: int):
     return arrays, scalars
 
 
-def _static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend):
-    """The scalar arguments as plain Python values (they are static: part of the op's schema or
-    of the trace), with the core API's messages for the wrong kind of value."""
-    def real(x, name):
-        if not isinstance(x, numbers.Real) or isinstance(x, bool):
-            raise TypeError(f"{name} must be a float, got {x!r}")
-        return float(x)
-
-    def bound(x, name):
-        if x is None:
-            return None
-        if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 0:
-            raise TypeError(f"{name} must be a non-negative int (a host-known bound), got {x!r}")
-        return int(x)
-
-    if softmax_scale is not None:
-        softmax_scale = real(softmax_scale, "softmax_scale")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be 'numpy', 'numba', 'cupy' or None, got {backend!r}")
-    return (softmax_scale, real(softcap or 0.0, "softcap"), bound(max_seqlen_q, "max_seqlen_q"),
-            bound(max_seqlen_k, "max_seqlen_k"), backend)
-
-
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
@@ -304,7 +277,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     off_q = _index_tensor(seq_offsets_q, "seq_offsets_q", n)
     off_k = _index_tensor(seq_offsets_k, "seq_offsets_k", n)
     arrays, scalars = _mask_args(mask, n - 1)
-    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend = _static_scalars(
+    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend = static_scalars(
         softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend)
     out, lse = _forward_op(q, k, v, cu_q, cu_k, off_q, off_k, *arrays, *scalars, softmax_scale,
                            float(softcap), max_seqlen_q, max_seqlen_k, backend,
