@@ -27,7 +27,7 @@ import zlib
 import numpy as np
 
 from varlen._array import array_module, common_origin, host_copy, to_working
-from varlen._validate import as_index_array, validation_enabled
+from varlen._validate import as_index_array, check_layout_values, validation_enabled
 from varlen.plan import Segments
 
 __all__ = ["Partition", "partition", "local_rows_bound", "SCHEMES"]
@@ -94,33 +94,8 @@ def partition(cu_seqlens, cp_size, scheme="zigzag", *, seq_offsets=None, num_row
         num_rows = int(host_copy(off if off is not None else cu)[-1])
     num_rows = _int_arg("num_rows", num_rows, 0)
     if validation_enabled(on_device):
-        _check_values(cu, off, num_rows)
+        check_layout_values(cu, off, num_rows, rows_name=f"num_rows={num_rows}")
     return Partition(cu, off, cp_size, scheme, num_rows, local_rows)
-
-
-def _check_values(cu, off, num_rows):
-    c = host_copy(cu).astype(np.int64)
-    if c[0] != 0:
-        raise ValueError(f"cu_seqlens[0] is {c[0]}; cu_seqlens must start at 0")
-    lengths = np.diff(c)
-    if (lengths < 0).any():
-        b = int(np.argmax(lengths < 0))
-        raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{b + 1}]="
-                         f"{c[b + 1]} < cu_seqlens[{b}]={c[b]}")
-    if off is None:
-        if c[-1] > num_rows:
-            raise ValueError(f"cu_seqlens[-1]={c[-1]} exceeds num_rows={num_rows}")
-        return
-    o = host_copy(off).astype(np.int64)
-    if o[0] < 0:
-        raise ValueError(f"seq_offsets[0]={o[0]} is negative")
-    room = np.diff(o)
-    if (room < lengths).any():
-        b = int(np.argmax(room < lengths))
-        raise ValueError(f"seq_offsets is too tight: sequence {b} has {lengths[b]} rows but "
-                         f"seq_offsets[{b + 1}] - seq_offsets[{b}] = {room[b]}")
-    if o[-1] > num_rows:
-        raise ValueError(f"seq_offsets[-1]={o[-1]} exceeds num_rows={num_rows}")
 
 
 class Partition:

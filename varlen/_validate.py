@@ -113,9 +113,17 @@ def as_policy_array(x, name: str, xp, batch: int):
     return a.astype(np.int32)
 
 
-def check_layout_values(cu, off, num_rows: int, max_seqlen, side: str):
-    """Value checks of one side's layout (host reads). `side` is "q" or "k"."""
-    cu_name, off_name = f"cu_seqlens_{side}", f"seq_offsets_{side}"
+def check_layout_values(cu, off, num_rows: int, max_seqlen=None, side: str = "", *,
+                        rows_name=None):
+    """Value checks of one side's layout (host reads).
+
+    `side` ("q", "k" or "") suffixes the argument names (`cu_seqlens_q`, `seq_offsets_q`);
+    `rows_name` says what `num_rows` counts, for the messages.
+    """
+    sfx = f"_{side}" if side else ""
+    cu_name, off_name = f"cu_seqlens{sfx}", f"seq_offsets{sfx}"
+    if rows_name is None:
+        rows_name = f"the {num_rows} rows of {'k/v' if side == 'k' else 'q'}"
     c = host_copy(cu).astype(np.int64)
     if c.shape[0] == 0:
         raise ValueError(f"{cu_name} is empty; expected [B+1] entries starting at 0")
@@ -128,12 +136,10 @@ def check_layout_values(cu, off, num_rows: int, max_seqlen, side: str):
                          f"< {cu_name}[{b}]={c[b]}")
     if max_seqlen is not None and lengths.size and lengths.max() > max_seqlen:
         b = int(np.argmax(lengths))
-        raise ValueError(f"sequence {b} has {lengths[b]} rows but max_seqlen_{side}="
-                         f"{max_seqlen}")
+        raise ValueError(f"sequence {b} has {lengths[b]} rows but max_seqlen{sfx}={max_seqlen}")
     if off is None:
         if c[-1] > num_rows:
-            raise ValueError(f"{cu_name}[-1]={c[-1]} exceeds the {num_rows} rows of "
-                             f"{'q' if side == 'q' else 'k/v'}")
+            raise ValueError(f"{cu_name}[-1]={c[-1]} exceeds {rows_name}")
         return
     o = host_copy(off).astype(np.int64)
     if o[0] < 0:
@@ -144,8 +150,7 @@ def check_layout_values(cu, off, num_rows: int, max_seqlen, side: str):
         raise ValueError(f"{off_name} is too tight: sequence {b} has {lengths[b]} rows but "
                          f"{off_name}[{b + 1}] - {off_name}[{b}] = {room[b]}")
     if o[-1] > num_rows:
-        raise ValueError(f"{off_name}[-1]={o[-1]} exceeds the {num_rows} rows of "
-                         f"{'q' if side == 'q' else 'k/v'}")
+        raise ValueError(f"{off_name}[-1]={o[-1]} exceeds {rows_name}")
 
 
 def check_bound(name: str, value):
