@@ -4,10 +4,13 @@ Each launch runs every case and method valid for its size in one job
 (`tests/comm_workers/run_cases.py`) and compares each rank's shard of out, lse, dq, dk, dv
 with the shard of the single-process reference. A hang becomes a subprocess timeout.
 """
+import contextlib
+import glob
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,9 +42,17 @@ def test_cases_under_mpiexec(n, tmp_path):
     assert f"OK size={n}" in r.stdout, r.stdout + r.stderr
 
 
+def _hydra_leftovers():
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hydra_hwloc_xmlfile_*")))
+
+
 def test_fault_on_one_rank_ends_the_job(tmp_path):
     # Plain `python` (no mpi4py abort hook): the group's own abort must end every rank.
+    before = _hydra_leftovers()
     r, elapsed = _mpiexec(2, [sys.executable, str(WORKER), "fault"], tmp_path, timeout=60)
+    for f in _hydra_leftovers() - before:        # MPICH's launcher leaves one after an abort
+        with contextlib.suppress(OSError):
+            os.remove(f)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
     assert "injected fault on rank 1" in r.stderr, out
