@@ -132,3 +132,13 @@ def test_long_sequence_memory_is_bounded():
         w = np.exp(s - s.max())
         want = (w[:, None] * q[: i + 1, 0]).sum(0) / w.sum()
         np.testing.assert_allclose(out[i, 0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("garbage", [np.nan, np.inf])
+def test_padding_rows_are_never_read(garbage):
+    """Pad rows may hold anything, NaN and inf included; no output or gradient sees them."""
+    rng = np.random.default_rng(5)
+    b = make_batch(rng, [6, 0, 11, 1], [3, 2, 11, 4], Hq=4, Hk=2, D=8, mask=PER_SEQ_4,
+                   gaps=True, garbage=garbage)
+    out, lse, grads = fwd_bwd(b)
+    check_against_reference(b, out, lse, grads, label=f"garbage={garbage}")

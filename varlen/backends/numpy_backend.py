@@ -1,22 +1,32 @@
 """The NumPy backend: the reference semantics, tiled by the plan, float64 inside.
 
-It walks the same tile schedule as the device kernels: for each query tile it gathers the key
-tiles the schedule says to visit, evaluates the mask only on the partially masked ones, and
-computes that tile's softmax over all its visible keys at once. Memory is bounded by one
-`[Hq, block_m, Lk]` block, so a single 32k-token sequence never builds an `Lq x Lk` matrix.
+It walks the same tile schedule as the device kernels. For each tile it gathers the partner
+tiles the schedule says to visit (key tiles for a query tile; query tiles for a key tile in the
+dK/dV pass), evaluates the mask only on pairs inside partially masked tiles, and computes the
+tile's softmax over all its visible keys at once. Tiles are processed in batches: sorted by how
+many partner rows they visit and stacked (padded to the longest) until a batch holds
+`_BLOCK_BUDGET` scores, so many short sequences cost a few large array operations while one long
+sequence still never needs more than a `[Hq, block_m, Lk]` block, never an `Lq x Lk` matrix.
+
 A wrong schedule (a skipped tile that holds a visible key, a "full" tile that holds a masked
 pair) gives a wrong result here, which is how the CPU tests check the schedule.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .._array import empty
 from ..masks import visible
-from ..plan import Plan, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEQ
+from ..plan import Plan, Segments, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEQ
 
 name = "numpy"
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+# Scores (float64) in one batch of tiles: 2^21 = 16 MiB. A single tile may exceed it (a long
+# sequence's tile x Lk block); it then forms a batch of its own.
+_BLOCK_BUDGET = 1 << 21
 
 
 def supports(*, dtype, head_dim, head_dim_v, on_device):
@@ -35,56 +45,163 @@ def check_plan(plan: Plan):
     return None
 
 
-def _partners(seg, b: int, ranges, block: int):
-    """Rows, global positions and partial-tile flags of the tiles a schedule row visits.
+# --------------------------------------------------------------------------------------------
+# Batches of tiles
+# --------------------------------------------------------------------------------------------
 
-    `seg` holds the partner segments (keys for a query tile, queries for a key tile), `ranges`
-    is that tile's `[m, 4]` schedule row. Returns None when every partner tile is skipped.
+@dataclass
+class _Batch:
+    """`n` tiles of one side with their partner rows, padded.
+
+    own: `[n, I]` packed rows of the tiles (I = most rows of a tile in the batch), `own_pos`
+    global positions,
+    `own_ok` which are real rows; partner: `[n, J]` the same for the visited partner rows
+    (J = most partner rows of any tile in the batch), `partial` whether a partner row lies in
+    a partially masked partner tile; `seq` `[n]` the tiles' sequences.
     """
-    rows, pos, partial = [], [], []
-    for m in range(ranges.shape[0]):
-        begin, fbegin, fend, end = (int(x) for x in ranges[m])
-        if begin == end:
-            continue
-        local = np.arange(begin * block, min(end * block, int(seg.length[b, m])))
-        rows.append(int(seg.row[b, m]) + local)
-        pos.append(int(seg.pos[b, m]) + local)
-        tile = local // block
-        partial.append((tile < fbegin) | (tile >= fend))
-    if not rows:
-        return None
-    return np.concatenate(rows), np.concatenate(pos), np.concatenate(partial)
+
+    seq: np.ndarray
+    own: np.ndarray
+    own_pos: np.ndarray
+    own_ok: np.ndarray
+    partner: np.ndarray
+    partner_pos: np.ndarray
+    partner_ok: np.ndarray
+    partial: np.ndarray
 
 
-def _scores(plan: Plan, b: int, qt, kt, qpos, kpos, q_partial, k_partial, scale, softcap):
-    """Scores `[Hk, G, nq, nk]` with the mask applied on partial tiles only.
+def _partner_extent(tiles, sched, other: Segments, block: int):
+    """Per tile and partner segment: first local partner row and number of rows visited."""
+    b = np.maximum(tiles[:, TILE_SEQ], 0)
+    begin, end = sched[..., 0].astype(np.int64), sched[..., 3].astype(np.int64)
+    lo = begin * block
+    count = np.maximum(np.minimum(end * block, other.length[b].astype(np.int64)) - lo, 0)
+    return lo, count
 
-    Also returns `tanh(s / softcap)` (for the softcap gradient) or None.
+
+def _batch(tiles, sched, other: Segments, block: int, sel) -> _Batch:
+    """Gather the tiles `sel` (slot indices) and their partner rows into one padded batch.
+
+    Partner rows are laid out tile by tile, partner segment by segment, in schedule order; the
+    construction is one vectorised pass (no loop over tiles or rows).
     """
-    s = np.einsum("ikgd,jkd->kgij", qt, kt) * scale
+    t = tiles[sel]
+    b = t[:, TILE_SEQ].astype(np.int64)
+    n, m = len(sel), sched.shape[1]
+    lo, count = _partner_extent(t, sched[sel], other, block)          # [n, m]
+    J = int(count.sum(axis=1).max()) if n else 0
+    # one entry per visited partner row: (pair p = tile * m + segment, offset o inside the pair)
+    flat = count.reshape(-1)
+    pair = np.repeat(np.arange(n * m), flat)
+    o = np.arange(pair.size) - np.repeat(np.cumsum(flat) - flat, flat)
+    tile = pair // m
+    col = (np.cumsum(count, axis=1) - count).reshape(-1)[pair] + o    # column inside the tile
+    local = lo.reshape(-1)[pair] + o                                  # row inside the segment
+    seg_b, seg_m = b[tile], pair % m
+    ranges = sched[sel].reshape(n * m, 4)[pair]
+    partner = np.zeros((n, J), np.int64)
+    partner_pos = np.zeros((n, J), np.int64)
+    partner_ok = np.zeros((n, J), bool)
+    partial = np.zeros((n, J), bool)
+    partner[tile, col] = other.row[seg_b, seg_m].astype(np.int64) + local
+    partner_pos[tile, col] = other.pos[seg_b, seg_m].astype(np.int64) + local
+    partner_ok[tile, col] = True
+    in_tile = local // block
+    partial[tile, col] = (in_tile < ranges[:, 1]) | (in_tile >= ranges[:, 2])
+    i = np.arange(int(t[:, TILE_ROWS].max()) if n else 0)
+    own_ok = i[None, :] < t[:, TILE_ROWS, None]
+    own = np.where(own_ok, t[:, TILE_ROW, None].astype(np.int64) + i, 0)
+    own_pos = t[:, TILE_POS, None].astype(np.int64) + i
+    return _Batch(b, own, own_pos, own_ok, partner, partner_pos, partner_ok, partial)
+
+
+def _batches(plan: Plan, side: str, heads: int):
+    """Batches of the used tiles of `side` ("q": query tiles vs key rows, for the forward and
+    dQ; "k": key tiles vs query rows, for dK/dV), each within the score budget."""
+    if side == "q":
+        tiles, sched, other, block = plan.q_tiles, plan.q_sched, plan.k, plan.block_n
+    else:
+        tiles, sched, other, block = plan.k_tiles, plan.k_sched, plan.q, plan.block_m
+    used = np.flatnonzero(tiles[:, TILE_SEQ] >= 0)
+    _, count = _partner_extent(tiles[used], sched[used], other, block)
+    width = count.sum(axis=1)
+    rows = tiles[used, TILE_ROWS].astype(np.int64)
+    order = np.lexsort((rows, width))                 # by partner rows, then own rows
+    used, width, rows = used[order], width[order], rows[order]
+    start = 0
+    while start < used.size:
+        # a batch [start, stop) is padded to its widest tile and its tallest tile
+        tallest = np.maximum.accumulate(rows[start:])
+        cost = np.arange(1, tallest.size + 1) * tallest * np.maximum(width[start:], 1) * heads
+        fits = cost <= _BLOCK_BUDGET
+        stop = start + max(1, int(np.argmin(fits)) if not fits.all() else fits.size)
+        yield _batch(tiles, sched, other, block, used[start:stop])
+        start = stop
+
+
+def _take(x, rows, ok):
+    """`x[rows]` in float64 with rows that are not real zeroed (their contents are never read:
+    a pad row may hold anything, NaN included)."""
+    g = x[rows].astype(np.float64)
+    if not ok.all():
+        g[~ok] = 0.0
+    return g
+
+
+def _scores(plan: Plan, bt: _Batch, qt, kt, side, scale, softcap):
+    """Scores `[n, Hk, G, I, J]` (I = query rows, J = key rows of each tile's block) from
+    `qt [n, Hk, G, I, D]` and `kt [n, Hk, 1, J, D]`, with non-rows and masked pairs at -inf,
+    and `tanh(s / softcap)` for the softcap gradient.
+
+    The mask predicate is evaluated only on pairs whose partner row lies in a partially masked
+    tile; fully visible tiles take no mask arithmetic.
+    """
+    s = (qt @ kt.swapaxes(-1, -2)) * scale
     th = None
     if softcap > 0:
         th = np.tanh(s / softcap)
         s = softcap * th
-    if q_partial.any() and k_partial.any():
-        policy = (int(plan.q.seqlen[b]), int(plan.k.seqlen[b]), int(plan.window_left[b]),
-                  int(plan.window_right[b]), int(plan.bottom_right[b]))
-        block = np.ix_(q_partial, k_partial)
-        vis = visible(qpos[q_partial][:, None], kpos[k_partial][None, :], *policy)
-        sub = s[:, :, block[0], block[1]]
-        s[:, :, block[0], block[1]] = np.where(vis, sub, -np.inf)
+    if side == "q":
+        q_ok, k_ok, qpos, kpos = bt.own_ok, bt.partner_ok, bt.own_pos, bt.partner_pos
+        pair_partial = bt.partial[:, None, :] & bt.own_ok[:, :, None]
+    else:
+        q_ok, k_ok, qpos, kpos = bt.partner_ok, bt.own_ok, bt.partner_pos, bt.own_pos
+        pair_partial = bt.partial[:, :, None] & bt.own_ok[:, None, :]
+    real = q_ok[:, None, None, :, None] & k_ok[:, None, None, None, :]
+    s = np.where(real, s, -np.inf)
+    n_i, i_i, j_i = np.nonzero(pair_partial & real[:, 0, 0])
+    if n_i.size:
+        b = bt.seq[n_i]
+        vis = visible(qpos[n_i, i_i], kpos[n_i, j_i], plan.q.seqlen[b].astype(np.int64),
+                      plan.k.seqlen[b].astype(np.int64), plan.window_left[b].astype(np.int64),
+                      plan.window_right[b].astype(np.int64),
+                      plan.bottom_right[b].astype(np.int64))
+        hidden = ~vis
+        s[n_i[hidden], :, :, i_i[hidden], j_i[hidden]] = -np.inf
     return s, th
 
 
-def _used(tiles):
-    """Used tile slots, as (slot, sequence, first row, rows)."""
-    for t in np.flatnonzero(tiles[:, TILE_SEQ] >= 0):
-        yield int(t), int(tiles[t, TILE_SEQ]), int(tiles[t, TILE_ROW]), int(tiles[t, TILE_ROWS])
+def _q_heads(x, Hk, G):
+    """Gathered query-side rows `[n, I, Hq, d]` -> `[n, Hk, G, I, d]` (head h = kv head h // G)."""
+    n, I, _, d = x.shape
+    # contiguous, so matmul hands each [I, d] block to BLAS
+    return np.ascontiguousarray(x.reshape(n, I, Hk, G, d).transpose(0, 2, 3, 1, 4))
 
 
-def _positions(tiles, t, n):
-    return int(tiles[t, TILE_POS]) + np.arange(n)
+def _k_heads(x):
+    """Gathered key-side rows `[n, J, Hk, d]` -> `[n, Hk, 1, J, d]` (shared by a head group)."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))[:, :, None]
 
+
+def _to_rows(x):
+    """`[n, Hk, G, I, d]` -> `[n, I, Hq, d]`."""
+    n, Hk, G, I, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(n, I, Hk * G, d)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward and backward
+# --------------------------------------------------------------------------------------------
 
 def forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` (float64 for float64, else float32)."""
@@ -98,24 +215,20 @@ def forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     pad = ~plan.q.covered()
     out[pad] = 0
     lse[:, pad] = -np.inf
-    for t, b, r0, n in _used(plan.q_tiles):
-        keys = _partners(plan.k, b, plan.q_sched[t], plan.block_n)
-        if keys is None:
-            out[r0:r0 + n] = 0
-            lse[:, r0:r0 + n] = -np.inf
-            continue
-        cols, kpos, k_partial = keys
-        qt = q[r0:r0 + n].astype(np.float64).reshape(n, Hk, G, -1)
-        s, _ = _scores(plan, b, qt, k[cols].astype(np.float64), _positions(plan.q_tiles, t, n),
-                       kpos, np.ones(n, bool), k_partial, softmax_scale, softcap)
-        mx = s.max(axis=-1, keepdims=True)                            # [Hk, G, n, 1]
+    for bt in _batches(plan, "q", Hq):
+        n, I = bt.own.shape
+        qt = _q_heads(_take(q, bt.own, bt.own_ok), Hk, G)
+        s, _ = _scores(plan, bt, qt, _k_heads(_take(k, bt.partner, bt.partner_ok)), "q",
+                       softmax_scale, softcap)
+        mx = s.max(axis=-1, keepdims=True, initial=-np.inf)          # [n, Hk, G, I, 1]
         dead = ~np.isfinite(mx)                                       # no visible key
         p = np.exp(s - np.where(dead, 0.0, mx))
         denom = np.where(dead, 1.0, p.sum(axis=-1, keepdims=True))
-        o = np.einsum("kgij,jkd->ikgd", p / denom, v[cols].astype(np.float64))
-        out[r0:r0 + n] = o.reshape(n, Hq, Dv).astype(q.dtype)
-        row_lse = np.where(dead, -np.inf, mx + np.log(denom))[..., 0]    # [Hk, G, n]
-        lse[:, r0:r0 + n] = row_lse.reshape(Hq, n)
+        o = (p / denom) @ _k_heads(_take(v, bt.partner, bt.partner_ok))   # [n, Hk, G, I, Dv]
+        row_lse = np.where(dead, -np.inf, mx + np.log(denom))[..., 0]    # [n, Hk, G, I]
+        rows = bt.own[bt.own_ok]
+        out[rows] = _to_rows(o)[bt.own_ok].astype(q.dtype)
+        lse[:, rows] = row_lse.transpose(1, 2, 0, 3).reshape(Hq, n, I)[:, bt.own_ok]
     return out, lse
 
 
@@ -136,53 +249,47 @@ def backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softc
     Tk, Hk, Dv = v.shape
     G = Hq // Hk
     f64 = np.float64
-    # FA-2 preprocess: delta = rowsum(dO * O), [Hk, G, Tq].
-    delta = np.einsum("ikgd,ikgd->kgi", dout.astype(f64).reshape(Tq, Hk, G, Dv),
+    # FA-2 preprocess: delta = rowsum(dO * O) per query row and head, [Tq, Hk, G].
+    delta = np.einsum("ikgd,ikgd->ikg", dout.astype(f64).reshape(Tq, Hk, G, Dv),
                       out.astype(f64).reshape(Tq, Hk, G, Dv))
-    lse64 = lse.astype(f64).reshape(Hk, G, Tq)
+    lse64 = lse.astype(f64).T.reshape(Tq, Hk, G)
 
-    def grads(b, qrows, qpos, q_partial, krows, kpos, k_partial):
-        """P and dS `[Hk, G, nq, nk]` of a block of query rows against key rows."""
-        nq = qrows.shape[0]
-        qt = q[qrows].astype(f64).reshape(nq, Hk, G, D)
-        dot = dout[qrows].astype(f64).reshape(nq, Hk, G, Dv)
-        kt, vt = k[krows].astype(f64), v[krows].astype(f64)
-        s, th = _scores(plan, b, qt, kt, qpos, kpos, q_partial, k_partial, softmax_scale,
-                        softcap)
-        p = _probs(s, lse64[:, :, qrows, None])
-        ds = p * (np.einsum("ikgd,jkd->kgij", dot, vt) - delta[:, :, qrows, None])
+    def grads(bt, side):
+        """Q, dO `[n, Hk, G, I, d]`, K `[n, Hk, 1, J, D]`, and P and scaled dS
+        `[n, Hk, G, I, J]` of a batch: I query rows x J key rows per tile."""
+        if side == "q":
+            qrows, q_ok, krows, k_ok = bt.own, bt.own_ok, bt.partner, bt.partner_ok
+        else:
+            qrows, q_ok, krows, k_ok = bt.partner, bt.partner_ok, bt.own, bt.own_ok
+        qt = _q_heads(_take(q, qrows, q_ok), Hk, G)
+        dot = _q_heads(_take(dout, qrows, q_ok), Hk, G)
+        kt, vt = _k_heads(_take(k, krows, k_ok)), _k_heads(_take(v, krows, k_ok))
+        s, th = _scores(plan, bt, qt, kt, side, softmax_scale, softcap)
+        row_lse = np.where(q_ok[..., None, None], lse64[qrows], -np.inf)   # [n, I, Hk, G]
+        p = _probs(s, row_lse.transpose(0, 2, 3, 1)[..., None])
+        row_delta = np.where(q_ok[..., None, None], delta[qrows], 0.0)
+        ds = p * (dot @ vt.swapaxes(-1, -2) - row_delta.transpose(0, 2, 3, 1)[..., None])
         if th is not None:
             ds = ds * (1.0 - th * th)                                 # d/dx c*tanh(x/c)
         return qt, dot, kt, p, ds * softmax_scale
 
     dq = empty(np, q.shape, q.dtype)
     dq[~plan.q.covered()] = 0
-    for t, b, r0, n in _used(plan.q_tiles):
-        keys = _partners(plan.k, b, plan.q_sched[t], plan.block_n)
-        if keys is None:
-            dq[r0:r0 + n] = 0
-            continue
-        cols, kpos, k_partial = keys
-        qrows = np.arange(r0, r0 + n)
-        _, _, kt, _, ds = grads(b, qrows, _positions(plan.q_tiles, t, n), np.ones(n, bool),
-                                cols, kpos, k_partial)
-        dq[r0:r0 + n] = np.einsum("kgij,jkd->ikgd", ds, kt).reshape(n, Hq, D).astype(q.dtype)
+    for bt in _batches(plan, "q", Hq):
+        _, _, kt, _, ds = grads(bt, "q")
+        dq[bt.own[bt.own_ok]] = _to_rows(ds @ kt)[bt.own_ok].astype(q.dtype)
 
     dk = empty(np, k.shape, k.dtype)
     dv = empty(np, v.shape, v.dtype)
     kpad = ~plan.k.covered()
     dk[kpad] = 0
     dv[kpad] = 0
-    for t, b, c0, n in _used(plan.k_tiles):
-        queries = _partners(plan.q, b, plan.k_sched[t], plan.block_m)
-        if queries is None:
-            dk[c0:c0 + n] = 0
-            dv[c0:c0 + n] = 0
-            continue
-        qrows, qpos, q_partial = queries
-        krows = np.arange(c0, c0 + n)
-        qt, dot, _, p, ds = grads(b, qrows, qpos, q_partial, krows,
-                                  _positions(plan.k_tiles, t, n), np.ones(n, bool))
-        dk[c0:c0 + n] = np.einsum("kgij,ikgd->jkd", ds, qt).astype(k.dtype)
-        dv[c0:c0 + n] = np.einsum("kgij,ikgd->jkd", p, dot).astype(v.dtype)
+    for bt in _batches(plan, "k", Hq):
+        qt, dot, _, p, ds = grads(bt, "k")
+        rows = bt.own[bt.own_ok]
+        # GQA: a key head's gradient sums its group of query heads (axis 2)
+        dk_t = (ds.swapaxes(-1, -2) @ qt).sum(axis=2).transpose(0, 2, 1, 3)   # [n, J, Hk, D]
+        dv_t = (p.swapaxes(-1, -2) @ dot).sum(axis=2).transpose(0, 2, 1, 3)
+        dk[rows] = dk_t[bt.own_ok].astype(k.dtype)
+        dv[rows] = dv_t[bt.own_ok].astype(v.dtype)
     return dq, dk, dv
