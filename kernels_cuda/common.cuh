@@ -31,10 +31,11 @@ constexpr int INT_HIGHEST = 2147483647;
 constexpr int WARP_SIZE = 32;
 // One warp owns 16 rows of every register tile: the M of mma.m16n8k16.
 constexpr int WARP_ROWS = 16;
-// Shared-memory rows are padded by 8 elements (16 bytes). A row of D + 8 half-words is
-// 16 bytes past a multiple of 128 bytes for D in {32, 64, 96, 128, 256} (2*(D+8) mod 128 is
-// 80, 16, 80, 16, 16), so the 8 row addresses of one ldmatrix 8x8 matrix fall in 8 distinct
-// 16-byte bank groups: conflict-free without a swizzle.
+// Shared-memory rows are padded by 8 elements (16 bytes), which keeps every row start 16-byte
+// aligned (ldmatrix and cp.async need that). A row of D + 8 half-words is an odd multiple of
+// 16 bytes modulo 128 for D in {32, 64, 96, 128, 256} (2*(D+8) mod 128 is 80, 16, 80, 16, 16),
+// so the 8 row addresses of one ldmatrix 8x8 matrix fall in 8 distinct 16-byte bank groups:
+// conflict-free without a swizzle.
 constexpr int SMEM_PAD = 8;
 // cp.async and ldmatrix move 16-byte chunks: 8 half-words.
 constexpr int CHUNK_ELEMS = 8;

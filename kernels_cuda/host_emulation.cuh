@@ -6,15 +6,21 @@
 // Warp-collective PTX primitives (ldmatrix, mma.sync, shuffles) exchange operands through a
 // per-warp slot array between two warp barriers, and follow the fragment ownership of the
 // PTX ISA spelled out in mma.cuh: an independent statement of the same layouts, so an index
-// error in a kernel shows up as a wrong result. cp.async copies synchronously (the pipeline's
-// wait/commit order is not exercised here); shared memory starts as NaN bytes each block.
-// Not a GPU: it checks logic, not timing, races or register budgets.
+// error in a kernel shows up as a wrong result. cp.async copies are deferred: they land only
+// when a cp.async.wait_group retires their committed group (the latest moment the PTX ISA
+// allows), so reading a stage before waiting for it reads the NaN bytes shared memory starts
+// with each block. Row addresses of ldmatrix and both addresses of cp.async are checked for
+// 16-byte alignment (misaligned ones abort). Not a GPU: it checks logic, not timing, races
+// between warps (a copy landing early into a buffer still being read) or register budgets.
 #pragma once
 #include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <algorithm>
 #include <thread>
 #include <vector>
@@ -95,10 +101,19 @@ namespace varlen {
 
 inline uint16_t ld16(const void* p, int elem) { uint16_t v; std::memcpy(&v, (const char*)p + 2 * elem, 2); return v; }
 
+// ldmatrix row addresses and cp.async 16-byte copies must be 16-byte aligned on the GPU.
+inline void check_aligned16(const void* p, const char* what) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+        std::fprintf(stderr, "host emulation: %s address %p is not 16-byte aligned\n", what, p);
+        std::abort();
+    }
+}
+
 // ldmatrix.m8n8.x4: lanes 8i..8i+7 address the rows of matrix i; lane l gets, in register
 // i, M_i[l/4][2(l%4)] (low 16 bits) and M_i[l/4][2(l%4)+1] (high 16 bits).
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
     WarpX& w = my_warp(); int l = my_lane();
+    check_aligned16(p, "ldmatrix row");
     w.ptr[l] = p; w.bar.arrive_and_wait();
     for (int i = 0; i < 4; ++i) {
         const void* row = w.ptr[8 * i + l / 4];
@@ -110,6 +125,7 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 // .trans: lane l gets M_i[2(l%4)][l/4] (low) and M_i[2(l%4)+1][l/4] (high).
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
     WarpX& w = my_warp(); int l = my_lane();
+    check_aligned16(p, "ldmatrix.trans row");
     w.ptr[l] = p; w.bar.arrive_and_wait();
     for (int i = 0; i < 4; ++i) {
         const void* r0 = w.ptr[8 * i + 2 * (l % 4)];
@@ -153,11 +169,29 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
     for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 
+// cp.async: this thread's copies since its last commit, and its committed groups, oldest
+// first. A copy lands (global read, shared write) when wait_group retires its group.
+struct AsyncCopy { void* dst; const void* src; bool valid; };
+inline thread_local std::vector<AsyncCopy> t_open_group;
+inline thread_local std::deque<std::vector<AsyncCopy>> t_committed;
+
 inline void cp_async_16(void* dst, const void* src, bool valid) {
-    if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+    check_aligned16(dst, "cp.async shared");
+    check_aligned16(src, "cp.async global");
+    t_open_group.push_back(AsyncCopy{dst, src, valid});
 }
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
+inline void cp_async_commit() {
+    t_committed.push_back(std::move(t_open_group));
+    t_open_group.clear();
+}
+template <int N> inline void cp_async_wait() {
+    while (t_committed.size() > static_cast<size_t>(N)) {
+        for (const AsyncCopy& c : t_committed.front()) {
+            if (c.valid) std::memcpy(c.dst, c.src, 16); else std::memset(c.dst, 0, 16);
+        }
+        t_committed.pop_front();
+    }
+}
 
 }  // namespace varlen
 

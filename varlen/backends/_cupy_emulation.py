@@ -112,6 +112,15 @@ class _Kernel:
                                       ctypes.c_uint(block[0]), *conv)
 
 
+def _host_data(a):
+    """`_cupy_kernels._data` for host arrays: contiguous, 16-byte aligned (the emulated
+    cp.async checks the alignment of every global address, as the GPU requires)."""
+    a = np.ascontiguousarray(a)
+    if a.ctypes.data % 16:
+        a = a.copy()
+    return a
+
+
 def install_fake_cupy(block_m: int):
     """Replace `cupy` by NumPy plus an emulating RawModule (this process only)."""
     fake = types.ModuleType("cupy")
@@ -132,7 +141,7 @@ def install_fake_cupy(block_m: int):
     sys.modules["cupy"] = fake
     from . import _cupy_kernels
     _cupy_kernels._modules.clear()
-    _cupy_kernels._data = np.ascontiguousarray       # host arrays have no device pointer
+    _cupy_kernels._data = _host_data                 # host arrays have no device pointer
     return fake
 
 
