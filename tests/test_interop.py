@@ -1,4 +1,6 @@
 """Arrays in from NumPy, PyTorch, JAX and CuPy; results back in the caller's type and device."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -53,8 +55,12 @@ def test_torch_cpu_round_trip(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_jax_cpu_round_trip(dtype):
-    if dtype == "float64" and not jax.config.jax_enable_x64:
-        pytest.skip("JAX float64 needs jax_enable_x64")
+    # float64 arrays exist in JAX only with 64-bit types enabled
+    with (jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()):
+        _jax_round_trip(dtype)
+
+
+def _jax_round_trip(dtype):
     b = _batch(dtype)
     arrays = [jnp.asarray(x) for x in (b.q, b.k, b.v, b.dout)]
     meta = dict(seq_offsets_q=jnp.asarray(b.off_q), seq_offsets_k=jnp.asarray(b.off_k),
