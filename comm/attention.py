@@ -31,7 +31,8 @@ import numpy as np
 from varlen import backends
 from varlen._api import working_mask
 from varlen._array import array_module, common_origin, host_copy, to_working
-from varlen._validate import check_qkv, dtype_name, scale_and_softcap, validation_enabled
+from varlen._validate import (check_backward_inputs, check_qkv, dtype_name, scale_and_softcap,
+                              validation_enabled)
 from varlen.plan import build_plan
 
 from .group import Group, GroupAborted
@@ -473,21 +474,7 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         c = _prepare(q, k, v, part, group, mask=mask, softmax_scale=softmax_scale,
                      softcap=softcap, method=method, backend=backend,
                      extra=(("dout", dout), ("out", out), ("lse", lse)))
-        Tq, Hq, _ = c.q.shape
-        Dv = c.v.shape[2]
-        d, o, l = c.extra
-        for name, a in (("dout", d), ("out", o)):
-            if tuple(a.shape) != (Tq, Hq, Dv):
-                raise ValueError(f"{name} has shape {tuple(a.shape)}; expected "
-                                 f"[Tq_local, Hq, Dv] = {(Tq, Hq, Dv)}")
-            if a.dtype != c.q.dtype:
-                raise TypeError(f"{name} has dtype {dtype_name(a.dtype)}; expected q's dtype "
-                                f"{dtype_name(c.q.dtype)}")
-        if tuple(l.shape) != (Hq, Tq):
-            raise ValueError(f"lse has shape {tuple(l.shape)}; expected [Hq, Tq_local] = "
-                             f"{(Hq, Tq)}")
-        if np.dtype(l.dtype).kind != "f":
-            raise TypeError(f"lse must be floating point, got {dtype_name(l.dtype)}")
+        check_backward_inputs(c.q, c.v, *c.extra, rows="Tq_local")
         c.deterministic = bool(deterministic)
         ctx["c"] = c
         return c

@@ -7,9 +7,9 @@ import numpy as np
 
 from . import backends
 from ._array import Origin, array_module, common_origin, host_copy, to_working
-from ._validate import (as_index_array, as_policy_array, check_bound, check_layout_values,
-                        check_qkv, scale_and_softcap,
-                        dtype_name, validation_enabled)
+from ._validate import (as_index_array, as_policy_array, check_backward_inputs, check_bound,
+                        check_layout_values, check_qkv, dtype_name, scale_and_softcap,
+                        validation_enabled)
 from .masks import Mask, as_mask
 from .plan import Plan, build_plan, segments_from_cu_seqlens
 
@@ -223,19 +223,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, determinis
     call, (dout_w, out_w, lse_w) = _prepare(
         q, k, v, cu_seqlens_q, cu_seqlens_k, extra=(("dout", dout), ("out", out), ("lse", lse)),
         **kw)
-    Tq, Hq, _ = call.q.shape
-    Dv = call.v.shape[2]
-    for name, a in (("dout", dout_w), ("out", out_w)):
-        if tuple(a.shape) != (Tq, Hq, Dv):
-            raise ValueError(f"{name} has shape {tuple(a.shape)}; expected [Tq, Hq, Dv] = "
-                             f"{(Tq, Hq, Dv)}")
-        if a.dtype != call.q.dtype:
-            raise TypeError(f"{name} has dtype {dtype_name(a.dtype)}; expected q's dtype "
-                            f"{dtype_name(call.q.dtype)}")
-    if tuple(lse_w.shape) != (Hq, Tq):
-        raise ValueError(f"lse has shape {tuple(lse_w.shape)}; expected [Hq, Tq] = {(Hq, Tq)}")
-    if np.dtype(lse_w.dtype).kind != "f":
-        raise TypeError(f"lse must be floating point, got {dtype_name(lse_w.dtype)}")
+    check_backward_inputs(call.q, call.v, dout_w, out_w, lse_w)
     dq, dk, dv = call.backend.backward(call.plan, dout_w, call.q, call.k, call.v, out_w, lse_w,
                                        softmax_scale=call.softmax_scale, softcap=call.softcap,
                                        deterministic=bool(deterministic))

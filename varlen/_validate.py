@@ -12,7 +12,7 @@ import numpy as np
 from ._array import bfloat16_dtype, host_copy, to_working
 
 __all__ = ["set_validation", "validation_enabled", "check_qkv", "as_index_array",
-           "check_layout_values", "check_bound", "scale_and_softcap", "static_scalars",
+           "check_layout_values", "check_backward_inputs", "check_bound", "scale_and_softcap", "static_scalars",
            "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -190,3 +190,24 @@ def static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend):
         raise TypeError(f"backend must be 'numpy', 'numba', 'cupy' or None, got {backend!r}")
     return (softmax_scale, softcap, check_bound("max_seqlen_q", max_seqlen_q),
             check_bound("max_seqlen_k", max_seqlen_k), backend)
+
+
+def check_backward_inputs(q, v, dout, out, lse, rows: str = "Tq"):
+    """`dout` and `out` must be `[Tq, Hq, Dv]` in q's dtype and `lse` floating `[Hq, Tq]`.
+
+    `rows` names the query rows in the messages (`Tq_local` for a context-parallel shard).
+    """
+    Tq, Hq, _ = q.shape
+    Dv = v.shape[2]
+    for name, a in (("dout", dout), ("out", out)):
+        if tuple(a.shape) != (Tq, Hq, Dv):
+            raise ValueError(f"{name} has shape {tuple(a.shape)}; expected [{rows}, Hq, Dv] = "
+                             f"{(Tq, Hq, Dv)}")
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {dtype_name(a.dtype)}; expected q's dtype "
+                            f"{dtype_name(q.dtype)}")
+    if tuple(lse.shape) != (Hq, Tq):
+        raise ValueError(f"lse has shape {tuple(lse.shape)}; expected [Hq, {rows}] = "
+                         f"{(Hq, Tq)}")
+    if np.dtype(lse.dtype).kind != "f":
+        raise TypeError(f"lse must be floating point, got {dtype_name(lse.dtype)}")
