@@ -125,18 +125,19 @@ def test_kernels_match_reference_on_host_emulation():
 
 
 def test_backend_interface_without_a_gpu():
-    from varlen.backends import cupy_backend as cb
+    from varlen.backends import Problem, cupy_backend
+    cb = cupy_backend.BACKEND
     assert cb.name == "cupy"
-    assert cb.DEFAULT_ELIGIBLE is False, "flip only after the GPU suite has passed"
-    kw = dict(head_dim=128, head_dim_v=128)
-    why = cb.supports(dtype="bfloat16", on_device=True, **kw)
+    assert cb.default_eligible is False, "flip only after the GPU suite has passed"
+
+    def supports(dtype, on_device=True, head_dim=128, head_dim_v=128):
+        return cb.supports(Problem(dtype, head_dim, head_dim_v, on_device))
+    why = supports("bfloat16")
     assert why is None or why.startswith("CuPy is not importable"), why
-    assert "host" in cb.supports(dtype="bfloat16", on_device=False, **kw)
-    assert "float32" in cb.supports(dtype="float32", on_device=True, **kw)
-    assert "head_dim=80" in cb.supports(dtype="float16", head_dim=80, head_dim_v=80,
-                                        on_device=True)
-    assert "head_dim_v" in cb.supports(dtype="float16", head_dim=64, head_dim_v=32,
-                                       on_device=True)
+    assert "host" in supports("bfloat16", on_device=False)
+    assert "float32" in supports("float32")
+    assert "head_dim=80" in supports("float16", head_dim=80, head_dim_v=80)
+    assert "head_dim_v" in supports("float16", head_dim=64, head_dim_v=32)
     for D in _cupy_spec.HEAD_DIMS:
         assert tuple(cb.default_blocks("float16", D)) in _cupy_spec.BLOCKS
     import numpy as np

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Origin", "to_working", "array_module", "empty", "set_nan_fill", "bfloat16_dtype",
+__all__ = ["Origin", "to_working", "array_module", "alloc", "set_nan_fill", "nan_fill_enabled", "bfloat16_dtype",
            "is_device_array"]
 
 # DLPack device types (dlpack.h)
@@ -54,11 +54,25 @@ def set_nan_fill(enabled: bool) -> bool:
     return old
 
 
-def empty(xp, shape, dtype):
-    """A fresh output buffer: uninitialised, or NaN-filled in test mode."""
-    if _NAN_FILL and np.dtype(dtype).kind == "f":
-        return xp.full(shape, np.nan, dtype=dtype)
-    return xp.empty(shape, dtype=dtype)
+def nan_fill_enabled() -> bool:
+    return _NAN_FILL
+
+
+def alloc(xp, shape, dtype, fill=None):
+    """The one allocator of the library's buffers (NumPy or CuPy, outputs and workspaces).
+
+    `fill=None` gives an uninitialised buffer, NaN-filled in test mode so that an unwritten
+    element shows; otherwise every element is `fill`. float16/bfloat16 zeros are written as
+    their (identical) all-zero bit pattern, so no fill kernel depends on the element type.
+    """
+    dtype = np.dtype(dtype)
+    if fill is None:
+        if _NAN_FILL and dtype.kind == "f":
+            return xp.full(shape, np.nan, dtype=dtype)
+        return xp.empty(shape, dtype=dtype)
+    if fill == 0 and dtype.itemsize == 2 and dtype.kind not in "iub":
+        return xp.zeros(shape, dtype=np.uint16).view(dtype)
+    return xp.full(shape, fill, dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Mask", "as_mask", "visible", "padding_mask", "dense_mask", "MASK_NAMES"]
+__all__ = ["Mask", "as_mask", "visible", "key_band", "query_band", "padding_mask",
+           "dense_mask", "MASK_NAMES", "MASK_FIELDS"]
 
 MASK_NAMES = ("full", "causal", "causal_bottom_right")
+# The fields of a mask policy, in the order of `Mask.fields()`, kernel arguments and op schemas.
+MASK_FIELDS = ("window_left", "window_right", "bottom_right")
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,12 +100,32 @@ def visible(i, j, lq, lk, left, right, bottom_right):
 
     `i`, `j` are global query/key positions; `lq`, `lk` global lengths (only used when
     `bottom_right`); `left`, `right`, `bottom_right` the policy. Positions outside `[0, L)` are
-    not excluded here; the callers bound them.
+    not excluded here; the callers bound them. The one Python statement of the predicate:
+    `key_band` and `query_band` are its interval forms.
     """
     s = (lk - lq) * bottom_right
     ok_left = (left < 0) | (j >= i + s - left)
     ok_right = (right < 0) | (j <= i + s + right)
     return ok_left & ok_right
+
+
+# Stands for an unbounded band edge in int64 position arithmetic (far beyond any int32 row).
+UNBOUNDED = 1 << 40
+
+
+def key_band(xp, i, shift, left, right):
+    """`(lo, hi)`: query position `i` sees exactly the keys `lo <= j <= hi` (`visible` as an
+    interval; `shift = (lk - lq) * bottom_right`; unbounded edges are +-UNBOUNDED)."""
+    lo = xp.where(left < 0, -UNBOUNDED, i + shift - left)
+    hi = xp.where(right < 0, UNBOUNDED, i + shift + right)
+    return lo, hi
+
+
+def query_band(xp, j, shift, left, right):
+    """`(lo, hi)`: key position `j` is seen by exactly the queries `lo <= i <= hi`."""
+    lo = xp.where(right < 0, -UNBOUNDED, j - shift - right)
+    hi = xp.where(left < 0, UNBOUNDED, j - shift + left)
+    return lo, hi
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,22 +18,20 @@ in `docs/plan.md`; in short:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from .masks import Mask, as_mask
+from .masks import Mask, as_mask, key_band, query_band
 
-__all__ = ["Segments", "Plan", "plan", "build_plan", "segments_from_cu_seqlens",
-           "TILE_FIELDS", "SCHED_FIELDS"]
+__all__ = ["Segments", "Plan", "KernelView", "build_plan", "segments_from_cu_seqlens",
+           "tile_bound", "TILE_FIELDS", "SCHED_FIELDS"]
 
 # Columns of the tile tables `q_tiles` / `k_tiles` (int32 [num_tiles, 5]).
 TILE_FIELDS = ("seq", "seg", "row", "rows", "pos")
-TILE_SEQ, TILE_SEG, TILE_ROW, TILE_ROWS, TILE_POS = range(5)
+TILE_SEQ, _, TILE_ROW, TILE_ROWS, TILE_POS = range(5)
 # Last axis of the schedules `q_sched` [num_q_tiles, mk, 4] / `k_sched` [num_k_tiles, mq, 4].
 SCHED_FIELDS = ("begin", "full_begin", "full_end", "end")
-
-# Stands for an unbounded window edge in int64 position arithmetic (far beyond any int32 row).
-_INF = 1 << 40
 
 
 def _xp(a):
@@ -162,6 +160,15 @@ class Plan:
         """True when the plan's arrays are NumPy arrays (else CuPy or Numba device arrays)."""
         return isinstance(self.q_tiles, np.ndarray)
 
+    def view(self) -> KernelView:
+        """The kernel-facing record of this plan (no copy, no host read)."""
+        q, k = self.q, self.k
+        return KernelView(self.q_tiles, self.q_sched, self.k_tiles, self.k_sched, q.row,
+                          q.length, q.pos, k.row, k.length, k.pos, q.seqlen, k.seqlen,
+                          self.window_left, self.window_right, self.bottom_right, self.batch,
+                          q.per_seq, k.per_seq, self.num_q_tiles, self.num_k_tiles,
+                          self.block_m, self.block_n, q.num_rows, k.num_rows)
+
     def to_host(self) -> "Plan":
         """A NumPy copy (reads device memory: for tests and inspection)."""
         if self.on_host:
@@ -173,6 +180,47 @@ class Plan:
         return Plan(hs(self.q), hs(self.k), h(self.window_left), h(self.window_right),
                     h(self.bottom_right), self.block_m, self.block_n, h(self.q_tiles),
                     h(self.q_sched), h(self.k_tiles), h(self.k_sched))
+
+
+class KernelView(NamedTuple):
+    """Everything a kernel reads of a plan, as one record (`Plan.view()`).
+
+    The CUDA kernels get it as one struct by value (`PlanView` in `kernels_cuda/plan_view.cuh`,
+    the same fields in the same order), the Numba kernels as this named tuple, and the NumPy
+    walker reads the same fields. Arrays are int32; the sizes are host ints.
+    """
+
+    q_tiles: object        # [num_q_tiles, 5] (seq, seg, row, rows, pos); seq -1: unused slot
+    q_sched: object        # [num_q_tiles, mk, 4] key-tile ranges per key segment
+    k_tiles: object        # [num_k_tiles, 5]
+    k_sched: object        # [num_k_tiles, mq, 4] query-tile ranges per query segment
+    q_row: object          # [B, mq] first packed row of each query segment
+    q_len: object          # [B, mq] rows of each query segment
+    q_pos: object          # [B, mq] global position of its first row
+    k_row: object          # [B, mk]
+    k_len: object          # [B, mk]
+    k_pos: object          # [B, mk]
+    seqlen_q: object       # [B] global sequence lengths (positions past them are padding)
+    seqlen_k: object       # [B]
+    window_left: object    # [B] mask policy (masks.MASK_FIELDS)
+    window_right: object   # [B]
+    bottom_right: object   # [B]
+    batch: int             # B
+    mq: int                # query segments per sequence
+    mk: int                # key segments per sequence
+    num_q_tiles: int
+    num_k_tiles: int
+    block_m: int
+    block_n: int
+    rows_q: int            # Tq, rows of the packed query array
+    rows_k: int            # Tk
+
+    NUM_ARRAYS = 15
+
+    def map_arrays(self, fn) -> "KernelView":
+        """The same view with `fn` applied to every array (move, cast, make contiguous)."""
+        n = self.NUM_ARRAYS
+        return KernelView(*(fn(a) for a in self[:n]), *self[n:])
 
 
 def tile_bound(num_rows: int, num_segments: int, block: int, max_seqlen=None) -> int:
@@ -248,11 +296,13 @@ def _ranges(xp, begin, end, fbegin, fend):
     return xp.stack([begin, fbegin, fend, end], axis=-1).astype(np.int32)
 
 
-def _policy(xp, plan_mask, b):
+def _policy(xp, plan_mask, b, q: Segments, k: Segments):
+    """`(left, right, shift)` of sequences `b` in int64; `shift = (Lk - Lq) * bottom_right`."""
     left = plan_mask[0].astype(np.int64)[b]
     right = plan_mask[1].astype(np.int64)[b]
     br = plan_mask[2].astype(np.int64)[b]
-    return left, right, br
+    shift = (k.seqlen.astype(np.int64)[b] - q.seqlen.astype(np.int64)[b]) * br
+    return left, right, shift
 
 
 def _schedule_q(xp, tiles, q: Segments, k: Segments, pol, block_n):
@@ -261,15 +311,10 @@ def _schedule_q(xp, tiles, q: Segments, k: Segments, pol, block_n):
     b = xp.maximum(tiles[:, TILE_SEQ], 0).astype(np.int64)
     p0 = tiles[:, TILE_POS].astype(np.int64)
     p1 = p0 + tiles[:, TILE_ROWS].astype(np.int64) - 1
-    left, right, br = _policy(xp, pol, b)
-    s = (k.seqlen.astype(np.int64)[b] - q.seqlen.astype(np.int64)[b]) * br
-    # Visible band of query position i: keys in [lo(i), hi(i)].
-    def lo(i):
-        return xp.where(left < 0, -_INF, i + s - left)
-
-    def hi(i):
-        return xp.where(right < 0, _INF, i + s + right)
-    lo0, lo1, hi0, hi1 = (lo(p0)[:, None], lo(p1)[:, None], hi(p0)[:, None], hi(p1)[:, None])
+    left, right, shift = _policy(xp, pol, b, q, k)
+    # Visible keys of the tile's first and last query: [lo0, hi0] and [lo1, hi1].
+    lo0, hi0 = (e[:, None] for e in key_band(xp, p0, shift, left, right))
+    lo1, hi1 = (e[:, None] for e in key_band(xp, p1, shift, left, right))
     kpos = k.pos.astype(np.int64)[b]                                  # [n, mk]
     klen = k.length.astype(np.int64)[b]
     nt = (klen + block_n - 1) // block_n
@@ -288,16 +333,10 @@ def _schedule_k(xp, tiles, q: Segments, k: Segments, pol, block_m):
     b = xp.maximum(tiles[:, TILE_SEQ], 0).astype(np.int64)
     j0 = tiles[:, TILE_POS].astype(np.int64)
     j1 = j0 + tiles[:, TILE_ROWS].astype(np.int64) - 1
-    left, right, br = _policy(xp, pol, b)
-    s = (k.seqlen.astype(np.int64)[b] - q.seqlen.astype(np.int64)[b]) * br
-    # Query i sees key j iff i in [j - s - right, j - s + left] (unbounded sides drop out).
-    def qlo(j):
-        return xp.where(right < 0, -_INF, j - s - right)
-
-    def qhi(j):
-        return xp.where(left < 0, _INF, j - s + left)
-    qlo0, qlo1, qhi0, qhi1 = (qlo(j0)[:, None], qlo(j1)[:, None], qhi(j0)[:, None],
-                              qhi(j1)[:, None])
+    left, right, shift = _policy(xp, pol, b, q, k)
+    # Queries that see the tile's first and last key: [qlo0, qhi0] and [qlo1, qhi1].
+    qlo0, qhi0 = (e[:, None] for e in query_band(xp, j0, shift, left, right))
+    qlo1, qhi1 = (e[:, None] for e in query_band(xp, j1, shift, left, right))
     qpos = q.pos.astype(np.int64)[b]                                  # [n, mq]
     qlen = q.length.astype(np.int64)[b]
     nt = (qlen + block_m - 1) // block_m
@@ -339,26 +378,3 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
                 block_m=int(block_m), block_n=int(block_n), q_tiles=q_tiles, q_sched=q_sched,
                 k_tiles=k_tiles, k_sched=k_sched)
 
-
-def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, mask="full",
-         num_rows_q=None, num_rows_k=None, max_seqlen_q=None, max_seqlen_k=None,
-         block_m: int = 64, block_n: int = 64) -> Plan:
-    """Build the reusable device metadata of a packed batch (see `docs/plan.md`).
-
-    Args:
-        cu_seqlens_q, cu_seqlens_k: int32 `[B+1]` cumulative lengths (any framework).
-        seq_offsets_q, seq_offsets_k: optional int32 `[B+1]` first row of each sequence.
-        mask: a mask name or a `varlen.Mask` (per-sequence arrays on the data's device).
-        num_rows_q, num_rows_k: rows `T` of the packed arrays (default: the last cu_seqlens /
-            offsets entry, which needs a host read and is refused for device arrays).
-        max_seqlen_q, max_seqlen_k: optional bounds that tighten the tile-table size.
-        block_m, block_n: tile sizes; a backend refuses a plan whose tiles it cannot run.
-
-    Returns a `Plan` whose arrays live where `cu_seqlens_q` lives. No host synchronisation
-    when `num_rows_*` are given.
-    """
-    from . import _api
-    return _api.make_plan(cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
-                          seq_offsets_k=seq_offsets_k, mask=mask, num_rows_q=num_rows_q,
-                          num_rows_k=num_rows_k, max_seqlen_q=max_seqlen_q,
-                          max_seqlen_k=max_seqlen_k, block_m=block_m, block_n=block_n)

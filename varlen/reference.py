@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .masks import as_mask
+from .masks import as_mask, visible
 
 __all__ = ["attention_dense", "attention_dense_backward", "sequence_masks"]
 
@@ -43,13 +43,7 @@ def sequence_masks(cu_seqlens_q, cu_seqlens_k, mask="full"):
     for b in range(B):
         i = np.arange(lq[b])[:, None]
         j = np.arange(lk[b])[None, :]
-        s = lk[b] - lq[b] if br[b] else 0
-        ok = np.ones((lq[b], lk[b]), dtype=bool)
-        if left[b] >= 0:
-            ok &= j >= i + s - left[b]
-        if right[b] >= 0:
-            ok &= j <= i + s + right[b]
-        out.append(ok)
+        out.append(visible(i, j, lq[b], lk[b], left[b], right[b], br[b]))
     return out
 
 

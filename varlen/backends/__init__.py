@@ -1,70 +1,92 @@
-"""Backend registry.
+"""Backend registry: every backend by name, the default for a call, and why others were not.
 
-A backend is a module with: `name`, `supports(*, dtype, head_dim, head_dim_v, on_device)`
-(None when it can run the call, else the reason), `default_blocks(dtype, head_dim)`,
-`check_plan(plan)` (None or the reason a plan's tiles do not fit), `forward(plan, q, k, v, *,
-softmax_scale, softcap)` and `backward(plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-deterministic)`. Device backends import their frameworks lazily; a backend whose framework is
-missing reports it through `supports`.
+Each backend module defines one `Backend` subclass (`base.py`) and its instance `BACKEND`.
+Modules are imported on first use, so a machine without CuPy or Numba never imports them.
+
+    >>> varlen.backends.explain(dtype="float32", head_dim=64, on_device=False)
+    [('numpy', None), ('numba', 'not chosen by default for host arrays (ask for it by name)'),
+     ('cupy', 'the cupy backend runs on a CUDA device; the arrays live on the host')]
 """
 from __future__ import annotations
 
 import importlib
 
+from .base import Backend, Problem
+
+__all__ = ["Backend", "Problem", "NAMES", "get", "select", "explain"]
+
 NAMES = ("numpy", "numba", "cupy")
 _MODULES = {"numpy": "numpy_backend", "numba": "numba_backend", "cupy": "cupy_backend"}
-# Preference when backend=None: fastest first. Host data always goes to NumPy by default (the
+# Preference when backend=None: fastest first. Host data goes to the host backends only (the
 # Numba simulator accepts host arrays too, but only when asked for by name).
-_ORDER = ("cupy", "numba", "numpy")
+_DEVICE_ORDER = ("cupy", "numba", "numpy")
 _HOST_ORDER = ("numpy",)
 
 
-def load(name: str):
+def get(name: str) -> Backend | None:
+    """The backend called `name`, or None when its module is not part of this installation."""
     if name not in _MODULES:
         raise ValueError(f"backend={name!r} is not a known backend; expected one of "
                          f"{', '.join(map(repr, NAMES))} or None")
     try:
-        return importlib.import_module(f".{_MODULES[name]}", __name__)
+        module = importlib.import_module(f".{_MODULES[name]}", __name__)
     except ModuleNotFoundError as e:
         if e.name and e.name.endswith(_MODULES[name]):
             return None
         raise
+    return module.BACKEND
 
 
-def select(name, *, dtype, head_dim, head_dim_v, on_device):
-    """The backend module for a call: the named one (or an error saying why it cannot run),
-    or the fastest that supports it."""
-    kw = dict(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, on_device=on_device)
+def _order(on_device: bool):
+    return _DEVICE_ORDER if on_device else _HOST_ORDER
+
+
+def _reason(name: str, call, on_device: bool) -> str | None:
+    """Why `backend=None` would pass over `name` for `call` (None: it would take it)."""
+    backend = get(name)
+    if backend is None:
+        return "not built in this installation"
+    why = backend.supports(call)
+    if why:
+        return why
+    if name not in _order(on_device):
+        return f"not chosen by default for {'device' if on_device else 'host'} arrays (ask for " \
+               f"it by name)"
+    if not backend.default_eligible:
+        return "not chosen by default yet (ask for it by name)"
+    return None
+
+
+def explain(call=None, **problem) -> list[tuple[str, str | None]]:
+    """For every backend, in order of preference: `(name, None)` if `backend=None` could pick
+    it for this call, else `(name, reason)`. Pass a setup record or the keywords of `Problem`
+    (`dtype`, `head_dim`, `head_dim_v` (default `head_dim`), `on_device` (default False))."""
+    if call is None:
+        problem.setdefault("head_dim_v", problem.get("head_dim"))
+        problem.setdefault("on_device", False)
+        call = Problem(**problem)
+    order = _order(call.on_device)
+    names = order + tuple(n for n in NAMES if n not in order)
+    return [(n, _reason(n, call, call.on_device)) for n in names]
+
+
+def select(name, call) -> Backend:
+    """The backend for `call`: the named one (or an error saying why it cannot run it), or the
+    first in order of preference that can, with every other one's reason in the error."""
     if name is not None:
-        mod = load(name)
-        if mod is None:
+        if not isinstance(name, str):
+            raise TypeError(f"backend must be one of {', '.join(map(repr, NAMES))} or None, "
+                            f"got {name!r}")
+        backend = get(name)
+        if backend is None:
             raise ValueError(f"backend={name!r} is not built in this installation")
-        why = mod.supports(**kw)
+        why = backend.supports(call)
         if why:
             raise ValueError(f"backend={name!r} cannot run this call: {why}")
-        return mod
-    reasons = []
-    for cand in (_ORDER if on_device else _HOST_ORDER):
-        mod = load(cand)
-        if mod is None:
-            continue
-        if not getattr(mod, "DEFAULT_ELIGIBLE", True):
-            reasons.append(f"{cand}: not chosen by default yet (ask for it by name)")
-            continue
-        why = mod.supports(**kw)
-        if not why:
-            return mod
-        reasons.append(f"{cand}: {why}")
-    raise ValueError("no backend supports this call (" + "; ".join(reasons) + ")")
-
-
-def available(on_device: bool):
-    """Names of the backends that can run some call on the host or on a device."""
-    out = []
-    for cand in _ORDER:
-        mod = load(cand)
-        if mod is not None and any(
-                not mod.supports(dtype=dt, head_dim=64, head_dim_v=64, on_device=on_device)
-                for dt in ("float32", "float16", "bfloat16")):
-            out.append(cand)
-    return out
+        return backend
+    reasons = explain(call)
+    for n, why in reasons:
+        if why is None:
+            return get(n)
+    raise ValueError("no backend supports this call (" +
+                     "; ".join(f"{n}: {why}" for n, why in reasons) + ")")

@@ -17,32 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._array import empty
+from .._array import alloc
 from ..masks import visible
 from ..plan import Plan, Segments, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEQ
+from .base import Backend
 
-name = "numpy"
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # Scores (float64) in one batch of tiles: 2^21 = 16 MiB. A single tile may exceed it (a long
 # sequence's tile x Lk block); it then forms a batch of its own.
 _BLOCK_BUDGET = 1 << 21
 
-
-def supports(*, dtype, head_dim, head_dim_v, on_device):
-    if on_device:
-        return "the numpy backend runs on the host; the arrays live on a CUDA device"
-    return None
-
-
-def default_blocks(dtype, head_dim):
-    return 64, 64
-
-
-def check_plan(plan: Plan):
-    if not plan.on_host:
-        return "its arrays live on a device; build it from host cu_seqlens for host data"
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,14 +188,14 @@ def _to_rows(x):
 # Forward and backward
 # --------------------------------------------------------------------------------------------
 
-def forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
+def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` (float64 for float64, else float32)."""
     Tq, Hq, _ = q.shape
     Hk, Dv = k.shape[1], v.shape[2]
     G = Hq // Hk
     lse_dtype = np.float64 if q.dtype == np.float64 else np.float32
-    out = empty(np, (Tq, Hq, Dv), q.dtype)
-    lse = empty(np, (Hq, Tq), lse_dtype)
+    out = alloc(np, (Tq, Hq, Dv), q.dtype)
+    lse = alloc(np, (Hq, Tq), lse_dtype)
     # Rows outside every segment are padding: output 0, no visible key.
     pad = ~plan.q.covered()
     out[pad] = 0
@@ -238,7 +223,7 @@ def _probs(s, row_lse):
     return np.where(finite, np.exp(s - np.where(finite, row_lse, 0.0)), 0.0)
 
 
-def backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
+def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
              deterministic: bool = False):
     """`(dq, dk, dv)` in the input dtypes, as the kernels do it (FlashAttention-2, Alg. 2).
 
@@ -273,14 +258,14 @@ def backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softc
             ds = ds * (1.0 - th * th)                                 # d/dx c*tanh(x/c)
         return qt, dot, kt, p, ds * softmax_scale
 
-    dq = empty(np, q.shape, q.dtype)
+    dq = alloc(np, q.shape, q.dtype)
     dq[~plan.q.covered()] = 0
     for bt in _batches(plan, "q", Hq):
         _, _, kt, _, ds = grads(bt, "q")
         dq[bt.own[bt.own_ok]] = _to_rows(ds @ kt)[bt.own_ok].astype(q.dtype)
 
-    dk = empty(np, k.shape, k.dtype)
-    dv = empty(np, v.shape, v.dtype)
+    dk = alloc(np, k.shape, k.dtype)
+    dv = alloc(np, v.shape, v.dtype)
     kpad = ~plan.k.covered()
     dk[kpad] = 0
     dv[kpad] = 0
@@ -293,3 +278,30 @@ def backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softc
         dk[rows] = dk_t[bt.own_ok].astype(k.dtype)
         dv[rows] = dv_t[bt.own_ok].astype(v.dtype)
     return dq, dk, dv
+
+
+class NumpyBackend(Backend):
+    """The host backend: float64 arithmetic over the plan's tile schedule."""
+
+    name = "numpy"
+
+    def supports(self, call):
+        if call.on_device:
+            return "the numpy backend runs on the host; the arrays live on a CUDA device"
+        return None
+
+    def check_plan(self, plan: Plan):
+        if not plan.on_host:
+            return "its arrays live on a device; build it from host cu_seqlens for host data"
+        return None
+
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
+        return _forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
+
+    def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
+                 deterministic=False):
+        return _backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                         softcap=softcap, deterministic=deterministic)
+
+
+BACKEND = NumpyBackend()

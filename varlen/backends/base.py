@@ -1,0 +1,72 @@
+"""The interface every backend implements.
+
+A backend answers the same questions the same way: can it run this call (`supports`), which
+tiles its plans use (`default_blocks`, `make_plan`, `check_plan`), and the two computations
+(`forward`, `backward`). Arguments reach a backend already checked and normalised by the setup
+step (`varlen/_setup.py`): working arrays (NumPy on the host, CuPy on a device), a `Plan` that
+describes them, and plain Python scalars. A backend re-checks none of it.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from ..plan import Plan, Segments, build_plan
+
+__all__ = ["Backend", "Problem"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What `supports` reads of a call: the setup record (`varlen._setup.Call`) has these
+    attributes too, so either can be asked about."""
+
+    dtype: str            # float16 | bfloat16 | float32 | float64
+    head_dim: int         # D of q and k
+    head_dim_v: int       # Dv of v
+    on_device: bool       # the arrays live on a CUDA device
+
+
+class Backend(abc.ABC):
+    """One way to run packed variable-length attention.
+
+    Attributes:
+        name: the value of `backend=` that asks for it.
+        default_eligible: whether `backend=None` may choose it (a backend whose numerics are
+            not yet proven on real hardware runs only when asked for by name).
+    """
+
+    name: str = ""
+    default_eligible: bool = True
+
+    @abc.abstractmethod
+    def supports(self, call) -> str | None:
+        """None when this backend can run `call` (a `Problem` or the setup record), else the
+        reason it cannot, as a phrase that completes "backend X cannot run this call: ..."."""
+
+    def default_blocks(self, dtype: str, head_dim: int) -> tuple[int, int]:
+        """`(block_m, block_n)` of the plans this backend builds for a call."""
+        return 64, 64
+
+    def make_plan(self, q: Segments, k: Segments, mask, *, block_m: int, block_n: int,
+                  max_seqlen_q=None, max_seqlen_k=None) -> Plan:
+        """A plan over these segments, built where the segments live (array code by default;
+        a backend may build it with its own kernels)."""
+        return build_plan(q, k, mask, block_m=block_m, block_n=block_n,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+    def check_plan(self, plan: Plan) -> str | None:
+        """None when this backend can run `plan` (its tiles, where its arrays live)."""
+        return None
+
+    @abc.abstractmethod
+    def forward(self, plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
+        """`(out [Tq, Hq, Dv] in q's dtype, lse [Hq, Tq])`; pad rows 0 and -inf."""
+
+    @abc.abstractmethod
+    def backward(self, plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float,
+                 softcap: float, deterministic: bool = False):
+        """`(dq, dk, dv)` in the input dtype; pad rows and unseen keys 0."""
+
+    def __repr__(self):
+        return f"<varlen backend {self.name!r}>"
