@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from varlen import backends
-from varlen._api import working_mask
+from varlen._setup import working_mask
 from varlen._array import array_module, common_origin, host_copy, to_working
 from varlen._validate import (check_backward_inputs, check_qkv, dtype_name, scale_and_softcap,
                               validation_enabled)
@@ -131,8 +131,7 @@ def _prepare(q, k, v, part, group, *, mask, softmax_scale, softcap, method, back
     if method == "ulysses" and Hq % pq.cp_size:
         raise ValueError(f"method='ulysses' splits heads over ranks: q has {Hq} heads, not "
                          f"divisible by cp_size={pq.cp_size}; use 'ring' or 'allgather'")
-    mod = backends.select(backend, dtype=dtype_name(qw.dtype), head_dim=D, head_dim_v=Dv,
-                          on_device=xp is not np)
+    mod = backends.select(backend, backends.Problem(dtype_name(qw.dtype), D, Dv, xp is not np))
     softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
     ew = [to_working(x, n) for n, x in extra]
     return _Ctx(origin, xp, group, pq, pk, method, mod, working_mask(mask, pq.batch, xp),

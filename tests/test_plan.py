@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import varlen
-from varlen.plan import (Segments, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEG, TILE_SEQ,
+from varlen.masks import visible
+from varlen.plan import (Segments, TILE_FIELDS, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEQ,
                          build_plan, tile_bound)
 
 
@@ -14,16 +15,9 @@ def _tile_positions(seg: Segments, b, m, t, block):
 
 
 def _visibility(plan, b, qpos, kpos):
-    lq, lk = int(plan.q.seqlen[b]), int(plan.k.seqlen[b])
-    left, right = int(plan.window_left[b]), int(plan.window_right[b])
-    s = lk - lq if plan.bottom_right[b] else 0
-    i, j = qpos[:, None], kpos[None, :]
-    ok = np.ones((len(qpos), len(kpos)), bool)
-    if left >= 0:
-        ok &= j >= i + s - left
-    if right >= 0:
-        ok &= j <= i + s + right
-    return ok
+    return visible(qpos[:, None], kpos[None, :], int(plan.q.seqlen[b]), int(plan.k.seqlen[b]),
+                   int(plan.window_left[b]), int(plan.window_right[b]),
+                   int(plan.bottom_right[b]))
 
 
 def _classify(vis):
@@ -127,7 +121,7 @@ def test_tile_table_layout():
     p = varlen.plan(cu, cu, seq_offsets_q=off, seq_offsets_k=off, block_m=4, block_n=4)
     used = p.q_tiles[p.q_tiles[:, TILE_SEQ] >= 0]
     assert used[:, TILE_SEQ].tolist() == [0, 0, 2, 2]
-    assert used[:, TILE_SEG].tolist() == [0, 0, 0, 0]
+    assert used[:, TILE_FIELDS.index("seg")].tolist() == [0, 0, 0, 0]
     assert used[:, TILE_ROW].tolist() == [2, 6, 9, 13]
     assert used[:, TILE_ROWS].tolist() == [4, 1, 4, 4]
     assert used[:, TILE_POS].tolist() == [0, 4, 0, 4]

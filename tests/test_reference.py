@@ -4,6 +4,7 @@ import pytest
 
 import varlen
 from varlen import reference
+from varlen.masks import visible
 
 from helpers import make_batch
 
@@ -21,10 +22,9 @@ def per_query_loop(q, k, v, cu_q, cu_k, mask, scale, softcap, off_q=None, off_k=
         sq = cu_q[b] if off_q is None else off_q[b]
         sk = cu_k[b] if off_k is None else off_k[b]
         left, right = field(m.window_left, b), field(m.window_right, b)
-        s = lk - lq if field(m.bottom_right, b) else 0
+        br = field(m.bottom_right, b)
         for i in range(lq):
-            keys = [j for j in range(lk)
-                    if (left < 0 or j >= i + s - left) and (right < 0 or j <= i + s + right)]
+            keys = [j for j in range(lk) if visible(i, j, lq, lk, left, right, br)]
             if not keys:
                 continue
             for h in range(Hq):

@@ -6,12 +6,12 @@
 Arrays come from and go back to NumPy, PyTorch, JAX or CuPy through DLPack. See
 `docs/semantics.md` for the contract every backend meets.
 """
-from ._api import attention, attention_backward, attention_forward
+from ._api import attention, attention_backward, attention_forward, plan
 from ._array import set_nan_fill
 from ._validate import set_validation
 from .masks import Mask, dense_mask, padding_mask
-from .plan import Plan, Segments, plan
-from . import reference
+from .plan import Plan, Segments
+from . import backends, reference
 
 __version__ = "0.1.0"
 

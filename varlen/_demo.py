@@ -40,9 +40,9 @@ def _run(name, q, k, v, cu_q, cu_k, dtype, xp, **kw):
     meta = {key: (xp.asarray(val) if isinstance(val, np.ndarray) and xp is not np else val)
             for key, val in kw.items()}
     dev_cu_q, dev_cu_k = (xp.asarray(c) if xp is not np else c for c in (cu_q, cu_k))
-    mod = backends.select(None, dtype=np.dtype(dtype).name if dtype != bfloat16_dtype()
-                          else "bfloat16", head_dim=q.shape[2], head_dim_v=v.shape[2],
-                          on_device=xp is not np)
+    mod = backends.select(None, backends.Problem(
+        np.dtype(dtype).name if dtype != bfloat16_dtype() else "bfloat16", q.shape[2],
+        v.shape[2], xp is not np))
     t0 = time.perf_counter()
     out, lse = varlen.attention_forward(qd, kd, vd, dev_cu_q, dev_cu_k, **meta)
     grads = varlen.attention_backward(dod, qd, kd, vd, out, lse, dev_cu_q, dev_cu_k, **meta)

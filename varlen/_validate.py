@@ -12,8 +12,8 @@ import numpy as np
 from ._array import bfloat16_dtype, host_copy, to_working
 
 __all__ = ["set_validation", "validation_enabled", "check_qkv", "as_index_array",
-           "check_layout_values", "check_backward_inputs", "check_bound", "scale_and_softcap", "static_scalars",
-           "FLOAT_DTYPES"]
+           "as_policy_array", "check_layout_values", "check_backward_inputs", "check_bound",
+           "scale_and_softcap", "dtype_name", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -180,16 +180,6 @@ def scale_and_softcap(softmax_scale, softcap, head_dim=None):
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     return softmax_scale, softcap
-
-
-def static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend):
-    """The scalar arguments as plain Python values, for adapters that make them static (part of
-    an op's schema or of a trace), with the core API's messages for the wrong kind of value."""
-    softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap)
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be 'numpy', 'numba', 'cupy' or None, got {backend!r}")
-    return (softmax_scale, softcap, check_bound("max_seqlen_q", max_seqlen_q),
-            check_bound("max_seqlen_k", max_seqlen_k), backend)
 
 
 def check_backward_inputs(q, v, dout, out, lse, rows: str = "Tq"):

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._api import attention_backward, attention_forward
-from ._validate import check_qkv, static_scalars
+from ._setup import static_scalars
+from ._validate import check_qkv
 from .masks import Mask, as_mask
 
 __all__ = ["varlen_attention"]
@@ -288,8 +289,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     off_q = _index_array(seq_offsets_q, "seq_offsets_q", n)
     off_k = _index_array(seq_offsets_k, "seq_offsets_k", n)
     mask_arrays, mask_ints = _mask_args(mask, n - 1)
-    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend = static_scalars(
-        softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend)
+    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend, deterministic = static_scalars(
+        softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend, deterministic)
     static = _Static(mask_ints, softmax_scale, float(softcap), max_seqlen_q, max_seqlen_k,
                      backend, bool(deterministic))
     meta = (cu_q, cu_k, off_q, off_k, *mask_arrays)

@@ -84,9 +84,8 @@ def select(name, call) -> Backend:
         if why:
             raise ValueError(f"backend={name!r} cannot run this call: {why}")
         return backend
-    reasons = explain(call)
-    for n, why in reasons:
-        if why is None:
+    for n in _order(call.on_device):          # only the candidates: others are not imported
+        if _reason(n, call, call.on_device) is None:
             return get(n)
     raise ValueError("no backend supports this call (" +
-                     "; ".join(f"{n}: {why}" for n, why in reasons) + ")")
+                     "; ".join(f"{n}: {why}" for n, why in explain(call)) + ")")

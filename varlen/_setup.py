@@ -1,0 +1,284 @@
+"""The setup step: a call's arguments in, one immutable record of the call out.
+
+Every entry point goes through `setup` (the core API, `varlen.comm`, and through them the
+PyTorch and JAX adapters): it turns the inputs into working arrays (NumPy on the host, CuPy on a
+device), checks shapes, dtypes and devices, normalises the mask and the scalars, picks the
+backend and builds (or checks) the plan. What it returns, a `Call`, is all a backend or the
+context-parallel layer reads; nothing after this step checks an argument again.
+
+Value checks that read `cu_seqlens` and friends run when validation is on (`_validate.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from . import backends
+from ._array import Origin, array_module, common_origin, host_copy, to_working
+from ._validate import (as_index_array, as_policy_array, check_backward_inputs, check_bound,
+                        check_layout_values, check_qkv, dtype_name, scale_and_softcap,
+                        validation_enabled)
+from .masks import MASK_FIELDS, Mask, as_mask
+from .plan import Plan, build_plan, segments_from_cu_seqlens
+
+__all__ = ["Call", "Layout", "setup", "make_plan", "working_mask", "mask_parts",
+           "static_scalars"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The validated packed layout of a single-process call (int32 arrays in the data's module)."""
+
+    batch: int
+    cu_q: object
+    cu_k: object
+    off_q: object             # None: the cu_seqlens themselves
+    off_k: object
+    max_seqlen_q: int | None
+    max_seqlen_k: int | None
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """One checked call: what a backend and the context-parallel layer read, and nothing else.
+
+    `plan` is the call's plan (single process), or for context parallelism the plan the caller
+    passed (None: the partition's cached step plans). `grads` holds `(dout, out, lse)` as
+    working arrays for a backward call, else None.
+    """
+
+    origin: Origin            # where results go back (framework, device)
+    xp: object                # numpy or cupy: the module of the working arrays
+    q: object
+    k: object
+    v: object
+    dtype: str                # float16 | bfloat16 | float32 | float64
+    head_dim: int             # D
+    head_dim_v: int           # Dv
+    heads_q: int              # Hq
+    heads_k: int              # Hk
+    on_device: bool
+    validate: bool            # value checks (host reads) ran for this call
+    mask: Mask                # fields: scalars or int32 [B] arrays in xp
+    softmax_scale: float
+    softcap: float
+    deterministic: bool
+    backend: backends.Backend
+    plan: object
+    grads: tuple | None = None
+    layout: Layout | None = None
+    part: tuple | None = None  # context parallelism: (query partition, key partition)
+    method: str | None = None
+
+    @property
+    def rows_q(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def rows_k(self) -> int:
+        return int(self.k.shape[0])
+
+    def blocks(self) -> tuple[int, int]:
+        """The backend's tile sizes for this call's dtype and head dim."""
+        return self.backend.default_blocks(self.dtype, self.head_dim)
+
+    def make_plan(self, q_seg, k_seg, *, max_seqlen_q=None, max_seqlen_k=None) -> Plan:
+        """A plan over these segments with this call's mask, built by its backend."""
+        bm, bn = self.blocks()
+        return self.backend.make_plan(q_seg, k_seg, self.mask, block_m=bm, block_n=bn,
+                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces shared with the adapters
+# --------------------------------------------------------------------------------------------
+
+def working_mask(mask, batch: int, xp) -> Mask:
+    """The mask with every per-sequence field as a scalar or an int32 `[B]` array in `xp`."""
+    m = as_mask(mask)
+    return Mask(*(as_policy_array(f, n, xp, batch) for n, f in zip(MASK_FIELDS, m.fields())))
+
+
+def mask_parts(mask) -> tuple[tuple, tuple]:
+    """`mask` split for an op schema: per field, an array (or None) and an int (0 where the
+    array is given). Arrays stay in their framework; their values are checked by `setup`."""
+    arrays, scalars = [], []
+    for f in as_mask(mask).fields():
+        if isinstance(f, (bool, int, np.integer, np.bool_)) or np.ndim(f) == 0 and \
+                isinstance(f, np.ndarray):
+            arrays.append(None)
+            scalars.append(int(f))
+        else:
+            arrays.append(f)
+            scalars.append(0)
+    return tuple(arrays), tuple(scalars)
+
+
+def static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,
+                   deterministic=False):
+    """The scalar arguments as plain Python values, for adapters that make them static (part of
+    an op's schema or of a trace), with the core API's messages for the wrong kind of value."""
+    softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be one of {', '.join(map(repr, backends.NAMES))} or "
+                        f"None, got {backend!r}")
+    return (softmax_scale, softcap, check_bound("max_seqlen_q", max_seqlen_q),
+            check_bound("max_seqlen_k", max_seqlen_k), backend, _flag(deterministic))
+
+
+def _flag(deterministic) -> bool:
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    return bool(deterministic)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout and plan
+# --------------------------------------------------------------------------------------------
+
+def _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
+            max_seqlen_k) -> Layout:
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise TypeError("cu_seqlens_q and cu_seqlens_k are required: int32 [B+1] arrays")
+    cu_q = as_index_array(cu_seqlens_q, "cu_seqlens_q", xp)
+    cu_k = as_index_array(cu_seqlens_k, "cu_seqlens_k", xp)
+    if cu_q.shape[0] == 0:
+        raise ValueError("cu_seqlens_q is empty; expected [B+1] entries starting at 0")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q has {cu_q.shape[0]} entries and cu_seqlens_k "
+                         f"{cu_k.shape[0]}; both must be [B+1] for the same B")
+    B = cu_q.shape[0] - 1
+    off_q = None if seq_offsets_q is None else as_index_array(
+        seq_offsets_q, "seq_offsets_q", xp, length=B + 1)
+    off_k = None if seq_offsets_k is None else as_index_array(
+        seq_offsets_k, "seq_offsets_k", xp, length=B + 1)
+    return Layout(B, cu_q, cu_k, off_q, off_k, check_bound("max_seqlen_q", max_seqlen_q),
+                  check_bound("max_seqlen_k", max_seqlen_k))
+
+
+def _check_layout(lay: Layout, rows_q: int, rows_k: int, *, rows_names=(None, None)):
+    check_layout_values(lay.cu_q, lay.off_q, rows_q, lay.max_seqlen_q, "q",
+                        rows_name=rows_names[0])
+    check_layout_values(lay.cu_k, lay.off_k, rows_k, lay.max_seqlen_k, "k",
+                        rows_name=rows_names[1])
+
+
+def _segments(lay: Layout, rows_q: int, rows_k: int):
+    return (segments_from_cu_seqlens(lay.cu_q, lay.off_q, rows_q),
+            segments_from_cu_seqlens(lay.cu_k, lay.off_k, rows_k))
+
+
+def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None,
+              mask="full", num_rows_q=None, num_rows_k=None, max_seqlen_q=None,
+              max_seqlen_k=None, block_m=64, block_n=64) -> Plan:
+    """`varlen.plan`: see its docstring."""
+    probe = to_working(cu_seqlens_q, "cu_seqlens_q")
+    xp = array_module(probe) if np.ndim(probe) else np
+    on_device = xp is not np
+    lay = _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
+                  max_seqlen_k)
+    rows = []
+    for side, n, cu, off in (("q", num_rows_q, lay.cu_q, lay.off_q),
+                             ("k", num_rows_k, lay.cu_k, lay.off_k)):
+        if n is None:
+            if on_device:
+                raise ValueError(f"num_rows_{side} is required for device cu_seqlens: it sizes "
+                                 f"the plan without reading device memory")
+            n = int(host_copy(off if off is not None else cu)[-1])
+        rows.append(check_bound(f"num_rows_{side}", n))
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(blk, (int, np.integer)) or isinstance(blk, bool) or blk <= 0:
+            raise ValueError(f"{name} must be a positive int, got {blk!r}")
+    if validation_enabled(on_device):
+        _check_layout(lay, *rows)
+    return build_plan(*_segments(lay, *rows), working_mask(mask, lay.batch, xp),
+                      block_m=int(block_m), block_n=int(block_n),
+                      max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
+
+
+def _check_plan(plan, call: Call, lay: Layout):
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a varlen.Plan from varlen.plan(), got "
+                        f"{type(plan).__name__}")
+    if plan.batch != lay.batch:
+        raise ValueError(f"plan covers {plan.batch} sequences but cu_seqlens has {lay.batch}")
+    if plan.q.num_rows != call.rows_q or plan.k.num_rows != call.rows_k:
+        raise ValueError(f"plan was built for {plan.q.num_rows} query and {plan.k.num_rows} key "
+                         f"rows but q has {call.rows_q} and k has {call.rows_k}")
+    why = call.backend.check_plan(plan)
+    if why:
+        raise ValueError(f"plan cannot be used by backend {call.backend.name!r}: {why}")
+    if call.validate:
+        _check_plan_matches(plan, _segments(lay, call.rows_q, call.rows_k), call.mask)
+
+
+def _check_plan_matches(plan, segments, mask):
+    """A plan given with the call must describe the call's layout and mask (host reads)."""
+    if plan.q.per_seq != 1 or plan.k.per_seq != 1:
+        return      # a segment plan (context parallelism) is checked where it is built
+    for side, mine, theirs in zip("qk", (plan.q, plan.k), segments):
+        for field in ("row", "length", "seqlen"):
+            if not np.array_equal(host_copy(getattr(mine, field)),
+                                  host_copy(getattr(theirs, field))):
+                raise ValueError(f"plan was built for other cu_seqlens_{side}/seq_offsets_{side}"
+                                 f" than this call's ({field} differs)")
+    have = (plan.window_left, plan.window_right, plan.bottom_right)
+    for name, got, want in zip(MASK_FIELDS, have, mask.fields()):
+        want = want if isinstance(want, int) else host_copy(want)
+        if not np.array_equal(host_copy(got), np.broadcast_to(want, (plan.batch,))):
+            raise ValueError(f"plan was built for another mask than this call's (mask.{name} "
+                             f"differs)")
+
+
+# --------------------------------------------------------------------------------------------
+# The setup step
+# --------------------------------------------------------------------------------------------
+
+def _tensors(q, k, v, grads):
+    named = [("q", q), ("k", k), ("v", v)]
+    if grads is not None:
+        named += list(zip(("dout", "out", "lse"), grads))
+    origin = common_origin(named)
+    qw, kw, vw = to_working(q, "q"), to_working(k, "k"), to_working(v, "v")
+    check_qkv(qw, kw, vw)
+    gw = None if grads is None else tuple(to_working(x, n) for n, x in named[3:])
+    return origin, qw, kw, vw, gw
+
+
+def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
+          seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0, max_seqlen_q=None,
+          max_seqlen_k=None, backend=None, plan=None, deterministic=False, grads=None,
+          part=None, method=None, grads_rows="Tq") -> Call:
+    """Check and normalise one call's arguments; returns its `Call` record.
+
+    Single process: `cu_seqlens_*` (and optional offsets, bounds, `plan`). Context
+    parallelism: `part`, a pair `(query partition, key partition)` already checked against the
+    group by `varlen.comm`, and `method`. `grads = (dout, out, lse)` for a backward call.
+    """
+    origin, qw, kw, vw, gw = _tensors(q, k, v, grads)
+    xp = array_module(qw)
+    on_device = xp is not np
+    if gw is not None:
+        check_backward_inputs(qw, vw, *gw, rows=grads_rows)
+    softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap, qw.shape[2])
+    call = Call(origin=origin, xp=xp, q=qw, k=kw, v=vw, dtype=dtype_name(qw.dtype),
+                head_dim=int(qw.shape[2]), head_dim_v=int(vw.shape[2]),
+                heads_q=int(qw.shape[1]), heads_k=int(kw.shape[1]), on_device=on_device,
+                validate=validation_enabled(on_device), mask=Mask(),
+                softmax_scale=softmax_scale, softcap=softcap, deterministic=_flag(deterministic),
+                backend=None, plan=None, grads=gw, part=part, method=method)
+    call = replace(call, backend=backends.select(backend, call))
+    if part is not None:
+        return replace(call, mask=working_mask(mask, part[0].batch, xp), plan=plan)
+    lay = _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
+                  max_seqlen_k)
+    call = replace(call, mask=working_mask(mask, lay.batch, xp), layout=lay)
+    if call.validate:
+        _check_layout(lay, call.rows_q, call.rows_k)
+    if plan is None:
+        plan = call.make_plan(*_segments(lay, call.rows_q, call.rows_k),
+                              max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
+    else:
+        _check_plan(plan, call, lay)
+    return replace(call, plan=plan)
