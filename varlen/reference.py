@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._nonfinite import reached, split_finite
 from .masks import as_mask, visible
 
 __all__ = ["attention_dense", "attention_dense_backward", "sequence_masks"]
@@ -61,11 +62,15 @@ def _expand_kv(x, Hq):
 
 def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                     seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0):
-    """Forward in float64: returns `(out [Tq, Hq, Dv], lse [Hq, Tq])`, both float64."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    """Forward in float64: returns `(out [Tq, Hq, Dv], lse [Hq, Tq])`, both float64.
+
+    Non-finite inputs follow `docs/semantics.md`: NaN out and lse for the rows they reach.
+    """
+    (q, q_bad), (k, k_bad), (v, v_bad) = (split_finite(np.asarray(x, dtype=np.float64))
+                                          for x in (q, k, v))
     Tq, Hq, D = q.shape
     scale = 1.0 / np.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    kx, vx = _expand_kv(k, Hq), _expand_kv(v, Hq)
+    kx, vx, kv_bad = _expand_kv(k, Hq), _expand_kv(v, Hq), _expand_kv(k_bad | v_bad, Hq)
     out = np.zeros((Tq, Hq, v.shape[2]))
     lse = np.full((Hq, Tq), -np.inf)
     for rq, rk, ok in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
@@ -81,20 +86,33 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         z1 = np.where(z > 0, z, 1.0)
         out[rq] = np.einsum("hij,jhd->ihd", p / z1, vx[rk])
         lse[:, rq] = np.where(has, (mx + np.log(z1))[:, :, 0], -np.inf)
+        bad = reached(ok, q_bad[rq].T, kv_bad[rk].T)                 # [Hq, Lq]
+        out[rq] = np.where(bad.T[..., None], np.nan, out[rq])
+        lse[:, rq] = np.where(bad, np.nan, lse[:, rq])
     return out, lse
 
 
 def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
-                             seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0):
+                             seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
+                             out=None, lse=None):
     """Gradients in float64 of `sum(out * dout)`: returns `(dq, dk, dv)`.
 
     Recomputes the forward itself; the analytic softmax backward, with the softcap chain rule.
+    `out` and `lse` (what a backend's backward is given) are optional: their values are not
+    used, but their non-finite entries reach the gradients as the rules of
+    `docs/semantics.md` say, as those of `dout`, `q`, `k` and `v` do.
     """
-    dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
+    (dout, do_bad), (q, q_bad), (k, k_bad), (v, v_bad) = (
+        split_finite(np.asarray(x, dtype=np.float64)) for x in (dout, q, k, v))
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
+    q_bad = q_bad | do_bad
+    if out is not None:
+        q_bad |= split_finite(np.asarray(out, dtype=np.float64))[1]
+    if lse is not None:
+        q_bad |= ~np.isfinite(np.asarray(lse, dtype=np.float64)).T
     scale = 1.0 / np.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    kx, vx = _expand_kv(k, Hq), _expand_kv(v, Hq)
+    kx, vx, kv_bad = _expand_kv(k, Hq), _expand_kv(v, Hq), _expand_kv(k_bad | v_bad, Hq)
     dq = np.zeros_like(q)
     dkx = np.zeros_like(kx)
     dvx = np.zeros_like(vx)
@@ -117,6 +135,11 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
         ds = ds * scale
         dq[rq] += np.einsum("hij,jhd->ihd", ds, kx[rk])
         dkx[rk] += np.einsum("hij,ihd->jhd", ds, q[rq])
+        bad_q = reached(ok, q_bad[rq].T, kv_bad[rk].T).T                # [Lq, Hq]
+        bad_k = reached(ok.T, kv_bad[rk].T, q_bad[rq].T).T              # [Lk, Hq]
+        dq[rq] = np.where(bad_q[..., None], np.nan, dq[rq])
+        dkx[rk] = np.where(bad_k[..., None], np.nan, dkx[rk])
+        dvx[rk] = np.where(bad_k[..., None], np.nan, dvx[rk])
     G = Hq // Hk
     dk = dkx.reshape(k.shape[0], Hk, G, D).sum(axis=2)
     dv = dvx.reshape(v.shape[0], Hk, G, v.shape[2]).sum(axis=2)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._array import alloc
+from .._nonfinite import reached, split_finite
 from ..masks import visible
 from ..plan import Plan, Segments, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEQ
 from .base import Backend
@@ -125,45 +126,48 @@ def _batches(plan: Plan, side: str, heads: int):
 
 
 def _take(x, rows, ok):
-    """`x[rows]` in float64 with rows that are not real zeroed (their contents are never read:
-    a pad row may hold anything, NaN included)."""
+    """`(x[rows] in float64, bad [n, R, H])`: rows that are not real are zeroed (a pad row may
+    hold anything, NaN included, and is never read), non-finite values are zeroed and flagged
+    (`_nonfinite.split_finite`)."""
     g = x[rows].astype(np.float64)
     if not ok.all():
         g[~ok] = 0.0
-    return g
+    return split_finite(g, ok)
 
 
-def _scores(plan: Plan, bt: _Batch, qt, kt, side, scale, softcap):
-    """Scores `[n, Hk, G, I, J]` (I = query rows, J = key rows of each tile's block) from
-    `qt [n, Hk, G, I, D]` and `kt [n, Hk, 1, J, D]`, with non-rows and masked pairs at -inf,
-    and `tanh(s / softcap)` for the softcap gradient.
+def _allowed(plan: Plan, bt: _Batch, side: str):
+    """Bool `[n, I, J]` (query rows x key rows of each tile's block): the visible pairs.
 
     The mask predicate is evaluated only on pairs whose partner row lies in a partially masked
     tile; fully visible tiles take no mask arithmetic.
     """
-    s = (qt @ kt.swapaxes(-1, -2)) * scale
-    th = None
-    if softcap > 0:
-        th = np.tanh(s / softcap)
-        s = softcap * th
     if side == "q":
         q_ok, k_ok, qpos, kpos = bt.own_ok, bt.partner_ok, bt.own_pos, bt.partner_pos
         pair_partial = bt.partial[:, None, :] & bt.own_ok[:, :, None]
     else:
         q_ok, k_ok, qpos, kpos = bt.partner_ok, bt.own_ok, bt.partner_pos, bt.own_pos
         pair_partial = bt.partial[:, :, None] & bt.own_ok[:, None, :]
-    real = q_ok[:, None, None, :, None] & k_ok[:, None, None, None, :]
-    s = np.where(real, s, -np.inf)
-    n_i, i_i, j_i = np.nonzero(pair_partial & real[:, 0, 0])
+    allowed = q_ok[:, :, None] & k_ok[:, None, :]
+    n_i, i_i, j_i = np.nonzero(pair_partial & allowed)
     if n_i.size:
         b = bt.seq[n_i]
-        vis = visible(qpos[n_i, i_i], kpos[n_i, j_i], plan.q.seqlen[b].astype(np.int64),
-                      plan.k.seqlen[b].astype(np.int64), plan.window_left[b].astype(np.int64),
-                      plan.window_right[b].astype(np.int64),
-                      plan.bottom_right[b].astype(np.int64))
-        hidden = ~vis
-        s[n_i[hidden], :, :, i_i[hidden], j_i[hidden]] = -np.inf
-    return s, th
+        view = plan.view()
+        policy = (f[b].astype(np.int64) for f in (view.seqlen_q, view.seqlen_k,
+                                                  view.window_left, view.window_right,
+                                                  view.bottom_right))
+        allowed[n_i, i_i, j_i] = visible(qpos[n_i, i_i], kpos[n_i, j_i], *policy)
+    return allowed
+
+
+def _scores(allowed, qt, kt, scale, softcap):
+    """Scores `[n, Hk, G, I, J]` from `qt [n, Hk, G, I, D]` and `kt [n, Hk, 1, J, D]`, with
+    pairs that are not `allowed` at -inf, and `tanh(s / softcap)` for the softcap gradient."""
+    s = (qt @ kt.swapaxes(-1, -2)) * scale
+    th = None
+    if softcap > 0:
+        th = np.tanh(s / softcap)
+        s = softcap * th
+    return np.where(allowed[:, None, None], s, -np.inf), th
 
 
 def _q_heads(x, Hk, G):
@@ -178,6 +182,17 @@ def _k_heads(x):
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3))[:, :, None]
 
 
+def _flags_q(bad, Hk, G):
+    """Query-side flags `[n, I, Hq]` -> `[n, Hk, G, I]`."""
+    n, I, _ = bad.shape
+    return bad.reshape(n, I, Hk, G).transpose(0, 2, 3, 1)
+
+
+def _flags_k(bad):
+    """Key-side flags `[n, J, Hk]` -> `[n, Hk, 1, J]`."""
+    return bad.transpose(0, 2, 1)[:, :, None]
+
+
 def _to_rows(x):
     """`[n, Hk, G, I, d]` -> `[n, I, Hq, d]`."""
     n, Hk, G, I, d = x.shape
@@ -188,11 +203,30 @@ def _to_rows(x):
 # Forward and backward
 # --------------------------------------------------------------------------------------------
 
+def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap):
+    """`(o [n, Hk, G, I, Dv], row_lse [n, Hk, G, I])` of one batch of query tiles."""
+    (qg, q_bad), (kg, k_bad), (vg, v_bad) = (
+        _take(x, rows, ok) for x, rows, ok in ((q, bt.own, bt.own_ok), (k, bt.partner,
+                                              bt.partner_ok), (v, bt.partner, bt.partner_ok)))
+    allowed = _allowed(plan, bt, "q")
+    s, _ = _scores(allowed, _q_heads(qg, Hk, G), _k_heads(kg), scale, softcap)
+    mx = s.max(axis=-1, keepdims=True, initial=-np.inf)              # [n, Hk, G, I, 1]
+    dead = mx == -np.inf                                              # no visible key
+    p = np.exp(s - np.where(dead, 0.0, mx))
+    denom = np.where(dead, 1.0, p.sum(axis=-1, keepdims=True))
+    o = (p / denom) @ _k_heads(vg)                                    # [n, Hk, G, I, Dv]
+    row_lse = np.where(dead, -np.inf, mx + np.log(denom))[..., 0]     # [n, Hk, G, I]
+    if q_bad.any() or k_bad.any() or v_bad.any():
+        bad = reached(allowed[:, None, None], _flags_q(q_bad, Hk, G), _flags_k(k_bad | v_bad))
+        o[bad] = np.nan
+        row_lse[bad] = np.nan
+    return o, row_lse
+
+
 def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` (float64 for float64, else float32)."""
     Tq, Hq, _ = q.shape
     Hk, Dv = k.shape[1], v.shape[2]
-    G = Hq // Hk
     lse_dtype = np.float64 if q.dtype == np.float64 else np.float32
     out = alloc(np, (Tq, Hq, Dv), q.dtype)
     lse = alloc(np, (Hq, Tq), lse_dtype)
@@ -202,15 +236,7 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     lse[:, pad] = -np.inf
     for bt in _batches(plan, "q", Hq):
         n, I = bt.own.shape
-        qt = _q_heads(_take(q, bt.own, bt.own_ok), Hk, G)
-        s, _ = _scores(plan, bt, qt, _k_heads(_take(k, bt.partner, bt.partner_ok)), "q",
-                       softmax_scale, softcap)
-        mx = s.max(axis=-1, keepdims=True, initial=-np.inf)          # [n, Hk, G, I, 1]
-        dead = ~np.isfinite(mx)                                       # no visible key
-        p = np.exp(s - np.where(dead, 0.0, mx))
-        denom = np.where(dead, 1.0, p.sum(axis=-1, keepdims=True))
-        o = (p / denom) @ _k_heads(_take(v, bt.partner, bt.partner_ok))   # [n, Hk, G, I, Dv]
-        row_lse = np.where(dead, -np.inf, mx + np.log(denom))[..., 0]    # [n, Hk, G, I]
+        o, row_lse = _forward_batch(plan, bt, q, k, v, Hk, Hq // Hk, softmax_scale, softcap)
         rows = bt.own[bt.own_ok]
         out[rows] = _to_rows(o)[bt.own_ok].astype(q.dtype)
         lse[:, rows] = row_lse.transpose(1, 2, 0, 3).reshape(Hq, n, I)[:, bt.own_ok]
@@ -223,60 +249,81 @@ def _probs(s, row_lse):
     return np.where(finite, np.exp(s - np.where(finite, row_lse, 0.0)), 0.0)
 
 
+class _Grads:
+    """Per batch of tiles: Q, dO `[n, Hk, G, I, d]`, K `[n, Hk, 1, J, D]`, P and scaled dS
+    `[n, Hk, G, I, J]` (I query rows x J key rows per tile), and the non-finite flags of the
+    query side (q, dout, out, lse) `[n, Hk, G, I]` and key side (k, v) `[n, Hk, 1, J]`."""
+
+    def __init__(self, plan, bt, side, arrays, scale, softcap):
+        dout, q, k, v, delta, lse = arrays
+        Hk, G = delta.shape[1:]
+        if side == "q":
+            qrows, q_ok, krows, k_ok = bt.own, bt.own_ok, bt.partner, bt.partner_ok
+        else:
+            qrows, q_ok, krows, k_ok = bt.partner, bt.partner_ok, bt.own, bt.own_ok
+        (qg, q_bad), (dog, do_bad) = _take(q, qrows, q_ok), _take(dout, qrows, q_ok)
+        (kg, k_bad), (vg, v_bad) = _take(k, krows, k_ok), _take(v, krows, k_ok)
+        (row_delta, delta_bad), (row_lse, lse_bad) = (
+            _take(a[..., None], qrows, q_ok) for a in (delta, lse))          # [n, I, Hk, G, 1]
+        self.qt, self.dot = _q_heads(qg, Hk, G), _q_heads(dog, Hk, G)
+        self.kt, vt = _k_heads(kg), _k_heads(vg)
+        self.allowed = _allowed(plan, bt, side)
+        s, th = _scores(self.allowed, self.qt, self.kt, scale, softcap)
+        lse_q = np.where(lse_bad[..., None] | ~q_ok[..., None, None, None], -np.inf, row_lse)
+        self.p = _probs(s, lse_q.transpose(0, 2, 3, 1, 4))
+        ds = self.p * (self.dot @ vt.swapaxes(-1, -2) - row_delta.transpose(0, 2, 3, 1, 4))
+        if th is not None:
+            ds = ds * (1.0 - th * th)                                 # d/dx c*tanh(x/c)
+        self.ds = ds * scale
+        self.q_bad = _flags_q(q_bad | do_bad, Hk, G) | (delta_bad | lse_bad).transpose(0, 2, 3, 1)
+        self.k_bad = _flags_k(k_bad | v_bad)
+
+    def any_bad(self):
+        return self.q_bad.any() or self.k_bad.any()
+
+
 def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
-             deterministic: bool = False):
+              deterministic: bool = False):
     """`(dq, dk, dv)` in the input dtypes, as the kernels do it (FlashAttention-2, Alg. 2).
 
     dQ walks the query tiles (`q_sched`); dK and dV walk the key tiles (`k_sched`), so each
     output row is written exactly once. Always deterministic.
     """
-    Tq, Hq, D = q.shape
-    Tk, Hk, Dv = v.shape
+    Tq, Hq, _ = q.shape
+    Hk, Dv = k.shape[1], v.shape[2]
     G = Hq // Hk
-    f64 = np.float64
-    # FA-2 preprocess: delta = rowsum(dO * O) per query row and head, [Tq, Hk, G].
-    delta = np.einsum("ikgd,ikgd->ikg", dout.astype(f64).reshape(Tq, Hk, G, Dv),
-                      out.astype(f64).reshape(Tq, Hk, G, Dv))
-    lse64 = lse.astype(f64).T.reshape(Tq, Hk, G)
-
-    def grads(bt, side):
-        """Q, dO `[n, Hk, G, I, d]`, K `[n, Hk, 1, J, D]`, and P and scaled dS
-        `[n, Hk, G, I, J]` of a batch: I query rows x J key rows per tile."""
-        if side == "q":
-            qrows, q_ok, krows, k_ok = bt.own, bt.own_ok, bt.partner, bt.partner_ok
-        else:
-            qrows, q_ok, krows, k_ok = bt.partner, bt.partner_ok, bt.own, bt.own_ok
-        qt = _q_heads(_take(q, qrows, q_ok), Hk, G)
-        dot = _q_heads(_take(dout, qrows, q_ok), Hk, G)
-        kt, vt = _k_heads(_take(k, krows, k_ok)), _k_heads(_take(v, krows, k_ok))
-        s, th = _scores(plan, bt, qt, kt, side, softmax_scale, softcap)
-        row_lse = np.where(q_ok[..., None, None], lse64[qrows], -np.inf)   # [n, I, Hk, G]
-        p = _probs(s, row_lse.transpose(0, 2, 3, 1)[..., None])
-        row_delta = np.where(q_ok[..., None, None], delta[qrows], 0.0)
-        ds = p * (dot @ vt.swapaxes(-1, -2) - row_delta.transpose(0, 2, 3, 1)[..., None])
-        if th is not None:
-            ds = ds * (1.0 - th * th)                                 # d/dx c*tanh(x/c)
-        return qt, dot, kt, p, ds * softmax_scale
-
+    # FA-2 preprocess: delta = rowsum(dO * O) per query row and head, [Tq, Hk, G]; a
+    # non-finite dO or O row makes its delta non-finite, which flags the row.
+    delta = np.einsum("ikgd,ikgd->ikg", dout.astype(np.float64).reshape(Tq, Hk, G, Dv),
+                      out.astype(np.float64).reshape(Tq, Hk, G, Dv))
+    arrays = (dout, q, k, v, delta, lse.astype(np.float64).T.reshape(Tq, Hk, G))
     dq = alloc(np, q.shape, q.dtype)
     dq[~plan.q.covered()] = 0
     for bt in _batches(plan, "q", Hq):
-        _, _, kt, _, ds = grads(bt, "q")
-        dq[bt.own[bt.own_ok]] = _to_rows(ds @ kt)[bt.own_ok].astype(q.dtype)
-
+        g = _Grads(plan, bt, "q", arrays, softmax_scale, softcap)
+        dq_t = g.ds @ g.kt                                            # [n, Hk, G, I, D]
+        if g.any_bad():
+            dq_t[reached(g.allowed[:, None, None], g.q_bad, g.k_bad)] = np.nan
+        dq[bt.own[bt.own_ok]] = _to_rows(dq_t)[bt.own_ok].astype(q.dtype)
     dk = alloc(np, k.shape, k.dtype)
     dv = alloc(np, v.shape, v.dtype)
     kpad = ~plan.k.covered()
     dk[kpad] = 0
     dv[kpad] = 0
     for bt in _batches(plan, "k", Hq):
-        qt, dot, _, p, ds = grads(bt, "k")
-        rows = bt.own[bt.own_ok]
+        g = _Grads(plan, bt, "k", arrays, softmax_scale, softcap)
         # GQA: a key head's gradient sums its group of query heads (axis 2)
-        dk_t = (ds.swapaxes(-1, -2) @ qt).sum(axis=2).transpose(0, 2, 1, 3)   # [n, J, Hk, D]
-        dv_t = (p.swapaxes(-1, -2) @ dot).sum(axis=2).transpose(0, 2, 1, 3)
-        dk[rows] = dk_t[bt.own_ok].astype(k.dtype)
-        dv[rows] = dv_t[bt.own_ok].astype(v.dtype)
+        dk_t = (g.ds.swapaxes(-1, -2) @ g.qt).sum(axis=2)              # [n, Hk, J, D]
+        dv_t = (g.p.swapaxes(-1, -2) @ g.dot).sum(axis=2)
+        if g.any_bad():
+            # the transposed visibility: key j (rows) against the group's query rows
+            bad = reached(g.allowed.swapaxes(-1, -2)[:, None, None], g.k_bad[..., 0, :][:, :, None],
+                          g.q_bad).any(axis=2)                        # [n, Hk, J]
+            dk_t[bad] = np.nan
+            dv_t[bad] = np.nan
+        rows = bt.own[bt.own_ok]
+        dk[rows] = dk_t.transpose(0, 2, 1, 3)[bt.own_ok].astype(k.dtype)
+        dv[rows] = dv_t.transpose(0, 2, 1, 3)[bt.own_ok].astype(v.dtype)
     return dq, dk, dv
 
 
