@@ -157,16 +157,29 @@ def test_plan_reused_across_calls_and_head_counts():
         np.testing.assert_allclose(o1, o2, rtol=0, atol=1e-13)
 
 
-def test_plan_mismatch_is_refused():
+@pytest.mark.parametrize("validation", [True, False], ids=["validated", "unvalidated"])
+def test_plan_mismatch_is_refused(validation):
+    # a stale plan is caught by its fingerprint whether or not validation is on
     cu = np.array([0, 7, 20], np.int32)
     p = varlen.plan(cu, cu, mask="causal")
     q = np.zeros((20, 2, 8))
-    with pytest.raises(ValueError, match="another mask"):
-        varlen.attention(q, q, q, cu, cu, mask="full", plan=p)
-    with pytest.raises(ValueError, match="cu_seqlens_q"):
-        varlen.attention(q, q, q, np.array([0, 8, 20], np.int32), cu, mask="causal", plan=p)
-    with pytest.raises(TypeError, match="varlen.Plan"):
-        varlen.attention(q, q, q, cu, cu, plan=object())
+    old = varlen.set_validation(validation)
+    try:
+        with pytest.raises(ValueError, match="another mask.window_right"):
+            varlen.attention(q, q, q, cu, cu, mask="full", plan=p)
+        # same B and T, other lengths
+        with pytest.raises(ValueError, match="another cu_seqlens_q"):
+            varlen.attention(q, q, q, np.array([0, 8, 20], np.int32), cu, mask="causal", plan=p)
+        with pytest.raises(ValueError, match="another cu_seqlens_k"):
+            varlen.attention(q, q, q, cu, np.array([0, 7, 19], np.int32),
+                             seq_offsets_k=cu, mask="causal", plan=p)
+        with pytest.raises(TypeError, match="varlen.Plan"):
+            varlen.attention(q, q, q, cu, cu, plan=object())
+        # the same policy written per sequence, the default offsets written out: the same plan
+        mask = varlen.Mask(window_right=np.zeros(2, np.int32))
+        varlen.attention(q, q, q, cu, cu, seq_offsets_q=cu, mask=mask, plan=p)
+    finally:
+        varlen.set_validation(old)
 
 
 def test_plan_needs_rows_for_device_metadata_only():

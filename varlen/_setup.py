@@ -10,6 +10,7 @@ Value checks that read `cu_seqlens` and friends run when validation is on (`_val
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -169,6 +170,37 @@ def _segments(lay: Layout, rows_q: int, rows_k: int):
             segments_from_cu_seqlens(lay.cu_k, lay.off_k, rows_k))
 
 
+def _fingerprint(lay: Layout, rows_q: int, rows_k: int, mask: Mask) -> tuple:
+    """What a plan describes, cheap to compare: sizes, and a digest of every host array among
+    the layout and the mask (a device array contributes its shape only: no host read)."""
+    def digest(a):
+        if a is None:
+            return None
+        if isinstance(a, (int, np.ndarray)):
+            a = np.broadcast_to(np.asarray(a, np.int32), (lay.batch,) if np.ndim(a) == 0 else
+                                np.shape(a))
+            return zlib.crc32(np.ascontiguousarray(a).tobytes())
+        return ("device", tuple(a.shape))
+    off_q = lay.cu_q if lay.off_q is None else lay.off_q      # the default offsets
+    off_k = lay.cu_k if lay.off_k is None else lay.off_k
+    return (lay.batch, rows_q, rows_k, *(digest(a) for a in (lay.cu_q, lay.cu_k, off_q, off_k)),
+            *(digest(f) for f in mask.fields()))
+
+
+_FINGERPRINT_NAMES = ("B", "rows of q", "rows of k", "cu_seqlens_q", "cu_seqlens_k",
+                      "seq_offsets_q", "seq_offsets_k", *(f"mask.{n}" for n in MASK_FIELDS))
+
+
+def _fingerprint_differs(have: tuple, want: tuple) -> str | None:
+    """The first thing the plan was built for otherwise than this call (device digests match
+    anything of the same shape)."""
+    for name, a, b in zip(_FINGERPRINT_NAMES, have, want):
+        device = isinstance(a, tuple) or isinstance(b, tuple)
+        if a != b and not (device and (a is None) == (b is None)):
+            return name
+    return None
+
+
 def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None,
               mask="full", num_rows_q=None, num_rows_k=None, max_seqlen_q=None,
               max_seqlen_k=None, block_m=64, block_n=64) -> Plan:
@@ -192,12 +224,16 @@ def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=N
             raise ValueError(f"{name} must be a positive int, got {blk!r}")
     if validation_enabled(on_device):
         _check_layout(lay, *rows)
-    return build_plan(*_segments(lay, *rows), working_mask(mask, lay.batch, xp),
-                      block_m=int(block_m), block_n=int(block_n),
-                      max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
+    wmask = working_mask(mask, lay.batch, xp)
+    plan = build_plan(*_segments(lay, *rows), wmask, block_m=int(block_m),
+                      block_n=int(block_n), max_seqlen_q=lay.max_seqlen_q,
+                      max_seqlen_k=lay.max_seqlen_k)
+    return replace(plan, fingerprint=_fingerprint(lay, *rows, wmask))
 
 
 def _check_plan(plan, call: Call, lay: Layout):
+    """A plan given with the call must fit it: always checked, validation on or off (the
+    fingerprint comparison reads no device memory)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a varlen.Plan from varlen.plan(), got "
                         f"{type(plan).__name__}")
@@ -206,29 +242,15 @@ def _check_plan(plan, call: Call, lay: Layout):
     if plan.q.num_rows != call.rows_q or plan.k.num_rows != call.rows_k:
         raise ValueError(f"plan was built for {plan.q.num_rows} query and {plan.k.num_rows} key "
                          f"rows but q has {call.rows_q} and k has {call.rows_k}")
+    if plan.fingerprint is not None:
+        what = _fingerprint_differs(plan.fingerprint, _fingerprint(lay, call.rows_q,
+                                                                   call.rows_k, call.mask))
+        if what:
+            raise ValueError(f"plan was built for another {what} than this call's; build a "
+                             f"plan for this layout and mask with varlen.plan(...)")
     why = call.backend.check_plan(plan)
     if why:
         raise ValueError(f"plan cannot be used by backend {call.backend.name!r}: {why}")
-    if call.validate:
-        _check_plan_matches(plan, _segments(lay, call.rows_q, call.rows_k), call.mask)
-
-
-def _check_plan_matches(plan, segments, mask):
-    """A plan given with the call must describe the call's layout and mask (host reads)."""
-    if plan.q.per_seq != 1 or plan.k.per_seq != 1:
-        return      # a segment plan (context parallelism) is checked where it is built
-    for side, mine, theirs in zip("qk", (plan.q, plan.k), segments):
-        for field in ("row", "length", "seqlen"):
-            if not np.array_equal(host_copy(getattr(mine, field)),
-                                  host_copy(getattr(theirs, field))):
-                raise ValueError(f"plan was built for other cu_seqlens_{side}/seq_offsets_{side}"
-                                 f" than this call's ({field} differs)")
-    have = (plan.window_left, plan.window_right, plan.bottom_right)
-    for name, got, want in zip(MASK_FIELDS, have, mask.fields()):
-        want = want if isinstance(want, int) else host_copy(want)
-        if not np.array_equal(host_copy(got), np.broadcast_to(want, (plan.batch,))):
-            raise ValueError(f"plan was built for another mask than this call's (mask.{name} "
-                             f"differs)")
 
 
 # --------------------------------------------------------------------------------------------

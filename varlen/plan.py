@@ -129,6 +129,8 @@ class Plan:
         q_sched: int32 `[num_q_tiles, mk, 4]` key-tile ranges (begin, full_begin, full_end, end)
             per key segment.
         k_tiles, k_sched: the same for key tiles against query segments (dK/dV).
+        fingerprint: what the plan was built from, cheap to compare on the host (set by
+            `varlen.plan`; None for plans built from segments directly).
     """
 
     q: Segments
@@ -142,6 +144,7 @@ class Plan:
     q_sched: object
     k_tiles: object
     k_sched: object
+    fingerprint: tuple | None = None
 
     @property
     def batch(self) -> int:
@@ -179,7 +182,7 @@ class Plan:
             return Segments(h(s.row), h(s.length), h(s.pos), h(s.seqlen), s.num_rows)
         return Plan(hs(self.q), hs(self.k), h(self.window_left), h(self.window_right),
                     h(self.bottom_right), self.block_m, self.block_n, h(self.q_tiles),
-                    h(self.q_sched), h(self.k_tiles), h(self.k_sched))
+                    h(self.q_sched), h(self.k_tiles), h(self.k_sched), self.fingerprint)
 
 
 class KernelView(NamedTuple):
