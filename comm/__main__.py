@@ -12,9 +12,12 @@ every rank prints the tokens it holds, what happened to its pad row, and its err
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 import numpy as np
+
+from varlen.__main__ import ArgumentParser, positive_int
 
 
 def _world_size() -> int:
@@ -65,19 +68,53 @@ def _rank_report(group, args) -> list:
     return lines, err
 
 
-def demo(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m varlen.comm demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", default="ring", choices=("ring", "allgather", "ulysses"))
+def _nccl_unavailable() -> str | None:
+    """Why `--comm nccl` cannot run here (None: CuPy sees a GPU)."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed (pip install -e \".[cuda13]\")"
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no CUDA device"
+    except Exception as e:  # noqa: BLE001 - no driver or no device, as CuPy reports it
+        return f"CuPy cannot reach a CUDA device ({type(e).__name__}: {e})".splitlines()[0]
+    return None
+
+
+def _check_environment(ap, args) -> None:
+    """Refuse, with one line and exit status 2, what this machine cannot run."""
+    if args.comm in ("mpi", "nccl") and importlib.util.find_spec("mpi4py") is None:
+        ap.error(f"--comm {args.comm} needs mpi4py (pip install -e \".[mpi]\"), which is not "
+                 f"installed")
+    if args.comm == "nccl":
+        why = _nccl_unavailable()
+        if why:
+            ap.error(f"--comm nccl needs a GPU through CuPy: {why}")
+    if args.backend is not None:
+        from varlen import backends
+        x, _, _ = _inputs(1)
+        D = x.shape[2]
+        try:
+            backends.select(args.backend, backends.Problem(x.dtype.name, D, D,
+                                                           args.comm == "nccl"))
+        except ValueError as e:
+            ap.error(str(e))
+
+
+def _add_demo_arguments(ap: argparse.ArgumentParser) -> None:
+    from varlen.backends import NAMES
+    ap.add_argument("--method", default="ring", choices=("ring", "allgather", "ulysses"),
+                    help="context-parallel method (default: ring)")
     ap.add_argument("--comm", default=None, choices=("mpi", "nccl", "local"),
                     help="communicator (default: mpi under mpiexec with >1 rank, else local)")
-    ap.add_argument("--ranks", type=int, default=2,
+    ap.add_argument("--ranks", type=positive_int, default=2,
                     help="in-process ranks for --comm local (default 2)")
-    ap.add_argument("--backend", default=None, help="attention backend (default: automatic)")
-    args = ap.parse_args(argv)
-    if args.comm is None:
-        args.comm = "mpi" if _world_size() > 1 else "local"
+    ap.add_argument("--backend", default=None, choices=NAMES,
+                    help="attention backend (default: automatic)")
 
+
+def demo(args) -> int:
+    """Run the demo on the ranks `args` asks for; 0 when every rank matches full attention."""
     import varlen.comm as vc
     if args.comm == "local":
         reports = vc.local_group(args.ranks).run(_rank_report, args)
@@ -101,12 +138,18 @@ def demo(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "demo":
-        print("usage: python -m varlen.comm demo [--method ring|allgather|ulysses] "
-              "[--comm mpi|nccl|local] [--ranks N]", file=sys.stderr)
-        return 2
-    return demo(argv[1:])
+    ap = ArgumentParser(prog="python -m varlen.comm",
+                                 description="varlen.comm: context-parallel attention")
+    sub = ap.add_subparsers(dest="command", required=True)
+    demo_ap = sub.add_parser("demo", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter,
+                             help="seeds/000's length-7 case on cp ranks, against full attention")
+    _add_demo_arguments(demo_ap)
+    args = ap.parse_args(argv)
+    if args.comm is None:
+        args.comm = "mpi" if _world_size() > 1 else "local"
+    _check_environment(demo_ap, args)
+    return demo(args)
 
 
 if __name__ == "__main__":
