@@ -14,11 +14,13 @@ the zigzag and contiguous schemes and reports, from the partition alone (no atte
     ulysses    all-to-all of (cp-1)/cp of q, k, v (KV heads replicated up to a multiple of
                cp), out and lse forward; q, k, v, out, dout, lse in and dq, dk, dv back in
                backward; "-" when Hq is not divisible by cp.
-and writes a PNG of per-rank work (matplotlib, Agg backend).
+and writes, into the folder `--out` (default `out/cp_balance/` in the repository), one PNG of
+per-rank work per cp size (`cp_balance-cp<N>.png`, matplotlib, Agg backend) and the numbers as
+JSON (`cp_balance.json`, or where `--json` says).
 
     python scripts/cp_balance.py                                   # quick default, < 20 s
     python scripts/cp_balance.py --tokens 262144 --cp 2 4 8 16 --mask sliding:4096 \\
-        --dist long-tail --out cp_balance.png --json cp_balance.json
+        --dist long-tail --out /tmp/cp_balance
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import varlen.comm as vc  # noqa: E402
+from varlen.__main__ import ArgumentParser, positive_int  # noqa: E402
 
 DISTS = ("uniform", "long-tail", "one-long")
 FLOAT32 = 4
@@ -65,8 +69,8 @@ def parse_mask(text: str):
         return -1, -1
     if text == "causal":
         return -1, 0
-    if text.startswith("sliding:"):
-        return int(text.split(":", 1)[1]), 0
+    if text.startswith("sliding:") and text[len("sliding:"):].isdigit():
+        return int(text[len("sliding:"):]), 0
     raise argparse.ArgumentTypeError(f"mask must be full, causal or sliding:W, got {text!r}")
 
 
@@ -122,7 +126,8 @@ def _mb(x):
     return "-" if x is None else f"{x / 2 ** 20:9.1f}"
 
 
-def plot(results, path):
+def plot(results, cp, path):
+    """Per-rank work at one cp size, zigzag against contiguous, a panel per distribution."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -131,12 +136,12 @@ def plot(results, path):
     fig, axes = plt.subplots(1, len(dists), figsize=(5 * len(dists), 3.6), squeeze=False)
     for ax, dist in zip(axes[0], dists):
         rows = results[dist]
-        cp = max(r["cp"] for r in rows)
         for i, scheme in enumerate(("zigzag", "contiguous")):
             r = next(x for x in rows if x["cp"] == cp and x["scheme"] == scheme)
             w = np.asarray(r["pairs_per_rank"], float) / max(r["pairs_mean"], 1.0)
             ax.bar(np.arange(cp) + (i - 0.5) * 0.4, w, width=0.4,
                    label=f"{scheme} (max/mean {r['imbalance']:.2f})")
+        ax.set_xticks(np.arange(cp))
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_title(f"{dist}, cp={cp}")
         ax.set_xlabel("rank")
@@ -147,28 +152,38 @@ def plot(results, path):
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536, help="tokens per batch (65536)")
-    ap.add_argument("--mean", type=int, default=2048, help="mean document length (2048)")
-    ap.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8], help="cp sizes (2 4 8)")
+def parse_args(argv):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=positive_int, default=65536,
+                    help="tokens per batch (65536)")
+    ap.add_argument("--mean", type=positive_int, default=2048,
+                    help="mean document length (2048)")
+    ap.add_argument("--cp", type=positive_int, nargs="+", default=[2, 4, 8],
+                    help="cp sizes, one plot each (2 4 8)")
     ap.add_argument("--dist", nargs="+", default=list(DISTS), choices=DISTS,
                     help="document-length distributions (all)")
     ap.add_argument("--mask", type=parse_mask, default=(-1, 0),
                     help="full | causal | sliding:W (causal)")
-    ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HK"),
-                    help="query and key/value heads (32 8)")
-    ap.add_argument("--head-dim", type=int, default=128, help="D = Dv (128)")
-    ap.add_argument("--elem-bytes", type=int, default=2, help="bytes per element (2: bf16)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="cp_balance.png", help="PNG path (cp_balance.png)")
-    ap.add_argument("--json", default=None, help="also write the numbers as JSON")
+    ap.add_argument("--heads", type=positive_int, nargs=2, default=[32, 8],
+                    metavar=("HQ", "HK"), help="query and key/value heads (32 8)")
+    ap.add_argument("--head-dim", type=positive_int, default=128, help="D = Dv (128)")
+    ap.add_argument("--elem-bytes", type=positive_int, default=2,
+                    help="bytes per element (2: bf16)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the lengths (0)")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "cp_balance",
+                    help="folder for the plots and the JSON, created if missing "
+                         "(out/cp_balance in the repository)")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="JSON path (default: cp_balance.json in --out)")
     args = ap.parse_args(argv)
-    if any(c < 1 for c in args.cp):
-        ap.error("--cp sizes must be >= 1")
+    if args.heads[0] % args.heads[1]:
+        ap.error(f"--heads {args.heads[0]} {args.heads[1]}: HQ must be a multiple of HK")
+    args.cp = sorted(set(args.cp))
+    return args
 
-    heads = (args.heads[0], args.heads[1], args.head_dim, args.head_dim, args.elem_bytes)
+
+def print_table(args, heads):
+    """Analyse every (distribution, cp, scheme), printing a row each; {dist: [rows]}."""
     rng = np.random.default_rng(args.seed)
     results = {}
     print(f"mask window (left, right) = {args.mask}; Hq={heads[0]} Hk={heads[1]} "
@@ -176,7 +191,7 @@ def main(argv=None) -> int:
           f"layer (forward + backward)")
     print(f"{'dist':10} {'cp':>3} {'scheme':10} {'docs':>5} {'pad rows':>8} "
           f"{'pairs max':>12} {'pairs mean':>12} {'max/mean':>8} "
-          f"{'ring MiB':>9} {'allg MiB':>9} {'ulys MiB':>9}")
+          f"{'ring MiB':>9} {'allg MiB':>9} {'ulys MiB':>9}", flush=True)
     for dist in args.dist:
         lengths = document_lengths(dist, args.tokens, args.mean, rng)
         rows = results[dist] = []
@@ -187,13 +202,26 @@ def main(argv=None) -> int:
                 b = r["bytes_per_rank"]
                 print(f"{dist:10} {cp:3d} {scheme:10} {r['documents']:5d} {r['pad_rows']:8d} "
                       f"{r['pairs_max']:12d} {r['pairs_mean']:12.0f} {r['imbalance']:8.3f} "
-                      f"{_mb(b['ring'])} {_mb(b['allgather'])} {_mb(b['ulysses'])}")
-    plot(results, args.out)
-    print(f"wrote {args.out}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
-                                               "results": results}, indent=1))
-        print(f"wrote {args.json}")
+                      f"{_mb(b['ring'])} {_mb(b['allgather'])} {_mb(b['ulysses'])}",
+                      flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    heads = (args.heads[0], args.heads[1], args.head_dim, args.head_dim, args.elem_bytes)
+    results = print_table(args, heads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for cp in args.cp:
+        png = args.out / f"cp_balance-cp{cp}.png"
+        plot(results, cp, png)
+        print(f"wrote {png}")
+    js = args.json or args.out / "cp_balance.json"
+    js.parent.mkdir(parents=True, exist_ok=True)
+    js.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                       for k, v in vars(args).items()},
+                              "results": results}, indent=1))
+    print(f"wrote {js}")
     return 0
 
 
