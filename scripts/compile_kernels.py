@@ -5,6 +5,9 @@
                                                   #   spill_bytes, shared_bytes, shared_budget}
     python scripts/compile_kernels.py             # a table; exit status 1 on a spill or an
                                                   #   over-budget kernel
+    python scripts/compile_kernels.py --only 'fwd-float16-D64-*' --arch sm_80   # a subset
+
+Progress (one line per compiled program, with the elapsed time) goes to stderr in both modes.
 
 No GPU is needed: NVRTC produces cubin from the CUDA headers (`$CUDA_HOME/include` or the
 nvidia-cuda-runtime wheel). shared_bytes = static + the dynamic shared memory of the launch.
@@ -12,37 +15,65 @@ nvidia-cuda-runtime wheel). shared_bytes = static + the dynamic shared memory of
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from varlen.__main__ import ArgumentParser, positive_int  # noqa: E402
 from varlen.backends import _cupy_compile, _cupy_spec  # noqa: E402
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="print the JSON report only")
+def parse_args(argv):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print the JSON report on stdout instead of the table")
     ap.add_argument("--arch", action="append", choices=_cupy_spec.ARCHS,
-                    help="architectures (default: all)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                    help="parallel NVRTC processes")
+                    help="an architecture; repeat for several (default: all)")
+    ap.add_argument("--only", action="append", metavar="GLOB",
+                    help="only the variants whose label matches, e.g. fwd-float16-D64-BM64-BN64 "
+                         "or 'bwd-*-D128-*'; repeat for several (default: every variant)")
+    ap.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
+                    help="parallel NVRTC processes (default: the CPU count)")
     args = ap.parse_args(argv)
+    args.specs = _cupy_spec.all_specs()
+    if args.only:
+        args.specs = [s for s in args.specs
+                      if any(fnmatch.fnmatchcase(s.label, g) for g in args.only)]
+        if not args.specs:
+            ap.error(f"--only {' '.join(args.only)} matches no variant; labels look like "
+                     f"{_cupy_spec.all_specs()[0].label}")
+    return args
+
+
+def compile_all(jobs, workers: int, start: float) -> list:
+    """Every job's rows, with a progress line on stderr as each program finishes."""
+    total = sum(len(names) for _, names, _ in jobs)
+    workers = max(1, min(workers, len(jobs)))
+    print(f"compiling {total} kernel(s) in {len(jobs)} NVRTC program(s), {workers} process(es)",
+          file=sys.stderr, flush=True)
+    rows = []
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_cupy_compile.run_group, job) for job in jobs]
+        for done, fut in enumerate(as_completed(futures), 1):
+            group = fut.result()
+            rows.extend(group)
+            print(f"[{done}/{len(jobs)}] {group[0]['arch']} {len(group)} kernels "
+                  f"({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     archs = tuple(args.arch) if args.arch else _cupy_spec.ARCHS
-    jobs = _cupy_compile.compile_groups(archs=archs)
+    jobs = _cupy_compile.compile_groups(specs=args.specs, archs=archs)
     # Biggest programs first so the pool stays busy until the end.
     jobs.sort(key=lambda j: -len(j[1]))
     start = time.time()
-    rows = []
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for done, group in enumerate(pool.map(_cupy_compile.run_group, jobs), 1):
-            rows.extend(group)
-            if not args.json:
-                print(f"[{done}/{len(jobs)}] {group[0]['arch']} {len(group)} kernels "
-                      f"({time.time() - start:.0f} s)", file=sys.stderr)
+    rows = compile_all(jobs, args.jobs, start)
     rows.sort(key=lambda r: (r["arch"], r["kernel"]))
     bad = [r for r in rows if r["spill_bytes"] or r["shared_bytes"] > r["shared_budget"]]
     if args.json:
