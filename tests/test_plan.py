@@ -188,3 +188,36 @@ def test_plan_needs_rows_for_device_metadata_only():
     assert p.q.num_rows == 5 and p.k.num_rows == 5
     p = varlen.plan(cu, cu, num_rows_q=9, num_rows_k=6)
     assert p.q.num_rows == 9 and p.k.num_rows == 6
+
+
+@pytest.mark.parametrize("validation", [True, False], ids=["validated", "unvalidated"])
+def test_rows_never_dropped_silently(validation):
+    # a max_seqlen bound below a real length, or a sequence past its buffer: the call fails
+    # (the value checks when validating; the plan builder's own check otherwise)
+    cu = np.array([0, 3, 200], np.int32)
+    q = np.zeros((200, 2, 8))
+    old = varlen.set_validation(validation)
+    try:
+        # 64-row tiles: 2 slots for a bound of 64, 4 tiles needed
+        with pytest.raises(ValueError, match="max_seqlen_q"):
+            varlen.attention(q, q, q, cu, cu, max_seqlen_q=64, max_seqlen_k=200)
+        with pytest.raises(ValueError, match="exceeds|outside"):
+            varlen.attention(q[:180], q, q, cu, cu)
+    finally:
+        varlen.set_validation(old)
+
+
+def test_device_errors_are_recorded_then_raised():
+    # the device path of the plan builder's check, with a stand-in device module (NumPy arrays
+    # that are not `numpy` itself, so nothing is raised until checked)
+    import types
+    from varlen import _device_errors
+    dev = types.SimpleNamespace(zeros=np.zeros, logical_or=np.logical_or,
+                                cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0)))
+    varlen.check_device_errors()                              # nothing pending
+    _device_errors.record(dev, np.array(False), "never set")
+    _device_errors.record(dev, np.array(True), "rows were dropped")
+    with pytest.raises(ValueError, match="rows were dropped") as e:
+        varlen.check_device_errors()
+    assert "never set" not in str(e.value)
+    varlen.check_device_errors()                              # cleared by the check

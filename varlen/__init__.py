@@ -8,6 +8,7 @@ Arrays come from and go back to NumPy, PyTorch, JAX or CuPy through DLPack. See
 """
 from ._api import attention, attention_backward, attention_forward, plan
 from ._array import set_nan_fill
+from ._device_errors import check_device_errors
 from ._validate import set_validation
 from .masks import Mask, dense_mask, padding_mask
 from .plan import Plan, Segments
@@ -17,4 +18,4 @@ __version__ = "0.1.0"
 
 __all__ = ["attention_forward", "attention_backward", "attention", "Mask", "plan", "Plan",
            "Segments", "padding_mask", "dense_mask", "set_validation", "set_nan_fill",
-           "reference", "__version__"]
+           "reference", "check_device_errors", "backends", "__version__"]

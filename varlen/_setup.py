@@ -166,8 +166,8 @@ def _check_layout(lay: Layout, rows_q: int, rows_k: int, *, rows_names=(None, No
 
 
 def _segments(lay: Layout, rows_q: int, rows_k: int):
-    return (segments_from_cu_seqlens(lay.cu_q, lay.off_q, rows_q),
-            segments_from_cu_seqlens(lay.cu_k, lay.off_k, rows_k))
+    return (segments_from_cu_seqlens(lay.cu_q, lay.off_q, rows_q, "q"),
+            segments_from_cu_seqlens(lay.cu_k, lay.off_k, rows_k, "k"))
 
 
 def _fingerprint(lay: Layout, rows_q: int, rows_k: int, mask: Mask) -> tuple:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._device_errors import record
 from .masks import Mask, as_mask, key_band, query_band
 
 __all__ = ["Segments", "Plan", "KernelView", "build_plan", "segments_from_cu_seqlens",
@@ -97,19 +98,25 @@ def _scatter_add(xp, target, idx, value):
         cupyx.scatter_add(target, idx, xp.full(idx.shape, value, dtype=target.dtype))
 
 
-def segments_from_cu_seqlens(cu_seqlens, seq_offsets, num_rows: int) -> Segments:
+def segments_from_cu_seqlens(cu_seqlens, seq_offsets, num_rows: int, side: str = "") -> Segments:
     """One segment per sequence: rows `[off[b], off[b] + L[b])`, positions from 0.
 
     Rows are clamped into `[0, num_rows)`, so even unvalidated device metadata cannot make a
-    kernel touch memory outside the buffer.
+    kernel touch memory outside the buffer; rows cut off that way are recorded as a device
+    error (`varlen.check_device_errors`), or raised at once on the host.
     """
     xp = _xp(cu_seqlens)
     cu = cu_seqlens.astype(np.int64)
     B = cu.shape[0] - 1
     length = cu[1:] - cu[:-1]
     row = (cu[:-1] if seq_offsets is None else seq_offsets[:B].astype(np.int64))
+    fits = xp.clip(xp.minimum(length, num_rows - xp.clip(row, 0, num_rows)), 0, None)
+    if B:
+        record(xp, ((fits < length) | ((row < 0) & (length > 0))).any(),
+               f"a sequence of cu_seqlens_{side}/seq_offsets_{side} lies outside the "
+               f"{num_rows} rows of its buffer (its rows were not computed)")
     row = xp.clip(row, 0, num_rows)
-    length = xp.clip(xp.minimum(length, num_rows - row), 0, None)
+    length = fits
     return Segments(row=row.astype(np.int32).reshape(B, 1),
                     length=length.astype(np.int32).reshape(B, 1),
                     pos=xp.zeros((B, 1), dtype=np.int32),
@@ -238,8 +245,12 @@ def tile_bound(num_rows: int, num_segments: int, block: int, max_seqlen=None) ->
     return max(int(n), 0)
 
 
-def _tile_table(xp, seg: Segments, block: int, num_slots: int):
-    """int32 `[num_slots, 5]`: which segment and rows each tile slot covers (-1 when unused)."""
+def _tile_table(xp, seg: Segments, block: int, num_slots: int, side: str = ""):
+    """int32 `[num_slots, 5]`: which segment and rows each tile slot covers (-1 when unused).
+
+    More tiles than slots (lengths past the `max_seqlen` bound that sized the table) is
+    recorded as a device error, or raised at once on the host.
+    """
     S = seg.batch * seg.per_seq
     if S == 0:
         table = xp.zeros((num_slots, 5), dtype=np.int32)
@@ -248,6 +259,8 @@ def _tile_table(xp, seg: Segments, block: int, num_slots: int):
     length = seg.length.reshape(-1).astype(np.int64)
     ntiles = (length + block - 1) // block                            # [S]
     ends = xp.cumsum(ntiles)                                          # inclusive prefix
+    record(xp, ends[-1] > num_slots, f"a sequence is longer than max_seqlen_{side}: the tile "
+           f"table has {num_slots} slots of {block} rows (rows past them were not computed)")
     t = xp.arange(num_slots, dtype=np.int64)
     s = xp.searchsorted(ends, t, side="right")                        # segment of slot t
     used = s < S
@@ -373,8 +386,8 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
     pol = _policy_arrays(xp, mask, q.batch)
     nq = tile_bound(q.num_rows, q.batch * q.per_seq, block_m, max_seqlen_q)
     nk = tile_bound(k.num_rows, k.batch * k.per_seq, block_n, max_seqlen_k)
-    q_tiles = _tile_table(xp, q, block_m, nq)
-    k_tiles = _tile_table(xp, k, block_n, nk)
+    q_tiles = _tile_table(xp, q, block_m, nq, "q")
+    k_tiles = _tile_table(xp, k, block_n, nk, "k")
     q_sched = _schedule_q(xp, q_tiles, q, k, pol, block_n)
     k_sched = _schedule_k(xp, k_tiles, q, k, pol, block_m)
     return Plan(q=q, k=k, window_left=pol[0], window_right=pol[1], bottom_right=pol[2],
