@@ -45,6 +45,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import numpy as np  # noqa: E402
 
+from varlen.__main__ import ArgumentParser, positive_int  # noqa: E402
+
 L2_FLUSH_BYTES = 256 << 20
 WARMUP = 3
 RUNNERS = ("cupy", "numba", "sdpa-flash", "sdpa-cudnn", "varlen", "flex")
@@ -176,12 +178,14 @@ def run_cupy(torch, d, backend="cupy"):
     import cupy as cp
     import varlen
     from varlen import Mask
-    from varlen.backends import load
+    from varlen import backends
     q, k, v, dout = (cp.from_dlpack(x) for x in (d.q, d.k, d.v, d.dout))
     cu = cp.asarray(d.cu_np)
     flags = cp.asarray(np.asarray(d.causal, bool))
     mask = Mask.causal_where(flags)
-    mod = load(backend)
+    mod = backends.get(backend)
+    if mod is None:
+        raise RuntimeError(f"backend {backend!r} is not built in this installation")
     bm, bn = mod.default_blocks("bfloat16", d.D)
     plan = varlen.plan(cu, cu, mask=mask, num_rows_q=d.T, num_rows_k=d.T,
                        max_seqlen_q=max(d.lengths), max_seqlen_k=max(d.lengths),
@@ -299,6 +303,7 @@ def parity_small(lengths, causal, H, D):
     out, lse = varlen.attention_forward(q, k, v, cu, cu, mask=mask, backend="cupy")
     grads = varlen.attention_backward(dout, q, k, v, out, lse, cu, cu, mask=mask,
                                       backend="cupy")
+
     def host(a):
         return cp.asnumpy(a.view(cp.uint16)).view(a.dtype) if a.dtype == b.q.dtype \
             else cp.asnumpy(a)
@@ -334,18 +339,16 @@ def machine(torch):
     return info
 
 
-def progress(items):
-    try:
-        from tqdm import tqdm
-        return tqdm(items, file=sys.stderr)
-    except ImportError:
-        def gen():
-            t0 = time.time()
-            for i, it in enumerate(items, 1):
-                print(f"[{i}/{len(items)} {time.time() - t0:6.0f}s] {it[0]} / {it[1]}",
-                      file=sys.stderr, flush=True)
-                yield it
-        return gen()
+class Progress:
+    """One line per step on stderr: `[i/N elapsed] workload / step`."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.time()
+
+    def __call__(self, label: str, step: str) -> None:
+        self.done += 1
+        print(f"[{self.done}/{self.total} {time.time() - self.t0:6.0f}s] {label} / {step}",
+              file=sys.stderr, flush=True)
 
 
 def plot(results, peak, path):
@@ -373,108 +376,183 @@ def plot(results, peak, path):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# ---------------------------------------------------------------------------------------
+# the run: arguments, one workload at a time, report
+# ---------------------------------------------------------------------------------------
+
+def runner_list(text: str) -> list:
+    """An argparse type: comma-separated names from RUNNERS."""
+    names = [r for r in text.split(",") if r]
+    unknown = [r for r in names if r not in RUNNERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown runner(s) {','.join(unknown) or text!r}; "
+                                         f"choose from {','.join(RUNNERS)}")
+    return names
+
+
+def parse_args(argv):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few workloads (for the GPU check)")
-    ap.add_argument("--json", default="bench.json")
+    ap.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "bench.json"),
+                    help="JSON report path, its folder created if missing "
+                         "(default: out/bench/bench.json in the repository)")
     ap.add_argument("--png", default=None, help="plot path (default: beside the JSON)")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per batch")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--runners", default=",".join(RUNNERS))
+    ap.add_argument("--tokens", type=positive_int, default=None,
+                    help="tokens per batch (default 32768; 16384 with --quick)")
+    ap.add_argument("--heads", type=positive_int, default=16, help="heads (16)")
+    ap.add_argument("--head-dim", type=positive_int, default=128, help="head dim D (128)")
+    ap.add_argument("--iters", type=positive_int, default=None,
+                    help="timed runs per figure (default 10; 5 with --quick)")
+    ap.add_argument("--runners", type=runner_list, default=list(RUNNERS),
+                    help=f"comma-separated runners (default: {','.join(RUNNERS)})")
     args = ap.parse_args(argv)
+    args.tokens = args.tokens or (16384 if args.quick else 32768)
+    args.iters = args.iters or (5 if args.quick else 10)
+    args.png = args.png or os.path.splitext(args.json)[0] + ".png"
+    return args
+
+
+def gpu_stack():
+    """(torch, None) with a CUDA device and CuPy, else (None, why not)."""
     try:
         import torch
         import cupy  # noqa: F401
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
     except Exception as e:  # noqa: BLE001
-        print(f"bench: no usable GPU stack ({e}); nothing measured", file=sys.stderr)
-        return 0
-    tokens = args.tokens or (16384 if args.quick else 32768)
-    iters = args.iters or (5 if args.quick else 10)
-    runners = [r for r in args.runners.split(",") if r]
-    H, D = args.heads, args.head_dim
-    timer = Timer(torch, iters)
-    peak = matmul_peak(torch, timer)
-    print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", file=sys.stderr)
-    results, failed = [], False
-    work = workloads(args.quick, tokens)
-    todo = [(w[0], r) for w in work for r in ["parity", *runners]]
-    by_label = {w[0]: w for w in work}
-    current = {}
-    for label, runner in progress(todo):
-        _, lengths, causal = by_label[label]
-        if label not in current:
-            fl = flops(lengths, causal, H, D)
-            entry = dict(workload=label, sequences=len(lengths), tokens=sum(lengths),
-                         max_len=max(lengths), visible_pairs=visible_pairs(lengths, causal),
-                         flops=fl, runners={})
-            current[label] = (entry, Data(torch, lengths, causal, H, D, torch.bfloat16))
-            results.append(entry)
-        entry, data = current[label]
-        if runner == "parity":
-            try:
-                parity_small(lengths, causal, H, D)
-                entry["parity"] = "ok"
-            except Exception as e:  # noqa: BLE001
-                entry["parity"] = f"FAILED: {e}"
-                failed = True
-            continue
-        rec = {}
+        return None, str(e)
+    return torch, None
+
+
+class Bench:
+    """What every step of a run shares: the GPU stack, the timer, the measured bf16 matmul
+    peak (TFLOP/s), the heads and head dim, and whether a cupy parity check failed (exit 2)."""
+
+    def __init__(self, torch, timer: Timer, peak: float, H: int, D: int):
+        self.torch, self.timer, self.peak, self.H, self.D = torch, timer, peak, H, D
+        self.failed = False
+
+
+def start_workload(bench, label, lengths, causal):
+    """The workload's report entry and its tensors."""
+    entry = dict(workload=label, sequences=len(lengths), tokens=sum(lengths),
+                 max_len=max(lengths), visible_pairs=visible_pairs(lengths, causal),
+                 flops=flops(lengths, causal, bench.H, bench.D), runners={})
+    data = Data(bench.torch, lengths, causal, bench.H, bench.D, bench.torch.bfloat16)
+    return entry, data
+
+
+def check_parity(bench, entry, lengths, causal) -> None:
+    try:
+        parity_small(lengths, causal, bench.H, bench.D)
+        entry["parity"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        entry["parity"] = f"FAILED: {e}"
+        bench.failed = True
+
+
+def compare_with_flex(bench, entry, ref) -> None:
+    """The full-size outputs kept so far against flex_attention's; a mismatch drops the figure."""
+    for name, out in entry.get("_out", {}).items():
         try:
-            if runner == "cupy" and entry.get("parity") != "ok":
-                raise RuntimeError("parity check failed: no figure reported")
-            if runner in ("cupy", "numba"):
-                fwd, bwd, out = run_cupy(torch, data, backend=runner)
-                entry.setdefault("_out", {})[runner] = out
-            elif runner.startswith("sdpa-"):
-                fwd, bwd, _ = run_sdpa(torch, data, runner.split("-")[1])
-            elif runner == "varlen":
-                fwd, bwd, _ = run_varlen(torch, data)
-            elif runner == "flex":
-                fwd, bwd, ref = run_flex(torch, data)
-                for name, out in entry.get("_out", {}).items():
-                    try:
-                        rec_diff = parity_full(torch, out, ref)
-                        entry.setdefault("full_size_max_diff_vs_flex", {})[name] = rec_diff
-                    except AssertionError as e:
-                        entry["parity"] = f"FAILED: {name}: {e}"
-                        entry["runners"].pop(name, None)
-                        failed = failed or name == "cupy"
-            t_f = timer(fwd)
-            t_b = timer(bwd)
-            for phase, t in (("fwd", t_f), ("bwd", t_b), ("fwd+bwd", t_f + t_b)):
-                tf = entry["flops"][phase] / t / 1e12
-                rec[phase] = dict(seconds=t, tflops=tf, pct_of_peak=100.0 * tf / peak)
-        except Exception as e:  # noqa: BLE001
-            rec = {"error": f"{type(e).__name__}: {e}"}
-            if os.environ.get("BENCH_TRACEBACK"):
-                traceback.print_exc()
-        entry["runners"][runner] = rec
-        if runner == runners[-1]:
-            entry.pop("_out", None)
-            current.pop(label)
-            torch.cuda.empty_cache()
-    for entry in results:
-        entry.pop("_out", None)
-    report = dict(machine=machine(torch), method=__doc__.split("Method:")[1].split("\n\n")[0]
-                  .strip(), bf16_matmul_peak_tflops=peak, heads=H, head_dim=D, dtype="bfloat16",
-                  tokens_per_batch=tokens, parity_failed=failed, results=results)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
-    png = args.png or os.path.splitext(args.json)[0] + ".png"
-    plot(results, peak, png)
-    print(f"{'workload':40} " + " ".join(f"{r:>11}" for r in runners), file=sys.stderr)
+            diff = parity_full(bench.torch, out, ref)
+            entry.setdefault("full_size_max_diff_vs_flex", {})[name] = diff
+        except AssertionError as e:
+            entry["parity"] = f"FAILED: {name}: {e}"
+            entry["runners"].pop(name, None)
+            bench.failed = bench.failed or name == "cupy"
+
+
+def prepare(bench, entry, data, runner):
+    """(fwd, bwd) callables of one runner on one workload, behind its parity gate."""
+    torch = bench.torch
+    if runner == "cupy" and entry.get("parity") != "ok":
+        raise RuntimeError("parity check failed: no figure reported")
+    if runner in ("cupy", "numba"):
+        fwd, bwd, out = run_cupy(torch, data, backend=runner)
+        entry.setdefault("_out", {})[runner] = out
+    elif runner.startswith("sdpa-"):
+        fwd, bwd, _ = run_sdpa(torch, data, runner.split("-")[1])
+    elif runner == "varlen":
+        fwd, bwd, _ = run_varlen(torch, data)
+    else:
+        fwd, bwd, ref = run_flex(torch, data)
+        compare_with_flex(bench, entry, ref)
+    return fwd, bwd
+
+
+def measure(bench, entry, runner, data) -> dict:
+    """Seconds, TFLOP/s and % of peak per phase, or {"error": why} when the runner fails."""
+    try:
+        fwd, bwd = prepare(bench, entry, data, runner)
+        t_f, t_b = bench.timer(fwd), bench.timer(bwd)
+    except Exception as e:  # noqa: BLE001
+        if os.environ.get("BENCH_TRACEBACK"):
+            traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+    rec = {}
+    for phase, t in (("fwd", t_f), ("bwd", t_b), ("fwd+bwd", t_f + t_b)):
+        tf = entry["flops"][phase] / t / 1e12
+        rec[phase] = dict(seconds=t, tflops=tf, pct_of_peak=100.0 * tf / bench.peak)
+    return rec
+
+
+def run_workload(bench, workload, runners, tick) -> dict:
+    """Parity first, then every runner in order; the workload's report entry."""
+    label, lengths, causal = workload
+    entry, data = start_workload(bench, label, lengths, causal)
+    tick(label, "parity")
+    check_parity(bench, entry, lengths, causal)
+    for runner in runners:
+        tick(label, runner)
+        entry["runners"][runner] = measure(bench, entry, runner, data)
+    entry.pop("_out", None)
+    del data
+    bench.torch.cuda.empty_cache()
+    return entry
+
+
+def summary_lines(results, runners) -> list:
+    """The fwd+bwd TFLOP/s table, a row per workload ("-" where a runner gave no figure)."""
+    lines = [f"{'workload':40} " + " ".join(f"{r:>11}" for r in runners)]
     for e in results:
         cells = []
         for r in runners:
             v = e["runners"].get(r, {}).get("fwd+bwd", {}).get("tflops")
             cells.append(f"{v:11.1f}" if v else f"{'-':>11}")
-        print(f"{e['workload']:40} " + " ".join(cells) + "   (fwd+bwd TFLOP/s)", file=sys.stderr)
-    print(f"wrote {args.json} and {png}", file=sys.stderr)
-    if failed:
+        lines.append(f"{e['workload']:40} " + " ".join(cells) + "   (fwd+bwd TFLOP/s)")
+    return lines
+
+
+def write_report(bench, results, args) -> None:
+    method = __doc__.split("Method:")[1].split("\n\n")[0].strip()
+    report = dict(machine=machine(bench.torch), method=method,
+                  bf16_matmul_peak_tflops=bench.peak, heads=bench.H, head_dim=bench.D,
+                  dtype="bfloat16", tokens_per_batch=args.tokens, parity_failed=bench.failed,
+                  results=results)
+    for path in (args.json, args.png):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    plot(results, bench.peak, args.png)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch, why = gpu_stack()
+    if torch is None:
+        print(f"bench: no usable GPU stack ({why}); nothing measured", file=sys.stderr)
+        return 0
+    timer = Timer(torch, args.iters)
+    bench = Bench(torch, timer, matmul_peak(torch, timer), args.heads, args.head_dim)
+    print(f"bf16 matmul peak: {bench.peak:.0f} TFLOP/s", file=sys.stderr)
+    work = workloads(args.quick, args.tokens)
+    tick = Progress(len(work) * (1 + len(args.runners)))
+    results = [run_workload(bench, w, args.runners, tick) for w in work]
+    write_report(bench, results, args)
+    print("\n".join(summary_lines(results, args.runners)), file=sys.stderr)
+    print(f"wrote {args.json} and {args.png}", file=sys.stderr)
+    if bench.failed:
         print("bench: a parity check FAILED; the affected figures are not reported",
               file=sys.stderr)
         return 2
