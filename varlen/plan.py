@@ -30,7 +30,7 @@ __all__ = ["Segments", "Plan", "KernelView", "build_plan", "segments_from_cu_seq
 
 # Columns of the tile tables `q_tiles` / `k_tiles` (int32 [num_tiles, 5]).
 TILE_FIELDS = ("seq", "seg", "row", "rows", "pos")
-TILE_SEQ, _, TILE_ROW, TILE_ROWS, TILE_POS = range(5)
+TILE_SEQ, TILE_SEG, TILE_ROW, TILE_ROWS, TILE_POS = range(5)
 # Last axis of the schedules `q_sched` [num_q_tiles, mk, 4] / `k_sched` [num_k_tiles, mq, 4].
 SCHED_FIELDS = ("begin", "full_begin", "full_end", "end")
 
