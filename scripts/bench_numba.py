@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
+from varlen.__main__ import ArgumentParser  # noqa: E402
+
 # Peak non-tensor FP32 throughput (TFLOP/s), the roof of a SIMT kernel, by device name.
 FP32_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5}
 L2_FLUSH_BYTES = 256 << 20
@@ -141,8 +143,8 @@ def run_config(cp, label, lq, lk, Hq, Hk, D, dtype, mask, quick):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the results here")
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
     ap.add_argument("--quick", action="store_true", help="quarter-length sequences")
     args = ap.parse_args(argv)
     cp = _gpu()
