@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from varlen.__main__ import ArgumentParser, positive_int
+from varlen._cli import ArgumentParser, positive_int
 
 
 def _world_size() -> int:

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import numpy as np  # noqa: E402
 
-from varlen.__main__ import ArgumentParser, positive_int  # noqa: E402
+from varlen._cli import ArgumentParser, positive_int  # noqa: E402
 
 L2_FLUSH_BYTES = 256 << 20
 WARMUP = 3

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from varlen.__main__ import ArgumentParser  # noqa: E402
+from varlen._cli import ArgumentParser  # noqa: E402
 
 # Peak non-tensor FP32 throughput (TFLOP/s), the roof of a SIMT kernel, by device name.
 FP32_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5}

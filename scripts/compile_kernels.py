@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from varlen.__main__ import ArgumentParser, positive_int  # noqa: E402
+from varlen._cli import ArgumentParser, positive_int  # noqa: E402
 from varlen.backends import _cupy_compile, _cupy_spec  # noqa: E402
 
 

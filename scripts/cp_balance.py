@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import varlen.comm as vc  # noqa: E402
-from varlen.__main__ import ArgumentParser, positive_int  # noqa: E402
+from varlen._cli import ArgumentParser, positive_int  # noqa: E402
 
 DISTS = ("uniform", "long-tail", "one-long")
 FLOAT32 = 4

@@ -1,29 +1,10 @@
 """Command line: `python -m varlen demo`.
 
-`ArgumentParser` and `positive_int` are shared by every entry point (`python -m varlen`,
-`python -m varlen.comm`, `scripts/*.py`) so that a bad argument reads the same everywhere: one
-line on stderr, exit status 2, no traceback.
+The parser comes from `varlen._cli`, shared by every entry point.
 """
-import argparse
 import sys
 
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (`prog: error: message (see prog --help)`), exit 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+from ._cli import ArgumentParser
 
 
 def main(argv=None) -> int:
