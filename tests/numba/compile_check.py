@@ -25,6 +25,7 @@ from numba import types as nt  # noqa: E402
 import numba.cuda.dispatcher as _dispatcher  # noqa: E402
 
 from varlen.backends import _numba_kernels as K  # noqa: E402
+from varlen.plan import KernelView  # noqa: E402
 
 CCS = ((8, 0), (9, 0))
 _CC = [CCS[-1]]
@@ -47,20 +48,23 @@ def a3(t):
     return t[:, :, ::1]
 
 
+# The plan record as the kernels receive it: the arrays of `KernelView`, then its sizes.
+VIEW = nt.NamedTuple([a2(i32), a3(i32), a2(i32), a3(i32)] + [a2(i32)] * 6 + [a1(i32)] * 5 +
+                     [i64] * 9, KernelView)
+SEQ_MASK = nt.NamedUniTuple(a1(i32), len(K.SeqMask._fields), K.SeqMask)
+
+
 def kernels(quick: bool):
     """(name, python function, signature) of every kernel and variant worth typing."""
     out = [
         ("segments_from_cu", K.segments_from_cu,
          (a1(i32), a1(i32), i64, a2(i32), a2(i32), a2(i32), a1(i32))),
-        ("policy_arrays[int32]", K.policy_arrays,
-         (a1(i32), a1(i32), a1(i32), i64, i64, i64, i64, i64, i64, a1(i32), a1(i32), a1(i32))),
-        ("policy_arrays[bool]", K.policy_arrays,
-         (a1(i32), a1(i32), a1(nt.boolean), i64, i64, i64, i64, i64, i64, a1(i32), a1(i32),
-          a1(i32))),
+        ("to_int32[int32]", K.to_int32, (a1(i32), a1(i32))),
+        ("to_int32[bool]", K.to_int32, (a1(nt.boolean), a1(i32))),
         ("tile_scan", K.tile_scan, (a2(i32), i64, a1(i64))),
         ("tiles_and_schedule", K.tiles_and_schedule,
-         (a1(i64), a2(i32), a2(i32), a2(i32), a1(i32), a2(i32), a2(i32), a1(i32), a1(i32),
-          a1(i32), a1(i32), i64, i64, i64, a2(i32), a3(i32))),
+         (a1(i64), a2(i32), a2(i32), a2(i32), a2(i32), a2(i32), SEQ_MASK, i64, i64, i64,
+          a2(i32), a3(i32))),
     ]
     for dt, el in ELEM.items():
         out.append((f"fill[{dt}]", K.fill, (a1(el), el)))
@@ -76,17 +80,14 @@ def kernels(quick: bool):
         var = K.Variant(dt, 64, 64, 32, 32, softcap)
         tag = f"{dt},softcap={softcap}"
         out.append((f"forward[{tag}]", K.forward_kernel(var),
-                    (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(i32), a3(i32), a2(i32),
-                     a2(i32), a2(i32), a1(i32), a1(i32), a1(i32), a1(i32), a1(i32), f32, f32)))
+                    (a3(el), a3(el), a3(el), a3(el), a2(f32), VIEW, f32, f32)))
         for atomic in (True, False):
             out.append((f"dkdv[{tag},atomic_dq={atomic}]", K.dkdv_kernel(var, atomic),
                         (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(f32), a3(el),
-                         a3(el), a2(i32), a3(i32), a2(i32), a2(i32), a2(i32), a1(i32), a1(i32),
-                         a1(i32), a1(i32), a1(i32), f32, f32)))
+                         a3(el), VIEW, f32, f32)))
         out.append((f"dq[{tag}]", K.dq_kernel(var),
-                    (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(el), a2(i32),
-                     a3(i32), a2(i32), a2(i32), a2(i32), a1(i32), a1(i32), a1(i32), a1(i32),
-                     a1(i32), f32, f32)))
+                    (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(el), VIEW, f32,
+                     f32)))
     return out
 
 

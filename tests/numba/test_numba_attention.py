@@ -15,8 +15,9 @@ from numba import cuda   # a module global: the simulator swaps it inside kernel
 
 import varlen
 from varlen import Mask
+from varlen.backends import Problem
 from varlen.backends import _numba_kernels as K
-from varlen.backends import numba_backend as nb
+from varlen.backends.numba_backend import BACKEND as NUMBA
 
 from numba_testing import SIM, two_segments
 from helpers import check_against_reference, covered_rows, make_batch
@@ -102,7 +103,7 @@ def test_explicit_plan_unequal_tiles_deterministic_is_bitwise_repeatable():
 def test_two_segments_per_sequence_match_numpy_backend():
     """The context-parallel shard layout (two segments per sequence at global positions, pad
     rows inside the chunks): the kernels walk the same plan as the NumPy backend."""
-    from varlen.backends import numpy_backend
+    from varlen.backends.numpy_backend import BACKEND as NUMPY
     from varlen.plan import build_plan
     rng = np.random.default_rng(21)
     L = np.array([13, 0, 7, 22], np.int32)
@@ -117,11 +118,11 @@ def test_two_segments_per_sequence_match_numpy_backend():
     qa, ka, va, do = data(q.num_rows, Hq), data(k.num_rows, Hk), data(k.num_rows, Hk), \
         data(q.num_rows, Hq)
     kw = dict(softmax_scale=0.35, softcap=0.0)
-    out, lse = nb.forward(plan, qa, ka, va, **kw)
-    grads = nb.backward(plan, do, qa, ka, va, out, lse, **kw)
+    out, lse = NUMBA.forward(plan, qa, ka, va, **kw)
+    grads = NUMBA.backward(plan, do, qa, ka, va, out, lse, **kw)
     f64 = [a.astype(np.float64) for a in (qa, ka, va, do)]
-    out_r, lse_r = numpy_backend.forward(plan, *f64[:3], **kw)
-    grads_r = numpy_backend.backward(plan, f64[3], *f64[:3], out_r, lse_r, **kw)
+    out_r, lse_r = NUMPY.forward(plan, *f64[:3], **kw)
+    grads_r = NUMPY.backward(plan, f64[3], *f64[:3], out_r, lse_r, **kw)
     assert np.array_equal(np.isneginf(lse), np.isneginf(lse_r)), "lse -inf pattern"
     fin = np.isfinite(lse_r)
     np.testing.assert_allclose(lse[fin], lse_r[fin], rtol=1e-5, atol=1e-5, err_msg="lse")
@@ -166,10 +167,10 @@ def test_bf16_bit_conversions_match_ml_dtypes():
 
 
 def test_default_blocks_fit_every_head_dim():
-    for dtype in nb.DTYPES:
+    for dtype in K.DTYPES:
         for D in (8, 16, 32, 64, 80, 96, 128, 192, 256):
-            bm, bn = nb.default_blocks(dtype, D)
-            assert nb._k().fits(dtype, D, D, bm, bn) is None, (dtype, D, bm, bn)
+            bm, bn = NUMBA.default_blocks(dtype, D)
+            assert K.fits(dtype, D, D, bm, bn) is None, (dtype, D, bm, bn)
 
 
 def test_errors_name_the_problem():
@@ -184,16 +185,15 @@ def test_errors_name_the_problem():
         host_plan = varlen.plan(small.cu_q, small.cu_k, block_m=8, block_n=8)
         dev = [cuda.to_device(a) for a in (small.q, small.k, small.v)]
         with pytest.raises(ValueError, match="plan"):
-            nb.forward(host_plan, *dev, softmax_scale=1.0, softcap=0.0)
+            NUMBA.forward(host_plan, *dev, softmax_scale=1.0, softcap=0.0)
 
 
 def test_supports_reports_reasons():
-    assert nb.supports(dtype="float64", head_dim=8, head_dim_v=8, on_device=False)
-    assert nb.supports(dtype="float16", head_dim=512, head_dim_v=8, on_device=False)
+    assert "float64" in NUMBA.supports(Problem("float64", 8, 8, on_device=False))
+    assert "512" in NUMBA.supports(Problem("float16", 512, 8, on_device=False))
     if SIM:
-        assert nb.supports(dtype="float16", head_dim=64, head_dim_v=64, on_device=False) is None
-        assert "simulator" in nb.supports(dtype="float16", head_dim=64, head_dim_v=64,
-                                          on_device=True)
+        assert NUMBA.supports(Problem("float16", 64, 64, on_device=False)) is None
+        assert "simulator" in NUMBA.supports(Problem("float16", 64, 64, on_device=True))
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from varlen import Mask
-from varlen.backends import numba_backend as nb
+from varlen.backends.numba_backend import BACKEND as NUMBA, plan_from_cu_seqlens
 
 from helpers import check_against_reference, make_batch
 
@@ -39,10 +39,10 @@ def test_graph_replay_with_new_cu_seqlens():
     kw = dict(softmax_scale=0.125, softcap=0.0)
 
     def step():
-        plan = nb.plan_from_cu_seqlens(buf["cu_q"], buf["cu_k"], num_rows_q=Tq, num_rows_k=Tk,
-                                       mask=Mask(*mbuf), dtype="float16", head_dim=64)
-        out, lse = nb.forward(plan, buf["q"], buf["k"], buf["v"], **kw)
-        grads = nb.backward(plan, buf["dout"], buf["q"], buf["k"], buf["v"], out, lse, **kw)
+        plan = plan_from_cu_seqlens(buf["cu_q"], buf["cu_k"], num_rows_q=Tq, num_rows_k=Tk,
+                                    mask=Mask(*mbuf), dtype="float16", head_dim=64)
+        out, lse = NUMBA.forward(plan, buf["q"], buf["k"], buf["v"], **kw)
+        grads = NUMBA.backward(plan, buf["dout"], buf["q"], buf["k"], buf["v"], out, lse, **kw)
         return plan, out, lse, grads
 
     with s:

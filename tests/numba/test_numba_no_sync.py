@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from varlen import Mask
-from varlen.backends import numba_backend as nb
+from varlen.backends.numba_backend import BACKEND as NUMBA, plan_from_cu_seqlens
 
 from numba_testing import SIM
 from helpers import check_against_reference, make_batch
@@ -102,13 +102,13 @@ def test_plan_forward_backward_without_host_reads(monkeypatch):
     Tq, Tk = batch.q.shape[0], batch.k.shape[0]
     kw = dict(softmax_scale=0.3, softcap=2.5)
     with forbid_host_reads(monkeypatch) as seen:
-        plan = nb.plan_from_cu_seqlens(d["cu_q"], d["cu_k"], seq_offsets_q=d["off_q"],
-                                       seq_offsets_k=d["off_k"], mask=dmask, num_rows_q=Tq,
-                                       num_rows_k=Tk, block_m=8, block_n=8)
-        out, lse = nb.forward(plan, d["q"], d["k"], d["v"], **kw)
-        grads = nb.backward(plan, d["dout"], d["q"], d["k"], d["v"], out, lse, **kw)
-        grads_det = nb.backward(plan, d["dout"], d["q"], d["k"], d["v"], out, lse, **kw,
-                                deterministic=True)
+        plan = plan_from_cu_seqlens(d["cu_q"], d["cu_k"], seq_offsets_q=d["off_q"],
+                                    seq_offsets_k=d["off_k"], mask=dmask, num_rows_q=Tq,
+                                    num_rows_k=Tk, block_m=8, block_n=8)
+        out, lse = NUMBA.forward(plan, d["q"], d["k"], d["v"], **kw)
+        grads = NUMBA.backward(plan, d["dout"], d["q"], d["k"], d["v"], out, lse, **kw)
+        grads_det = NUMBA.backward(plan, d["dout"], d["q"], d["k"], d["v"], out, lse, **kw,
+                                   deterministic=True)
     assert not seen, f"host reads: {seen}"
     for a in (out, lse, *grads, plan.q_tiles):
         assert type(a).__name__ == "FakeCUDAArray", f"{type(a).__name__} is not a device array"

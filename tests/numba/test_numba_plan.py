@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from varlen import Mask
-from varlen.backends import numba_backend as nb
+from varlen.backends.numba_backend import BACKEND as NUMBA, plan_from_cu_seqlens
 from varlen.plan import build_plan, segments_from_cu_seqlens
 
 from numba_testing import two_segments
@@ -63,9 +63,9 @@ def test_plan_from_cu_seqlens_matches_numpy(seed):
     mask = _mask(rng, B) if seed != 2 else "causal_bottom_right"
     bm, bn = [(8, 8), (16, 8), (8, 16), (4, 16)][seed]
     msq = int(Lq.max()) if seed == 3 else None
-    got = nb.plan_from_cu_seqlens(_cu(Lq), _cu(Lk), seq_offsets_q=off_q, seq_offsets_k=off_k,
-                                  num_rows_q=Tq, num_rows_k=Tk, mask=mask, block_m=bm,
-                                  block_n=bn, max_seqlen_q=msq)
+    got = plan_from_cu_seqlens(_cu(Lq), _cu(Lk), seq_offsets_q=off_q, seq_offsets_k=off_k,
+                               num_rows_q=Tq, num_rows_k=Tk, mask=mask, block_m=bm,
+                               block_n=bn, max_seqlen_q=msq)
     want = build_plan(segments_from_cu_seqlens(_cu(Lq), off_q, Tq),
                       segments_from_cu_seqlens(_cu(Lk), off_k, Tk), mask, block_m=bm,
                       block_n=bn, max_seqlen_q=msq)
@@ -86,7 +86,7 @@ def test_make_plan_two_segments_matches_numpy(seed):
     k = two_segments(rng, Lk) if seed != 2 else segments_from_cu_seqlens(_cu(Lk), None,
                                                                            int(Lk.sum()))
     mask = _mask(rng, B) if seed else Mask(window_left=5, window_right=0, bottom_right=True)
-    got = nb.make_plan(q, k, mask, block_m=8, block_n=4)
+    got = NUMBA.make_plan(q, k, mask, block_m=8, block_n=4)
     want = build_plan(q, k, mask, block_m=8, block_n=4)
     assert_same_plan(got, want, f"two segments, seed {seed}")
 
@@ -100,4 +100,4 @@ def test_many_sequences_two_segments_with_bounds():
     q, k = two_segments(rng, L, cp=3), two_segments(rng, L, cp=3)
     mask = _mask(rng, 37)
     kw = dict(block_m=4, block_n=2, max_seqlen_q=4, max_seqlen_k=3)
-    assert_same_plan(nb.make_plan(q, k, mask, **kw), build_plan(q, k, mask, **kw), "B37")
+    assert_same_plan(NUMBA.make_plan(q, k, mask, **kw), build_plan(q, k, mask, **kw), "B37")

@@ -28,7 +28,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(compile_check):
         f"{k}: {v}" for k, v in result["failed"].items())
     assert rc == 0, f"compile check exited with {rc}"
     names = {label.split("@")[0] for label in result["ok"]}
-    for kernel in ("segments_from_cu", "policy_arrays[int32]", "tile_scan",
+    for kernel in ("segments_from_cu", "to_int32[bool]", "tile_scan",
                    "tiles_and_schedule", "fill[bfloat16]", "convert[float16]", "delta[bfloat16]",
                    "forward[bfloat16,softcap=True]", "forward[float32,softcap=False]",
                    "dkdv[float16,softcap=True,atomic_dq=True]",

@@ -8,33 +8,42 @@ they are written (see `docs/numba_backend.md`):
 * no `numba.cuda.libdevice` calls (NaN in the simulator): only `math.*`;
 * no bfloat16 type: bf16 data travels as `uint16` and is widened by a 16-bit shift, through a
   one-element local array reinterpreted with `.view` (a register move on the GPU);
-* every `cuda.shared.array` on its own source line (the simulator keys them by line);
+* every `cuda.shared.array` on its own source line (the simulator keys them by line), and only
+  in kernels: device functions get the shared tiles as arguments;
 * barriers are reached by every thread of a block: loop bounds that contain a barrier are
   block-uniform, and per-thread work is predicated instead.
 
-Attention kernels are specialised per `Variant` (dtype, head dims, tile sizes, softcap) by
-factory functions whose closure constants become compile-time constants; the factories are
-cached. Launches live in `numba_backend.py`.
+The attention kernels read the plan as one record, `varlen.plan.KernelView` (its arrays on the
+device), and are built from named device-function steps: stage a tile, score it, mask it,
+update the online softmax or the gradients, store. Each is specialised per `Variant` (dtype,
+head dims, tile sizes, softcap) by a cached factory whose closure constants become
+compile-time constants. Launches live in `_numba_launch.py`.
 """
 from __future__ import annotations
 
 import functools
 import math
+from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32
 
+from ..masks import MASK_FIELDS, UNBOUNDED
 from ..plan import TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEG, TILE_SEQ
 
-# Stands for an unbounded window edge in int64 position arithmetic (as in `varlen.plan`).
-POS_INF = 1 << 40
+DTYPES = ("float16", "bfloat16", "float32")
 # Threads of the single-block prefix-sum kernel (its shared scratch is sized by this).
 SCAN_THREADS = 1024
 # Static shared memory a kernel may use without an opt-in attribute.
 SHARED_BYTES = 48 * 1024
-DTYPES = ("float16", "bfloat16", "float32")
 NEG_INF = np.float32(-np.inf)
+# Last axis of the schedules, in the order of `varlen.plan.SCHED_FIELDS`.
+SCHED_BEGIN, SCHED_FULL_BEGIN, SCHED_FULL_END, SCHED_END = range(4)
+
+# What the plan kernels read of the mask: the policy arrays and the sequence lengths, under the
+# names `KernelView` gives them, so `seq_mask` reads either record.
+SeqMask = namedtuple("SeqMask", (*MASK_FIELDS, "seqlen_q", "seqlen_k"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,7 +108,46 @@ def _io(dtype: str):
 
 
 # --------------------------------------------------------------------------------------------
-# Utilities: fills, conversion
+# The mask predicate: the device form of `varlen.masks.visible`, `key_band`, `query_band`
+# --------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def seq_mask(rec, b):
+    """`(left, right, shift)` of sequence `b` in int64, `shift = (Lk - Lq) * bottom_right`.
+
+    `rec` is a `KernelView` or a `SeqMask`: anything with the policy arrays and lengths.
+    """
+    shift = (int64(rec.seqlen_k[b]) - int64(rec.seqlen_q[b])) * int64(rec.bottom_right[b])
+    return int64(rec.window_left[b]), int64(rec.window_right[b]), shift
+
+
+@cuda.jit(device=True)
+def visible(i, j, pol):
+    """Query at global position `i` sees key `j` under `pol = seq_mask(...)`."""
+    left, right, shift = pol
+    return (left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right)
+
+
+@cuda.jit(device=True)
+def key_band(i, pol):
+    """`(lo, hi)`: query position `i` sees exactly the keys `lo <= j <= hi`."""
+    left, right, shift = pol
+    lo = -UNBOUNDED if left < 0 else i + shift - left
+    hi = UNBOUNDED if right < 0 else i + shift + right
+    return lo, hi
+
+
+@cuda.jit(device=True)
+def query_band(j, pol):
+    """`(lo, hi)`: key position `j` is seen by exactly the queries `lo <= i <= hi`."""
+    left, right, shift = pol
+    lo = -UNBOUNDED if right < 0 else j - shift - right
+    hi = UNBOUNDED if left < 0 else j - shift + left
+    return lo, hi
+
+
+# --------------------------------------------------------------------------------------------
+# Utilities: fills, casts, conversion
 # --------------------------------------------------------------------------------------------
 
 @cuda.jit
@@ -108,6 +156,14 @@ def fill(a, value):
     start, step = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, a.shape[0], step):
         a[i] = value
+
+
+@cuda.jit
+def to_int32(src, dst):
+    """dst[:] = src[:] as int32 over 1-D arrays (grid-stride): a mask field of any int/bool."""
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, dst.shape[0], step):
+        dst[i] = int32(src[i])
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,18 +216,6 @@ def segments_from_cu(cu, off, num_rows, row, length, pos, seqlen):
     length[b, 0] = n
     pos[b, 0] = 0
     seqlen[b] = L
-
-
-@cuda.jit
-def policy_arrays(src_left, src_right, src_br, use_left, use_right, use_br, val_left,
-                  val_right, val_br, left, right, br):
-    """int32 [B] policy fields, each from a per-sequence array (`use_*`) or a scalar `val_*`."""
-    b = cuda.grid(1)
-    if b >= left.shape[0]:
-        return
-    left[b] = int32(src_left[b]) if use_left else int32(val_left)
-    right[b] = int32(src_right[b]) if use_right else int32(val_right)
-    br[b] = int32(src_br[b]) if use_br else int32(val_br)
 
 
 @cuda.jit
@@ -233,23 +277,30 @@ def _count_last_le(f, n, b, nt):
     return nt if f >= n - 1 else min(max((f + 1) // b, 0), nt)
 
 
-@cuda.jit
-def tiles_and_schedule(ends, seg_row, seg_len, seg_pos, seg_seqlen, part_len, part_pos,
-                       part_seqlen, win_left, win_right, bottom_right, block, part_block, is_k,
-                       tiles, sched):
-    """One thread per tile slot: its (seq, seg, row, rows, pos) and its partner-tile ranges.
+@cuda.jit(device=True)
+def _tile_ranges(band0, band1, n, b):
+    """`(begin, full_begin, full_end, end)` of the partner tiles of a tile whose first and last
+    rows see the partner rows `band0`, `band1` (local to a partner segment of `n` rows cut into
+    tiles of `b`); empty ranges collapse as in `varlen.plan._ranges`."""
+    nt = (n + b - 1) // b
+    begin = _first_last_ge(band0[0], n, b, nt)
+    end = _count_first_le(band1[1], b, nt)
+    fbegin = _first_first_ge(band1[0], b, nt)
+    fend = _count_last_le(band0[1], n, b, nt)
+    if begin >= end:
+        begin = 0
+        end = 0
+    fbegin = min(max(fbegin, begin), end)
+    fend = min(max(fend, fbegin), end)
+    if fbegin >= fend:
+        fbegin = end
+        fend = end
+    return begin, fbegin, fend, end
 
-    For query tiles (`is_k == 0`) the partners are key tiles: query i sees keys in
-    [i + s - left, i + s + right]. For key tiles the partners are query tiles: key j is seen by
-    queries in [j - s - right, j - s + left]. Both read `x + shift - a` and `x + shift + c`
-    with shift = (partner seqlen - own seqlen) * bottom_right.
-    """
-    t = cuda.grid(1)
-    if t >= tiles.shape[0]:
-        return
-    m = seg_row.shape[1]
-    S = seg_row.shape[0] * m
-    # searchsorted(ends, t, side="right"): the segment holding slot t
+
+@cuda.jit(device=True)
+def _segment_of(ends, S, t):
+    """`searchsorted(ends[:S], t, side="right")`: the flattened segment holding tile slot `t`."""
     lo = 0
     hi = S
     while lo < hi:
@@ -258,62 +309,57 @@ def tiles_and_schedule(ends, seg_row, seg_len, seg_pos, seg_seqlen, part_len, pa
             lo = mid + 1
         else:
             hi = mid
-    mp = sched.shape[1]
-    if lo >= S:
-        tiles[t, TILE_SEQ] = -1
-        tiles[t, TILE_SEG] = -1
-        tiles[t, TILE_ROW] = 0
-        tiles[t, TILE_ROWS] = 0
-        tiles[t, TILE_POS] = 0
-        for i in range(mp):
+    return lo
+
+
+@cuda.jit(device=True)
+def _write_tile(tiles, t, b, sg, row, rows, pos):
+    tiles[t, TILE_SEQ] = b
+    tiles[t, TILE_SEG] = sg
+    tiles[t, TILE_ROW] = row
+    tiles[t, TILE_ROWS] = rows
+    tiles[t, TILE_POS] = pos
+
+
+@cuda.jit
+def tiles_and_schedule(ends, seg_row, seg_len, seg_pos, part_len, part_pos, mask, block,
+                       part_block, is_k, tiles, sched):
+    """One thread per tile slot: its (seq, seg, row, rows, pos) and its partner-tile ranges.
+
+    For query tiles (`is_k == 0`) the partners are key tiles, reached through `key_band`; for
+    key tiles they are query tiles, through `query_band`. `mask` is a `SeqMask`.
+    """
+    t = cuda.grid(1)
+    if t >= tiles.shape[0]:
+        return
+    m = seg_row.shape[1]
+    s = _segment_of(ends, seg_row.shape[0] * m, t)
+    if s >= seg_row.shape[0] * m:
+        _write_tile(tiles, t, -1, -1, 0, 0, 0)
+        for i in range(sched.shape[1]):
             for f in range(4):
                 sched[t, i, f] = 0
         return
-    b = lo // m
-    sg = lo - b * m
+    b = s // m
+    sg = s - b * m
     L = int64(seg_len[b, sg])
-    nt = (L + block - 1) // block
-    offset = (t - (ends[lo] - nt)) * block
-    tiles[t, TILE_SEQ] = b
-    tiles[t, TILE_SEG] = sg
-    tiles[t, TILE_ROW] = int64(seg_row[b, sg]) + offset
-    tiles[t, TILE_ROWS] = min(int64(block), L - offset)
-    tiles[t, TILE_POS] = int64(seg_pos[b, sg]) + offset
-    p0 = int64(tiles[t, TILE_POS])
-    p1 = p0 + int64(tiles[t, TILE_ROWS]) - 1
-    left = int64(win_left[b])
-    right = int64(win_right[b])
-    shift = (int64(part_seqlen[b]) - int64(seg_seqlen[b])) * int64(bottom_right[b])
-    a = right if is_k else left
-    c = left if is_k else right
-    lo0 = -POS_INF if a < 0 else p0 + shift - a
-    lo1 = -POS_INF if a < 0 else p1 + shift - a
-    hi0 = POS_INF if c < 0 else p0 + shift + c
-    hi1 = POS_INF if c < 0 else p1 + shift + c
-    for i in range(mp):
+    offset = (t - (ends[s] - (L + block - 1) // block)) * block
+    rows = min(int64(block), L - offset)
+    p0 = int64(seg_pos[b, sg]) + offset
+    _write_tile(tiles, t, b, sg, int64(seg_row[b, sg]) + offset, rows, p0)
+    pol = seq_mask(mask, b)
+    band0 = query_band(p0, pol) if is_k else key_band(p0, pol)
+    band1 = query_band(p0 + rows - 1, pol) if is_k else key_band(p0 + rows - 1, pol)
+    for i in range(sched.shape[1]):
         ppos = int64(part_pos[b, i])
-        n = int64(part_len[b, i])
-        pnt = (n + part_block - 1) // part_block
-        begin = _first_last_ge(lo0 - ppos, n, part_block, pnt)
-        end = _count_first_le(hi1 - ppos, part_block, pnt)
-        fbegin = _first_first_ge(lo1 - ppos, part_block, pnt)
-        fend = _count_last_le(hi0 - ppos, n, part_block, pnt)
-        if begin >= end:
-            begin = 0
-            end = 0
-        fbegin = min(max(fbegin, begin), end)
-        fend = min(max(fend, fbegin), end)
-        if fbegin >= fend:
-            fbegin = end
-            fend = end
-        sched[t, i, 0] = begin
-        sched[t, i, 1] = fbegin
-        sched[t, i, 2] = fend
-        sched[t, i, 3] = end
+        r = _tile_ranges((band0[0] - ppos, band0[1] - ppos), (band1[0] - ppos, band1[1] - ppos),
+                         int64(part_len[b, i]), part_block)
+        for f in range(4):
+            sched[t, i, f] = r[f]
 
 
 # --------------------------------------------------------------------------------------------
-# Attention kernels
+# Attention: variants
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -363,331 +409,377 @@ def fits(dtype: str, head_dim: int, head_dim_v: int, block_m: int, block_n: int)
     return None
 
 
+# --------------------------------------------------------------------------------------------
+# Attention: steps shared by the kernels
+# --------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def tile_of(tiles, t):
+    """`(seq, first row, rows, first position)` of tile slot `t` (seq -1: unused slot)."""
+    return (tiles[t, TILE_SEQ], int64(tiles[t, TILE_ROW]), int64(tiles[t, TILE_ROWS]),
+            int64(tiles[t, TILE_POS]))
+
+
+@cuda.jit(device=True)
+def thread_row(tiles, t, tid):
+    """Row `tid` of tile slot `t`: `(seq, packed row, position, valid)`; seq -1: unused slot."""
+    b, row0, rows, pos0 = tile_of(tiles, t)
+    return b, row0 + tid, pos0 + tid, tid < rows
+
+
+@cuda.jit(device=True)
+def _segment_and_ranges(rows, pos, length, sched, b, t, i):
+    return ((int64(rows[b, i]), int64(pos[b, i]), int64(length[b, i])),
+            (sched[t, i, SCHED_BEGIN], sched[t, i, SCHED_FULL_BEGIN],
+             sched[t, i, SCHED_FULL_END], sched[t, i, SCHED_END]))
+
+
+@cuda.jit(device=True)
+def partner(view, of_key_tile, b, t, i):
+    """Partner segment `i` of query tile `t` (key tile if `of_key_tile`) of sequence `b`:
+    `(first row, first position, rows)` and the schedule's `(begin, full_begin, full_end,
+    end)` partner-tile indices."""
+    if of_key_tile:
+        return _segment_and_ranges(view.q_row, view.q_pos, view.q_len, view.k_sched, b, t, i)
+    return _segment_and_ranges(view.k_row, view.k_pos, view.k_len, view.q_sched, b, t, i)
+
+
+@cuda.jit(device=True)
+def tile_in(seg, i, block):
+    """`(first row, rows, first position)` of tile `i` of a partner segment `seg`."""
+    off = int64(i) * block
+    return seg[0] + off, min(int64(block), seg[2] - off), seg[1] + off
+
+
+@cuda.jit(device=True)
+def is_partial(ranges, i):
+    """Tile `i` of a schedule entry holds masked pairs (outside `[full_begin, full_end)`)."""
+    return i < ranges[1] or i >= ranges[2]
+
+
+@cuda.jit(device=True)
+def dot(a, b):
+    """sum_d a[d] * b[d] in float32 over the length of `a`."""
+    acc = float32(0.0)
+    for d in range(a.shape[0]):
+        acc += a[d] * b[d]
+    return acc
+
+
+@cuda.jit(device=True)
+def axpy(y, alpha, x):
+    """y[:] += alpha * x[:]."""
+    for d in range(y.shape[0]):
+        y[d] += alpha * x[d]
+
+
+@cuda.jit(device=True)
+def zero(a):
+    for d in range(a.shape[0]):
+        a[d] = 0.0
+
+
+@cuda.jit(device=True)
+def stage_stats(lse_s, dl_s, lse, delta, head, bos, n, tid, nthreads):
+    """lse and delta of query rows [bos, bos + n) of head `head` into shared memory."""
+    for r in range(tid, n, nthreads):
+        lse_s[r] = lse[head, bos + r]
+        dl_s[r] = delta[head, bos + r]
+
+
+@cuda.jit(device=True)
+def mask_tile(s_r, n, i, j0, pol):
+    """Scores of the keys at positions j0 + j that query `i` does not see become -inf."""
+    for j in range(n):
+        if not visible(i, j0 + j, pol):
+            s_r[j] = NEG_INF
+
+
+@cuda.jit(device=True)
+def softmax_update(acc, s_r, v_s, n, m_i, l_i):
+    """One tile of the online softmax (FlashAttention-2, Alg. 1, lines 9-10): rescale the
+    accumulator to the new row max, add `exp(s - m) @ V`; returns the new `(m, l)`."""
+    m_new = m_i
+    for j in range(n):
+        m_new = max(m_new, s_r[j])
+    if m_new == NEG_INF:
+        return m_i, l_i
+    alpha = math.exp(m_i - m_new)
+    l_i = l_i * alpha
+    for d in range(acc.shape[0]):
+        acc[d] = acc[d] * alpha
+    for j in range(n):
+        p = math.exp(s_r[j] - m_new)
+        l_i += p
+        axpy(acc, p, v_s[j])
+    return m_new, l_i
+
+
+@cuda.jit(device=True)
+def pair_grad(s, th, lse_i, dp, delta_i, scale):
+    """`(p, dS)` of one visible pair from its logit `s` (FlashAttention-2, Alg. 2:
+    `p = exp(s - lse)`, `dS = p (dP - delta)`); `th = tanh(x / c)` under softcap, whose
+    derivative d/dx c*tanh(x/c) = 1 - th^2 scales dS; without softcap `th = 0`."""
+    p = math.exp(s - lse_i)
+    return p, p * (dp - delta_i) * (float32(1.0) - th * th) * scale
+
+
+@cuda.jit(device=True)
+def add_dq(dq_acc, ds_s, k_s, row0, n, cols, head, tid, nthreads):
+    """dQ[row0 + i] += dS[i, :cols] @ K[:cols], one query row per thread, float32 atomics."""
+    for i in range(tid, n, nthreads):
+        for d in range(k_s.shape[1]):
+            x = float32(0.0)
+            for j in range(cols):
+                x += ds_s[i, j] * k_s[j, d]
+            if x != 0.0:
+                cuda.atomic.add(dq_acc, (row0 + i, head, d), x)
+
+
+@functools.lru_cache(maxsize=None)
+def _rows(dtype: str):
+    """`(stage, load_row, store_row)`: float32 rows in and out of `[T, H, D]` arrays of `dtype`."""
+    ld3, st3, _ = _io(dtype)
+
+    @cuda.jit(device=True)
+    def stage(dst, src, bos, n, head, tid, nthreads):
+        """dst[r, :] = src[bos + r, head, :] for r < n, the block's threads striding over dst."""
+        cols = dst.shape[1]
+        for idx in range(tid, dst.shape[0] * cols, nthreads):
+            r = idx // cols
+            if r < n:
+                dst[r, idx - r * cols] = ld3(src, bos + r, head, idx - r * cols)
+
+    @cuda.jit(device=True)
+    def load_row(dst, src, row, head):
+        for d in range(dst.shape[0]):
+            dst[d] = ld3(src, row, head, d)
+
+    @cuda.jit(device=True)
+    def store_row(dst, row, head, src, scale):
+        for d in range(src.shape[0]):
+            st3(dst, row, head, d, src[d] * scale)
+    return stage, load_row, store_row
+
+
+@functools.lru_cache(maxsize=None)
+def _logit(has_softcap: bool):
+    """`logit(x, scale, softcap) -> (s, th)`: the score of a raw dot product `x`, with
+    `s = c * tanh(x * scale / c)` and `th` the tanh under softcap, else `s = x * scale`, 0."""
+    HAS_SOFTCAP = has_softcap
+
+    @cuda.jit(device=True)
+    def logit(x, scale, softcap):
+        x = x * scale
+        th = float32(0.0)
+        if HAS_SOFTCAP:
+            th = math.tanh(x / softcap)
+            x = softcap * th
+        return x, th
+    return logit
+
+
+# --------------------------------------------------------------------------------------------
+# Attention kernels
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _score_tile(has_softcap: bool):
+    logit = _logit(has_softcap)
+
+    @cuda.jit(device=True)
+    def score_tile(s_r, q_r, k_s, n, scale, softcap):
+        """s_r[j] = logit(q . k_j) for the n keys of the staged tile."""
+        for j in range(n):
+            s_r[j] = logit(dot(q_r, k_s[j]), scale, softcap)[0]
+    return score_tile
+
+
 @functools.lru_cache(maxsize=None)
 def forward_kernel(var: Variant):
     """FlashAttention-2 forward (Alg. 1) over the plan's query tiles; grid (q tiles, Hq)."""
     BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
-    HAS_SOFTCAP = var.has_softcap
-    ld3, st3, _ = _io(var.dtype)
+    stage, load_row, store_row = _rows(var.dtype)
+    score_tile = _score_tile(var.has_softcap)
 
-    def _forward(q, k, v, out, lse, q_tiles, q_sched, k_row, k_pos, k_len, q_seqlen,
-                 k_seqlen, win_left, win_right, bottom_right, scale, softcap):
-        # [BN, D] key tile
+    def _forward(q, k, v, out, lse, view, scale, softcap):
+        # [BN, D] key tile, [BN, DV] value tile
         k_s = cuda.shared.array((BN, D), float32)
-        # [BN, DV] value tile
         v_s = cuda.shared.array((BN, DV), float32)
-        # [D] this thread's query row, pre-scaled
+        # [D] this thread's query row, [DV] its output accumulator, [BN] its scores of a tile
         q_r = cuda.local.array(D, float32)
-        # [DV] output accumulator
         acc = cuda.local.array(DV, float32)
-        # [BN] scores of the current key tile
         s_r = cuda.local.array(BN, float32)
-        i_t = cuda.blockIdx.x
-        i_h = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        b = q_tiles[i_t, TILE_SEQ]
+        i_t, i_h, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        b, row, pos, valid = thread_row(view.q_tiles, i_t, tid)
         if b < 0:
             return
         i_kh = i_h // (q.shape[1] // k.shape[1])
-        valid = tid < q_tiles[i_t, TILE_ROWS]
-        row = int64(q_tiles[i_t, TILE_ROW]) + tid
-        i_pos = int64(q_tiles[i_t, TILE_POS]) + tid
-        left = int64(win_left[b])
-        right = int64(win_right[b])
-        shift = (int64(k_seqlen[b]) - int64(q_seqlen[b])) * int64(bottom_right[b])
-        m_i = float32(NEG_INF)
-        l_i = float32(0.0)
-        for d in range(DV):
-            acc[d] = 0.0
+        pol = seq_mask(view, b)
+        m_i, l_i = NEG_INF, float32(0.0)
+        zero(acc)
         if valid:
-            for d in range(D):
-                q_r[d] = ld3(q, row, i_h, d) * scale
-        for i_seg in range(q_sched.shape[1]):
-            begin = q_sched[i_t, i_seg, 0]
-            fbegin = q_sched[i_t, i_seg, 1]
-            fend = q_sched[i_t, i_seg, 2]
-            end = q_sched[i_t, i_seg, 3]
-            k_bos = int64(k_row[b, i_seg])
-            k_pos0 = int64(k_pos[b, i_seg])
-            k_n = int64(k_len[b, i_seg])
-            for i_n in range(begin, end):
-                n0 = int64(i_n) * BN
-                n = min(int64(BN), k_n - n0)
+            load_row(q_r, q, row, i_h)
+        for i_seg in range(view.mk):
+            seg, ranges = partner(view, False, b, i_t, i_seg)
+            for i_n in range(ranges[0], ranges[3]):
+                row_n, n, pos_n = tile_in(seg, i_n, BN)
                 cuda.syncthreads()          # the previous tile is consumed
-                for idx in range(tid, BN * D, BM):
-                    r = idx // D
-                    if r < n:
-                        k_s[r, idx - r * D] = ld3(k, k_bos + n0 + r, i_kh, idx - r * D)
-                for idx in range(tid, BN * DV, BM):
-                    r = idx // DV
-                    if r < n:
-                        v_s[r, idx - r * DV] = ld3(v, k_bos + n0 + r, i_kh, idx - r * DV)
+                stage(k_s, k, row_n, n, i_kh, tid, BM)
+                stage(v_s, v, row_n, n, i_kh, tid, BM)
                 cuda.syncthreads()
                 if valid:
-                    partial = i_n < fbegin or i_n >= fend
-                    m_new = m_i
-                    for j in range(n):
-                        x = float32(0.0)
-                        for d in range(D):
-                            x += q_r[d] * k_s[j, d]
-                        if HAS_SOFTCAP:
-                            x = softcap * math.tanh(x / softcap)
-                        if partial:
-                            j_pos = k_pos0 + n0 + j
-                            if not ((left < 0 or j_pos >= i_pos + shift - left) and
-                                    (right < 0 or j_pos <= i_pos + shift + right)):
-                                x = NEG_INF
-                        s_r[j] = x
-                        m_new = max(m_new, x)
-                    if m_new > NEG_INF:
-                        # Online softmax rescale (FlashAttention-2, Alg. 1, lines 9-10).
-                        alpha = math.exp(m_i - m_new)
-                        l_i = l_i * alpha
-                        for d in range(DV):
-                            acc[d] = acc[d] * alpha
-                        for j in range(n):
-                            p = math.exp(s_r[j] - m_new)
-                            l_i += p
-                            for d in range(DV):
-                                acc[d] += p * v_s[j, d]
-                        m_i = m_new
+                    score_tile(s_r, q_r, k_s, n, scale, softcap)
+                    if is_partial(ranges, i_n):
+                        mask_tile(s_r, n, pos, pos_n, pol)
+                    m_i, l_i = softmax_update(acc, s_r, v_s, n, m_i, l_i)
         if valid:
-            if l_i > 0.0:
-                inv = float32(1.0) / l_i
-                for d in range(DV):
-                    st3(out, row, i_h, d, acc[d] * inv)
-                lse[i_h, row] = m_i + math.log(l_i)
-            else:
-                for d in range(DV):
-                    st3(out, row, i_h, d, float32(0.0))
-                lse[i_h, row] = NEG_INF
+            # out = acc / l, lse = m + log l; a row that saw no key: 0 and -inf (never NaN).
+            seen = l_i > 0.0
+            store_row(out, row, i_h, acc, float32(1.0) / l_i if seen else float32(0.0))
+            lse[i_h, row] = m_i + math.log(l_i) if seen else NEG_INF
     return cuda.jit(_forward)
+
+
+@functools.lru_cache(maxsize=None)
+def _key_grads(has_softcap: bool, atomic_dq: bool):
+    logit = _logit(has_softcap)
+    ATOMIC_DQ = atomic_dq
+
+    @cuda.jit(device=True)
+    def key_grads(dk_r, dv_r, k_r, v_r, q_s, do_s, lse_s, dl_s, ds_s, n, tid, i0, j, partial,
+                  pol, scale, softcap):
+        """dK, dV of key `j` (this thread's row) over the n staged query rows at positions
+        i0 + i; with ATOMIC_DQ, each pair's dS into ds_s[i, tid] for the dQ reduction."""
+        for i in range(n):
+            ds = float32(0.0)
+            if lse_s[i] > NEG_INF and (not partial or visible(i0 + i, j, pol)):
+                s, th = logit(dot(q_s[i], k_r), scale, softcap)
+                p, ds = pair_grad(s, th, lse_s[i], dot(do_s[i], v_r), dl_s[i], scale)
+                axpy(dv_r, p, do_s[i])
+                axpy(dk_r, ds, q_s[i])
+            if ATOMIC_DQ:
+                ds_s[i, tid] = ds
+    return key_grads
 
 
 @functools.lru_cache(maxsize=None)
 def dkdv_kernel(var: Variant, atomic_dq: bool):
     """FlashAttention-2 backward (Alg. 2) over the plan's key tiles; grid (k tiles, Hk).
 
-    Each thread owns one key row and accumulates its dK and dV over every query head of its
-    GQA group, so the group reduction needs no extra pass. With `atomic_dq`, the tile's dS is
-    staged in shared memory and each thread reduces dS @ K for query rows and adds it to the
-    float32 `dq_acc` with atomics.
+    Each thread owns one key row: its dK and dV sum every query head of its GQA group (no
+    reduction pass). With `atomic_dq`, each tile pair's dS is staged in shared memory and
+    dS @ K of each query row is added to the float32 `dq_acc` by atomics.
     """
     BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
-    HAS_SOFTCAP = var.has_softcap
     ATOMIC_DQ = atomic_dq
-    DS_M = BM if atomic_dq else 1
-    DS_N = BN + 1 if atomic_dq else 1         # +1: no bank conflicts on row reads
-    ld3, st3, _ = _io(var.dtype)
+    DS_M, DS_N = (BM, BN + 1) if atomic_dq else (1, 1)    # +1: no bank conflicts on rows
+    stage, load_row, store_row = _rows(var.dtype)
+    key_grads = _key_grads(var.has_softcap, atomic_dq)
 
-    def _dkdv(q, k, v, dout, lse, delta, dq_acc, dk, dv, k_tiles, k_sched, q_row, q_pos,
-              q_len, q_seqlen, k_seqlen, win_left, win_right, bottom_right, scale, softcap):
-        # [BN, D] keys of this tile
+    def _dkdv(q, k, v, dout, lse, delta, dq_acc, dk, dv, view, scale, softcap):
+        # [BN, D] keys of this tile; [BM, D] queries, [BM, DV] output gradients, [BM] lse and
+        # delta of a query tile; [BM, BN] dS of the tile pair, for the dQ reduction
         k_s = cuda.shared.array((BN, D), float32)
-        # [BM, D] query tile
         q_s = cuda.shared.array((BM, D), float32)
-        # [BM, DV] output-gradient tile
         do_s = cuda.shared.array((BM, DV), float32)
-        # [BM] lse and delta of the query tile
         lse_s = cuda.shared.array(BM, float32)
         dl_s = cuda.shared.array(BM, float32)
-        # [BM, BN] dS of the tile pair, for the dQ reduction
         ds_s = cuda.shared.array((DS_M, DS_N), float32)
-        # [DV] this thread's value row; [D], [DV] gradient accumulators
+        # [DV] this thread's value row; [D], [DV] its gradient accumulators
         v_r = cuda.local.array(DV, float32)
         dk_r = cuda.local.array(D, float32)
         dv_r = cuda.local.array(DV, float32)
-        i_t = cuda.blockIdx.x
-        i_kh = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        b = k_tiles[i_t, TILE_SEQ]
+        i_t, i_kh, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        b, bos, cols, pos0 = tile_of(view.k_tiles, i_t)
         if b < 0:
             return
         G = q.shape[1] // k.shape[1]
-        bos = int64(k_tiles[i_t, TILE_ROW])
-        cols = int64(k_tiles[i_t, TILE_ROWS])
         valid = tid < cols
-        j_pos = int64(k_tiles[i_t, TILE_POS]) + tid
-        left = int64(win_left[b])
-        right = int64(win_right[b])
-        shift = (int64(k_seqlen[b]) - int64(q_seqlen[b])) * int64(bottom_right[b])
-        for idx in range(tid, BN * D, BN):
-            r = idx // D
-            if r < cols:
-                k_s[r, idx - r * D] = ld3(k, bos + r, i_kh, idx - r * D)
-        for d in range(D):
-            dk_r[d] = 0.0
-        for d in range(DV):
-            dv_r[d] = 0.0
-            v_r[d] = ld3(v, bos + tid, i_kh, d) if valid else float32(0.0)
-        for g in range(G):
-            i_h = i_kh * G + g
-            for i_seg in range(k_sched.shape[1]):
-                begin = k_sched[i_t, i_seg, 0]
-                fbegin = k_sched[i_t, i_seg, 1]
-                fend = k_sched[i_t, i_seg, 2]
-                end = k_sched[i_t, i_seg, 3]
-                q_bos = int64(q_row[b, i_seg])
-                q_pos0 = int64(q_pos[b, i_seg])
-                q_n = int64(q_len[b, i_seg])
-                for i_m in range(begin, end):
-                    m0 = int64(i_m) * BM
-                    n = min(int64(BM), q_n - m0)
+        pol = seq_mask(view, b)
+        stage(k_s, k, bos, cols, i_kh, tid, BN)
+        zero(dk_r)
+        zero(dv_r)
+        zero(v_r)
+        if valid:
+            load_row(v_r, v, bos + tid, i_kh)
+        for i_h in range(i_kh * G, i_kh * G + G):
+            for i_seg in range(view.mq):
+                seg, ranges = partner(view, True, b, i_t, i_seg)
+                for i_m in range(ranges[0], ranges[3]):
+                    row_m, n, pos_m = tile_in(seg, i_m, BM)
                     cuda.syncthreads()      # the previous query tile (and dS) is consumed
-                    for idx in range(tid, BM * D, BN):
-                        r = idx // D
-                        if r < n:
-                            q_s[r, idx - r * D] = ld3(q, q_bos + m0 + r, i_h, idx - r * D)
-                    for idx in range(tid, BM * DV, BN):
-                        r = idx // DV
-                        if r < n:
-                            do_s[r, idx - r * DV] = ld3(dout, q_bos + m0 + r, i_h, idx - r * DV)
-                    for r in range(tid, n, BN):
-                        lse_s[r] = lse[i_h, q_bos + m0 + r]
-                        dl_s[r] = delta[i_h, q_bos + m0 + r]
+                    stage(q_s, q, row_m, n, i_h, tid, BN)
+                    stage(do_s, dout, row_m, n, i_h, tid, BN)
+                    stage_stats(lse_s, dl_s, lse, delta, i_h, row_m, n, tid, BN)
                     cuda.syncthreads()
                     if valid:
-                        partial = i_m < fbegin or i_m >= fend
-                        for i in range(n):
-                            lse_i = lse_s[i]
-                            ds = float32(0.0)
-                            vis = lse_i > NEG_INF
-                            if vis and partial:
-                                i_pos = q_pos0 + m0 + i
-                                vis = ((left < 0 or j_pos >= i_pos + shift - left) and
-                                       (right < 0 or j_pos <= i_pos + shift + right))
-                            if vis:
-                                x = float32(0.0)
-                                for d in range(D):
-                                    x += q_s[i, d] * k_s[tid, d]
-                                x = x * scale
-                                th = float32(0.0)
-                                if HAS_SOFTCAP:
-                                    th = math.tanh(x / softcap)
-                                    x = softcap * th
-                                p = math.exp(x - lse_i)
-                                dp = float32(0.0)
-                                for d in range(DV):
-                                    dp += do_s[i, d] * v_r[d]
-                                    dv_r[d] += p * do_s[i, d]
-                                ds = p * (dp - dl_s[i])
-                                if HAS_SOFTCAP:
-                                    ds = ds * (float32(1.0) - th * th)   # d/dx c*tanh(x/c)
-                                ds = ds * scale
-                                for d in range(D):
-                                    dk_r[d] += ds * q_s[i, d]
-                            if ATOMIC_DQ:
-                                ds_s[i, tid] = ds
+                        key_grads(dk_r, dv_r, k_s[tid], v_r, q_s, do_s, lse_s, dl_s, ds_s, n,
+                                  tid, pos_m, pos0 + tid, is_partial(ranges, i_m), pol, scale,
+                                  softcap)
                     if ATOMIC_DQ:
                         cuda.syncthreads()
-                        # dQ[i] += dS[i, :] @ K, one query row per thread
-                        for i in range(tid, n, BN):
-                            for d in range(D):
-                                x = float32(0.0)
-                                for j in range(cols):
-                                    x += ds_s[i, j] * k_s[j, d]
-                                if x != 0.0:
-                                    cuda.atomic.add(dq_acc, (q_bos + m0 + i, i_h, d), x)
+                        add_dq(dq_acc, ds_s, k_s, row_m, n, cols, i_h, tid, BN)
         if valid:
-            for d in range(D):
-                st3(dk, bos + tid, i_kh, d, dk_r[d])
-            for d in range(DV):
-                st3(dv, bos + tid, i_kh, d, dv_r[d])
+            store_row(dk, bos + tid, i_kh, dk_r, float32(1.0))
+            store_row(dv, bos + tid, i_kh, dv_r, float32(1.0))
     return cuda.jit(_dkdv)
+
+
+@functools.lru_cache(maxsize=None)
+def _query_grads(has_softcap: bool):
+    logit = _logit(has_softcap)
+
+    @cuda.jit(device=True)
+    def query_grads(dq_r, q_r, do_r, k_s, v_s, n, lse_i, dl_i, i, j0, partial, pol, scale,
+                    softcap):
+        """dQ of query `i` (this thread's row) over the n staged keys at positions j0 + j."""
+        for j in range(n):
+            if not partial or visible(i, j0 + j, pol):
+                s, th = logit(dot(q_r, k_s[j]), scale, softcap)
+                _, ds = pair_grad(s, th, lse_i, dot(do_r, v_s[j]), dl_i, scale)
+                axpy(dq_r, ds, k_s[j])
+    return query_grads
 
 
 @functools.lru_cache(maxsize=None)
 def dq_kernel(var: Variant):
     """Deterministic dQ over the plan's query tiles; grid (q tiles, Hq), one row per thread."""
     BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
-    HAS_SOFTCAP = var.has_softcap
-    ld3, st3, _ = _io(var.dtype)
+    stage, load_row, store_row = _rows(var.dtype)
+    query_grads = _query_grads(var.has_softcap)
 
-    def _dq(q, k, v, dout, lse, delta, dq, q_tiles, q_sched, k_row, k_pos, k_len, q_seqlen,
-            k_seqlen, win_left, win_right, bottom_right, scale, softcap):
-        # [BN, D] key tile
+    def _dq(q, k, v, dout, lse, delta, dq, view, scale, softcap):
+        # [BN, D] key tile, [BN, DV] value tile
         k_s = cuda.shared.array((BN, D), float32)
-        # [BN, DV] value tile
         v_s = cuda.shared.array((BN, DV), float32)
         # [D] query row, [DV] output-gradient row, [D] dQ accumulator
         q_r = cuda.local.array(D, float32)
         do_r = cuda.local.array(DV, float32)
         dq_r = cuda.local.array(D, float32)
-        i_t = cuda.blockIdx.x
-        i_h = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        b = q_tiles[i_t, TILE_SEQ]
+        i_t, i_h, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        b, row, pos, valid = thread_row(view.q_tiles, i_t, tid)
         if b < 0:
             return
         i_kh = i_h // (q.shape[1] // k.shape[1])
-        valid = tid < q_tiles[i_t, TILE_ROWS]
-        row = int64(q_tiles[i_t, TILE_ROW]) + tid
-        i_pos = int64(q_tiles[i_t, TILE_POS]) + tid
-        left = int64(win_left[b])
-        right = int64(win_right[b])
-        shift = (int64(k_seqlen[b]) - int64(q_seqlen[b])) * int64(bottom_right[b])
-        lse_i = float32(NEG_INF)
-        dl_i = float32(0.0)
-        for d in range(D):
-            dq_r[d] = 0.0
-            q_r[d] = 0.0
-        for d in range(DV):
-            do_r[d] = 0.0
+        pol = seq_mask(view, b)
+        lse_i, dl_i = NEG_INF, float32(0.0)
+        zero(dq_r)
         if valid:
-            lse_i = lse[i_h, row]
-            dl_i = delta[i_h, row]
-            for d in range(D):
-                q_r[d] = ld3(q, row, i_h, d)
-            for d in range(DV):
-                do_r[d] = ld3(dout, row, i_h, d)
-        for i_seg in range(q_sched.shape[1]):
-            begin = q_sched[i_t, i_seg, 0]
-            fbegin = q_sched[i_t, i_seg, 1]
-            fend = q_sched[i_t, i_seg, 2]
-            end = q_sched[i_t, i_seg, 3]
-            k_bos = int64(k_row[b, i_seg])
-            k_pos0 = int64(k_pos[b, i_seg])
-            k_n = int64(k_len[b, i_seg])
-            for i_n in range(begin, end):
-                n0 = int64(i_n) * BN
-                n = min(int64(BN), k_n - n0)
+            lse_i, dl_i = lse[i_h, row], delta[i_h, row]
+            load_row(q_r, q, row, i_h)
+            load_row(do_r, dout, row, i_h)
+        for i_seg in range(view.mk):
+            seg, ranges = partner(view, False, b, i_t, i_seg)
+            for i_n in range(ranges[0], ranges[3]):
+                row_n, n, pos_n = tile_in(seg, i_n, BN)
                 cuda.syncthreads()
-                for idx in range(tid, BN * D, BM):
-                    r = idx // D
-                    if r < n:
-                        k_s[r, idx - r * D] = ld3(k, k_bos + n0 + r, i_kh, idx - r * D)
-                for idx in range(tid, BN * DV, BM):
-                    r = idx // DV
-                    if r < n:
-                        v_s[r, idx - r * DV] = ld3(v, k_bos + n0 + r, i_kh, idx - r * DV)
+                stage(k_s, k, row_n, n, i_kh, tid, BM)
+                stage(v_s, v, row_n, n, i_kh, tid, BM)
                 cuda.syncthreads()
-                if valid and lse_i > NEG_INF:
-                    partial = i_n < fbegin or i_n >= fend
-                    for j in range(n):
-                        if partial:
-                            j_pos = k_pos0 + n0 + j
-                            if not ((left < 0 or j_pos >= i_pos + shift - left) and
-                                    (right < 0 or j_pos <= i_pos + shift + right)):
-                                continue
-                        x = float32(0.0)
-                        for d in range(D):
-                            x += q_r[d] * k_s[j, d]
-                        x = x * scale
-                        th = float32(0.0)
-                        if HAS_SOFTCAP:
-                            th = math.tanh(x / softcap)
-                            x = softcap * th
-                        p = math.exp(x - lse_i)
-                        dp = float32(0.0)
-                        for d in range(DV):
-                            dp += do_r[d] * v_s[j, d]
-                        ds = p * (dp - dl_i)
-                        if HAS_SOFTCAP:
-                            ds = ds * (float32(1.0) - th * th)
-                        ds = ds * scale
-                        for d in range(D):
-                            dq_r[d] += ds * k_s[j, d]
+                if valid and lse_i > NEG_INF:       # a row that saw no key has no gradient
+                    query_grads(dq_r, q_r, do_r, k_s, v_s, n, lse_i, dl_i, pos, pos_n,
+                                is_partial(ranges, i_n), pol, scale, softcap)
         if valid:
-            for d in range(D):
-                st3(dq, row, i_h, d, dq_r[d])
+            store_row(dq, row, i_h, dq_r, float32(1.0))
     return cuda.jit(_dq)

@@ -1,0 +1,289 @@
+"""Launchers of the Numba kernels: where the arrays live, allocation, streams, grids.
+
+The layout of the CuPy side: `numba_backend.py` (the `Backend`) → here (one `Context` per call,
+tile sizes, grids, the plan as one `KernelView` record) → `_numba_kernels.py` (kernels).
+
+Three kinds of working arrays are accepted, and results come back as the same kind:
+
+* CuPy arrays (a CUDA device): kernels take them directly and launch on CuPy's current stream
+  (through `cuda.external_stream`), outputs are CuPy arrays, nothing is read back to the host.
+* Numba device arrays (a CUDA device, or the simulator's fake device): the same, on Numba's
+  default stream.
+* NumPy arrays (the host): copied to the device (or the simulator) once, run, copied back. This
+  is how CI runs the kernels in the Numba CUDA simulator (`NUMBA_ENABLE_CUDASIM=1`).
+
+Every size that shapes a launch (grids, tile-table slots, workspaces) comes from array shapes,
+`B`, block sizes and the optional `max_seqlen_*` bounds, never from device values, so plan,
+forward and backward run without host synchronisation and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda
+
+from .._array import alloc, bfloat16_dtype, nan_fill_enabled
+from ..masks import MASK_FIELDS, as_mask
+from ..plan import KernelView, Plan, Segments, tile_bound
+from . import _numba_kernels as K
+
+
+def simulated() -> bool:
+    """True when Numba runs CUDA kernels in its CPU simulator (`NUMBA_ENABLE_CUDASIM=1`)."""
+    return bool(getattr(config, "ENABLE_CUDASIM", 0))
+
+
+def _is_bf16(dtype) -> bool:
+    bf = bfloat16_dtype()
+    return bf is not None and np.dtype(dtype) == bf
+
+
+def _storage(dtype) -> np.dtype:
+    """The element type kernels see: bf16 travels as its uint16 bits."""
+    return np.dtype(np.uint16) if _is_bf16(dtype) else np.dtype(dtype)
+
+
+def _element(dtype, value):
+    """`value` as one element of an array of `dtype` as kernels see it (bf16: its bits)."""
+    if _is_bf16(dtype):
+        return np.array(value, np.float32).astype(bfloat16_dtype()).view(np.uint16)[()]
+    return np.dtype(dtype).type(value)
+
+
+def kind_of(a):
+    if isinstance(a, np.ndarray):
+        return "host"
+    if type(a).__module__.split(".")[0] == "cupy":
+        return "cupy"
+    if hasattr(a, "copy_to_host"):
+        return "numba"
+    return None
+
+
+_WHERE = {"host": "the host", "cupy": "a CUDA device (CuPy)", "numba": "a CUDA device (Numba)"}
+# CuPy-side workspaces, kept alive per (device, stream, role, shape, dtype): a captured CUDA
+# graph bakes in their addresses, so they must outlive the call that captured them.
+_WORKSPACE: dict = {}
+
+
+class Context:
+    """The arrays of one call: their kind, how to allocate beside them, the launch stream."""
+
+    def __init__(self, like):
+        self.kind = kind_of(like)
+        if self.kind is None:
+            raise TypeError(f"expected NumPy, CuPy or Numba device arrays, got "
+                            f"{type(like).__name__}")
+        self.sim = simulated()
+        self.stream = 0
+        self.stream_ptr = 0
+        if self.kind == "cupy":
+            import cupy
+            self.cp = cupy
+            self.stream_ptr = cupy.cuda.get_current_stream().ptr
+            if self.stream_ptr:
+                self.stream = cuda.external_stream(self.stream_ptr)
+
+    def dev(self, x, name="array"):
+        """`x` as a kernel argument of this call (bf16 as its uint16 bits)."""
+        kind = kind_of(x)
+        if kind is not None and _is_bf16(x.dtype):
+            x = x.view(np.uint16)
+        if self.kind == "host" and kind == "host":
+            return cuda.to_device(np.ascontiguousarray(x))
+        if kind == self.kind or (self.kind == "host" and kind == "numba"):
+            return x
+        raise ValueError(f"{name} lives on {_WHERE.get(kind, type(x).__name__)} but the data "
+                         f"lives on {_WHERE[self.kind]}; build the plan beside the data")
+
+    def view(self, plan: Plan) -> KernelView:
+        """The plan's kernel record with its arrays as kernel arguments of this call."""
+        return plan.view().map_arrays(lambda a: self.dev(a, "plan"))
+
+    def alloc(self, shape, dtype, fill=None):
+        """A new array beside the data, every element `fill`; `fill=None` leaves it unwritten,
+        NaN in test mode (`nan_fill_enabled()`) so an element no kernel writes shows."""
+        if fill is None and nan_fill_enabled() and (_is_bf16(dtype) or
+                                                    np.dtype(dtype).kind == "f"):
+            fill = np.nan
+        value = None if fill is None else _element(dtype, fill)
+        if self.kind == "cupy":
+            return alloc(self.cp, shape, _storage(dtype), value)
+        a = cuda.device_array(shape, dtype=_storage(dtype))
+        if value is not None:
+            self.fill(a, value)
+        return a
+
+    def scratch(self, role, shape, dtype):
+        """A workspace only this call's kernels read (on CuPy, cached per device and stream)."""
+        if self.kind != "cupy":
+            return self.alloc(shape, dtype)
+        key = (self.cp.cuda.Device().id, self.stream_ptr, role, tuple(shape), np.dtype(dtype).str)
+        buf = _WORKSPACE.get(key)
+        if buf is None:
+            buf = _WORKSPACE[key] = self.alloc(shape, dtype)
+        return buf
+
+    def result(self, a, dtype):
+        """A kernel output handed back: host copy in host mode, bf16 view for bf16."""
+        if self.kind == "host":
+            a = a.copy_to_host()
+        if _is_bf16(dtype):
+            try:
+                a = a.view(bfloat16_dtype())
+            except Exception:  # noqa: BLE001
+                pass            # a Numba device array without bf16 support stays uint16 bits
+        return a
+
+    def launch(self, kernel, grid, block, *args):
+        kernel[grid, block, self.stream](*args)
+
+    def grid1d(self, n):
+        """(blocks, threads) of a grid-stride launch over `n` items."""
+        threads = max(1, min(32, n)) if self.sim else 256
+        cap = 2 if self.sim else 4096
+        return max(1, min(cap, -(-n // threads))), threads
+
+    def fill(self, a, value):
+        flat = a.reshape(-1)
+        if flat.shape[0]:
+            self.launch(K.fill, *self.grid1d(flat.shape[0]), flat, value)
+
+
+# --------------------------------------------------------------------------------------------
+# Plans on the device
+# --------------------------------------------------------------------------------------------
+
+def check_blocks(block_m, block_n):
+    for nm, blk in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(blk, (int, np.integer)) or not 0 < blk <= 1024:
+            raise ValueError(f"{nm} must be an int in [1, 1024] (a thread per row), got {blk!r}")
+
+
+def segments(ctx: Context, cu, off, num_rows: int, side: str) -> Segments:
+    """`varlen.plan.segments_from_cu_seqlens` by a kernel: one segment per sequence."""
+    B = cu.shape[0] - 1
+    cud = ctx.dev(cu, f"cu_seqlens_{side}")
+    offd = cud if off is None else ctx.dev(off, f"seq_offsets_{side}")
+    arrs = [ctx.alloc((B, 1), np.int32) for _ in range(3)] + [ctx.alloc((B,), np.int32)]
+    if B:
+        ctx.launch(K.segments_from_cu, *ctx.grid1d(B), cud, offd, int(num_rows), *arrs)
+    return Segments(*arrs, int(num_rows))
+
+
+def segments_on_device(ctx: Context, s: Segments) -> Segments:
+    return Segments(*(ctx.dev(a, "plan segments") for a in (s.row, s.length, s.pos, s.seqlen)),
+                    s.num_rows)
+
+
+def _policy(ctx: Context, mask, B: int):
+    """The mask policy as three int32 `[B]` arrays beside the data (scalars broadcast)."""
+    out = []
+    for name, f in zip(MASK_FIELDS, as_mask(mask).fields()):
+        if np.ndim(f) == 0:
+            out.append(ctx.alloc((B,), np.int32, fill=int(f)))
+            continue
+        if f.ndim != 1:
+            raise ValueError(f"mask.{name} has shape {tuple(f.shape)}; expected a scalar or [B]")
+        dst = ctx.alloc((B,), np.int32)
+        if B:
+            ctx.launch(K.to_int32, *ctx.grid1d(B), ctx.dev(f, f"mask.{name}"), dst)
+        out.append(dst)
+    return out
+
+
+def _tiles(ctx: Context, side, own: Segments, part: Segments, seq_mask, blk, part_blk,
+           max_seqlen):
+    """The tile table and schedule of one side (`q`: query tiles against key segments)."""
+    S = own.batch * own.per_seq
+    n = tile_bound(own.num_rows, S, blk, max_seqlen)
+    ends = ctx.scratch(f"ends_{side}", (max(S, 1),), np.int64)
+    if S:
+        ctx.launch(K.tile_scan, 1, 4 if ctx.sim else 256, own.length, blk, ends)
+    tiles = ctx.alloc((n, 5), np.int32)
+    sched = ctx.alloc((n, part.per_seq, 4), np.int32)
+    if n:
+        threads = min(32 if ctx.sim else 128, n)
+        ctx.launch(K.tiles_and_schedule, -(-n // threads), threads, ends, own.row,
+                   own.length, own.pos, part.length, part.pos, seq_mask, blk, part_blk,
+                   int(side == "k"), tiles, sched)
+    return tiles, sched
+
+
+def device_plan(ctx: Context, q: Segments, k: Segments, mask, *, block_m, block_n,
+                max_seqlen_q, max_seqlen_k) -> Plan:
+    """The plan of `build_plan`, computed by kernels; its arrays beside `ctx`'s data (device)."""
+    pol = _policy(ctx, mask, q.batch)
+    seq_mask = K.SeqMask(*pol, q.seqlen, k.seqlen)
+    q_tiles, q_sched = _tiles(ctx, "q", q, k, seq_mask, block_m, block_n, max_seqlen_q)
+    k_tiles, k_sched = _tiles(ctx, "k", k, q, seq_mask, block_n, block_m, max_seqlen_k)
+    return Plan(q=q, k=k, window_left=pol[0], window_right=pol[1], bottom_right=pol[2],
+                block_m=int(block_m), block_n=int(block_n), q_tiles=q_tiles, q_sched=q_sched,
+                k_tiles=k_tiles, k_sched=k_sched)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+def _scalars(softmax_scale, softcap):
+    return np.float32(softmax_scale), np.float32(softcap if softcap > 0 else 1.0)
+
+
+def forward(var: K.Variant, plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
+    """`out [Tq, Hq, Dv]` in q's dtype and float32 `lse [Hq, Tq]`, beside the inputs."""
+    ctx = Context(q)
+    Tq, Hq, _ = q.shape
+    # Pad rows (and rows that see no key) keep these: output 0, lse -inf.
+    out = ctx.alloc((Tq, Hq, var.head_dim_v), q.dtype, fill=0)
+    lse = ctx.alloc((Hq, Tq), np.float32, fill=-np.inf)
+    if plan.num_q_tiles and Hq:
+        ctx.launch(K.forward_kernel(var), (plan.num_q_tiles, Hq), var.block_m, ctx.dev(q, "q"),
+                   ctx.dev(k, "k"), ctx.dev(v, "v"), out, lse, ctx.view(plan),
+                   *_scalars(softmax_scale, softcap))
+    return ctx.result(out, q.dtype), ctx.result(lse, np.float32)
+
+
+def _dq_buffers(ctx: Context, q, var: K.Variant, deterministic: bool):
+    """`(dq, dq_acc)`: the dQ output and the float32 array the atomics add into."""
+    if deterministic:
+        # dq_kernel writes dQ itself; the dK/dV kernel gets a placeholder it never touches.
+        placeholder = ctx.scratch("dq_unused", (1, 1, 1), np.float32)
+        return ctx.alloc(q.shape, q.dtype, fill=0), placeholder
+    if var.dtype == "float32":
+        dq = ctx.alloc(q.shape, np.float32, fill=0)
+        return dq, dq
+    dq_acc = ctx.scratch("dq_acc", q.shape, np.float32)
+    ctx.fill(dq_acc, np.float32(0))
+    return ctx.alloc(q.shape, q.dtype), dq_acc
+
+
+def backward(var: K.Variant, plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float,
+             softcap: float, deterministic: bool):
+    """`(dq, dk, dv)` beside the inputs (FlashAttention-2, Alg. 2)."""
+    ctx = Context(q)
+    Tq, Hq, _ = q.shape
+    Hk = k.shape[1]
+    if ctx.kind != "numba" and lse.dtype != np.float32:
+        lse = lse.astype(np.float32)
+    data = [ctx.dev(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"),
+                                       (lse, "lse"))]
+    delta = ctx.scratch("delta", (Hq, Tq), np.float32)
+    if Tq * Hq:
+        ctx.launch(K.delta_kernel(var.dtype), *ctx.grid1d(Tq * Hq), ctx.dev(out, "out"),
+                   data[3], delta)
+    # Pad rows and keys no query sees keep 0.
+    dk = ctx.alloc(k.shape, k.dtype, fill=0)
+    dv = ctx.alloc(v.shape, v.dtype, fill=0)
+    dq, dq_acc = _dq_buffers(ctx, q, var, deterministic)
+    view = ctx.view(plan)
+    scalars = _scalars(softmax_scale, softcap)
+    if plan.num_k_tiles and Hk:
+        ctx.launch(K.dkdv_kernel(var, not deterministic), (plan.num_k_tiles, Hk), var.block_n,
+                   *data, delta, dq_acc, dk, dv, view, *scalars)
+    if deterministic and plan.num_q_tiles and Hq:
+        ctx.launch(K.dq_kernel(var), (plan.num_q_tiles, Hq), var.block_m, *data, delta, dq,
+                   view, *scalars)
+    elif not deterministic and dq is not dq_acc and dq.size:
+        ctx.launch(K.convert_kernel(var.dtype), *ctx.grid1d(dq.size), dq_acc.reshape(-1),
+                   dq.reshape(-1))
+    return ctx.result(dq, q.dtype), ctx.result(dk, q.dtype), ctx.result(dv, q.dtype)
