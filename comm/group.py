@@ -4,6 +4,9 @@ A `Group` is one rank's view of a context-parallel group: `size`, `rank`, point-
 channels with an explicit post -> commit -> wait cycle (`p2p`), the collectives the attention
 methods need (`allgather`, `alltoall`, `reduce_scatter`, `allgather_object`) and `abort`.
 Arrays are working arrays (NumPy or CuPy); collectives return new arrays in the same module.
+Every blocking wait of a group has a timeout (`DEFAULT_TIMEOUT`, 60 s, unless the group was
+made with another): a peer that does not arrive in time is named in the error that aborts the
+group, so no rank waits forever for a rank that failed, exited or went elsewhere.
 
 `local_group(n)` makes `n` ranks inside one process, one thread each, exchanging copies through
 a shared mailbox. The same rank code that runs under `mpiexec` runs there unchanged:
@@ -23,7 +26,18 @@ import numpy as np
 
 from varlen._array import array_module
 
-__all__ = ["Group", "P2P", "GroupAborted", "LocalGroup", "LocalGroups", "local_group"]
+__all__ = ["Group", "P2P", "GroupAborted", "LocalGroup", "LocalGroups", "local_group",
+           "DEFAULT_TIMEOUT"]
+
+# Seconds a rank waits for a peer before it ends the group with an error naming that peer.
+DEFAULT_TIMEOUT = 60.0
+
+
+def check_timeout(timeout) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                             np.floating)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    return float(timeout)
 
 
 class GroupAborted(RuntimeError):
@@ -158,6 +172,7 @@ class _World:
         self.lock = threading.Lock()
         self.mailbox = {}
         self.aborted = None                                     # the error that aborted it
+        self.entered = [0] * n                                  # collectives entered, by rank
 
     def channel(self, src, dst, tag) -> queue.Queue:
         with self.lock:
@@ -207,8 +222,8 @@ class LocalGroup(Group):
                 return q.get(timeout=self._POLL)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    err = TimeoutError(f"rank {self.rank} waited {self._world.timeout} s for "
-                                       f"rank {peer}")
+                    err = TimeoutError(f"rank {self.rank} waited {self._world.timeout:g} s "
+                                       f"for rank {peer}")
                     self.abort(err)
                     raise err from None
 
@@ -216,6 +231,7 @@ class LocalGroup(Group):
         """Every rank's `value`, by rank (two barriers: write, then read)."""
         w = self._world
         self._check()
+        w.entered[self.rank] += 1
         w.slots[self.rank] = value
         self._barrier()
         values = list(w.slots)
@@ -227,7 +243,10 @@ class LocalGroup(Group):
             self._world.barrier.wait(timeout=self._world.timeout)
         except threading.BrokenBarrierError:
             self._check()
-            err = TimeoutError(f"rank {self.rank} waited {self._world.timeout} s in a "
+            w = self._world
+            late = [r for r in range(w.n) if w.entered[r] < w.entered[self.rank]]
+            who = f"rank {', '.join(map(str, late))}" if late else "a rank"
+            err = TimeoutError(f"rank {self.rank} waited {w.timeout:g} s for {who} in a "
                                f"collective")
             self.abort(err)
             raise err from None
@@ -307,7 +326,7 @@ class LocalGroups:
         return results
 
 
-def local_group(n: int, *, timeout: float = 60.0) -> LocalGroups:
+def local_group(n: int, *, timeout: float = DEFAULT_TIMEOUT) -> LocalGroups:
     """`n` in-process ranks (threads sharing a mailbox) for tests and single-device runs.
 
     Rank code must run concurrently, one thread per rank: `local_group(n).run(fn)`, or your own
@@ -317,7 +336,7 @@ def local_group(n: int, *, timeout: float = 60.0) -> LocalGroups:
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be an int >= 1 (the number of ranks), got {n!r}")
-    return LocalGroups(int(n), float(timeout))
+    return LocalGroups(int(n), check_timeout(timeout))
 
 
 def report_abort(rank, error) -> None:

@@ -1,36 +1,72 @@
 """The MPI group: mpi4py on host buffers (or device buffers with a CUDA-aware MPI).
 
-Data travels as raw bytes (`MPI.BYTE`), so every dtype works, bfloat16 included; only
-`reduce_scatter` needs a typed buffer (the float32/float64 accumulators). Device (CuPy) arrays
-are staged through host memory unless `cuda_aware=True` says the MPI takes device pointers
-(the pip MPICH wheel does not). `abort` is `MPI_Abort`: it ends every rank of the job.
+Data travels as raw bytes (`MPI.BYTE`), so every dtype works, bfloat16 included. Device (CuPy)
+arrays are staged through host memory unless `cuda_aware=True` says the MPI takes device
+pointers (the pip MPICH wheel does not).
+
+Every wait has a timeout. Point-to-point batches and the collectives (built from nonblocking
+sends and receives on a communicator of their own) are polled until they complete; after
+`timeout` seconds the group names the ranks it is still waiting for and aborts. `abort` is
+`MPI_Abort`: it ends every rank of the job.
 """
 from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from varlen._array import array_module
-from .group import Group, report_abort
+from .group import DEFAULT_TIMEOUT, Group, check_timeout, report_abort
 
 __all__ = ["MpiGroup"]
+
+_MAX_PAUSE = 1e-3       # seconds between polls of a pending batch, at most
 
 
 def _is_host(x) -> bool:
     return isinstance(x, np.ndarray)
 
 
-class MpiGroup(Group):
-    """One rank of an mpi4py communicator (use `varlen.comm.init(comm, backend="mpi")`)."""
+@dataclass
+class _Pending:
+    """Posted MPI requests, the peer of each, what they are, and the buffers they need."""
 
-    def __init__(self, comm, *, cuda_aware: bool = False):
+    reqs: list
+    peers: list
+    what: str
+    keep: list             # send buffers, alive until the requests complete
+    bounce: list           # (host landing, device buffer) pairs to copy after completion
+
+
+class MpiGroup(Group):
+    """One rank of an mpi4py communicator (use `varlen.comm.init(comm, backend="mpi")`).
+
+    `timeout` (seconds) bounds every wait for a peer; a rank still missing after it is named
+    in the error that aborts the job.
+    """
+
+    def __init__(self, comm, *, cuda_aware: bool = False, timeout: float = DEFAULT_TIMEOUT):
         from mpi4py import MPI
         self._MPI = MPI
-        # A private duplicate: the caller's own messages can never match the ring's (a
-        # collective call, like init itself).
-        self.comm = comm.Dup()
+        self.timeout = check_timeout(timeout)
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.cuda_aware = bool(cuda_aware)
+        self._parent = comm                               # what abort ends
+        # Private duplicates: the caller's own messages never match ours, and a channel's
+        # never match a collective's.
+        self.comm = self._dup(comm)
+        self._coll = self._dup(comm)
+
+    def _dup(self, comm):
+        new, req = comm.Idup()
+        self._wait(_Pending([req], [None], "varlen.comm.init (every rank must call it)", [],
+                            []))
+        return new
 
     # Byte views of what MPI reads and writes -------------------------------------------------
 
@@ -51,83 +87,98 @@ class MpiGroup(Group):
         host = np.empty(buf.nbytes, np.uint8)
         return host, buf
 
-    # Point to point --------------------------------------------------------------------------
+    # Posting and waiting ---------------------------------------------------------------------
 
-    def _start(self, ops, tag):
+    def _post(self, comm, ops, tag, what) -> _Pending:
         MPI = self._MPI
-        reqs, keep, bounce = [], [], []
+        p = _Pending([], [], what, [], [])
         for kind, x, peer in ops:
             if kind == "send":
                 data = self._outgoing(x)
-                keep.append(data)                      # alive until Waitall
-                reqs.append(self.comm.Isend([data, MPI.BYTE], dest=peer, tag=tag))
+                p.keep.append(data)
+                p.reqs.append(comm.Isend([data, MPI.BYTE], dest=peer, tag=tag))
             else:
                 land, dev = self._landing(x)
-                reqs.append(self.comm.Irecv([land, MPI.BYTE], source=peer, tag=tag))
+                p.reqs.append(comm.Irecv([land, MPI.BYTE], source=peer, tag=tag))
                 if dev is not None:
-                    bounce.append((land, dev))
-        return reqs, keep, bounce
+                    p.bounce.append((land, dev))
+            p.peers.append(peer)
+        return p
 
-    def _finish(self, handle):
-        reqs, _, bounce = handle
-        self._MPI.Request.Waitall(reqs)
-        for host, dev in bounce:
+    def _wait(self, p: _Pending):
+        """Poll `p`'s requests until they complete; abort after `timeout` seconds."""
+        Testall = self._MPI.Request.Testall
+        deadline, pause = time.monotonic() + self.timeout, 0.0
+        while not Testall(p.reqs):
+            if time.monotonic() > deadline:
+                self._timed_out(p)
+            time.sleep(pause)
+            pause = min(2 * pause or 1e-6, _MAX_PAUSE)
+        for host, dev in p.bounce:
             dev.set(host.view(dev.dtype).reshape(dev.shape))
 
-    # Collectives -----------------------------------------------------------------------------
+    def _timed_out(self, p: _Pending):
+        missing = sorted({peer for req, peer in zip(p.reqs, p.peers)
+                          if peer is not None and not req.Test()})
+        who = (f"rank {', '.join(map(str, missing))}" if missing else
+               "a rank that has not called it")
+        err = TimeoutError(
+            f"rank {self.rank} waited {self.timeout:g} s for {who} in {p.what}: it failed, "
+            f"exited or is elsewhere in the program. Every rank stops (raise the timeout with "
+            f"varlen.comm.init(..., timeout=seconds) if a step legitimately takes longer)")
+        self.abort(err)
+        raise err
 
-    def _result(self, like, shape, dtype):
-        """An output buffer and the bytes MPI writes into (a host bounce for staged arrays)."""
-        if _is_host(like) or self.cuda_aware:
-            xp = array_module(like)
-            out = xp.empty(shape, dtype=dtype)
-            return out, out.reshape(-1).view(xp.uint8)
-        out = np.empty(shape, dtype=dtype)
-        return out, out.reshape(-1).view(np.uint8)
+    # Point to point --------------------------------------------------------------------------
 
-    def _back(self, like, out):
-        if _is_host(like) or self.cuda_aware:
-            return out
-        return array_module(like).asarray(out)
+    def _start(self, ops, tag):
+        return self._post(self.comm, ops, tag, f"a transfer on channel {tag}")
 
-    def allgather(self, x):
-        MPI = self._MPI
-        data = self._outgoing(x)
-        out, raw = self._result(x, (self.size,) + tuple(x.shape), x.dtype)
-        self.comm.Allgather([data, MPI.BYTE], [raw, MPI.BYTE])
-        return self._back(x, out)
+    def _finish(self, handle):
+        self._wait(handle)
+
+    # Collectives: every rank sends to and receives from every other, tag 0 of `_coll` --------
+
+    def _exchange(self, sends, recvs, what):
+        """Send `sends[p]` to and receive into `recvs[p]` from every other rank `p`."""
+        others = [p for p in range(self.size) if p != self.rank]
+        ops = [("send", sends[p], p) for p in others] + [("recv", recvs[p], p) for p in others]
+        if ops:
+            self._wait(self._post(self._coll, ops, 0, what))
+
+    def allgather(self, x, *, what="allgather"):
+        xp = array_module(x)
+        out = xp.empty((self.size,) + tuple(x.shape), dtype=x.dtype)
+        out[self.rank] = x
+        data = self._outgoing(x)                          # one copy of x for every peer
+        self._exchange([data] * self.size, out, what)
+        return out
 
     def alltoall(self, x):
         if x.shape[0] != self.size:
             raise ValueError(f"alltoall needs [size={self.size}, ...], got {tuple(x.shape)}")
-        MPI = self._MPI
-        data = self._outgoing(x)
-        out, raw = self._result(x, tuple(x.shape), x.dtype)
-        self.comm.Alltoall([data, MPI.BYTE], [raw, MPI.BYTE])
-        return self._back(x, out)
-
-    def reduce_scatter(self, x):
-        if x.shape[0] != self.size:
-            raise ValueError(f"reduce_scatter needs [size={self.size}, ...], got "
-                             f"{tuple(x.shape)}")
-        if np.dtype(x.dtype) not in (np.float32, np.float64):
-            return super().reduce_scatter(x)
-        MPI = self._MPI
-        mpi_type = MPI.DOUBLE if np.dtype(x.dtype) == np.float64 else MPI.FLOAT
-        host = _is_host(x) or not self.cuda_aware
-        xp = np if host else array_module(x)
-        send = np.ascontiguousarray(x if _is_host(x) else x.get()) if host else \
-            xp.ascontiguousarray(x)
-        out = xp.empty(tuple(x.shape[1:]), dtype=x.dtype)
-        self.comm.Reduce_scatter_block([send, mpi_type], [out, mpi_type], op=MPI.SUM)
-        return self._back(x, out)
+        xp = array_module(x)
+        out = xp.empty(tuple(x.shape), dtype=x.dtype)
+        out[self.rank] = x[self.rank]
+        self._exchange(x, out, "alltoall")
+        return out
 
     def allgather_object(self, obj) -> list:
-        return self.comm.allgather(obj)
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        what = "allgather_object (the agreement at the start of a call)"
+        sizes = self.allgather(np.array([data.size], np.int64), what=what)[:, 0]
+        buf = np.zeros(int(sizes.max()), np.uint8)
+        buf[:data.size] = data
+        every = self.allgather(buf, what=what)
+        return [pickle.loads(every[r, :int(n)].tobytes()) for r, n in enumerate(sizes)]
 
     def barrier(self):
-        self.comm.Barrier()
+        self.allgather(np.zeros(1, np.uint8), what="barrier")
 
     def abort(self, error=None):
         report_abort(self.rank, error)
-        self.comm.Abort(1)
+        self._parent.Abort(1)
+        # MPI_Abort does not return, unless the launcher's connection is gone already (a
+        # peer vanished under `mpiexec -disable-auto-cleanup`): end this process regardless.
+        sys.stdout.flush()
+        os._exit(1)

@@ -10,13 +10,18 @@ completion event (a device-side wait, no host synchronisation), so compute overl
 transfers. Collectives run on the current stream. CuPy's `nccl` has no all-to-all: it is a
 grouped send/recv, as in `cupyx.distributed`.
 
+Host work (the unique id, the agreement at the start of each call, barriers, abort) goes
+through an MPI group over the same ranks, with its timeout. NCCL transfers never block the host,
+so they have none: a peer that is gone stalls the device, not the host.
+
 Nothing here is imported until a group is created.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .group import Group, report_abort
+from .group import DEFAULT_TIMEOUT, Group, report_abort
+from .mpi_group import MpiGroup
 
 __all__ = ["NcclGroup"]
 
@@ -24,15 +29,15 @@ __all__ = ["NcclGroup"]
 class NcclGroup(Group):
     """One rank of an NCCL communicator (use `varlen.comm.init(comm, backend="nccl")`)."""
 
-    def __init__(self, mpi_comm, *, device=None):
+    def __init__(self, mpi_comm, *, device=None, timeout: float = DEFAULT_TIMEOUT):
         import cupy
         from cupy.cuda import nccl
         if not getattr(nccl, "available", False):
             raise RuntimeError("cupy.cuda.nccl is not available: install the NCCL wheel for "
                                "your CUDA (nvidia-nccl-cu12 / nvidia-nccl-cu13)")
         from mpi4py import MPI
-        self._cp, self._nccl, self._MPI = cupy, nccl, MPI
-        self.mpi_comm = mpi_comm
+        self._cp, self._nccl = cupy, nccl
+        self._host = MpiGroup(mpi_comm, timeout=timeout)     # host data, with timeouts
         self.size = mpi_comm.Get_size()
         self.rank = mpi_comm.Get_rank()
         node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -48,7 +53,7 @@ class NcclGroup(Group):
         self.device = int(device)
         cupy.cuda.Device(self.device).use()                  # before ncclCommInitRank
         uid = nccl.get_unique_id() if self.rank == 0 else None
-        uid = mpi_comm.bcast(uid, root=0)
+        uid = self._host.allgather_object(uid)[0]
         self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         self._stream = cupy.cuda.Stream(non_blocking=True)
 
@@ -131,14 +136,14 @@ class NcclGroup(Group):
         return out
 
     def allgather_object(self, obj) -> list:
-        return self.mpi_comm.allgather(obj)
+        return self._host.allgather_object(obj)
 
     def barrier(self):
-        self.mpi_comm.Barrier()
+        self._host.barrier()
 
     def abort(self, error=None):
         report_abort(self.rank, error)
         try:
             self.comm.abort()                 # unblocks kernels waiting on peers
         finally:
-            self.mpi_comm.Abort(1)
+            self._host.abort()                # MPI_Abort: ends every rank

@@ -112,7 +112,7 @@ def test_stuck_rank_times_out():
         if g.rank == 0:
             g.allgather_object(0)         # rank 1 never joins
     t = time.perf_counter()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match="rank 0 waited 0.5 s for rank 1 in a collective"):
         vc.local_group(2, timeout=0.5).run(body)
     assert time.perf_counter() - t < 5
 
@@ -120,6 +120,8 @@ def test_stuck_rank_times_out():
 def test_factory_errors():
     with pytest.raises(ValueError, match="n must be"):
         vc.local_group(0)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+        vc.local_group(2, timeout=0)
     with pytest.raises(ValueError, match="backend='gloo'"):
         vc.init(None, backend="gloo")
     with pytest.raises(TypeError, match="mpi4py communicator"):

@@ -1,6 +1,7 @@
 """The NCCL group's logic on the CPU: `cupy.cuda.nccl` and the MPI bootstrap replaced by an
 in-process stand-in that moves the bytes behind the raw pointers the group hands over.
 
+The group's host side (an MPI group in production) is the in-process group of the stand-in.
 What is checked: the unique id travels from rank 0, the device comes from the node-local rank,
 sends and receives are issued inside a group with matching byte counts and pointers (ring,
 all-gather, grouped all-to-all, reduce-scatter), and the attention methods give the reference
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import varlen.comm as vc
+from varlen.comm import nccl_group
 from varlen.comm.nccl_group import NcclGroup
 
 from comm_workers.cases import cases_for, check_case, methods_for
@@ -150,11 +152,6 @@ class _FakeMpiComm:
         return types.SimpleNamespace(Get_rank=self.Get_rank, Get_size=self.Get_size,
                                      Free=lambda: None)
 
-    def bcast(self, obj, root=0):
-        return self.group.allgather_object(obj)[root]
-
-    def allgather(self, obj):
-        return self.group.allgather_object(obj)
 
 
 @pytest.fixture
@@ -168,6 +165,7 @@ def fake(monkeypatch):
         monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
         monkeypatch.setitem(sys.modules, "mpi4py",
                             types.SimpleNamespace(MPI=types.SimpleNamespace(COMM_TYPE_SHARED=1)))
+        monkeypatch.setattr(nccl_group, "MpiGroup", lambda comm, timeout: comm.group)
         return nccl, used
     return install
 
