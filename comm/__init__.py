@@ -4,20 +4,22 @@
     group = vc.init(MPI.COMM_WORLD, backend="nccl")          # or "mpi", or vc.local_group(n)
     part = vc.partition(cu_seqlens, group.size)              # zigzag, any lengths
     q_r, k_r, v_r = (part.shard(x, group.rank) for x in (q, k, v))
-    out_r, lse_r = vc.attention_forward(q_r, k_r, v_r, part, group, mask="causal")
+    steps = vc.plan(part, group.rank, mask="causal", dtype="bfloat16", head_dim=128)  # optional
+    out_r, lse_r = vc.attention_forward(q_r, k_r, v_r, part, group, mask="causal", plan=steps)
     dq_r, dk_r, dv_r = vc.attention_backward(dout_r, q_r, k_r, v_r, out_r, lse_r, part, group,
-                                             mask="causal")
+                                             mask="causal", plan=steps)
 
 See `docs/context_parallel.md`. mpi4py and CuPy are imported only when a group needs them.
 """
 from .attention import METHODS, attention_backward, attention_forward
-from .group import Group, GroupAborted, LocalGroup, LocalGroups, P2P, local_group
+from .group import DEFAULT_TIMEOUT, Group, GroupAborted, LocalGroup, LocalGroups, P2P, local_group
 from .merge import merge_partial
-from .partition import SCHEMES, Partition, local_rows_bound, partition
+from .partition import SCHEMES, Partition, StepPlans, local_rows_bound, partition, plan
 
-__all__ = ["partition", "Partition", "local_rows_bound", "init", "local_group", "Group",
-           "LocalGroup", "LocalGroups", "P2P", "GroupAborted", "attention_forward",
-           "attention_backward", "merge_partial", "METHODS", "SCHEMES"]
+__all__ = ["partition", "Partition", "local_rows_bound", "plan", "StepPlans", "init",
+           "local_group", "Group", "LocalGroup", "LocalGroups", "P2P", "GroupAborted",
+           "attention_forward", "attention_backward", "merge_partial", "METHODS", "SCHEMES",
+           "DEFAULT_TIMEOUT"]
 
 BACKENDS = ("mpi", "nccl")
 
@@ -30,6 +32,8 @@ def init(mpi_comm=None, backend="mpi", **options) -> Group:
         backend: `"mpi"` (mpi4py on host buffers; `cuda_aware=True` passes device buffers to
             a CUDA-aware MPI) or `"nccl"` (`cupy.cuda.nccl`, one GPU per rank chosen from the
             node-local rank unless `device=` is given; the unique id travels over MPI).
+        timeout: seconds a rank waits on the host for a peer (default `DEFAULT_TIMEOUT`,
+            60); a peer still missing then is named in the error that aborts the job.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a known communicator backend; expected "

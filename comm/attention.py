@@ -17,195 +17,193 @@ outputs and gradients.
   sequence for `Hq / cp` heads, all-to-all back. KV heads are replicated when `Hk` does not
   divide by cp (GQA); `Hq` must.
 
-A step (or a tile) with nothing visible is skipped by the plan's schedule; for host data a
-step whose schedule is empty is not even launched.
+One call on one rank: the setup step (`varlen._setup.setup`, shared with the single-process
+API) checks and normalises the arguments, the context-parallel ones included; the rank's step
+plans (one per kernel call, see `partition.StepPlans`) come from `plan=` or the partition's
+cache, so they are built once per partition, mask, method and tile size; one host exchange
+makes every rank agree on what it was called with, or all raise the same error (`_agree`);
+then the method runs. A step (or a tile) with nothing visible is skipped by the plan's
+schedule; for host data a step whose schedule is empty is not even launched.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from varlen import backends
-from varlen._setup import working_mask
-from varlen._array import array_module, common_origin, host_copy, to_working
-from varlen._validate import (check_backward_inputs, check_qkv, dtype_name, scale_and_softcap,
-                              validation_enabled)
-from varlen.plan import build_plan
+from varlen._array import Origin, host_copy
+from varlen._setup import CP_METHODS, Call, setup
+from varlen._validate import dtype_name
 
 from .group import Group, GroupAborted
 from .merge import accumulate_dtype, merge_partial
-from .partition import Partition
+from .partition import Partition, StepPlans, check_step_plans, mask_key, step_plans
 
 __all__ = ["attention_forward", "attention_backward", "METHODS"]
 
-METHODS = ("ring", "allgather", "ulysses")
+METHODS = CP_METHODS
 
 # Channel tags: K/V and the travelling dK/dV accumulators are in flight at the same time.
 _TAG_KV, _TAG_DKV = 11, 12
 
 
-@dataclass
-class _Ctx:
-    """One validated call on one rank."""
+@dataclass(frozen=True)
+class _RankCall:
+    """A checked call running on one rank of its group: the runtime state of one forward or
+    backward. What its kernel calls compute (the step plans) is metadata, kept apart."""
 
-    origin: object
-    xp: object
+    call: Call
     group: Group
-    pq: Partition
-    pk: Partition
-    method: str
-    mod: object
-    mask: object
-    scale: float
-    softcap: float
-    q: object
-    k: object
-    v: object
-    extra: list
-    deterministic: bool = False
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self.group.rank
 
     @property
-    def cp(self):
+    def cp(self) -> int:
         return self.group.size
 
     @property
+    def xp(self):
+        return self.call.xp
+
+    @property
     def acc(self):
-        return accumulate_dtype(self.q.dtype)
+        return accumulate_dtype(self.call.q.dtype)
 
-    def plan(self, q_seg, k_seg):
-        bm, bn = self.mod.default_blocks(dtype_name(self.q.dtype), self.q.shape[2])
-        make = getattr(self.mod, "make_plan", build_plan)
-        return make(q_seg, k_seg, self.mask, block_m=bm, block_n=bn)
+    def forward(self, plan, q, k, v):
+        c = self.call
+        return c.backend.forward(plan, q, k, v, softmax_scale=c.softmax_scale,
+                                 softcap=c.softcap)
 
-    def signature(self):
-        """What every rank must agree on (host reads: only when validating)."""
-        def digest(f):
-            if isinstance(f, (bool, int, np.integer)):
-                return int(f)
-            return zlib.crc32(np.ascontiguousarray(host_copy(f)).tobytes())
-        shapes = tuple((tuple(a.shape), dtype_name(a.dtype)) for a in (self.q, self.k, self.v))
-        return (self.method, self.pq.fingerprint(), self.pk.fingerprint(), shapes,
-                tuple(digest(f) for f in self.mask.fields()), self.scale, self.softcap,
-                self.mod.name)
+    def backward(self, plan, dout, q, k, v, out, lse):
+        c = self.call
+        return c.backend.backward(plan, dout, q, k, v, out, lse, softmax_scale=c.softmax_scale,
+                                  softcap=c.softcap, deterministic=c.deterministic)
 
 
-def _parts(part):
-    """`part` is a Partition (self-attention) or a pair (queries, keys)."""
-    if isinstance(part, Partition):
-        return part, part
-    if isinstance(part, (tuple, list)) and len(part) == 2 and \
-            all(isinstance(p, Partition) for p in part):
-        pq, pk = part
-        if (pq.cp_size, pq.scheme, pq.batch) != (pk.cp_size, pk.scheme, pk.batch):
-            raise ValueError(f"the query partition {pq} and key partition {pk} disagree on "
-                             f"cp_size, scheme or batch")
-        return pq, pk
-    raise TypeError(f"part must be a varlen.comm.partition(...) or a (queries, keys) pair of "
-                    f"them, got {type(part).__name__}")
+# --------------------------------------------------------------------------------------------
+# Setup, agreement, and the guard that keeps every rank moving together
+# --------------------------------------------------------------------------------------------
+
+def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
+    """The setup step on this rank, then the rank's step plans: the given ones (checked), or
+    the partition's cached ones."""
+    pair = (part, part) if isinstance(part, Partition) else part
+    call = setup(q, k, v, part=pair, group_size=group.size, plan=plan, grads_rows="Tq_local",
+                 **kw)
+    pq, pk = call.part
+    where = dict(rank=group.rank, method=call.method, backend=call.backend,
+                 blocks=call.blocks(), mask=call.mask)
+    if plan is None:
+        return call, step_plans(pq, pk, **where)
+    check_step_plans(plan, parts=call.part, validate=call.validate, **where)
+    return call, plan
 
 
-def _prepare(q, k, v, part, group, *, mask, softmax_scale, softcap, method, backend,
-             extra=()) -> _Ctx:
-    origin = common_origin([("q", q), ("k", k), ("v", v), *extra])
-    qw, kw, vw = to_working(q, "q"), to_working(k, "k"), to_working(v, "v")
-    Tq, Hq, D, Tk, Hk, Dv = check_qkv(qw, kw, vw)
-    xp = array_module(qw)
-    pq, pk = (p.on(xp) for p in _parts(part))
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not a known method; expected one of "
-                         f"{', '.join(map(repr, METHODS))}")
-    if group.size != pq.cp_size:
-        raise ValueError(f"group has {group.size} ranks but part was built for "
-                         f"cp_size={pq.cp_size}")
-    for name, T, p in (("q", Tq, pq), ("k", Tk, pk)):
-        if T != p.local_rows:
-            raise ValueError(f"{name} has {T} rows but the partition gives every rank "
-                             f"{p.local_rows}; pass this rank's shard, part.shard({name}, rank)")
-    if method == "ulysses" and Hq % pq.cp_size:
-        raise ValueError(f"method='ulysses' splits heads over ranks: q has {Hq} heads, not "
-                         f"divisible by cp_size={pq.cp_size}; use 'ring' or 'allgather'")
-    mod = backends.select(backend, backends.Problem(dtype_name(qw.dtype), D, Dv, xp is not np))
-    softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
-    ew = [to_working(x, n) for n, x in extra]
-    return _Ctx(origin, xp, group, pq, pk, method, mod, working_mask(mask, pq.batch, xp),
-                softmax_scale, softcap, qw, kw, vw, ew)
+# What every rank must agree on: host-known facts (always compared) ...
+_FACTS = ("method", "validation", "dtypes", "shapes", "query partition sizes",
+          "key partition sizes", "mask", "softmax_scale", "softcap", "backend")
+# ... and the values behind them (host reads: compared when validation is on).
+_VALUES = ("query partition", "key partition", "mask values")
 
 
-def _on_device(x) -> bool:
+def _sizes(p) -> tuple:
+    return (p.scheme, p.cp_size, p.batch, p.num_rows, p.local_rows, p.seq_offsets is not None)
+
+
+def _digest(f):
+    if isinstance(f, (int, np.integer)):
+        return int(f)
+    return zlib.crc32(np.ascontiguousarray(host_copy(f)).tobytes())
+
+
+def _signature(call: Call) -> tuple:
+    """`(facts, values)` of a call; values only when validating."""
+    pq, pk = call.part
+    arrays = (call.q, call.k, call.v) + tuple(call.grads or ())
+    facts = (call.method, call.validate, tuple(dtype_name(a.dtype) for a in arrays),
+             tuple(tuple(a.shape) for a in arrays), _sizes(pq), _sizes(pk),
+             mask_key(call.mask), call.softmax_scale, call.softcap, call.backend.name)
+    values = None
+    if call.validate:
+        values = (pq.fingerprint(), pk.fingerprint(),
+                  tuple(_digest(f) for f in call.mask.fields()))
+    return facts, values
+
+
+def _disagreement(infos) -> str | None:
+    """The first difference between rank 0's signature and another rank's, as a message."""
+    for names, i in ((_FACTS, 1), (_VALUES, 2)):
+        first = infos[0][i]
+        for r, info in enumerate(infos):
+            if info[i] != first:
+                what = [n for n, a, b in zip(names, first, info[i]) if a != b]
+                return (f"ranks 0 and {r} disagree on {', '.join(what)}: every rank must pass "
+                        f"the same partition, mask, method and shard shapes and dtypes, with "
+                        f"validation set the same way (rank 0: {first}, rank {r}: {info[i]})")
+    return None
+
+
+def _agree(group: Group, call: Call | None, err: Exception | None):
+    """Every rank learns whether any rank rejected its arguments, and what the others were
+    called with; all raise the same error, or none does. Always on: the host-known facts
+    cost one small host exchange and no device read."""
     try:
-        return common_origin([("q", x)]).on_device
+        mine = (f"{type(err).__name__}: {err}", None, None) if err else (None, *_signature(call))
+    except BaseException as e:   # noqa: B902  (a failing host read must not strand peers)
+        group.abort(e)
+        raise
+    infos = group.allgather_object(mine)
+    if err is not None:
+        raise err
+    bad = [(r, info[0]) for r, info in enumerate(infos) if info[0]]
+    if bad:
+        r, msg = bad[0]
+        raise ValueError(f"rank {r} rejected its inputs ({msg}); every rank stops")
+    msg = _disagreement(infos)
+    if msg:
+        raise ValueError(msg)
+
+
+def _stream_scope(q):
+    """The caller's current CUDA stream for the call (PyTorch), as in the single-process API;
+    an unusable `q` is reported by the setup step instead."""
+    try:
+        return Origin.of(q).stream_scope()
     except (TypeError, ValueError, AttributeError):
-        return False
+        return contextlib.nullcontext()
 
 
-def _run(group, on_device, prepare, compute):
-    """Validate (collectively when validation is on), then compute; abort on failure.
+def _run(group, q, prepare, compute):
+    """Set up, agree, compute; returns `(call, result)`.
 
-    With validation on, every rank learns whether any rank rejected its inputs or disagrees on
-    the partition, mask or method, and all raise the same ValueError: nobody is left waiting.
-    Any other failure aborts the group so that no rank hangs.
+    Argument errors on any rank become the same error on every rank (`_agree`). Any other
+    failure aborts the group, so that no rank waits for a peer that has stopped.
     """
     if not isinstance(group, Group):
         raise TypeError(f"group must be a varlen.comm group (init() or local_group()), got "
                         f"{type(group).__name__}")
-    ctx, err = None, None
-    try:
-        ctx = prepare()
-    except (ValueError, TypeError) as e:
-        err = e
-    except BaseException as e:   # noqa: B902  (an unexpected failure must not strand peers)
-        group.abort(e)
-        raise
-    # Every rank must take the same branch here; validation defaults follow the data's device.
-    if validation_enabled(on_device):
+    with _stream_scope(q):
+        call = steps = err = None
         try:
-            mine = (None if err else ctx.signature(),
-                    None if err is None else f"{type(err).__name__}: {err}")
-        except BaseException as e:   # noqa: B902  (a failing host read must not strand peers)
+            call, steps = prepare()
+        except (ValueError, TypeError) as e:
+            err = e
+        except BaseException as e:   # noqa: B902  (an unexpected failure must not strand peers)
             group.abort(e)
             raise
-        infos = group.allgather_object(mine)
-        if err is not None:
-            raise err
-        bad = [(r, msg) for r, (_, msg) in enumerate(infos) if msg]
-        if bad:
-            r, msg = bad[0]
-            raise ValueError(f"rank {r} rejected its inputs ({msg}); every rank stops")
-        sigs = [s for s, _ in infos]
-        for r, s in enumerate(sigs):
-            if s != sigs[0]:
-                what = [name for name, a, b in zip(
-                    ("method", "query partition", "key partition", "shapes/dtypes", "mask",
-                     "softmax_scale", "softcap", "backend"), sigs[0], s) if a != b]
-                raise ValueError(f"ranks 0 and {r} disagree on {', '.join(what)}: every rank "
-                                 f"must pass the same partition, mask and method "
-                                 f"(rank 0: {sigs[0]}, rank {r}: {s})")
-    elif err is not None:
-        group.abort(err)
-        raise err
-    try:
-        return compute(ctx)
-    except GroupAborted:
-        raise
-    except BaseException as e:   # noqa: B902  (abort first, whatever it was)
-        group.abort(e)
-        raise
-
-
-def _has_work(plan) -> bool:
-    """False when no query tile visits any key tile. Device plans are not read (no host
-    sync): their kernels skip the empty tiles instead."""
-    if not plan.on_host:
-        return True
-    s = plan.q_sched
-    return bool((s[..., 3] > s[..., 0]).any())
+        _agree(group, call, err)
+        try:
+            return call, compute(_RankCall(call, group), steps)
+        except GroupAborted:
+            raise
+        except BaseException as e:   # noqa: B902  (abort first, whatever it was)
+            group.abort(e)
+            raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,62 +222,54 @@ def _post_exchange(ch, send, peer_out, peer_in, xp):
     return recv
 
 
-def _ring_forward(c: _Ctx):
-    xp, cp, rank = c.xp, c.cp, c.rank
+def _ring_forward(rc: _RankCall, steps: StepPlans):
+    c, xp, cp, rank = rc.call, rc.xp, rc.cp, rc.rank
     nxt, prv = (rank + 1) % cp, (rank - 1) % cp
-    q_seg = c.pq.segments(rank)
-    ch = c.group.p2p(_TAG_KV)
+    ch = rc.group.p2p(_TAG_KV)
     k, v = xp.ascontiguousarray(c.k), xp.ascontiguousarray(c.v)
     out = lse = None
-    for step in range(cp):
-        src = (rank - step) % cp                                # whose K/V this step holds
+    for step in range(cp):                    # K/V of rank (rank - step) % cp
         incoming = _post_exchange(ch, (k, v), nxt, prv, xp) if step + 1 < cp else None
-        plan = c.plan(q_seg, c.pk.segments(src))
-        if _has_work(plan):
-            o, l = c.mod.forward(plan, c.q, k, v, softmax_scale=c.scale, softcap=c.softcap)
+        if steps.busy[step]:
+            o, l = rc.forward(steps.plans[step], c.q, k, v)
             if out is None:
-                out, lse = o.astype(c.acc), l.astype(c.acc)
+                out, lse = o.astype(rc.acc), l.astype(rc.acc)
             else:
                 out, lse = merge_partial(out, lse, o, l)
         if incoming is not None:
             ch.wait()
             k, v = incoming
-    return _finish_forward(c, out, lse)
+    return _finish_forward(rc, out, lse)
 
 
-def _finish_forward(c: _Ctx, out, lse):
-    Tq, Hq, _ = c.q.shape
+def _finish_forward(rc: _RankCall, out, lse):
+    q = rc.call.q
+    Tq, Hq, _ = q.shape
     if out is None:                                  # nothing visible anywhere on this rank
-        out = c.xp.zeros((Tq, Hq, c.v.shape[2]), dtype=c.acc)
-        lse = c.xp.full((Hq, Tq), -np.inf, dtype=c.acc)
-    lse_dtype = np.float64 if c.q.dtype == np.float64 else np.float32
-    return out.astype(c.q.dtype), lse.astype(lse_dtype)
+        out = rc.xp.zeros((Tq, Hq, rc.call.head_dim_v), dtype=rc.acc)
+        lse = rc.xp.full((Hq, Tq), -np.inf, dtype=rc.acc)
+    lse_dtype = np.float64 if q.dtype == np.float64 else np.float32
+    return out.astype(q.dtype), lse.astype(lse_dtype)
 
 
-def _ring_backward(c: _Ctx):
-    xp, cp, rank = c.xp, c.cp, c.rank
-    dout, out, lse = c.extra
+def _ring_backward(rc: _RankCall, steps: StepPlans):
+    c, xp, cp, rank = rc.call, rc.xp, rc.cp, rc.rank
+    dout, out, lse = c.grads
     nxt, prv = (rank + 1) % cp, (rank - 1) % cp
-    q_seg = c.pq.segments(rank)
-    kv_ch, dkv_ch = c.group.p2p(_TAG_KV), c.group.p2p(_TAG_DKV)
+    kv_ch, dkv_ch = rc.group.p2p(_TAG_KV), rc.group.p2p(_TAG_DKV)
     k, v = xp.ascontiguousarray(c.k), xp.ascontiguousarray(c.v)
-    dq = xp.zeros(c.q.shape, dtype=c.acc)
+    dq = xp.zeros(c.q.shape, dtype=rc.acc)
     dkv_in = None
     for step in range(cp):
-        src = (rank - step) % cp
         incoming = _post_exchange(kv_ch, (k, v), nxt, prv, xp) if step + 1 < cp else None
-        plan = c.plan(q_seg, c.pk.segments(src))
-        if _has_work(plan):
-            dq_s, dk_s, dv_s = c.mod.backward(plan, dout, c.q, k, v, out, lse,
-                                              softmax_scale=c.scale, softcap=c.softcap,
-                                              deterministic=c.deterministic)
+        dk_s = dv_s = None
+        if steps.busy[step]:
+            dq_s, dk_s, dv_s = rc.backward(steps.plans[step], dout, c.q, k, v, out, lse)
             dq += dq_s
-        else:
-            dk_s = dv_s = None
-        # The accumulators of block `src` arrive from the rank that held it one step earlier.
+        # The accumulators of this step's K/V block arrive from the rank that held it one
+        # step earlier.
         if dkv_in is None:
-            dk = xp.zeros(k.shape, dtype=c.acc)
-            dv = xp.zeros(v.shape, dtype=c.acc)
+            dk, dv = xp.zeros(k.shape, dtype=rc.acc), xp.zeros(v.shape, dtype=rc.acc)
         else:
             dkv_ch.wait()
             dk, dv = dkv_in
@@ -308,23 +298,20 @@ def _gather_rows(group, x):
     return g.reshape((g.shape[0] * g.shape[1],) + tuple(g.shape[2:]))
 
 
-def _allgather_forward(c: _Ctx):
-    k_all, v_all = _gather_rows(c.group, c.k), _gather_rows(c.group, c.v)
-    plan = c.plan(c.pq.segments(c.rank), c.pk.gathered_segments())
-    o, l = c.mod.forward(plan, c.q, k_all, v_all, softmax_scale=c.scale, softcap=c.softcap)
-    return _finish_forward(c, o, l)
+def _allgather_forward(rc: _RankCall, steps: StepPlans):
+    c = rc.call
+    k_all, v_all = _gather_rows(rc.group, c.k), _gather_rows(rc.group, c.v)
+    return _finish_forward(rc, *rc.forward(steps.plans[0], c.q, k_all, v_all))
 
 
-def _allgather_backward(c: _Ctx):
-    dout, out, lse = c.extra
-    k_all, v_all = _gather_rows(c.group, c.k), _gather_rows(c.group, c.v)
-    plan = c.plan(c.pq.segments(c.rank), c.pk.gathered_segments())
-    dq, dk_all, dv_all = c.mod.backward(plan, dout, c.q, k_all, v_all, out, lse,
-                                        softmax_scale=c.scale, softcap=c.softcap,
-                                        deterministic=c.deterministic)
-    cp, Tk = c.cp, c.k.shape[0]
-    dk = c.group.reduce_scatter(dk_all.astype(c.acc).reshape((cp, Tk) + c.k.shape[1:]))
-    dv = c.group.reduce_scatter(dv_all.astype(c.acc).reshape((cp, Tk) + c.v.shape[1:]))
+def _allgather_backward(rc: _RankCall, steps: StepPlans):
+    c = rc.call
+    k_all, v_all = _gather_rows(rc.group, c.k), _gather_rows(rc.group, c.v)
+    dq, dk_all, dv_all = rc.backward(steps.plans[0], c.grads[0], c.q, k_all, v_all,
+                                     *c.grads[1:])
+    cp, Tk = rc.cp, c.rows_k
+    dk = rc.group.reduce_scatter(dk_all.astype(rc.acc).reshape((cp, Tk) + c.k.shape[1:]))
+    dv = rc.group.reduce_scatter(dv_all.astype(rc.acc).reshape((cp, Tk) + c.v.shape[1:]))
     return dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype)
 
 
@@ -332,72 +319,70 @@ def _allgather_backward(c: _Ctx):
 # Ulysses
 # --------------------------------------------------------------------------------------------
 
-def _seq_to_heads(c: _Ctx, x):
+def _seq_to_heads(rc: _RankCall, x):
     """`[T, H, d]` sequence shard -> `[cp * T, H / cp, d]`: all ranks' rows, my heads."""
     T, H, d = x.shape
-    cp = c.cp
-    send = c.xp.ascontiguousarray(x.reshape(T, cp, H // cp, d).transpose(1, 0, 2, 3))
-    return c.group.alltoall(send).reshape(cp * T, H // cp, d)
+    cp = rc.cp
+    send = rc.xp.ascontiguousarray(x.reshape(T, cp, H // cp, d).transpose(1, 0, 2, 3))
+    return rc.group.alltoall(send).reshape(cp * T, H // cp, d)
 
 
-def _heads_to_seq(c: _Ctx, y):
+def _heads_to_seq(rc: _RankCall, y):
     """`[cp * T, h, d]` head shard -> `[T, cp * h, d]`: my rows, all heads."""
-    cp = c.cp
+    cp = rc.cp
     R, h, d = y.shape
     T = R // cp
-    got = c.group.alltoall(c.xp.ascontiguousarray(y.reshape(cp, T, h, d)))   # [cp, T, h, d]
+    got = rc.group.alltoall(rc.xp.ascontiguousarray(y.reshape(cp, T, h, d)))   # [cp, T, h, d]
     return got.transpose(1, 0, 2, 3).reshape(T, cp * h, d)
 
 
-def _lse_to_heads(c: _Ctx, lse):
+def _lse_to_heads(rc: _RankCall, lse):
     """`[H, T]` -> `[H / cp, cp * T]`."""
     H, T = lse.shape
-    cp = c.cp
-    got = c.group.alltoall(c.xp.ascontiguousarray(lse.reshape(cp, H // cp, T)))
+    cp = rc.cp
+    got = rc.group.alltoall(rc.xp.ascontiguousarray(lse.reshape(cp, H // cp, T)))
     return got.transpose(1, 0, 2).reshape(H // cp, cp * T)
 
 
-def _lse_to_seq(c: _Ctx, lse):
+def _lse_to_seq(rc: _RankCall, lse):
     """`[h, cp * T]` -> `[cp * h, T]`."""
     h, R = lse.shape
-    cp = c.cp
-    send = c.xp.ascontiguousarray(lse.reshape(h, cp, R // cp).transpose(1, 0, 2))
-    return c.group.alltoall(send).reshape(cp * h, R // cp)
+    cp = rc.cp
+    send = rc.xp.ascontiguousarray(lse.reshape(h, cp, R // cp).transpose(1, 0, 2))
+    return rc.group.alltoall(send).reshape(cp * h, R // cp)
 
 
-def _kv_replicas(c: _Ctx) -> int:
+def _kv_replicas(rc: _RankCall) -> int:
     """How many copies of each KV head make the KV heads divisible by cp (GQA)."""
-    Hk = c.k.shape[1]
-    return c.cp // math.gcd(Hk, c.cp)
+    return rc.cp // math.gcd(rc.call.heads_k, rc.cp)
 
 
-def _ulysses_inputs(c: _Ctx):
-    f = _kv_replicas(c)
-    k, v = c.k, c.v
+def _ulysses_inputs(rc: _RankCall):
+    f = _kv_replicas(rc)
+    q, k, v = rc.call.q, rc.call.k, rc.call.v
     if f > 1:
         # Copy j of head h becomes head h*f + j; query head h still reads a copy of h // G.
-        k, v = c.xp.repeat(k, f, axis=1), c.xp.repeat(v, f, axis=1)
-    plan = c.plan(c.pq.gathered_segments(), c.pk.gathered_segments())
-    return plan, _seq_to_heads(c, c.q), _seq_to_heads(c, k), _seq_to_heads(c, v), f
+        k, v = rc.xp.repeat(k, f, axis=1), rc.xp.repeat(v, f, axis=1)
+    return _seq_to_heads(rc, q), _seq_to_heads(rc, k), _seq_to_heads(rc, v), f
 
 
-def _ulysses_forward(c: _Ctx):
-    plan, q, k, v, _ = _ulysses_inputs(c)
-    o, l = c.mod.forward(plan, q, k, v, softmax_scale=c.scale, softcap=c.softcap)
-    return _finish_forward(c, _heads_to_seq(c, o), _lse_to_seq(c, l))
+def _ulysses_forward(rc: _RankCall, steps: StepPlans):
+    q, k, v, _ = _ulysses_inputs(rc)
+    o, l = rc.forward(steps.plans[0], q, k, v)
+    return _finish_forward(rc, _heads_to_seq(rc, o), _lse_to_seq(rc, l))
 
 
-def _ulysses_backward(c: _Ctx):
-    dout, out, lse = c.extra
-    plan, q, k, v, f = _ulysses_inputs(c)
-    dq, dk, dv = c.mod.backward(plan, _seq_to_heads(c, dout), q, k, v, _seq_to_heads(c, out),
-                                _lse_to_heads(c, lse), softmax_scale=c.scale,
-                                softcap=c.softcap, deterministic=c.deterministic)
-    dq, dk, dv = _heads_to_seq(c, dq), _heads_to_seq(c, dk), _heads_to_seq(c, dv)
+def _ulysses_backward(rc: _RankCall, steps: StepPlans):
+    c = rc.call
+    dout, out, lse = c.grads
+    q, k, v, f = _ulysses_inputs(rc)
+    dq, dk, dv = rc.backward(steps.plans[0], _seq_to_heads(rc, dout), q, k, v,
+                             _seq_to_heads(rc, out), _lse_to_heads(rc, lse))
+    dq, dk, dv = _heads_to_seq(rc, dq), _heads_to_seq(rc, dk), _heads_to_seq(rc, dv)
     if f > 1:
         T, Hk = c.k.shape[:2]
-        dk = dk.astype(c.acc).reshape(T, Hk, f, -1).sum(axis=2)
-        dv = dv.astype(c.acc).reshape(T, Hk, f, -1).sum(axis=2)
+        dk = dk.astype(rc.acc).reshape(T, Hk, f, -1).sum(axis=2)
+        dv = dv.astype(rc.acc).reshape(T, Hk, f, -1).sum(axis=2)
     return dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype)
 
 
@@ -412,7 +397,7 @@ _BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward,
 # --------------------------------------------------------------------------------------------
 
 def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, softcap=0.0,
-                      method="ring", backend=None):
+                      method="ring", backend=None, plan=None):
     """Context-parallel attention forward on one rank. Returns this rank's `(out, lse)`.
 
     Call it on every rank of `group` with the same partition, mask and method.
@@ -430,54 +415,51 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
         method: `"ring"` (K/V travel the ring, overlapped with compute), `"allgather"` (K/V
             gathered once) or `"ulysses"` (all-to-all over heads; `Hq % cp_size == 0`).
         backend: `"numpy"`, `"numba"`, `"cupy"` or None (as in the single-process API).
+        plan: this rank's step plans, `varlen.comm.plan(part, group.rank, ...)`, built once
+            and passed to every layer. Default: the partition's cached plans for this rank,
+            mask, method and backend tiles (built on first use; a mask with device arrays is
+            not cached, its plans are built once per call).
 
     Returns:
         out: `[Tq_local, Hq, Dv]` in q's dtype; lse: `[Hq, Tq_local]` float32 (float64 for
         float64). Pad rows (positions past a sequence's global length) get out 0, lse -inf.
         `part.unshard([...])` of all ranks' results is the single-process result.
 
-    Errors: with validation on (the default for host data), argument errors and ranks that
-    disagree on partition, mask or method raise the same ValueError on every rank. Any other
-    failure on one rank aborts the group, so every rank ends with an error instead of waiting.
+    Errors: argument errors on any rank, and ranks that disagree on the shards' shapes or
+    dtypes, the partition's sizes, mask, method or validation setting, raise the same
+    ValueError on every rank (the partition's and mask's values are compared too when
+    validation is on: the default for host data). Any other failure on one rank aborts the
+    group; a rank that never arrives ends the others after the group's timeout.
     """
-    ctx = {}
-
     def prepare():
-        c = _prepare(q, k, v, part, group, mask=mask, softmax_scale=softmax_scale,
-                     softcap=softcap, method=method, backend=backend)
-        ctx["c"] = c
-        return c
+        return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
+                             softcap=softcap, method=method, backend=backend)
 
-    out, lse = _run(group, _on_device(q), prepare, lambda c: _FORWARD[c.method](c))
-    wrap = ctx["c"].origin.wrap
-    return wrap(out), wrap(lse)
+    call, (out, lse) = _run(group, q, prepare,
+                            lambda rc, steps: _FORWARD[rc.call.method](rc, steps))
+    return call.origin.wrap(out), call.origin.wrap(lse)
 
 
 def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
                        softmax_scale=None, softcap=0.0, method="ring", backend=None,
-                       deterministic=False):
+                       deterministic=False, plan=None):
     """Gradients of `sum(out * dout)` on one rank. Returns this rank's `(dq, dk, dv)`.
 
     Args:
         dout: `[Tq_local, Hq, Dv]`, this rank's shard of the output gradient (q's dtype).
         out, lse: this rank's results of `attention_forward` (the merged, global ones).
         deterministic: bitwise-repeatable accumulation in the kernels.
+        plan: the step plans of the forward call (the same `varlen.comm.plan(...)`).
         The other arguments as in `attention_forward`, with the same values; any method may
         differentiate any other's output.
 
     Pad rows get zero gradients; dK/dV of each rank's own key rows come back to it.
     """
-    ctx = {}
-
     def prepare():
-        c = _prepare(q, k, v, part, group, mask=mask, softmax_scale=softmax_scale,
-                     softcap=softcap, method=method, backend=backend,
-                     extra=(("dout", dout), ("out", out), ("lse", lse)))
-        check_backward_inputs(c.q, c.v, *c.extra, rows="Tq_local")
-        c.deterministic = bool(deterministic)
-        ctx["c"] = c
-        return c
+        return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
+                             softcap=softcap, method=method, backend=backend,
+                             deterministic=deterministic, grads=(dout, out, lse))
 
-    grads = _run(group, _on_device(q), prepare, lambda c: _BACKWARD[c.method](c))
-    wrap = ctx["c"].origin.wrap
-    return tuple(wrap(g) for g in grads)
+    call, grads = _run(group, q, prepare,
+                       lambda rc, steps: _BACKWARD[rc.call.method](rc, steps))
+    return tuple(call.origin.wrap(g) for g in grads)

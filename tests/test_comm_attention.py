@@ -9,7 +9,8 @@ import pytest
 import varlen
 import varlen.comm as vc
 from varlen import reference
-from varlen.backends import numpy_backend
+from varlen.backends import Problem
+from varlen.backends.numpy_backend import NumpyBackend
 
 from comm_workers.cases import CASES, Case, cases_for, check_case, make_global, methods_for
 
@@ -38,8 +39,8 @@ def test_ring_skips_steps_with_nothing_visible(monkeypatch):
     # A window of one key (the diagonal): every query's only key is on its own rank, so each
     # rank runs step 0 only; the other cp - 1 steps have an empty schedule and are skipped.
     calls = []
-    forward = numpy_backend.forward
-    monkeypatch.setattr(numpy_backend, "forward",
+    forward = NumpyBackend.forward
+    monkeypatch.setattr(NumpyBackend, "forward",
                         lambda *a, **kw: calls.append(1) or forward(*a, **kw))
     case = Case("diagonal", (13, 7, 1), mask=varlen.Mask(window_left=0, window_right=0))
     cp = 4
@@ -52,14 +53,14 @@ def test_ring_skips_steps_with_nothing_visible(monkeypatch):
 
 def test_ring_posts_the_next_transfer_before_computing(monkeypatch):
     log = {}
-    forward, commit, wait = numpy_backend.forward, vc.P2P.commit, vc.P2P.wait
+    forward, commit, wait = NumpyBackend.forward, vc.P2P.commit, vc.P2P.wait
 
     def record(event, fn):
         def wrapped(*a, **kw):
             log.setdefault(threading.current_thread().name, []).append(event)
             return fn(*a, **kw)
         return wrapped
-    monkeypatch.setattr(numpy_backend, "forward", record("compute", forward))
+    monkeypatch.setattr(NumpyBackend, "forward", record("compute", forward))
     monkeypatch.setattr(vc.P2P, "commit", record("commit", commit))
     monkeypatch.setattr(vc.P2P, "wait", record("wait", wait))
     cp = 3
@@ -174,20 +175,20 @@ def test_group_must_be_a_group():
 
 @pytest.mark.parametrize("method", vc.METHODS)
 def test_fault_on_one_rank_ends_every_rank(monkeypatch, method):
-    forward = numpy_backend.forward
+    forward = NumpyBackend.forward
 
     def failing(*a, **kw):
         if threading.current_thread().name == "cp-rank-1":
             raise RuntimeError("injected fault on rank 1")
         return forward(*a, **kw)
-    monkeypatch.setattr(numpy_backend, "forward", failing)
+    monkeypatch.setattr(NumpyBackend, "forward", failing)
     t = time.perf_counter()
     with pytest.raises(RuntimeError, match="injected fault on rank 1"):
         vc.local_group(2).run(check_case, CASES[1], method)
     assert time.perf_counter() - t < 10
 
 
-def test_argument_error_without_validation_aborts_instead_of_hanging():
+def test_argument_error_without_validation_is_raised_on_every_rank():
     old = varlen.set_validation(False)
     try:
         def edit(r, a):
@@ -195,20 +196,38 @@ def test_argument_error_without_validation_aborts_instead_of_hanging():
                 a["q"] = a["q"][:-1]
         t = time.perf_counter()
         errs = _call_on_all(2, CASES[1], edit)
-        assert isinstance(errs[0], ValueError)
-        assert isinstance(errs[1], vc.GroupAborted), errs[1]
+        assert isinstance(errs[0], ValueError) and "part.shard(q, rank)" in str(errs[0])
+        assert isinstance(errs[1], ValueError), errs[1]
+        assert "rank 0 rejected its inputs" in str(errs[1])
         assert time.perf_counter() - t < 10
     finally:
         varlen.set_validation(old)
 
 
+@pytest.mark.parametrize("validation", [False, True])
+def test_shards_with_other_dtypes_or_heads_are_detected(validation):
+    # Rank 1's float32 shards with twice the heads hold as many bytes as rank 0's float64
+    # ones: without the always-on agreement they would travel the ring and give garbage.
+    def edit(r, a):
+        if r == 1:
+            for x in ("q", "k", "v"):
+                a[x] = np.repeat(a[x], 2, axis=1).astype(np.float32)
+    old = varlen.set_validation(validation)
+    try:
+        errs = _call_on_all(2, CASES[1], edit)
+    finally:
+        varlen.set_validation(old)
+    for e in errs:
+        assert isinstance(e, ValueError) and "disagree on dtypes, shapes" in str(e), e
+
+
 def test_numba_backend_ring(monkeypatch):
     """A small float32 ring case on the Numba kernels (the CUDA simulator on a CPU)."""
-    backend = varlen.backends.load("numba")
-    if backend is None or backend.supports(dtype="float32", head_dim=8, head_dim_v=8,
-                                           on_device=False):
+    backend = varlen.backends.get("numba")
+    if backend is None or backend.supports(Problem("float32", 8, 8, on_device=False)):
         pytest.skip("the numba backend cannot run host float32 here")
-    if backend.simulated():
+    from varlen.backends import numba_backend
+    if numba_backend.simulated():
         # The simulator keeps its kernel context in a global, so two ranks' threads must not
         # launch at once; the communication stays concurrent.
         lock = threading.Lock()

@@ -271,7 +271,7 @@ def _tensors(q, k, v, grads):
 def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
           seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0, max_seqlen_q=None,
           max_seqlen_k=None, backend=None, plan=None, deterministic=False, grads=None,
-          part=None, method=None, grads_rows="Tq") -> Call:
+          part=None, method=None, grads_rows="Tq", group_size=None) -> Call:
     """Check and normalise one call's arguments; returns its `Call` record.
 
     Single process: `cu_seqlens_*` (and optional offsets, bounds, `plan`). Context
@@ -292,6 +292,9 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
                 backend=None, plan=None, grads=gw, part=part, method=method)
     call = replace(call, backend=backends.select(backend, call))
     if part is not None:
+        call = replace(call, part=check_context_parallel(part, method, xp, group_size=group_size,
+                                                         rows=(call.rows_q, call.rows_k),
+                                                         heads_q=call.heads_q))
         return replace(call, mask=working_mask(mask, part[0].batch, xp), plan=plan)
     lay = _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
                   max_seqlen_k)
@@ -304,3 +307,47 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
     else:
         _check_plan(plan, call, lay)
     return replace(call, plan=plan)
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism
+# --------------------------------------------------------------------------------------------
+
+CP_METHODS = ("ring", "allgather", "ulysses")
+
+
+def check_context_parallel(part, method, xp=None, *, group_size=None, rows=None,
+                           heads_q=None) -> tuple:
+    """The context-parallel arguments of a call (`varlen.comm`); each check runs when its
+    value is given. Returns `part` with its metadata in array module `xp` (None: where it is).
+
+    part: `(query partition, key partition)`, built for the same cp size, scheme and batch;
+    method: one of `CP_METHODS`; group_size: the group's ranks, the partition's cp size;
+    rows: `(Tq_local, Tk_local)` of the shards, each partition's `local_rows`; heads_q: `Hq`,
+    which Ulysses splits over the ranks.
+    """
+    # Partitions are known by what they offer: varlen.comm sits above this step.
+    def is_partition(p):
+        return all(hasattr(p, a) for a in ("cp_size", "scheme", "batch", "local_rows", "on"))
+    if not (isinstance(part, (tuple, list)) and len(part) == 2 and
+            all(is_partition(p) for p in part)):
+        raise TypeError(f"part must be a varlen.comm.partition(...) or a (queries, keys) pair of "
+                        f"them, got {type(part).__name__}")
+    pq, pk = part
+    if (pq.cp_size, pq.scheme, pq.batch) != (pk.cp_size, pk.scheme, pk.batch):
+        raise ValueError(f"the query partition {pq} and key partition {pk} disagree on "
+                         f"cp_size, scheme or batch")
+    if method not in CP_METHODS:
+        raise ValueError(f"method={method!r} is not a known method; expected one of "
+                         f"{', '.join(map(repr, CP_METHODS))}")
+    if group_size is not None and group_size != pq.cp_size:
+        raise ValueError(f"group has {group_size} ranks but part was built for "
+                         f"cp_size={pq.cp_size}")
+    for name, T, p in zip(("q", "k"), rows or (), (pq, pk)):
+        if T != p.local_rows:
+            raise ValueError(f"{name} has {T} rows but the partition gives every rank "
+                             f"{p.local_rows}; pass this rank's shard, part.shard({name}, rank)")
+    if heads_q is not None and method == "ulysses" and heads_q % pq.cp_size:
+        raise ValueError(f"method='ulysses' splits heads over ranks: q has {heads_q} heads, not "
+                         f"divisible by cp_size={pq.cp_size}; use 'ring' or 'allgather'")
+    return (pq, pk) if xp is None else (pq.on(xp), pk.on(xp))
