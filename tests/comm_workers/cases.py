@@ -15,6 +15,8 @@ import varlen
 import varlen.comm as vc
 from varlen import reference
 
+from helpers import Batch, covered_rows
+
 TOL = {"float64": 1e-12, "float32": 2e-5}     # relative to max(1, |reference|)
 
 
@@ -100,14 +102,6 @@ def _layout(rng, lengths, gaps):
     return cu, off, int(off[-1]) + 1
 
 
-def _rows(cu, off, T):
-    rows = np.zeros(T, bool)
-    starts = cu[:-1] if off is None else off[:-1]
-    for s, n in zip(starts, np.diff(cu)):
-        rows[s:s + n] = True
-    return rows
-
-
 def make_global(case: Case) -> dict:
     """The global inputs of a case: pad rows hold 1e4 (or 100 for seeds/000), never read."""
     rng = np.random.default_rng(case.seed)
@@ -123,14 +117,15 @@ def make_global(case: Case) -> dict:
     cu_k, off_k, Tk = (cu_q, off_q, Tq) if case.lengths_k is None else \
         _layout(rng, case.lengths_k, case.gaps)
 
-    def data(T, H, rows):
-        x = np.full((T, H, case.D), 1e4)
-        x[rows] = rng.standard_normal((int(rows.sum()), H, case.D))
-        return x
-    rq, rk = _rows(cu_q, off_q, Tq), _rows(cu_k, off_k, Tk)
+    def data(T, H):
+        return rng.standard_normal((T, H, case.D))
+    b = Batch(q=data(Tq, case.Hq), k=data(Tk, case.Hk), v=data(Tk, case.Hk), cu_q=cu_q,
+              cu_k=cu_k, off_q=off_q, off_k=off_k, dout=data(Tq, case.Hq))
+    pad_q, pad_k = ~covered_rows(b, "q"), ~covered_rows(b, "k")
+    for x, pad in ((b.q, pad_q), (b.dout, pad_q), (b.k, pad_k), (b.v, pad_k)):
+        x[pad] = 1e4
     dt = np.dtype(case.dtype)
-    return dict(q=data(Tq, case.Hq, rq).astype(dt), k=data(Tk, case.Hk, rk).astype(dt),
-                v=data(Tk, case.Hk, rk).astype(dt), dout=data(Tq, case.Hq, rq).astype(dt),
+    return dict(q=b.q.astype(dt), k=b.k.astype(dt), v=b.v.astype(dt), dout=b.dout.astype(dt),
                 cu_q=cu_q, cu_k=cu_k, off_q=off_q, off_k=off_k, Tq=Tq, Tk=Tk)
 
 
