@@ -1,0 +1,149 @@
+"""FlashAttention 2's Python contract on top of `varlen.torch.varlen_attention`.
+
+    # from flash_attn import flash_attn_varlen_func
+    from varlen.torch import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, causal=True, window_size=(255, 0))
+
+Same arguments, defaults, layouts and return values as `flash_attn.flash_attn_varlen_func` and
+`flash_attn.flash_attn_func` (FlashAttention 2.6+): `causal` is aligned to the bottom-right
+corner, `window_size=(left, right)` counts keys around that diagonal, K/V may have fewer heads
+(GQA/MQA), `softmax_lse` is `[H, total_q]` (varlen) or `[B, H, S]` (padded) float32. The
+difference: a query that sees no key gets lse `-inf` (FlashAttention 3's value; FlashAttention 2
+writes `+inf`); its output is 0 in both. Attention dropout and ALiBi are not implemented and
+raise `NotImplementedError`. Besides float16/bfloat16 (FlashAttention's dtypes), float32 works
+everywhere and float64 on the CPU. See `docs/dropin.md`.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..masks import Mask
+from . import _varlen_attention
+
+__all__ = ["flash_attn_varlen_func", "flash_attn_func", "fa_mask"]
+
+
+def fa_mask(causal=False, window_size=(-1, -1)) -> Mask:
+    """The `varlen.Mask` of FlashAttention's `causal` and `window_size` arguments.
+
+    FlashAttention aligns both to the bottom-right corner: query `i` of a sequence with `Lq`
+    queries and `Lk` keys sees keys `[i + Lk - Lq - left, i + Lk - Lq + right]`, a negative
+    side being unbounded; `causal=True` sets `right = 0` and keeps `left`.
+    """
+    if not isinstance(causal, (bool, int)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    try:
+        left, right = (operator.index(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 = unbounded; "
+                        f"got {window_size!r}") from None
+    return Mask(window_left=left, window_right=0 if causal else right, bottom_right=True)
+
+
+def _unsupported(dropout_p, alibi_slopes) -> None:
+    if dropout_p != 0:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: varlen has no attention dropout; pass dropout_p=0.0 "
+            f"(FlashAttention's value for evaluation) or apply dropout outside attention")
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "alibi_slopes: varlen has no ALiBi bias; pass alibi_slopes=None")
+
+
+def _bound(max_seqlen):
+    """A `max_seqlen_*` for varlen: ints are bounds; a tensor (as some callers pass) is not
+    read, since that would wait for the device, and varlen needs no bound."""
+    return None if isinstance(max_seqlen, torch.Tensor) else max_seqlen
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False):
+    """FlashAttention 2's `flash_attn_varlen_func`, differentiable in q, k and v.
+
+    If `causal=True`, the causal mask is aligned to the bottom-right corner of each sequence's
+    attention matrix (`x` = visible)::
+
+        Lq=2, Lk=5:  x x x x .      Lq=5, Lk=2:  . .
+                     x x x x x                   . .
+                                                 . .
+                                                 x .
+                                                 x x
+
+    A row that sees no key has output 0 and lse `-inf`. With `window_size=(left, right)`, query
+    `i` sees keys `[i + Lk - Lq - left, i + Lk - Lq + right]` inclusive (-1: unbounded side).
+
+    Args:
+        q: `[total_q, Hq, D]` float16, bfloat16, float32 (float64 on the CPU).
+        k: `[total_k, Hk, D]`, q's dtype and device, `Hq % Hk == 0`: query head h reads key
+            head `h // (Hq // Hk)` (GQA/MQA).
+        v: `[total_k, Hk, Dv]`.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B+1]` on q's device, cumulative sequence lengths
+            starting at 0.
+        max_seqlen_q, max_seqlen_k: int, the longest sequence (any upper bound works). A
+            tensor is accepted and ignored (reading it would synchronise).
+        dropout_p: must be 0.0 (dropout is not implemented: `NotImplementedError`).
+        softmax_scale: float, scale of `q @ k^T`; default `1/sqrt(D)`.
+        causal: bool, bottom-right aligned causal mask.
+        window_size: `(left, right)` ints; `(-1, -1)` is no window.
+        softcap: float; if > 0, scores become `softcap * tanh(scores / softcap)`.
+        alibi_slopes: must be None (`NotImplementedError`).
+        deterministic: bool, bitwise-repeatable backward.
+        return_attn_probs: also return `softmax_lse` and, in the place of FlashAttention's
+            dropout pattern, None.
+
+    Returns:
+        out: `[total_q, Hq, Dv]` in q's dtype; or, with `return_attn_probs=True`,
+        `(out, softmax_lse, None)` with `softmax_lse` `[Hq, total_q]` float32 (float64 for
+        float64 inputs), natural log, no gradient.
+    """
+    _unsupported(dropout_p, alibi_slopes)
+    out, lse = _varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, mask=fa_mask(causal, window_size),
+        softmax_scale=softmax_scale, softcap=softcap, max_seqlen_q=_bound(max_seqlen_q),
+        max_seqlen_k=_bound(max_seqlen_k), deterministic=deterministic, return_lse=True)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _batch_cu(batch: int, seqlen: int, device) -> torch.Tensor:
+    """cu_seqlens of `batch` sequences of `seqlen` rows each: `[0, S, 2S, ...]`, int32."""
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """FlashAttention 2's `flash_attn_func`: a batch of equal-length sequences.
+
+    Args:
+        q: `[B, Sq, Hq, D]`; k: `[B, Sk, Hk, D]`; v: `[B, Sk, Hk, Dv]`; one dtype and device.
+        Every other argument as in `flash_attn_varlen_func` (causal aligned bottom-right when
+        `Sq != Sk`).
+
+    Returns:
+        out: `[B, Sq, Hq, Dv]`; or `(out, softmax_lse, None)` with `softmax_lse` `[B, Hq, Sq]`
+        float32, when `return_attn_probs=True`.
+    """
+    _unsupported(dropout_p, alibi_slopes)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [batch, seqlen, heads, head_dim]; "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+    B, Sq, Hq, _ = q.shape
+    Sk = k.shape[1]
+    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Sk:
+        raise ValueError(f"{q.shape=}, {k.shape=} and {v.shape=} disagree on batch or seqlen")
+    out, lse = _varlen_attention(
+        q.reshape(B * Sq, Hq, q.shape[3]), k.reshape(B * Sk, *k.shape[2:]),
+        v.reshape(B * Sk, *v.shape[2:]), _batch_cu(B, Sq, q.device), _batch_cu(B, Sk, q.device),
+        mask=fa_mask(causal, window_size), softmax_scale=softmax_scale, softcap=softcap,
+        max_seqlen_q=Sq, max_seqlen_k=Sk, deterministic=deterministic, return_lse=True)
+    out = out.view(B, Sq, Hq, out.shape[-1])
+    if not return_attn_probs:
+        return out
+    return out, lse.view(Hq, B, Sq).transpose(0, 1).contiguous(), None
