@@ -19,20 +19,27 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "pipeline.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 
 namespace varlen {
 
-template <int D, int BN, int BQ, bool ATOMIC_DQ>
+template <int D_, int BN_, int BQ_, bool ATOMIC_DQ>
 struct DkdvConfig {
+    static constexpr int D = D_;
+    static constexpr int BN = BN_;
+    static constexpr int BQ = BQ_;
     static constexpr int NUM_WARPS = BN / WARP_ROWS;
     static constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
     static constexpr int STRIDE = smem_stride<D>();
     static constexpr int DS_STRIDE = smem_stride<BQ>();
-    static constexpr int STAGES = 2;
     // dQ is produced DQ_COLS columns at a time to bound the registers it needs.
     static constexpr int DQ_COLS = 32;
+    // Blocks per SM the register budget must allow: 2 x 128 threads leave ptxas all 255
+    // registers, and stating it keeps ptxas from squeezing D = 32 under 168 registers (a third
+    // block) with a spill.
+    static constexpr int MIN_BLOCKS = 2;
     static constexpr int T_ELEMS = 2 * BN * STRIDE + 2 * STAGES * BQ * STRIDE +
                                    (ATOMIC_DQ ? BN * DS_STRIDE : 0);
     static constexpr int F_ELEMS = 2 * STAGES * BQ;
@@ -43,12 +50,101 @@ struct DkdvConfig {
     static_assert(D % 16 == 0 && D % DQ_COLS == 0, "head dim in k-steps of 16 and dQ slices");
 };
 
+// lse2 and delta of the chunk's query rows, one per column of the transposed tiles.
+struct ColStats {
+    const float* s_lse2;     // [BQ] in shared memory
+    const float* s_delta;    // [BQ]
+
+    __device__ __forceinline__ float lse2(int, int col) const { return s_lse2[col]; }
+    __device__ __forceinline__ float delta(int, int col) const { return s_delta[col]; }
+};
+
+// The kernel's shared memory: Cfg::T_ELEMS elements of T, then Cfg::F_ELEMS floats.
+template <typename T, typename Cfg>
+struct DkdvSmem {
+    T* k;            // [BN][STRIDE]
+    T* v;            // [BN][STRIDE]
+    T* q;            // [STAGES][BQ][STRIDE]
+    T* dout;         // [STAGES][BQ][STRIDE]
+    T* ds;           // [BN][DS_STRIDE], dS^T (ATOMIC_DQ only)
+    float* lse2;     // [STAGES][BQ]
+    float* delta;    // [STAGES][BQ]
+
+    __device__ __forceinline__ explicit DkdvSmem(unsigned char* raw)
+        : k(reinterpret_cast<T*>(raw)), v(k + Cfg::BN * Cfg::STRIDE), q(v + Cfg::BN * Cfg::STRIDE),
+          dout(q + STAGES * Cfg::BQ * Cfg::STRIDE), ds(dout + STAGES * Cfg::BQ * Cfg::STRIDE),
+          lse2(reinterpret_cast<float*>(k + Cfg::T_ELEMS)), delta(lse2 + STAGES * Cfg::BQ) {}
+};
+
+// A query chunk of one query head, through the shared stages: Q, dO, lse2 and delta. Rows past
+// the chunk get zeros and lse2 = +inf, so their probabilities are exactly 0.
+template <typename T, typename Cfg>
+struct QueryStages {
+    static constexpr int STAGE_ELEMS = Cfg::BQ * Cfg::STRIDE;
+    DkdvSmem<T, Cfg> s;
+    const T* q;              // [Tq, Hq, D]
+    const T* dout;           // [Tq, Hq, D]
+    const float* lse2;       // [Hq, Tq]
+    const float* delta;      // [Hq, Tq]
+    int Hq;
+    int Tq;
+    int head0;               // the first query head of the block's key head
+
+    __device__ __forceinline__ void load(const Chunk& c, int stage) const {
+        const int head = head0 + c.head;
+        load_tile_async<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(
+            s.q + stage * STAGE_ELEMS, head_rows<Cfg::D>(q, Hq, head), c.row, c.rows);
+        load_tile_async<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(
+            s.dout + stage * STAGE_ELEMS, head_rows<Cfg::D>(dout, Hq, head), c.row, c.rows);
+        const int r = threadIdx.x;
+        if (r < Cfg::BQ) {
+            load_row_stats(s.lse2[stage * Cfg::BQ + r], s.delta[stage * Cfg::BQ + r], lse2, delta,
+                           Tq, head, c.row + r, r < c.rows);
+        }
+    }
+
+    __device__ __forceinline__ const T* q_at(int stage) const { return s.q + stage * STAGE_ELEMS; }
+    __device__ __forceinline__ const T* do_at(int stage) const {
+        return s.dout + stage * STAGE_ELEMS;
+    }
+    __device__ __forceinline__ ColStats stats_at(int stage) const {
+        return ColStats{s.lse2 + stage * Cfg::BQ, s.delta + stage * Cfg::BQ};
+    }
+};
+
+// dQ += dS K for one query chunk with fp32 atomics: dS^T [BN, BQ] goes through shared memory,
+// then warps take 16 query rows of dQ [BQ, D] each, DQ_COLS columns at a time.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4], T* s_ds,
+                                              const T* s_k, const HeadRows<float>& dq_accum,
+                                              const Chunk& c, const WarpSlot& w) {
+    constexpr int NB = Cfg::DQ_COLS / 8;
+    const float one[2] = {1.f, 1.f};
+    stage_rows<T, Cfg::BQ / 8, Cfg::DS_STRIDE>(ds_t, one, s_ds, w.row0, w.lane);
+    __syncthreads();
+    for (int qg = w.warp; qg < Cfg::BQ / WARP_ROWS; qg += Cfg::NUM_WARPS) {
+        #pragma unroll
+        for (int dc = 0; dc < Cfg::D / Cfg::DQ_COLS; ++dc) {
+            // [16, DQ_COLS] slice of dQ
+            float acc_q[NB][4];
+            zero_acc(acc_q);
+            gemm_16<T, NB, Cfg::BN / 16, Cfg::STRIDE, false>(acc_q, [&](uint32_t (&a)[4], int kk) {
+                ldmatrix_block<Cfg::DS_STRIDE, X4::COLS_FIRST, true>(a, s_ds, kk * 16,
+                                                                     qg * WARP_ROWS, w.lane);
+            }, s_k, dc * Cfg::DQ_COLS, w.lane);
+            atomic_add_rows(acc_q, dq_accum, c.row + qg * WARP_ROWS, c.rows - qg * WARP_ROWS,
+                            dc * Cfg::DQ_COLS, w.lane);
+        }
+    }
+}
+
 }  // namespace varlen
 
 using namespace varlen;
 
 template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(DkdvConfig<D, BN, BQ, ATOMIC_DQ>::NUM_THREADS)
+__global__ void __launch_bounds__(DkdvConfig<D, BN, BQ, ATOMIC_DQ>::NUM_THREADS,
+                                  DkdvConfig<D, BN, BQ, ATOMIC_DQ>::MIN_BLOCKS)
 varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                 const T* __restrict__ k,            // [Tk, Hk, D]
                 const T* __restrict__ v,            // [Tk, Hk, D]
@@ -58,187 +154,46 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                 T* __restrict__ dk,                 // [Tk, Hk, D]
                 T* __restrict__ dv,                 // [Tk, Hk, D]
                 float* __restrict__ dq_accum,       // [Tq, Hq, D] (ATOMIC_DQ only)
-                const int* __restrict__ k_tiles,    // [num_k_tiles, 5]
-                const int* __restrict__ k_sched,    // [num_k_tiles, mq, 4]
-                const int* __restrict__ q_row,      // [B, mq]
-                const int* __restrict__ q_len,      // [B, mq]
-                const int* __restrict__ q_pos,      // [B, mq]
-                const int* __restrict__ seqlen_q,   // [B]
-                const int* __restrict__ seqlen_k,   // [B]
-                const int* __restrict__ window_left,
-                const int* __restrict__ window_right,
-                const int* __restrict__ bottom_right,
-                int mq, int q_chunks_per_tile, int Tq, int Hq, int Hk, float softmax_scale,
-                float softcap) {
+                const PlanView plan, const CallParams call) {
     using Cfg = DkdvConfig<D, BN, BQ, ATOMIC_DQ>;
-    constexpr int STRIDE = Cfg::STRIDE;
-    constexpr int DS_STRIDE = Cfg::DS_STRIDE;
-    constexpr int NB_Q = BQ / 8;     // n-blocks of the [16, BQ] S^T / dP^T tiles
-    constexpr int NB_D = D / 8;      // n-blocks of the [16, D] dK / dV tiles
-
-    const int i_tile = blockIdx.x;
-    const int i_khead = blockIdx.y;
-    const TileInfo tile = load_tile(k_tiles, i_tile);
-    if (tile.seq < 0) return;
-    const int group = Hq / Hk;
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int row0 = warp * WARP_ROWS;            // this warp's first key row in the tile
-    const int g = lane / 4, t = lane % 4;
+    const TileBlock<true> b(plan, call);
+    if (b.tile.seq < 0) return;
+    const WarpSlot& w = b.w;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* s_k = reinterpret_cast<T*>(smem_raw);      // [BN][STRIDE]
-    T* s_v = s_k + BN * STRIDE;                   // [BN][STRIDE]
-    T* s_q = s_v + BN * STRIDE;                   // [2][BQ][STRIDE]
-    T* s_do = s_q + Cfg::STAGES * BQ * STRIDE;    // [2][BQ][STRIDE]
-    T* s_ds = s_do + Cfg::STAGES * BQ * STRIDE;   // [BN][DS_STRIDE]
-    float* s_lse2 = reinterpret_cast<float*>(s_k + Cfg::T_ELEMS);   // [2][BQ]
-    float* s_delta = s_lse2 + Cfg::STAGES * BQ;                      // [2][BQ]
-
-    const int64_t q_stride = static_cast<int64_t>(Hq) * D;
-    const int64_t k_stride = static_cast<int64_t>(Hk) * D;
-    const int64_t k_offset = static_cast<int64_t>(tile.row) * k_stride +
-                             static_cast<int64_t>(i_khead) * D;
-
-    const SeqPolicy pol = SeqPolicy::load(window_left, window_right, bottom_right, seqlen_q,
-                                          seqlen_k, tile.seq);
-    PartnerCursor<BQ> cursor;
-    const int64_t seg_base = static_cast<int64_t>(tile.seq) * mq;
-    cursor.init(k_sched + static_cast<int64_t>(i_tile) * mq * SCHED_FIELDS, q_row + seg_base,
-                q_len + seg_base, q_pos + seg_base, mq, group, q_chunks_per_tile);
-
-    // Q, dO, lse2 and delta of one query chunk into a stage; rows past the chunk get zeros
-    // and lse2 = +inf, so their probabilities are exactly 0.
-    auto load_chunk = [&](const Chunk& c, int st) {
-        const int head = i_khead * group + c.head;
-        const int64_t offset = static_cast<int64_t>(c.row) * q_stride + static_cast<int64_t>(head) * D;
-        load_tile_async<BQ, D, Cfg::NUM_THREADS>(s_q + st * BQ * STRIDE, q + offset, q_stride, c.rows);
-        load_tile_async<BQ, D, Cfg::NUM_THREADS>(s_do + st * BQ * STRIDE, dout + offset, q_stride, c.rows);
-        if (threadIdx.x < BQ) {
-            const int r = threadIdx.x;
-            const int64_t idx = static_cast<int64_t>(head) * Tq + c.row + r;
-            s_lse2[st * BQ + r] = r < c.rows ? lse2[idx] : pos_inf();
-            s_delta[st * BQ + r] = r < c.rows ? delta[idx] : 0.f;
-        }
-    };
-
-    load_tile_async<BN, D, Cfg::NUM_THREADS>(s_k, k + k_offset, k_stride, tile.rows);
-    load_tile_async<BN, D, Cfg::NUM_THREADS>(s_v, v + k_offset, k_stride, tile.rows);
-    if (cursor.valid()) load_chunk(cursor.chunk(), 0);
-    cp_async_commit();
+    const DkdvSmem<T, Cfg> smem(smem_raw);
+    const QueryStages<T, Cfg> qs{smem, q, dout, lse2, delta, call.Hq, plan.rows_q,
+                                 b.i_khead * b.group};
+    b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.k, k, call.Hk);
+    b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.v, v, call.Hk);
+    const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
+    PartnerCursor<BQ> queries = query_cursor<BQ>(plan, b.tile, b.i_tile, b.group);
 
     // [16, D] dK and dV accumulators of this warp's key rows
-    float acc_dk[NB_D][4];
-    float acc_dv[NB_D][4];
+    float acc_dk[D / 8][4];
+    float acc_dv[D / 8][4];
     zero_acc(acc_dk);
     zero_acc(acc_dv);
-    const bool ragged_keys = tile.rows < BN;
-
-    int stage = 0;
-    while (cursor.valid()) {
-        const Chunk cur = cursor.chunk();
-        cursor.advance();
-        if (cursor.valid()) load_chunk(cursor.chunk(), stage ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-
-        const T* s_qst = s_q + stage * BQ * STRIDE;
-        const T* s_dost = s_do + stage * BQ * STRIDE;
-        const float* s_lse2st = s_lse2 + stage * BQ;
-        const float* s_deltast = s_delta + stage * BQ;
-
-        // [16, BQ] S^T and dP^T of this warp's key rows
-        float acc_s[NB_Q][4];
-        float acc_dp[NB_Q][4];
-        zero_acc(acc_s);
-        zero_acc(acc_dp);
-        gemm_a_bt<T, NB_Q, D / 16, STRIDE, STRIDE>(acc_s, s_k, row0, s_qst, lane);
-        gemm_a_bt<T, NB_Q, D / 16, STRIDE, STRIDE>(acc_dp, s_v, row0, s_dost, lane);
-
-        const bool m_partial = !cur.full || ragged_keys;     // mask arithmetic needed
-        #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int key_row = row0 + g + 8 * half;
-            Band m_band{1, 0};                      // empty: a key row past the tile
-            if (key_row < tile.rows) {
-                m_band = query_band(pol, tile.pos + key_row, cur.pos, cur.pos + cur.rows - 1);
-            }
-            #pragma unroll
-            for (int nb = 0; nb < NB_Q; ++nb) {
-                #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = nb * 8 + 2 * t + e;
-                    float th = 0.f;
-                    float x = score_log2<HAS_SOFTCAP>(acc_s[nb][2 * half + e], softmax_scale,
-                                                      softcap, &th);
-                    if (m_partial && !m_band.contains(cur.pos + col)) x = neg_inf();
-                    const float p = exp2f(x - s_lse2st[col]);
-                    float ds = p * (acc_dp[nb][2 * half + e] - s_deltast[col]);
-                    if (HAS_SOFTCAP) ds *= 1.f - th * th;
-                    acc_s[nb][2 * half + e] = p;
-                    acc_dp[nb][2 * half + e] = ds * softmax_scale;
-                }
-            }
-        }
-        gemm_p_b<T, NB_D, BQ / 16, NB_Q, STRIDE>(acc_dv, acc_s, s_dost, lane);
-        gemm_p_b<T, NB_D, BQ / 16, NB_Q, STRIDE>(acc_dk, acc_dp, s_qst, lane);
-
+    for_each_chunk(queries, [&](const Chunk& c, int stage) { qs.load(c, stage); },
+                   [&](const Chunk& c, int stage) {
+        // [16, BQ] S^T, then P^T, and dP^T, then dS^T, of this warp's key rows
+        float acc_s[BQ / 8][4];
+        float acc_dp[BQ / 8][4];
+        recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, smem.k, smem.v, qs.q_at(stage),
+                                          qs.do_at(stage), key_rows_mask<BN>(pol, b.tile, w, c),
+                                          qs.stats_at(stage), call, w);
+        gemm_pb<T, D / 8, BQ / 8, Cfg::STRIDE>(acc_dv, acc_s, qs.do_at(stage), w.lane);
+        gemm_pb<T, D / 8, BQ / 8, Cfg::STRIDE>(acc_dk, acc_dp, qs.q_at(stage), w.lane);
         if constexpr (ATOMIC_DQ) {
-            // dS^T [BN, BQ] to shared memory, then dQ [BQ, D] = dS K with 16 query rows per
-            // warp, DQ_COLS columns at a time, added to dq_accum with fp32 atomics.
-            #pragma unroll
-            for (int nb = 0; nb < NB_Q; ++nb) {
-                const int col = nb * 8 + 2 * t;
-                *reinterpret_cast<uint32_t*>(s_ds + (row0 + g) * DS_STRIDE + col) =
-                    ElemTraits<T>::pack(acc_dp[nb][0], acc_dp[nb][1]);
-                *reinterpret_cast<uint32_t*>(s_ds + (row0 + g + 8) * DS_STRIDE + col) =
-                    ElemTraits<T>::pack(acc_dp[nb][2], acc_dp[nb][3]);
-            }
-            __syncthreads();
-            const int head = i_khead * group + cur.head;
-            for (int qg = warp; qg < BQ / WARP_ROWS; qg += Cfg::NUM_WARPS) {
-                #pragma unroll
-                for (int dc = 0; dc < D / Cfg::DQ_COLS; ++dc) {
-                    // [16, DQ_COLS] slice of dQ
-                    float acc_q[Cfg::DQ_COLS / 8][4];
-                    zero_acc(acc_q);
-                    #pragma unroll
-                    for (int kk = 0; kk < BN / 16; ++kk) {
-                        uint32_t a[4];
-                        load_a_trans<DS_STRIDE>(a, s_ds, qg * WARP_ROWS, kk * 16, lane);
-                        #pragma unroll
-                        for (int nb = 0; nb < Cfg::DQ_COLS / 8; nb += 2) {
-                            uint32_t b[4];
-                            load_b_kn<STRIDE>(b, s_k, kk * 16, dc * Cfg::DQ_COLS + nb * 8, lane);
-                            mma_16816<T>(acc_q[nb], a, b[0], b[1]);
-                            mma_16816<T>(acc_q[nb + 1], a, b[2], b[3]);
-                        }
-                    }
-                    #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int r = qg * WARP_ROWS + g + 8 * half;
-                        if (r < cur.rows) {
-                            float* p_dq = dq_accum + static_cast<int64_t>(cur.row + r) * q_stride +
-                                          static_cast<int64_t>(head) * D + dc * Cfg::DQ_COLS + 2 * t;
-                            #pragma unroll
-                            for (int nb = 0; nb < Cfg::DQ_COLS / 8; ++nb) {
-                                atomicAdd(p_dq + nb * 8, acc_q[nb][2 * half]);
-                                atomicAdd(p_dq + nb * 8 + 1, acc_q[nb][2 * half + 1]);
-                            }
-                        }
-                    }
-                }
-            }
+            add_dq_atomic<T, Cfg>(acc_dp, smem.ds, smem.k,
+                                  head_rows<D>(dq_accum, call.Hq, qs.head0 + c.head), c, w);
         }
-
-        __syncthreads();
-        stage ^= 1;
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-
+    });
     const float one[2] = {1.f, 1.f};
-    store_rows<T, NB_D, STRIDE>(acc_dk, one, s_k, row0, dk + k_offset, k_stride, tile.rows, lane);
-    store_rows<T, NB_D, STRIDE>(acc_dv, one, s_v, row0, dv + k_offset, k_stride, tile.rows, lane);
+    store_rows<T, D / 8, Cfg::STRIDE>(acc_dk, one, smem.k, w.row0,
+                                      head_rows<D>(dk, call.Hk, b.i_head), b.tile.row,
+                                      b.tile.rows, w.lane);
+    store_rows<T, D / 8, Cfg::STRIDE>(acc_dv, one, smem.v, w.row0,
+                                      head_rows<D>(dv, call.Hk, b.i_head), b.tile.row,
+                                      b.tile.rows, w.lane);
 }

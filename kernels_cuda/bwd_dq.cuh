@@ -2,7 +2,7 @@
 // tile, recomputed without atomics).
 //
 // Grid (num_q_tiles, Hq); block BM / 16 warps, warp w owns query rows 16w .. 16w + 15. Like
-// the forward pass it walks q_sched with K and V double-buffered, and per key tile computes
+// the forward pass it walks q_sched with K and V double-buffered, and per key chunk computes
 //     S = Q K^T, P = exp2(S * LOG2E - lse2), dP = dO V^T,
 //     dS = P * (dP - delta) * softmax_scale (times 1 - tanh^2 with a softcap), dQ += dS K,
 // keeping dQ in registers and writing each row once: bitwise repeatable.
@@ -12,22 +12,36 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "pipeline.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 
 namespace varlen {
 
 template <int D, int BM, int BN>
-struct DqConfig {
-    static constexpr int NUM_WARPS = BM / WARP_ROWS;
-    static constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
-    static constexpr int STRIDE = smem_stride<D>();
-    static constexpr int STAGES = 2;
-    static constexpr int SMEM_ELEMS = 2 * BM * STRIDE + 2 * STAGES * BN * STRIDE;
-    static_assert(BM % WARP_ROWS == 0, "each warp owns 16 query rows");
-    static_assert(NUM_WARPS >= 1 && NUM_WARPS <= 8, "1 to 8 warps per block");
-    static_assert(BN % 16 == 0 && D % 16 == 0, "k-steps of 16");
+using DqConfig = QueryTileConfig<D, BM, BN, 2>;
+
+// lse2 and delta of this lane's query rows g and g + 8, the same for every column.
+struct RowStats {
+    float row_lse2[2];
+    float row_delta[2];
+
+    __device__ __forceinline__ float lse2(int half, int) const { return row_lse2[half]; }
+    __device__ __forceinline__ float delta(int half, int) const { return row_delta[half]; }
 };
+
+__device__ __forceinline__ RowStats load_warp_row_stats(const float* lse2, const float* delta,
+                                                        int Tq, int head, const TileInfo& tile,
+                                                        const WarpSlot& w) {
+    RowStats stats;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = w.row0 + w.lane / 4 + 8 * half;
+        load_row_stats(stats.row_lse2[half], stats.row_delta[half], lse2, delta, Tq, head,
+                       tile.row + r, r < tile.rows);
+    }
+    return stats;
+}
 
 }  // namespace varlen
 
@@ -39,132 +53,41 @@ varlen_bwd_dq(const T* __restrict__ q,            // [Tq, Hq, D]
               const T* __restrict__ k,            // [Tk, Hk, D]
               const T* __restrict__ v,            // [Tk, Hk, D]
               const T* __restrict__ dout,         // [Tq, Hq, D]
-              const float* __restrict__ lse2,     // [Hq, Tq]
+              const float* __restrict__ lse2,     // [Hq, Tq] base-2 lse, +inf: no key
               const float* __restrict__ delta,    // [Hq, Tq]
               T* __restrict__ dq,                 // [Tq, Hq, D]
-              const int* __restrict__ q_tiles,    // [num_q_tiles, 5]
-              const int* __restrict__ q_sched,    // [num_q_tiles, mk, 4]
-              const int* __restrict__ k_row,      // [B, mk]
-              const int* __restrict__ k_len,      // [B, mk]
-              const int* __restrict__ k_pos,      // [B, mk]
-              const int* __restrict__ seqlen_q,   // [B]
-              const int* __restrict__ seqlen_k,   // [B]
-              const int* __restrict__ window_left,
-              const int* __restrict__ window_right,
-              const int* __restrict__ bottom_right,
-              int mk, int Tq, int Hq, int Hk, float softmax_scale, float softcap) {
+              const PlanView plan, const CallParams call) {
     using Cfg = DqConfig<D, BM, BN>;
-    constexpr int STRIDE = Cfg::STRIDE;
-    constexpr int NB_S = BN / 8;     // n-blocks of the [16, BN] S / dP tiles
-    constexpr int NB_D = D / 8;      // n-blocks of the [16, D] dQ tile
-
-    const int i_tile = blockIdx.x;
-    const int i_head = blockIdx.y;
-    const TileInfo tile = load_tile(q_tiles, i_tile);
-    if (tile.seq < 0) return;
-    const int i_khead = i_head / (Hq / Hk);
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int row0 = warp * WARP_ROWS;
-    const int g = lane / 4, t = lane % 4;
+    const TileBlock<false> b(plan, call);
+    if (b.tile.seq < 0) return;
+    const WarpSlot& w = b.w;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* s_q = reinterpret_cast<T*>(smem_raw);      // [BM][STRIDE]
-    T* s_do = s_q + BM * STRIDE;                  // [BM][STRIDE]
-    T* s_k = s_do + BM * STRIDE;                  // [2][BN][STRIDE]
-    T* s_v = s_k + Cfg::STAGES * BN * STRIDE;     // [2][BN][STRIDE]
-
-    const int64_t q_stride = static_cast<int64_t>(Hq) * D;
-    const int64_t k_stride = static_cast<int64_t>(Hk) * D;
-    const int64_t q_offset = static_cast<int64_t>(tile.row) * q_stride +
-                             static_cast<int64_t>(i_head) * D;
-    const T* p_k = k + static_cast<int64_t>(i_khead) * D;
-    const T* p_v = v + static_cast<int64_t>(i_khead) * D;
-
-    const SeqPolicy pol = SeqPolicy::load(window_left, window_right, bottom_right, seqlen_q,
-                                          seqlen_k, tile.seq);
-    PartnerCursor<BN> cursor;
-    const int64_t seg_base = static_cast<int64_t>(tile.seq) * mk;
-    cursor.init(q_sched + static_cast<int64_t>(i_tile) * mk * SCHED_FIELDS, k_row + seg_base,
-                k_len + seg_base, k_pos + seg_base, mk, 1, 1);
-
-    load_tile_async<BM, D, Cfg::NUM_THREADS>(s_q, q + q_offset, q_stride, tile.rows);
-    load_tile_async<BM, D, Cfg::NUM_THREADS>(s_do, dout + q_offset, q_stride, tile.rows);
-    if (cursor.valid()) {
-        const Chunk c = cursor.chunk();
-        load_tile_async<BN, D, Cfg::NUM_THREADS>(s_k, p_k + c.row * k_stride, k_stride, c.rows);
-        load_tile_async<BN, D, Cfg::NUM_THREADS>(s_v, p_v + c.row * k_stride, k_stride, c.rows);
-    }
-    cp_async_commit();
-
-    // Row statistics of this lane's rows g and g + 8 (past the tile: P = 0).
-    float row_lse2[2], row_delta[2];
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = row0 + g + 8 * half;
-        const int64_t idx = static_cast<int64_t>(i_head) * Tq + tile.row + r;
-        row_lse2[half] = r < tile.rows ? lse2[idx] : pos_inf();
-        row_delta[half] = r < tile.rows ? delta[idx] : 0.f;
-    }
+    T* s_do = s_q + BM * Cfg::STRIDE;             // [BM][STRIDE]
+    const KvStages<T, D, BN, Cfg::NUM_THREADS> kv(s_do + BM * Cfg::STRIDE, k, v, call.Hk,
+                                                  b.i_khead);
+    b.load_rows<BM, D, Cfg::NUM_THREADS>(s_q, q, call.Hq);
+    b.load_rows<BM, D, Cfg::NUM_THREADS>(s_do, dout, call.Hq);
+    const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
+    PartnerCursor<BN> keys = key_cursor<BN>(plan, b.tile, b.i_tile);
+    const RowStats stats = load_warp_row_stats(lse2, delta, plan.rows_q, b.i_head, b.tile, w);
 
     // [16, D] dQ accumulator of this warp
-    float acc_dq[NB_D][4];
+    float acc_dq[D / 8][4];
     zero_acc(acc_dq);
-
-    int stage = 0;
-    while (cursor.valid()) {
-        const Chunk cur = cursor.chunk();
-        cursor.advance();
-        if (cursor.valid()) {
-            const Chunk nxt = cursor.chunk();
-            const int other = (stage ^ 1) * BN * STRIDE;
-            load_tile_async<BN, D, Cfg::NUM_THREADS>(s_k + other, p_k + nxt.row * k_stride,
-                                                     k_stride, nxt.rows);
-            load_tile_async<BN, D, Cfg::NUM_THREADS>(s_v + other, p_v + nxt.row * k_stride,
-                                                     k_stride, nxt.rows);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-
-        const T* s_kst = s_k + stage * BN * STRIDE;
-        const T* s_vst = s_v + stage * BN * STRIDE;
-        // [16, BN] S and dP of this warp's rows
-        float acc_s[NB_S][4];
-        float acc_dp[NB_S][4];
-        zero_acc(acc_s);
-        zero_acc(acc_dp);
-        gemm_a_bt<T, NB_S, D / 16, STRIDE, STRIDE>(acc_s, s_q, row0, s_kst, lane);
-        gemm_a_bt<T, NB_S, D / 16, STRIDE, STRIDE>(acc_dp, s_do, row0, s_vst, lane);
-
-        #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const Band m_band = key_band(pol, tile.pos + row0 + g + 8 * half, cur.pos,
-                                       cur.pos + cur.rows - 1);
-            #pragma unroll
-            for (int nb = 0; nb < NB_S; ++nb) {
-                #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = nb * 8 + 2 * t + e;
-                    float th = 0.f;
-                    float x = score_log2<HAS_SOFTCAP>(acc_s[nb][2 * half + e], softmax_scale,
-                                                      softcap, &th);
-                    if (!cur.full && !m_band.contains(cur.pos + col)) x = neg_inf();
-                    const float p = exp2f(x - row_lse2[half]);
-                    float ds = p * (acc_dp[nb][2 * half + e] - row_delta[half]);
-                    if (HAS_SOFTCAP) ds *= 1.f - th * th;
-                    acc_s[nb][2 * half + e] = ds * softmax_scale;
-                }
-            }
-        }
-        gemm_p_b<T, NB_D, BN / 16, NB_S, STRIDE>(acc_dq, acc_s, s_kst, lane);
-
-        __syncthreads();
-        stage ^= 1;
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-
+    for_each_chunk(keys, [&](const Chunk& c, int stage) { kv.load(c, stage); },
+                   [&](const Chunk& c, int stage) {
+        // [16, BN] S, then P, and dP, then dS, of this warp's rows
+        float acc_s[BN / 8][4];
+        float acc_dp[BN / 8][4];
+        recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, s_q, s_do, kv.k_at(stage),
+                                          kv.v_at(stage), query_rows_mask(pol, b.tile.pos, w, c),
+                                          stats, call, w);
+        gemm_pb<T, D / 8, BN / 8, Cfg::STRIDE>(acc_dq, acc_dp, kv.k_at(stage), w.lane);
+    });
     const float one[2] = {1.f, 1.f};
-    store_rows<T, NB_D, STRIDE>(acc_dq, one, s_q, row0, dq + q_offset, q_stride, tile.rows, lane);
+    store_rows<T, D / 8, Cfg::STRIDE>(acc_dq, one, s_q, w.row0,
+                                      head_rows<D>(dq, call.Hq, b.i_head), b.tile.row,
+                                      b.tile.rows, w.lane);
 }

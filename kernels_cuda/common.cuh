@@ -1,5 +1,8 @@
-// Shared definitions of the varlen attention kernels: element types, constants, smem layout.
+// Shared definitions of the varlen attention kernels: element types, constants, smem layout,
+// the rows of one head of a packed array, a thread's warp and lane.
 #pragma once
+
+#include "plan_view.cuh"
 
 #ifdef VARLEN_HOST_EMULATION
 #include "host_emulation.cuh"
@@ -63,6 +66,36 @@ template <> struct ElemTraits<__nv_bfloat16> {
     __device__ static __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
     __device__ static __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
+
+// The rows of one head of a packed [T, H, D] array: row r starts at p + r * stride, in 64-bit
+// arithmetic (T * H * D may exceed 2^31).
+template <typename T>
+struct HeadRows {
+    T* p;               // row 0 of the head
+    int64_t stride;     // H * D elements
+
+    __device__ __forceinline__ T* row(int r) const { return p + static_cast<int64_t>(r) * stride; }
+};
+
+template <int D, typename T>
+__device__ __forceinline__ HeadRows<T> head_rows(T* base, int num_heads, int head) {
+    return HeadRows<T>{base + static_cast<int64_t>(head) * D, static_cast<int64_t>(num_heads) * D};
+}
+
+// This thread's lane and warp in a block whose warps own WARP_ROWS rows of the tile each.
+struct WarpSlot {
+    int lane;
+    int warp;
+    int row0;           // the warp's first row of the tile
+};
+
+// Divided as unsigned (threadIdx.x is): the compiler then knows lane and warp are small and
+// non-negative, which keeps the fragment address arithmetic short.
+__device__ __forceinline__ WarpSlot warp_slot() {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    return WarpSlot{lane, warp, warp * WARP_ROWS};
+}
 
 // Reductions over the 4 lanes of a quad (lanes 4g .. 4g+3 hold one row of a C fragment).
 __device__ __forceinline__ float quad_max(float x) {

@@ -1,69 +1,85 @@
 // Host-emulation entry points (see host_emulation.cuh): one variant per build, chosen with
-// -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC=; each function takes the grid,
-// the block size and exactly the kernel's parameters, so the Python launchers drive it
-// unchanged. Compiled with g++ -x c++ -DVARLEN_HOST_EMULATION, never by NVRTC.
+// -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC=. Compiled with g++ -x c++
+// -DVARLEN_HOST_EMULATION, never by NVRTC.
+//
+// Arguments travel as a GPU launch passes them (cuLaunchKernel's kernelParams): an array of
+// pointers, one per kernel parameter, each to that parameter's bytes; the kernel then gets
+// every parameter by value, the PlanView and CallParams structs included. emu_param_sizes
+// states each parameter's size, so the caller can refuse an argument of the wrong size.
+#include <cstddef>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
 #include "varlen_attention.cu"
+
+namespace {
 
 using T = EMU_T;
 constexpr int D = EMU_D, BM = EMU_BM, BN = EMU_BN, BQ = EMU_BQ;
 constexpr bool SC = EMU_SC;
-using I = const int*;
 
-extern "C" void emu_fwd(unsigned gx, unsigned gy, unsigned threads, const T* q, const T* k,
-                        const T* v, T* out, float* lse, I q_tiles, I q_sched, I k_row, I k_len,
-                        I k_pos, I sq, I sk, I wl, I wr, I br, int mk, int Tq, int Hq, int Hk,
-                        float scale, float softcap) {
-    launch(gx, gy, threads, [&] {
-        varlen_fwd<T, D, BM, BN, SC>(q, k, v, out, lse, q_tiles, q_sched, k_row, k_len, k_pos,
-                                     sq, sk, wl, wr, br, mk, Tq, Hq, Hk, scale, softcap);
-    });
+template <typename F, F KERNEL>
+struct Entry;
+
+template <typename... P, void (*KERNEL)(P...)>
+struct Entry<void (*)(P...), KERNEL> {
+    static int param_sizes(size_t* sizes) {
+        const size_t s[] = {sizeof(P)...};
+        std::memcpy(sizes, s, sizeof(s));
+        return static_cast<int>(sizeof...(P));
+    }
+
+    template <size_t... I>
+    static void call(void** args, std::index_sequence<I...>) {
+        KERNEL(*static_cast<std::remove_cv_t<P>*>(args[I])...);
+    }
+
+    static void run(unsigned gx, unsigned gy, unsigned threads, void** args) {
+        launch(gx, gy, threads, [&] { call(args, std::index_sequence_for<P...>{}); });
+    }
+};
+
+#define VARLEN_EMU_KERNEL(key, ...) \
+    {key, &Entry<decltype(&__VA_ARGS__), &__VA_ARGS__>::param_sizes, \
+     &Entry<decltype(&__VA_ARGS__), &__VA_ARGS__>::run}
+
+struct Kernel {
+    const char* key;
+    int (*param_sizes)(size_t*);
+    void (*run)(unsigned, unsigned, unsigned, void**);
+};
+
+const Kernel KERNELS[] = {
+    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC>),
+    VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic", varlen_bwd_dkdv<T, D, BN, BQ, SC, true>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv", varlen_bwd_dkdv<T, D, BN, BQ, SC, false>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dq", varlen_bwd_dq<T, D, BM, BN, SC>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T>),
+};
+
+const Kernel* find(const char* key) {
+    for (const Kernel& k : KERNELS) {
+        if (std::strcmp(k.key, key) == 0) return &k;
+    }
+    return nullptr;
 }
 
-extern "C" void emu_pre(unsigned gx, unsigned gy, unsigned threads, const T* out, const T* dout,
-                        const float* lse, float* delta, float* lse2, int Tq, int Hq) {
-    launch(gx, gy, threads, [&] { varlen_bwd_preprocess<T, D>(out, dout, lse, delta, lse2, Tq, Hq); });
+}  // namespace
+
+// Writes the size of each parameter of kernel `key` into `sizes` and returns their number;
+// -1 for an unknown kernel.
+extern "C" int emu_param_sizes(const char* key, size_t* sizes) {
+    const Kernel* k = find(key);
+    return k ? k->param_sizes(sizes) : -1;
 }
 
-template <bool ATOMIC>
-void dkdv(unsigned gx, unsigned gy, unsigned threads, const T* q, const T* k, const T* v,
-          const T* dout, const float* lse2, const float* delta, T* dk, T* dv, float* dq_accum,
-          I k_tiles, I k_sched, I q_row, I q_len, I q_pos, I sq, I sk, I wl, I wr, I br, int mq,
-          int chunks, int Tq, int Hq, int Hk, float scale, float softcap) {
-    launch(gx, gy, threads, [&] {
-        varlen_bwd_dkdv<T, D, BN, BQ, SC, ATOMIC>(q, k, v, dout, lse2, delta, dk, dv, dq_accum,
-            k_tiles, k_sched, q_row, q_len, q_pos, sq, sk, wl, wr, br, mq, chunks, Tq, Hq, Hk,
-            scale, softcap);
-    });
-}
-
-extern "C" void emu_dkdv_atomic(unsigned gx, unsigned gy, unsigned threads, const T* q, const T* k,
-        const T* v, const T* dout, const float* lse2, const float* delta, T* dk, T* dv,
-        float* dq_accum, I k_tiles, I k_sched, I q_row, I q_len, I q_pos, I sq, I sk, I wl, I wr,
-        I br, int mq, int chunks, int Tq, int Hq, int Hk, float scale, float softcap) {
-    dkdv<true>(gx, gy, threads, q, k, v, dout, lse2, delta, dk, dv, dq_accum, k_tiles, k_sched,
-               q_row, q_len, q_pos, sq, sk, wl, wr, br, mq, chunks, Tq, Hq, Hk, scale, softcap);
-}
-
-extern "C" void emu_dkdv_plain(unsigned gx, unsigned gy, unsigned threads, const T* q, const T* k,
-        const T* v, const T* dout, const float* lse2, const float* delta, T* dk, T* dv,
-        float* dq_accum, I k_tiles, I k_sched, I q_row, I q_len, I q_pos, I sq, I sk, I wl, I wr,
-        I br, int mq, int chunks, int Tq, int Hq, int Hk, float scale, float softcap) {
-    dkdv<false>(gx, gy, threads, q, k, v, dout, lse2, delta, dk, dv, dq_accum, k_tiles, k_sched,
-                q_row, q_len, q_pos, sq, sk, wl, wr, br, mq, chunks, Tq, Hq, Hk, scale, softcap);
-}
-
-extern "C" void emu_dq(unsigned gx, unsigned gy, unsigned threads, const T* q, const T* k,
-                       const T* v, const T* dout, const float* lse2, const float* delta, T* dq,
-                       I q_tiles, I q_sched, I k_row, I k_len, I k_pos, I sq, I sk, I wl, I wr,
-                       I br, int mk, int Tq, int Hq, int Hk, float scale, float softcap) {
-    launch(gx, gy, threads, [&] {
-        varlen_bwd_dq<T, D, BM, BN, SC>(q, k, v, dout, lse2, delta, dq, q_tiles, q_sched, k_row,
-                                        k_len, k_pos, sq, sk, wl, wr, br, mk, Tq, Hq, Hk, scale,
-                                        softcap);
-    });
-}
-
-extern "C" void emu_convert(unsigned gx, unsigned gy, unsigned threads, const float* acc, T* dq,
-                            long long n) {
-    launch(gx, gy, threads, [&] { varlen_bwd_dq_convert<T>(acc, dq, n); });
+// Runs kernel `key` on a (gx, gy) grid of `threads`-thread blocks; 0, or -1 for an unknown one.
+extern "C" int emu_launch(const char* key, unsigned gx, unsigned gy, unsigned threads,
+                          void** args) {
+    const Kernel* k = find(key);
+    if (!k) return -1;
+    k->run(gx, gy, threads, args);
+    return 0;
 }

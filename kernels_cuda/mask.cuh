@@ -1,4 +1,4 @@
-// The per-sequence mask predicate, evaluated at global positions.
+// The per-sequence mask predicate, evaluated at global positions: its one home in the kernels.
 //
 // With s = Lk - Lq when bottom_right else 0, query i sees key j iff
 //     (left < 0 or j >= i + s - left) and (right < 0 or j <= i + s + right),
@@ -9,6 +9,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "tile_scheduler.cuh"
 
 namespace varlen {
 
@@ -17,14 +18,11 @@ struct SeqPolicy {
     int right;    // window_right, < 0 = unbounded
     int shift;    // s = Lk - Lq (bottom-right aligned) or 0
 
-    __device__ __forceinline__ static SeqPolicy load(const int* p_left, const int* p_right,
-                                                     const int* p_bottom_right,
-                                                     const int* p_seqlen_q,
-                                                     const int* p_seqlen_k, int b) {
+    __device__ __forceinline__ static SeqPolicy load(const PlanView& plan, int b) {
         SeqPolicy pol;
-        pol.left = p_left[b];
-        pol.right = p_right[b];
-        pol.shift = p_bottom_right[b] ? p_seqlen_k[b] - p_seqlen_q[b] : 0;
+        pol.left = plan.window_left[b];
+        pol.right = plan.window_right[b];
+        pol.shift = plan.bottom_right[b] ? plan.seqlen_k[b] - plan.seqlen_q[b] : 0;
         return pol;
     }
 };
@@ -54,6 +52,83 @@ __device__ __forceinline__ Band query_band(const SeqPolicy& pol, int j, int q_lo
     const int lo = pol.right < 0 ? INT_LOWEST : clamp_to_int(center - pol.right);
     const int hi = pol.left < 0 ? INT_HIGHEST : clamp_to_int(center + pol.left);
     return Band{max(lo, q_lo), min(hi, q_hi)};
+}
+
+// The mask of a warp's [16, N] tile in C-fragment layout, whose columns are one partner chunk:
+// rows are queries and columns keys (forward, dQ), or, transposed, rows are keys and columns
+// queries (dK/dV). A lane holds rows g and g + 8 (`half` 0 and 1); `band(half)` gives the
+// column positions its row sees, computed once per row, and `visible` tests one column.
+template <bool ROWS_ARE_KEYS>
+struct TileMask {
+    SeqPolicy pol;
+    int row_pos;      // global position of this lane's row g; row g + 8 is 8 further
+    int rows_left;    // rows of the tile present from row g on (key rows past them see nothing)
+    int col_pos0;     // global position of column 0
+    int cols;         // columns present
+    bool partial;     // false: every pair of the tile is visible and nothing is tested
+
+    __device__ __forceinline__ Band band(int half) const {
+        const int pos = row_pos + 8 * half;
+        const int col_last = col_pos0 + cols - 1;
+        if constexpr (ROWS_ARE_KEYS) {
+            if (8 * half >= rows_left) return Band{1, 0};
+            return query_band(pol, pos, col_pos0, col_last);
+        } else {
+            return key_band(pol, pos, col_pos0, col_last);
+        }
+    }
+
+    __device__ __forceinline__ bool visible(const Band& m_band, int col) const {
+        return !partial || m_band.contains(col_pos0 + col);
+    }
+};
+
+// Rows are the queries of a tile at position q_pos0 + row0 on (forward, dQ); `keys` the chunk.
+// Query rows past the tile need no mask: nothing of them is written.
+__device__ __forceinline__ TileMask<false> query_rows_mask(const SeqPolicy& pol, int q_pos0,
+                                                           const WarpSlot& w, const Chunk& keys) {
+    return TileMask<false>{pol, q_pos0 + w.row0 + w.lane / 4, WARP_ROWS, keys.pos, keys.rows,
+                           !keys.full};
+}
+
+// Rows are the keys of a tile of BN rows (dK/dV); `queries` the chunk. A ragged key tile is
+// masked even against a fully visible chunk, so that its missing rows contribute nothing.
+template <int BN>
+__device__ __forceinline__ TileMask<true> key_rows_mask(const SeqPolicy& pol, const TileInfo& tile,
+                                                        const WarpSlot& w, const Chunk& queries) {
+    const int row = w.row0 + w.lane / 4;
+    return TileMask<true>{pol, tile.pos + row, tile.rows - row, queries.pos, queries.rows,
+                          !queries.full || tile.rows < BN};
+}
+
+// Calls f(nb, i, col, visible) for every element this lane holds of a [16, 8 NB] tile under
+// `mask`: element s[nb][i] is in row g + 8 (i / 2), column col = nb * 8 + 2t + i % 2.
+template <int NB, bool ROWS_ARE_KEYS, typename F>
+__device__ __forceinline__ void for_each_element(const TileMask<ROWS_ARE_KEYS>& mask, int lane,
+                                                 F&& f) {
+    const int t = lane % 4;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const Band m_band = mask.band(half);
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = nb * 8 + 2 * t + e;
+                f(nb, 2 * half + e, col, mask.visible(m_band, col));
+            }
+        }
+    }
+}
+
+// Sets every element of a [16, 8 NB] score tile that its row does not see to -inf.
+template <int NB, bool ROWS_ARE_KEYS>
+__device__ __forceinline__ void apply_mask(float (&s)[NB][4], const TileMask<ROWS_ARE_KEYS>& mask,
+                                           int lane) {
+    if (!mask.partial) return;
+    for_each_element<NB>(mask, lane, [&](int nb, int i, int, bool visible) {
+        if (!visible) s[nb][i] = neg_inf();
+    });
 }
 
 }  // namespace varlen

@@ -18,16 +18,18 @@
 //       without .trans: M[l/4][2(l%4)], M[l/4][2(l%4)+1]       = (row g, cols 2t, 2t+1)
 //       with    .trans: M[2(l%4)][l/4], M[2(l%4)+1][l/4]       = (rows 2t, 2t+1, col g)
 //
-// Consequences used by every kernel (docs/cupy_backend.md draws them):
-//   * A tile stored row-major [rows][k] -> ldmatrix.x4 without .trans, matrix order
-//     (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) gives
+// Consequences used by every kernel (docs/cupy_backend.md draws them). Every x4 load reads a
+// 16 x 16 block in one of two matrix orders, rows first or columns first (ldmatrix_block):
+//   * A tile stored row-major [rows][k] -> ldmatrix.x4 without .trans, rows first: matrices
+//     (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) are
 //     reg0..reg3 of A: lane l addresses row (l % 8) + 8 ((l / 8) % 2), column 8 (l / 16).
-//   * B[k][n] = X[n][k] with X stored row-major [n][k] (K in Q K^T) -> ldmatrix without .trans:
-//     matrix (n 0-7, k 0-7) is reg0, (n 0-7, k 8-15) reg1; x4 covers two n-blocks:
-//     lane l addresses row n0 + 8 (l / 16) + (l % 8), column k0 + 8 ((l / 8) % 2).
-//   * B[k][n] = X[k][n] with X stored row-major [k][n] (V in P V) -> ldmatrix .trans:
-//     matrix (k 0-7, n 0-7) is reg0, (k 8-15, n 0-7) reg1; x4 covers two n-blocks:
-//     lane l addresses row k0 + (l % 8) + 8 ((l / 8) % 2), column n0 + 8 (l / 16).
+//   * B[k][n] = X[n][k] with X stored row-major [n][k] (K in Q K^T) -> ldmatrix without .trans,
+//     columns first: matrix (n 0-7, k 0-7) is reg0, (n 0-7, k 8-15) reg1, and the next two the
+//     next n-block: lane l addresses row n0 + 8 (l / 16) + (l % 8), column k0 + 8 ((l / 8) % 2).
+//   * B[k][n] = X[k][n] with X stored row-major [k][n] (V in P V) -> ldmatrix .trans, rows
+//     first: matrix (k 0-7, n 0-7) is reg0, (k 8-15, n 0-7) reg1, and the next two the next
+//     n-block: lane l addresses row k0 + (l % 8) + 8 ((l / 8) % 2), column n0 + 8 (l / 16).
+//   * A = X^T with X stored row-major [k][m] (dS from dS^T) -> ldmatrix .trans, columns first.
 //   * A C fragment pair (n-blocks 2j, 2j+1 of a [16, N] fp32 tile) is the A fragment of
 //     k-step j once packed: reg0 = C[2j](c0,c1), reg1 = C[2j](c2,c3), reg2 = C[2j+1](c0,c1),
 //     reg3 = C[2j+1](c2,c3) (FlashAttention-2 keeps P in registers this way).
@@ -97,16 +99,17 @@ __device__ __forceinline__ void cp_async_wait() {
 template <int D>
 __host__ __device__ constexpr int smem_stride() { return D + SMEM_PAD; }
 
-// Asynchronously copies rows [0, ROWS) x columns [0, D) of a strided global tile into a padded
-// shared tile [ROWS][D + SMEM_PAD]; rows >= valid_rows are zero-filled. `p_src` points at row 0
-// (which is always valid when valid_rows > 0, and is the only address used otherwise).
+// Asynchronously copies rows [row, row + ROWS) x columns [0, D) of one head of a packed array
+// into a padded shared tile [ROWS][D + SMEM_PAD]; rows >= valid_rows are zero-filled. Only row
+// `row` is addressed for them (it is valid whenever valid_rows > 0).
 template <int ROWS, int D, int NUM_THREADS, typename T>
-__device__ __forceinline__ void load_tile_async(T* s_dst, const T* p_src, int64_t row_stride,
+__device__ __forceinline__ void load_tile_async(T* s_dst, const HeadRows<const T>& src, int row,
                                                 int valid_rows) {
     static_assert(D % CHUNK_ELEMS == 0, "rows are copied in 16-byte chunks");
     constexpr int CHUNKS_PER_ROW = D / CHUNK_ELEMS;
     constexpr int STRIDE = smem_stride<D>();
     constexpr int TOTAL = ROWS * CHUNKS_PER_ROW;
+    const T* p_src = src.row(row);
     #pragma unroll
     for (int i = 0; i < (TOTAL + NUM_THREADS - 1) / NUM_THREADS; ++i) {
         const int c = threadIdx.x + i * NUM_THREADS;
@@ -114,51 +117,34 @@ __device__ __forceinline__ void load_tile_async(T* s_dst, const T* p_src, int64_
         const int r = c / CHUNKS_PER_ROW;
         const int col = (c % CHUNKS_PER_ROW) * CHUNK_ELEMS;
         const bool valid = r < valid_rows;
-        const T* p = p_src + (valid ? static_cast<int64_t>(r) * row_stride + col : 0);
+        const T* p = p_src + (valid ? static_cast<int64_t>(r) * src.stride + col : 0);
         cp_async_16(s_dst + r * STRIDE + col, p, valid);
     }
 }
 
-// A fragment (16 rows x 16 k) of a row-major shared tile: rows row0.., columns k0..
-template <int STRIDE, typename T>
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* s_tile, int row0, int k0,
-                                       int lane) {
-    const int r = row0 + (lane % 8) + 8 * ((lane / 8) % 2);
-    const int c = k0 + 8 * (lane / 16);
-    ldmatrix_x4(a, s_tile + r * STRIDE + c);
-}
+// The two orders of the four 8 x 8 matrices of an x4 load of a 16 x 16 block (see top).
+enum class X4 {
+    ROWS_FIRST,    // (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), ...
+    COLS_FIRST,    // (rows 0-7, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 0-7), ...
+};
 
-// A fragment of the transpose of a row-major shared tile X[k][m]: A[m][k] = X[k][m] for
-// m in m0..m0+15, k in k0..k0+15. Matrix order: (m 0-7, k 0-7) is stored at rows k 0-7,
-// columns m 0-7; (m 8-15, k 0-7) at rows k 0-7, columns m 8-15; (m 0-7, k 8-15) at rows
-// k 8-15, columns m 0-7; (m 8-15, k 8-15) at rows k 8-15, columns m 8-15. With .trans lane l
-// receives X[k0 + 2t, 2t+1][m0 + g] = A[g][2t, 2t+1] in register 0, as A's reg0 requires.
-template <int STRIDE, typename T>
-__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T* s_tile, int m0, int k0,
-                                             int lane) {
-    const int i = lane / 8;
-    const int r = k0 + (lane % 8) + 8 * (i / 2);
-    const int c = m0 + 8 * (i % 2);
-    ldmatrix_x4_trans(a, s_tile + r * STRIDE + c);
-}
-
-// B fragments of two n-blocks (n0..n0+7 -> b[0], b[1]; n0+8..n0+15 -> b[2], b[3]) for
-// B[k][n] = X[n][k], X row-major [n][k] in shared memory (K in Q K^T).
-template <int STRIDE, typename T>
-__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const T* s_tile, int n0, int k0,
-                                          int lane) {
-    const int r = n0 + 8 * (lane / 16) + (lane % 8);
-    const int c = k0 + 8 * ((lane / 8) % 2);
-    ldmatrix_x4(b, s_tile + r * STRIDE + c);
-}
-
-// B fragments of two n-blocks for B[k][n] = X[k][n], X row-major [k][n] (V in P V).
-template <int STRIDE, typename T>
-__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* s_tile, int k0, int n0,
-                                          int lane) {
-    const int r = k0 + (lane % 8) + 8 * ((lane / 8) % 2);
-    const int c = n0 + 8 * (lane / 16);
-    ldmatrix_x4_trans(b, s_tile + r * STRIDE + c);
+// ldmatrix.x4 (.trans with TRANS) of the 16 x 16 block at row r0, column c0 of a padded shared
+// tile: lanes 8i .. 8i+7 address the rows of matrix i in ORDER. The uses, by operand:
+//   A = X [16, 16k] stored [rows][k] (Q, dO, K, V):           ROWS_FIRST, no .trans, (row0, k0)
+//   A = X^T, X stored [k][m] (dS from dS^T):                  COLS_FIRST, .trans, (k0, m0)
+//   B = X^T, two n-blocks, X stored [n][k] (K in Q K^T):      COLS_FIRST, no .trans, (n0, k0)
+//   B = X, two n-blocks, X stored [k][n] (V in P V):          ROWS_FIRST, .trans, (k0, n0)
+template <int STRIDE, X4 ORDER, bool TRANS, typename T>
+__device__ __forceinline__ void ldmatrix_block(uint32_t (&r)[4], const T* s_tile, int r0, int c0,
+                                               int lane) {
+    const int row_half = ORDER == X4::ROWS_FIRST ? (lane / 8) % 2 : lane / 16;
+    const int col_half = ORDER == X4::ROWS_FIRST ? lane / 16 : (lane / 8) % 2;
+    const T* p = s_tile + (r0 + lane % 8 + 8 * row_half) * STRIDE + c0 + 8 * col_half;
+    if constexpr (TRANS) {
+        ldmatrix_x4_trans(r, p);
+    } else {
+        ldmatrix_x4(r, p);
+    }
 }
 
 // The A fragment of k-step j from a [16, N] fp32 C-fragment tile (register reuse, see top).
@@ -170,41 +156,25 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NB][4]
     a[3] = ElemTraits<T>::pack(c[2 * j + 1][2], c[2 * j + 1][3]);
 }
 
-// acc[16, 8 NB] += A_tile[16, 16 KSTEPS] (rows row0.. of s_a) x X^T, X = s_b [8 NB][16 KSTEPS]
-// row-major: the Q K^T product of a warp's 16 rows with a whole key tile.
-template <typename T, int NB, int KSTEPS, int STRIDE_A, int STRIDE_B>
-__device__ __forceinline__ void gemm_a_bt(float (&acc)[NB][4], const T* s_a, int row0,
-                                          const T* s_b, int lane) {
+// acc[16, 8 NB] += A[16, 16 KSTEPS] B[16 KSTEPS, 8 NB], B = columns n0.. of X^T (B_IS_XT: X
+// stored [n][k]) or of X (X stored [k][n]) in shared memory, two n-blocks per ldmatrix.
+// `load_a_step(a, kk)` fills the A fragment of k-step kk.
+template <typename T, int NB, int KSTEPS, int STRIDE_B, bool B_IS_XT, typename LoadA>
+__device__ __forceinline__ void gemm_16(float (&acc)[NB][4], LoadA&& load_a_step, const T* s_b,
+                                        int n0, int lane) {
     static_assert(NB % 2 == 0, "B fragments are loaded two n-blocks at a time");
     #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
         uint32_t a[4];
-        load_a<STRIDE_A>(a, s_a, row0, kk * 16, lane);
+        load_a_step(a, kk);
         #pragma unroll
         for (int nb = 0; nb < NB; nb += 2) {
             uint32_t b[4];
-            load_b_nk<STRIDE_B>(b, s_b, nb * 8, kk * 16, lane);
-            mma_16816<T>(acc[nb], a, b[0], b[1]);
-            mma_16816<T>(acc[nb + 1], a, b[2], b[3]);
-        }
-    }
-}
-
-// acc[16, 8 NB] += P[16, 16 KSTEPS] (C fragments in registers) x X, X = s_b [16 KSTEPS][8 NB]
-// row-major: the P V product (and dS K, P^T dO, dS^T Q in the backward pass).
-template <typename T, int NB, int KSTEPS, int NP, int STRIDE_B>
-__device__ __forceinline__ void gemm_p_b(float (&acc)[NB][4], const float (&p)[NP][4],
-                                         const T* s_b, int lane) {
-    static_assert(NP == 2 * KSTEPS, "P holds two n-blocks of 8 per k-step of 16");
-    static_assert(NB % 2 == 0, "B fragments are loaded two n-blocks at a time");
-    #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-        uint32_t a[4];
-        c_to_a<T>(a, p, kk);
-        #pragma unroll
-        for (int nb = 0; nb < NB; nb += 2) {
-            uint32_t b[4];
-            load_b_kn<STRIDE_B>(b, s_b, kk * 16, nb * 8, lane);
+            if constexpr (B_IS_XT) {
+                ldmatrix_block<STRIDE_B, X4::COLS_FIRST, false>(b, s_b, n0 + nb * 8, kk * 16, lane);
+            } else {
+                ldmatrix_block<STRIDE_B, X4::ROWS_FIRST, true>(b, s_b, kk * 16, n0 + nb * 8, lane);
+            }
             mma_16816<T>(acc[nb], a, b[0], b[1]);
             mma_16816<T>(acc[nb + 1], a, b[2], b[3]);
         }
@@ -219,14 +189,34 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NB][4]) {
     }
 }
 
-// Writes a warp's [16, 8 NB] fp32 tile, scaled per row (row_scale[0] for row g, [1] for g + 8),
-// into its rows of a padded shared tile as T, then copies rows < valid_rows to global memory
-// in 16-byte stores. Only this warp touches these shared rows; the caller guarantees nobody
-// else reads them any more.
+// acc[16, 8 NB] = A X^T with A rows row0.. of s_a and X = s_b [8 NB] rows, both padded shared
+// tiles of D columns: the scores S = Q K^T of a warp's rows (and dO V^T, K Q^T, V dO^T).
+template <typename T, int D, int NB>
+__device__ __forceinline__ void gemm_abt(float (&acc)[NB][4], const T* s_a, int row0,
+                                         const T* s_b, int lane) {
+    constexpr int STRIDE = smem_stride<D>();
+    zero_acc(acc);
+    gemm_16<T, NB, D / 16, STRIDE, true>(acc, [&](uint32_t (&a)[4], int kk) {
+        ldmatrix_block<STRIDE, X4::ROWS_FIRST, false>(a, s_a, row0, kk * 16, lane);
+    }, s_b, 0, lane);
+}
+
+// acc[16, 8 NB] += P[16, 8 NP] (C fragments in registers) X, X = s_b [8 NP][8 NB] row-major:
+// the P V product (and dS K, P^T dO, dS^T Q in the backward pass).
+template <typename T, int NB, int NP, int STRIDE_B>
+__device__ __forceinline__ void gemm_pb(float (&acc)[NB][4], const float (&p)[NP][4],
+                                        const T* s_b, int lane) {
+    static_assert(NP % 2 == 0, "P holds two n-blocks of 8 per k-step of 16");
+    gemm_16<T, NB, NP / 2, STRIDE_B, false>(acc, [&](uint32_t (&a)[4], int kk) {
+        c_to_a<T>(a, p, kk);
+    }, s_b, 0, lane);
+}
+
+// Packs a warp's [16, 8 NB] fp32 tile, scaled per row (row_scale[0] for row g, [1] for g + 8),
+// as T into rows row0 .. row0 + 15 of a padded shared tile.
 template <typename T, int NB, int STRIDE>
-__device__ __forceinline__ void store_rows(const float (&acc)[NB][4], const float (&row_scale)[2],
-                                           T* s_stage, int row0, T* p_dst, int64_t row_stride,
-                                           int valid_rows, int lane) {
+__device__ __forceinline__ void stage_rows(const float (&acc)[NB][4], const float (&row_scale)[2],
+                                           T* s_stage, int row0, int lane) {
     const int g = lane / 4, t = lane % 4;
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
@@ -236,6 +226,16 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NB][4], const floa
         *reinterpret_cast<uint32_t*>(s_stage + (row0 + g + 8) * STRIDE + c) =
             ElemTraits<T>::pack(acc[nb][2] * row_scale[1], acc[nb][3] * row_scale[1]);
     }
+}
+
+// Writes a warp's [16, D = 8 NB] fp32 tile, scaled per row, to rows row .. row + 15 of a head
+// (those < valid_rows) through the warp's rows row0.. of a padded shared tile, in 16-byte
+// stores. Only this warp touches these shared rows; nobody else reads them any more.
+template <typename T, int NB, int STRIDE>
+__device__ __forceinline__ void store_rows(const float (&acc)[NB][4], const float (&row_scale)[2],
+                                           T* s_stage, int row0, const HeadRows<T>& dst, int row,
+                                           int valid_rows, int lane) {
+    stage_rows<T, NB, STRIDE>(acc, row_scale, s_stage, row0, lane);
     __syncwarp();
     constexpr int D = NB * 8;
     constexpr int CHUNKS_PER_ROW = D / CHUNK_ELEMS;
@@ -243,11 +243,32 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NB][4], const floa
     #pragma unroll
     for (int i = 0; i < WARP_ROWS * CHUNKS_PER_ROW / WARP_SIZE; ++i) {
         const int c = lane + i * WARP_SIZE;
-        const int r = c / CHUNKS_PER_ROW;
+        const int r = row0 + c / CHUNKS_PER_ROW;
         const int col = (c % CHUNKS_PER_ROW) * CHUNK_ELEMS;
-        if (row0 + r < valid_rows) {
-            *reinterpret_cast<uint4*>(p_dst + static_cast<int64_t>(row0 + r) * row_stride + col) =
-                *reinterpret_cast<const uint4*>(s_stage + (row0 + r) * STRIDE + col);
+        if (r < valid_rows) {
+            *reinterpret_cast<uint4*>(dst.row(row + r) + col) =
+                *reinterpret_cast<const uint4*>(s_stage + r * STRIDE + col);
+        }
+    }
+}
+
+// dst[row + r][col0 + c] += acc[r][c] with fp32 atomics, for the rows r < valid_rows of a
+// warp's [16, 8 NB] tile.
+template <int NB>
+__device__ __forceinline__ void atomic_add_rows(const float (&acc)[NB][4],
+                                                const HeadRows<float>& dst, int row,
+                                                int valid_rows, int col0, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = g + 8 * half;
+        if (r < valid_rows) {
+            float* p = dst.row(row + r) + col0 + 2 * t;
+            #pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                atomicAdd(p + nb * 8, acc[nb][2 * half]);
+                atomicAdd(p + nb * 8 + 1, acc[nb][2 * half + 1]);
+            }
         }
     }
 }

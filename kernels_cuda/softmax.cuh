@@ -1,11 +1,12 @@
-// Score transform (scale, softcap, mask) and the online softmax of FlashAttention-2 (Alg. 1,
-// lines 9-10), on a warp's [16, 8 NB] fp32 score tile in C-fragment layout: lane (g, t) holds
-// rows g and g + 8, columns nb * 8 + 2t + {0, 1}. Scores are kept in base-2 units
-// x = s * LOG2E, so p = exp2(x - m) = exp(s - m / LOG2E).
+// Score transform (scale, softcap), the online softmax of FlashAttention-2 (Alg. 1, lines 9-10)
+// and its backward (Alg. 2), on a warp's [16, 8 NB] fp32 score tiles in C-fragment layout:
+// lane (g, t) holds rows g and g + 8, columns nb * 8 + 2t + {0, 1}. Scores are kept in base-2
+// units x = s * LOG2E, so p = exp2(x - m) = exp(s - m / LOG2E).
 #pragma once
 
 #include "common.cuh"
 #include "mask.cuh"
+#include "mma.cuh"
 
 namespace varlen {
 
@@ -22,22 +23,15 @@ __device__ __forceinline__ float score_log2(float qk, float softmax_scale, float
     }
 }
 
-// Sets every element outside its row's key band to -inf. Row r of the tile is query position
-// q_pos0 + row0 + r; column c is key position k_pos0 + c.
-template <int NB>
-__device__ __forceinline__ void mask_scores(float (&s)[NB][4], const SeqPolicy& pol, int q_pos,
-                                            int k_pos0, int k_rows, int lane) {
-    const int g = lane / 4, t = lane % 4;
+// Every score of a [16, 8 NB] tile in base-2 units (the forward pass; the backward pass also
+// needs each tanh, so it transforms element by element in softmax_backward).
+template <bool HAS_SOFTCAP, int NB>
+__device__ __forceinline__ void scale_scores(float (&s)[NB][4], const CallParams& call) {
     #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const Band m_band = key_band(pol, q_pos + g + 8 * half, k_pos0, k_pos0 + k_rows - 1);
+    for (int nb = 0; nb < NB; ++nb) {
         #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-            #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int j = k_pos0 + nb * 8 + 2 * t + e;
-                if (!m_band.contains(j)) s[nb][2 * half + e] = neg_inf();
-            }
+        for (int e = 0; e < 4; ++e) {
+            s[nb][e] = score_log2<HAS_SOFTCAP>(s[nb][e], call.softmax_scale, call.softcap);
         }
     }
 }
@@ -98,5 +92,50 @@ struct OnlineSoftmax {
         }
     }
 };
+
+// lse2 and delta of query row `row` of head `head` ([Hq, Tq] arrays); a row past the tile gets
+// lse2 = +inf and delta = 0, so its recomputed probabilities are exactly 0.
+__device__ __forceinline__ void load_row_stats(float& row_lse2, float& row_delta,
+                                               const float* lse2, const float* delta, int Tq,
+                                               int head, int row, bool present) {
+    const int64_t idx = static_cast<int64_t>(head) * Tq + row;
+    row_lse2 = present ? lse2[idx] : pos_inf();
+    row_delta = present ? delta[idx] : 0.f;
+}
+
+// The softmax backward of one [16, 8 NB] tile (FlashAttention-2, Alg. 2): with x the masked
+// score in base-2 units, P = exp2(x - lse2) replaces the scores `s` (in: Q K^T) and
+// dS = P (dP - delta) * softmax_scale (times 1 - tanh^2 with a softcap) replaces `dp` (in:
+// dO V^T). `stats.lse2(half, col)` and `stats.delta(half, col)` give an element's row
+// statistics: per row in the dQ kernel, per column in the transposed dK/dV kernel.
+template <bool HAS_SOFTCAP, int NB, typename Mask, typename Stats>
+__device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[NB][4],
+                                                 const Mask& mask, const Stats& stats,
+                                                 const CallParams& call, int lane) {
+    for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
+        float th = 0.f;
+        float x = score_log2<HAS_SOFTCAP>(s[nb][i], call.softmax_scale, call.softcap, &th);
+        if (!visible) x = neg_inf();
+        const float p = exp2f(x - stats.lse2(i / 2, col));
+        float ds = p * (dp[nb][i] - stats.delta(i / 2, col));
+        if (HAS_SOFTCAP) ds *= 1.f - th * th;
+        s[nb][i] = p;
+        dp[nb][i] = ds * call.softmax_scale;
+    });
+}
+
+// P and dS of this warp's rows of one tile pair in the backward pass: S = X Y^T and
+// dP = dX dY^T (X, dX = Q, dO and Y, dY = K, V in the dQ kernel; K, V and Q, dO, transposed,
+// in the dK/dV kernel; all padded shared tiles of D columns), then softmax_backward.
+template <bool HAS_SOFTCAP, typename T, int D, int NB, typename Mask, typename Stats>
+__device__ __forceinline__ void recompute_p_ds(float (&p)[NB][4], float (&ds)[NB][4],
+                                               const T* s_x, const T* s_dx, const T* s_y,
+                                               const T* s_dy, const Mask& mask,
+                                               const Stats& stats, const CallParams& call,
+                                               const WarpSlot& w) {
+    gemm_abt<T, D>(p, s_x, w.row0, s_y, w.lane);
+    gemm_abt<T, D>(ds, s_dx, w.row0, s_dy, w.lane);
+    softmax_backward<HAS_SOFTCAP>(p, ds, mask, stats, call, w.lane);
+}
 
 }  // namespace varlen

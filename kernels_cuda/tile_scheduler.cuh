@@ -57,10 +57,13 @@ struct PartnerCursor {
 
     int head, seg, c, c_end, f_begin, f_end;
 
-    __device__ __forceinline__ void init(const int* sched, const int* row, const int* len,
-                                         const int* pos, int segments, int heads,
-                                         int chunks_per_tile) {
-        p_sched = sched; p_row = row; p_len = len; p_pos = pos;
+    // The schedule row `sched` of a tile of sequence b against the partner segments
+    // [b * segments, (b + 1) * segments) of `row`, `len` and `pos`.
+    __device__ __forceinline__ PartnerCursor(const int* sched, const int* row, const int* len,
+                                             const int* pos, int b, int segments, int heads,
+                                             int chunks_per_tile) {
+        const int64_t first = static_cast<int64_t>(b) * segments;
+        p_sched = sched; p_row = row + first; p_len = len + first; p_pos = pos + first;
         num_segments = segments; num_heads = heads; ratio = chunks_per_tile;
         head = 0; seg = 0;
         enter();
@@ -102,5 +105,25 @@ struct PartnerCursor {
                      c >= f_begin && c < f_end && rows == CHUNK};
     }
 };
+
+// The key chunks of query tile i_tile (forward, dQ). A chunk is a whole plan tile: the host
+// compiles BN = plan.block_n (KernelSpec).
+template <int BN>
+__device__ __forceinline__ PartnerCursor<BN> key_cursor(const PlanView& plan, const TileInfo& tile,
+                                                        int i_tile) {
+    return PartnerCursor<BN>(plan.q_sched + static_cast<int64_t>(i_tile) * plan.mk * SCHED_FIELDS,
+                             plan.k_row, plan.k_len, plan.k_pos, tile.seq, plan.mk, 1, 1);
+}
+
+// The query chunks of key tile i_tile (dK/dV) for each of `heads` query heads; a plan tile of
+// block_m query rows is block_m / BQ chunks (a whole number, checked by KernelSpec).
+template <int BQ>
+__device__ __forceinline__ PartnerCursor<BQ> query_cursor(const PlanView& plan,
+                                                          const TileInfo& tile, int i_tile,
+                                                          int heads) {
+    return PartnerCursor<BQ>(plan.k_sched + static_cast<int64_t>(i_tile) * plan.mq * SCHED_FIELDS,
+                             plan.q_row, plan.q_len, plan.q_pos, tile.seq, plan.mq, heads,
+                             plan.block_m / BQ);
+}
 
 }  // namespace varlen

@@ -1,7 +1,7 @@
 """The CuPy kernels on a CPU-only machine: every variant compiles with NVRTC for sm_80 and sm_90
 without register spills and within each architecture's shared memory, the host's launch sizes
-match the kernels' layouts, and the kernels' logic agrees with the reference when executed
-through the host emulation (kernels_cuda/host_emulation.cuh)."""
+and struct layouts match the kernels', and the kernels' logic agrees with the reference when
+executed through the host emulation (kernels_cuda/host_emulation.cuh)."""
 from __future__ import annotations
 
 import json
@@ -114,8 +114,62 @@ def test_spec_names_and_cache_key():
     assert any(o.startswith("-DVARLEN_SOURCE_HASH=") for o in _cupy_spec.compile_options())
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                    reason="needs a C++20 compiler for the host emulation")
+CXX = os.environ.get("CXX", "g++")
+needs_cxx = pytest.mark.skipif(shutil.which(CXX) is None,
+                               reason="needs a C++20 compiler (host emulation, struct layouts)")
+
+
+@needs_cxx
+def test_struct_dtypes_match_the_c_structs(tmp_path):
+    """The launchers' NumPy dtypes have the size, alignment and field offsets of the structs
+    of kernels_cuda/plan_view.cuh (field by field, by name), and PlanView has KernelView's
+    fields in order."""
+    from varlen.kernels_cuda import SOURCE_DIR
+    from varlen.plan import KernelView
+    assert _cupy_spec.PLAN_VIEW_DTYPE.names == KernelView._fields
+    lines = ["#include <cstddef>", "#include <cstdio>", '#include "plan_view.cuh"',
+             "int main() {"]
+    for struct, dtype in _cupy_spec.STRUCT_DTYPES.items():
+        c = f"varlen::{struct}"
+        lines.append(f'    std::printf("{struct} %zu %zu\\n", sizeof({c}), alignof({c}));')
+        lines += [f'    std::printf("{struct}.{f} %zu\\n", offsetof({c}, {f}));'
+                  for f in dtype.names]
+    src = tmp_path / "layout.cc"
+    src.write_text("\n".join(lines + ["}"]) + "\n")
+    exe = tmp_path / "layout"
+    subprocess.run([CXX, "-std=c++17", f"-I{SOURCE_DIR}", str(src), "-o", str(exe)], check=True)
+    c_layout = dict(line.split(" ", 1) for line in
+                    subprocess.run([str(exe)], capture_output=True, text=True,
+                                   check=True).stdout.splitlines())
+    for struct, dtype in _cupy_spec.STRUCT_DTYPES.items():
+        assert c_layout[struct] == f"{dtype.itemsize} {dtype.alignment}", (
+            f"{struct}: C sizeof/alignof {c_layout[struct]}, NumPy dtype "
+            f"{dtype.itemsize} {dtype.alignment}")
+        for f in dtype.names:
+            assert int(c_layout[f"{struct}.{f}"]) == dtype.fields[f][1], (
+                f"{struct}.{f}: C offset {c_layout[f'{struct}.{f}']}, NumPy offset "
+                f"{dtype.fields[f][1]}")
+
+
+@needs_cxx
+def test_emulation_refuses_a_struct_of_the_wrong_size():
+    """The emulated launch checks every argument's size against its kernel parameter: a
+    PlanView dtype missing a field is refused before the kernel runs."""
+    import numpy as np
+    from varlen.backends._cupy_emulation import _Kernel
+    kernel = _Kernel("varlen_fwd<__half, 64, 64, 64, false>", block_m=64)
+    short = np.dtype([(n, _cupy_spec.PLAN_VIEW_DTYPE.fields[n][0])
+                      for n in _cupy_spec.PLAN_VIEW_DTYPE.names[:-1]], align=True)
+    data = [np.zeros((1, 1, 64), np.float16) for _ in range(4)] + [np.zeros((1, 1), np.float32)]
+    call = np.zeros((), _cupy_spec.CALL_PARAMS_DTYPE)
+    full = _cupy_spec.PLAN_VIEW_DTYPE.itemsize
+    with pytest.raises(TypeError, match=f"argument 5 .*{short.itemsize} B.* has {full} B"):
+        kernel((1, 1), (128,), (*data, np.zeros((), short), call))
+    with pytest.raises(TypeError, match="6 arguments for 7 parameters"):
+        kernel((1, 1), (128,), (*data[:4], np.zeros((), _cupy_spec.PLAN_VIEW_DTYPE), call))
+
+
+@needs_cxx
 def test_kernels_match_reference_on_host_emulation():
     """The kernels themselves, compiled for the CPU with emulated PTX primitives and driven by
     the real launchers, agree with the float64 reference (forward and both backward modes)."""

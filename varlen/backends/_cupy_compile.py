@@ -93,10 +93,10 @@ def compile_groups(specs=None, archs=spec_mod.ARCHS):
     groups = defaultdict(dict)
     seen = set()
     for s in specs:
-        for name, _, smem in s.kernels():
-            if name not in seen:          # kernels shared by several specs compile once
-                seen.add(name)
-                groups[(s.dtype, s.head_dim)][name] = smem
+        for kernel in s.kernels().values():
+            if kernel.name not in seen:   # kernels shared by several specs compile once
+                seen.add(kernel.name)
+                groups[(s.dtype, s.head_dim)][kernel.name] = kernel.smem
     return [(arch, tuple(kern), kern) for arch in archs for _, kern in sorted(groups.items())]
 
 

@@ -7,8 +7,11 @@ The kernel sources are compiled with g++ (`-DVARLEN_HOST_EMULATION`, see
 primitives (ldmatrix, mma.sync, shuffles) emulated from the PTX ISA's fragment layouts. The
 real launchers of `_cupy_kernels.py` drive them: a stand-in `cupy` module turns each kernel
 launch into a call of the emulated kernel with the very argument tuple a GPU launch would
-get, so argument order, scalar types, grids, shared-memory sizes (and the >48 KiB opt-in) are
-exercised too. Results are compared with the float64 reference (STYLE.md tolerances).
+get, passed as a GPU launch passes it (a pointer to each argument's bytes; the `PlanView` and
+`CallParams` structs by value), each argument's size checked against its parameter's. So
+argument order, struct layouts, scalar types, grids, shared-memory sizes (and the >48 KiB
+opt-in) are exercised too. Fresh buffers are NaN-filled; results are compared with the
+float64 reference (`varlen.testing`, STYLE.md tolerances).
 
 This checks the kernels' logic (fragment indexing, schedule walking, masks, online softmax,
 backward algebra, pad rows), not timing, races or register budgets; it is slow (seconds per
@@ -30,6 +33,7 @@ import types
 
 import numpy as np
 
+from .._array import set_nan_fill
 from ..kernels_cuda import SOURCE_DIR
 from . import _cupy_spec
 
@@ -62,7 +66,16 @@ def _build(T, D, BM, BN, BQ, SC):
 
 
 class _Kernel:
-    """Stands for a CuPy RawKernel: same call signature, runs the emulated kernel."""
+    """Stands for a CuPy RawKernel: same call signature; runs the emulated kernel.
+
+    Arguments reach it as a GPU launch passes them: an array of pointers, one per kernel
+    parameter, each to that argument's bytes (a device array's address, a scalar's value, a
+    struct's bytes), and the entry point calls the kernel with every parameter by value. Each
+    argument's size must equal its parameter's `sizeof`, so a struct whose dtype does not
+    match the C struct, a missing argument or a 64-bit scalar for an `int` is refused.
+    """
+
+    MAX_PARAMS = 32
 
     def __init__(self, name: str, block_m: int):
         self.name = name
@@ -72,44 +85,61 @@ class _Kernel:
         T, D, BM, BN, SC = a[0], 64, block_m, 64, "false"
         if kind in ("varlen_fwd", "varlen_bwd_dq"):
             D, BM, BN, SC = int(a[1]), int(a[2]), int(a[3]), a[4]
-            self.entry = "emu_fwd" if kind == "varlen_fwd" else "emu_dq"
         elif kind == "varlen_bwd_dkdv":
             D, BN, SC = int(a[1]), int(a[2]), a[4]
-            self.entry = "emu_dkdv_atomic" if a[5] == "true" else "emu_dkdv_plain"
+            kind += "_atomic" if a[5] == "true" else ""
         elif kind == "varlen_bwd_preprocess":
             D = int(a[1])
-            self.entry = "emu_pre"
-        elif kind == "varlen_bwd_dq_convert":
-            self.entry = "emu_convert"
-        else:
+        elif kind != "varlen_bwd_dq_convert":
             raise AssertionError(f"unknown kernel {name}")
-        bq = int(a[3]) if kind == "varlen_bwd_dkdv" else (32 if D > 64 else 64)
+        bq = int(a[3]) if kind.startswith("varlen_bwd_dkdv") else (32 if D > 64 else 64)
         self.lib = _build(T, D, BM, BN, bq, SC)
+        self.key = kind.encode()
+        sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
+        n = self.lib.emu_param_sizes(self.key, sizes)
+        assert n >= 0, f"{name}: no entry point {kind} in the emulation"
+        self.param_sizes = list(sizes[:n])
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         assert shared_mem <= EMULATED_SMEM, f"{self.name}: {shared_mem} B of shared memory"
         if shared_mem > STATIC_SMEM_LIMIT:
             assert self.max_dynamic_shared_size_bytes >= shared_mem, (
                 f"{self.name}: {shared_mem} B dynamic shared memory without the opt-in")
-        conv = []
-        for a in args:
-            if isinstance(a, np.ndarray):
-                assert a.flags.c_contiguous, f"{self.name}: non-contiguous argument"
-                conv.append(ctypes.c_void_p(a.ctypes.data))
-            elif isinstance(a, np.int32):
-                conv.append(ctypes.c_int(int(a)))
-            elif isinstance(a, np.float32):
-                conv.append(ctypes.c_float(float(a)))
-            elif isinstance(a, np.int64):
-                conv.append(ctypes.c_longlong(int(a)))
-            elif isinstance(a, np.uint64):
-                conv.append(ctypes.c_void_p(int(a)))
-            else:
-                raise TypeError(f"{self.name}: argument of type {type(a).__name__} would not "
-                                f"be passed as a 32-bit scalar or a pointer")
+        if len(args) != len(self.param_sizes):
+            raise TypeError(f"{self.name}: {len(args)} arguments for "
+                            f"{len(self.param_sizes)} parameters")
+        values = [self._bytes_of(i, a, size)
+                  for i, (a, size) in enumerate(zip(args, self.param_sizes))]
+        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
         grid = tuple(grid) + (1,) * (2 - len(grid))
-        getattr(self.lib, self.entry)(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-                                      ctypes.c_uint(block[0]), *conv)
+        self.lib.emu_launch(self.key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
+                            ctypes.c_uint(block[0]), params)
+
+    def _bytes_of(self, i, a, size):
+        """Argument i as the bytes CuPy would pass, in a buffer aligned for any parameter."""
+        if isinstance(a, np.ndarray) and a.dtype.names is not None:
+            # A NumPy array of size one travels by value: a struct.
+            assert a.size == 1, f"{self.name}: argument {i} is a struct array of {a.size}"
+            raw = a.tobytes()
+            value = (ctypes.c_uint64 * -(-len(raw) // 8))()
+            ctypes.memmove(value, raw, len(raw))
+            what = f"{len(raw)} bytes of dtype {a.dtype}"
+            got = len(raw)
+        elif isinstance(a, np.ndarray):
+            assert a.flags.c_contiguous, f"{self.name}: argument {i} is not contiguous"
+            value, what = ctypes.c_void_p(a.ctypes.data), "a pointer"
+            got = ctypes.sizeof(value)
+        elif isinstance(a, (np.int32, np.float32, np.int64, np.uint64)):
+            value = np.ctypeslib.as_ctypes_type(a.dtype)(a.item())
+            what = f"a {a.dtype} scalar"
+            got = ctypes.sizeof(value)
+        else:
+            raise TypeError(f"{self.name}: argument {i} of type {type(a).__name__} has no "
+                            f"fixed size on the kernel's side")
+        if got != size:
+            raise TypeError(f"{self.name}: argument {i} is {what} ({got} B) but the kernel's "
+                            f"parameter has {size} B")
+        return value
 
 
 def _host_data(a):
@@ -142,6 +172,8 @@ def install_fake_cupy(block_m: int):
     from . import _cupy_kernels
     _cupy_kernels._modules.clear()
     _cupy_kernels._data = _host_data                 # host arrays have no device pointer
+    _cupy_kernels._address = lambda a: a.ctypes.data
+    set_nan_fill(True)                               # an unwritten output element shows
     return fake
 
 
@@ -149,11 +181,9 @@ def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softc
              seed=0):
     """Forward and both backward modes of one batch through the emulated kernels, checked
     against the float64 reference. Raises AssertionError on a mismatch."""
-    sys.path.insert(0, os.path.join(SOURCE_DIR, "..", "tests"))
-    from helpers import check_against_reference, make_batch
-
     import varlen
-    from . import cupy_backend
+    from ..testing import check_against_reference, make_batch
+    from .cupy_backend import BACKEND
     install_fake_cupy(block_m)
     rng = np.random.default_rng(seed)
     b = make_batch(rng, lengths_q, lengths_k, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
@@ -162,9 +192,9 @@ def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softc
                        mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
                        block_m=block_m, block_n=64)
     scale = 1.0 / math.sqrt(D)
-    out, lse = cupy_backend.forward(plan, b.q, b.k, b.v, softmax_scale=scale, softcap=softcap)
+    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, softmax_scale=scale, softcap=softcap)
     for det in (False, True):
-        grads = cupy_backend.backward(plan, b.dout, b.q, b.k, b.v, out, lse,
+        grads = BACKEND.backward(plan, b.dout, b.q, b.k, b.v, out, lse,
                                       softmax_scale=scale, softcap=softcap, deterministic=det)
         check_against_reference(b, out, lse, grads, softcap=softcap,
                                 label=f"{label} (emulated, deterministic={det})")
@@ -195,15 +225,14 @@ def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
         k, v = (rng.standard_normal((plan.k.num_rows, Hk, D)).astype(np.float16)
                 for _ in range(2))
         f64 = [x.astype(np.float64) for x in (dout, q, k, v)]
-        ref_out, ref_lse = numpy_backend.forward(plan, *f64[1:], softmax_scale=scale,
-                                                 softcap=0.0)
-        ref = (ref_out, *numpy_backend.backward(plan, f64[0], *f64[1:], ref_out, ref_lse,
-                                                softmax_scale=scale, softcap=0.0))
-        out, lse = cupy_backend.forward(plan, q, k, v, softmax_scale=scale, softcap=0.0)
+        ref_backend, backend = numpy_backend.BACKEND, cupy_backend.BACKEND
+        ref_out, ref_lse = ref_backend.forward(plan, *f64[1:], softmax_scale=scale, softcap=0.0)
+        ref = (ref_out, *ref_backend.backward(plan, f64[0], *f64[1:], ref_out, ref_lse,
+                                              softmax_scale=scale, softcap=0.0))
+        out, lse = backend.forward(plan, q, k, v, softmax_scale=scale, softcap=0.0)
         for det in (False, True):
-            got = (out, *cupy_backend.backward(plan, dout, q, k, v, out, lse,
-                                               softmax_scale=scale, softcap=0.0,
-                                               deterministic=det))
+            got = (out, *backend.backward(plan, dout, q, k, v, out, lse, softmax_scale=scale,
+                                          softcap=0.0, deterministic=det))
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
                 err = float(np.abs(a.astype(np.float64) - b).max())
                 bound = 2.0 ** -7 * float(np.abs(b).max()) + 2.0 ** -10

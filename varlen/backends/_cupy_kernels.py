@@ -1,19 +1,29 @@
 """Launchers of the CuPy tensor-core kernels: module cache, grids, arguments.
 
 Every launch goes to the caller's current CuPy stream, reads no device memory on the host and
-allocates only the outputs (and the backward's fp32 scratch), so a warmed-up call can be
-captured in a CUDA graph. Scalars are cast explicitly (`cupy.int32`, `cupy.float32`): a bare
-Python int or float would travel as a 64-bit value and mismatch the kernel's parameter.
+allocates only the outputs and the backward's fp32 scratch, all through `varlen._array.alloc`,
+so a warmed-up call can be captured in a CUDA graph.
+
+What a kernel reads of the plan travels as one `PlanView` struct by value, filled in one place
+(`plan_view_arg`), and the call's heads and scalars as one `CallParams` struct
+(`call_params_arg`); the data pointers come before them as typed arguments. A struct argument
+is a 0-d NumPy array of the aligned dtype in `_cupy_spec`: CuPy passes a NumPy array of size
+one by value, its bytes becoming the kernel parameter (every CuPy since 8; a `numpy.void`
+scalar of this size is refused by CuPy 13 and 14). The other scalars are cast explicitly
+(`cupy.int32`, `cupy.int64`): a bare Python int would travel as a 64-bit value.
 """
 from __future__ import annotations
 
 import math
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
-from ._cupy_spec import (CONVERT_THREADS, PREPROCESS_WARPS, STATIC_SMEM_LIMIT, KernelSpec,
-                         compile_options, module_source)
+from .._array import alloc
+from ..plan import KernelView
+from ._cupy_spec import (CALL_PARAMS_DTYPE, CONVERT_THREADS, PLAN_VIEW_DTYPE, PREPROCESS_WARPS,
+                         STATIC_SMEM_LIMIT, KernelSpec, compile_options, module_source)
 
 MAX_GRID_Y = 65535
 MAX_CONVERT_BLOCKS = 1 << 16
@@ -27,22 +37,28 @@ class _Module:
 
     def __init__(self, spec: KernelSpec):
         import cupy
-        self.spec = spec
+        self.kernels = spec.kernels()
         self.raw = cupy.RawModule(code=module_source(), options=compile_options(),
                                   name_expressions=list(spec.name_expressions))
         self._functions = {}
 
-    def function(self, name: str, smem: int):
+    def function(self, role: str):
         import cupy
-        key = (name, cupy.cuda.Device().id)
+        key = (role, cupy.cuda.Device().id)
         fn = self._functions.get(key)
         if fn is None:
-            fn = self.raw.get_function(name)
-            if smem > STATIC_SMEM_LIMIT:
+            kernel = self.kernels[role]
+            fn = self.raw.get_function(kernel.name)
+            if kernel.smem > STATIC_SMEM_LIMIT:
                 # Dynamic shared memory above 48 KiB must be opted into per kernel.
-                fn.max_dynamic_shared_size_bytes = smem
+                fn.max_dynamic_shared_size_bytes = kernel.smem
             self._functions[key] = fn
         return fn
+
+    def launch(self, role: str, *, grid: tuple, args: tuple):
+        """Enqueue kernel `role` of the spec on the current stream."""
+        kernel = self.kernels[role]
+        self.function(role)(grid, (kernel.threads,), args, shared_mem=kernel.smem)
 
 
 def module(spec: KernelSpec) -> _Module:
@@ -55,20 +71,43 @@ def module(spec: KernelSpec) -> _Module:
     return mod
 
 
-def _i32(x):
-    import cupy
-    return cupy.int32(x)
+class PlanArg(NamedTuple):
+    """The `PlanView` argument of a plan, and the arrays whose addresses it holds."""
 
-
-def _f32(x):
-    import cupy
-    return cupy.float32(x)
+    struct: np.ndarray     # 0-d, PLAN_VIEW_DTYPE
+    view: KernelView       # keep referenced until the launches are enqueued
 
 
 def _index(a):
     """A plan array as a contiguous int32 CuPy array (no copy when it already is one)."""
     import cupy
     return cupy.ascontiguousarray(a, dtype=cupy.int32)
+
+
+def _address(a) -> int:
+    """The device address of a CuPy array's first element."""
+    return a.data.ptr
+
+
+def _struct(dtype, values) -> np.ndarray:
+    arg = alloc(np, (), dtype, fill=0)
+    for name, value in zip(dtype.names, values, strict=True):
+        arg[name] = value
+    return arg
+
+
+def plan_view_arg(plan) -> PlanArg:
+    """`plan.view()` as the kernels' `PlanView` struct: its arrays as contiguous int32 CuPy
+    arrays, passed as their addresses, then its sizes. A converted array lives only in the
+    returned view: keep it referenced until the kernels are enqueued."""
+    view = plan.view().map_arrays(_index)
+    n = view.NUM_ARRAYS
+    return PlanArg(_struct(PLAN_VIEW_DTYPE, [*map(_address, view[:n]), *view[n:]]), view)
+
+
+def call_params_arg(Hq: int, Hk: int, softmax_scale: float, softcap: float) -> np.ndarray:
+    """The kernels' `CallParams` struct."""
+    return _struct(CALL_PARAMS_DTYPE, (Hq, Hk, softmax_scale, softcap))
 
 
 def _data(a):
@@ -80,99 +119,70 @@ def _data(a):
     return a
 
 
-def _zeros(shape, dtype):
-    """Zero-filled buffer; bitwise zeros are +0.0 in float16 and bfloat16 alike."""
-    import cupy
-    return cupy.zeros(shape, dtype=cupy.uint16).view(dtype)
-
-
-def _policy_args(plan):
-    return (_index(plan.q.seqlen), _index(plan.k.seqlen), _index(plan.window_left),
-            _index(plan.window_right), _index(plan.bottom_right))
-
-
-def _check_heads(Hq, Hk):
+def _check_heads(Hq: int):
     if Hq > MAX_GRID_Y:
         raise ValueError(f"Hq={Hq} query heads exceed the grid limit of {MAX_GRID_Y}")
 
 
-def forward(spec: KernelSpec, plan, q, k, v, softmax_scale: float, softcap: float):
+def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: float):
+    """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf)."""
     import cupy
     q, k, v = _data(q), _data(k), _data(v)
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
-    _check_heads(Hq, Hk)
-    out = _zeros((Tq, Hq, D), q.dtype)
-    lse = cupy.full((Hq, Tq), -np.inf, dtype=cupy.float32)
+    _check_heads(Hq)
+    out = alloc(cupy, (Tq, Hq, D), q.dtype, fill=0)
+    lse = alloc(cupy, (Hq, Tq), np.float32, fill=-np.inf)
     if plan.num_q_tiles == 0 or Tq == 0:
         return out, lse
-    name, threads, smem = spec.kernels()[0]
-    fn = module(spec).function(name, smem)
-    fn((plan.num_q_tiles, Hq), (threads,),
-       (q, k, v, out, lse, _index(plan.q_tiles), _index(plan.q_sched), _index(plan.k.row),
-        _index(plan.k.length), _index(plan.k.pos), *_policy_args(plan),
-        _i32(plan.k.per_seq), _i32(Tq), _i32(Hq), _i32(Hk), _f32(softmax_scale),
-        _f32(softcap)),
-       shared_mem=smem)
+    plan_arg = plan_view_arg(plan)
+    module(spec).launch("fwd", grid=(plan.num_q_tiles, Hq),
+                        args=(q, k, v, out, lse, plan_arg.struct,
+                              call_params_arg(Hq, Hk, softmax_scale, softcap)))
     return out, lse
 
 
-def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, softmax_scale: float,
+def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: float,
              softcap: float, deterministic: bool):
+    """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics unless `deterministic`."""
     import cupy
     q, k, v, dout, out = _data(q), _data(k), _data(v), _data(dout), _data(out)
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     Tq, Hq, D = q.shape
     Tk, Hk, _ = k.shape
-    _check_heads(Hq, Hk)
-    dk = _zeros(k.shape, k.dtype)
-    dv = _zeros(v.shape, v.dtype)
+    _check_heads(Hq)
+    dk = alloc(cupy, k.shape, k.dtype, fill=0)
+    dv = alloc(cupy, v.shape, v.dtype, fill=0)
     if Tq == 0 or Tk == 0 or (plan.num_q_tiles == 0 and plan.num_k_tiles == 0):
-        return _zeros(q.shape, q.dtype), dk, dv
+        return alloc(cupy, q.shape, q.dtype, fill=0), dk, dv
     mod = module(spec)
-    (pre_name, pre_threads, _), (dkdv_atomic, dkdv_threads, smem_atomic), \
-        (dkdv_plain, _, smem_plain), (dq_name, dq_threads, dq_smem), \
-        (conv_name, _, _) = spec.kernels()
-    policy = _policy_args(plan)
-    scalars = (_i32(Tq), _i32(Hq), _i32(Hk), _f32(softmax_scale), _f32(softcap))
+    plan_arg = plan_view_arg(plan)
+    call = call_params_arg(Hq, Hk, softmax_scale, softcap)
 
     # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units.
-    delta = cupy.empty((Hq, Tq), dtype=cupy.float32)
-    lse2 = cupy.empty((Hq, Tq), dtype=cupy.float32)
-    pairs = Tq * Hq
-    mod.function(pre_name, 0)((math.ceil(pairs / PREPROCESS_WARPS),), (pre_threads,),
-                              (out, dout, lse, delta, lse2, _i32(Tq), _i32(Hq)))
-
-    k_args = (_index(plan.k_tiles), _index(plan.k_sched), _index(plan.q.row),
-              _index(plan.q.length), _index(plan.q.pos), *policy, _i32(plan.q.per_seq),
-              _i32(plan.block_m // spec.bwd_query_chunk))
+    delta = alloc(cupy, (Hq, Tq), np.float32)
+    lse2 = alloc(cupy, (Hq, Tq), np.float32)
+    mod.launch("preprocess", grid=(math.ceil(Tq * Hq / PREPROCESS_WARPS),),
+               args=(out, dout, lse, delta, lse2, cupy.int32(Tq), cupy.int32(Hq)))
+    inputs = (q, k, v, dout, lse2, delta)
     if deterministic:
-        dq = _zeros(q.shape, q.dtype)
+        dq = alloc(cupy, q.shape, q.dtype, fill=0)
         if plan.num_k_tiles:
-            mod.function(dkdv_plain, smem_plain)(
-                (plan.num_k_tiles, Hk), (dkdv_threads,),
-                (q, k, v, dout, lse2, delta, dk, dv, _null_pointer(), *k_args, *scalars),
-                shared_mem=smem_plain)
+            mod.launch("dkdv", grid=(plan.num_k_tiles, Hk),
+                       args=(*inputs, dk, dv, _null_pointer(), plan_arg.struct, call))
         if plan.num_q_tiles:
-            mod.function(dq_name, dq_smem)(
-                (plan.num_q_tiles, Hq), (dq_threads,),
-                (q, k, v, dout, lse2, delta, dq, _index(plan.q_tiles), _index(plan.q_sched),
-                 _index(plan.k.row), _index(plan.k.length), _index(plan.k.pos), *policy,
-                 _i32(plan.k.per_seq), *scalars),
-                shared_mem=dq_smem)
+            mod.launch("dq", grid=(plan.num_q_tiles, Hq),
+                       args=(*inputs, dq, plan_arg.struct, call))
         return dq, dk, dv
 
-    dq_accum = cupy.zeros((Tq, Hq, D), dtype=cupy.float32)
+    dq_accum = alloc(cupy, (Tq, Hq, D), np.float32, fill=0)
     if plan.num_k_tiles:
-        mod.function(dkdv_atomic, smem_atomic)(
-            (plan.num_k_tiles, Hk), (dkdv_threads,),
-            (q, k, v, dout, lse2, delta, dk, dv, dq_accum, *k_args, *scalars),
-            shared_mem=smem_atomic)
-    dq = cupy.empty(q.shape, dtype=q.dtype)
+        mod.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk),
+                   args=(*inputs, dk, dv, dq_accum, plan_arg.struct, call))
+    dq = alloc(cupy, q.shape, q.dtype)
     n = dq_accum.size
     blocks = max(1, min(math.ceil(n / CONVERT_THREADS), MAX_CONVERT_BLOCKS))
-    mod.function(conv_name, 0)((blocks,), (CONVERT_THREADS,),
-                               (dq_accum, dq, cupy.int64(n)))
+    mod.launch("dq_convert", grid=(blocks,), args=(dq_accum, dq, cupy.int64(n)))
     return dq, dk, dv
 
 
@@ -184,8 +194,9 @@ def _null_pointer():
 
 
 def _warm_one(spec: KernelSpec) -> str:
-    for name, _, smem in spec.kernels():
-        module(spec).function(name, smem)
+    mod = module(spec)
+    for role in mod.kernels:
+        mod.function(role)
     return spec.label
 
 

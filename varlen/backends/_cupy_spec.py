@@ -1,4 +1,5 @@
-"""Kernel variants of the CuPy backend: what to compile, how big it is, how to name it.
+"""Kernel variants of the CuPy backend: what to compile, how big it is, how to name it, and the
+layout of the structs the kernels take by value.
 
 Pure Python (no CuPy import), so the compile script and the CPU tests use it too. A
 `KernelSpec` names one compiled module: a kind (`"fwd"` or `"bwd"`), an element type, a head
@@ -11,8 +12,12 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 from ..kernels_cuda import SOURCE_DIR
+from ..plan import KernelView
 
 # Entry file of the CUDA sources (it includes every header in kernels_cuda/).
 ENTRY_FILE = "varlen_attention.cu"
@@ -37,6 +42,24 @@ STAGES = 2
 # H100/H200 227 KiB (CUDA C++ Programming Guide, "Compute capabilities" table).
 SMEM_BUDGET = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 ARCHS = tuple(SMEM_BUDGET)
+
+# The structs of kernels_cuda/plan_view.cuh as aligned NumPy dtypes (C layout: each field at a
+# multiple of its size, the whole padded to its largest field); tests/test_cupy_compile.py
+# compares them with the C sizeof/offsetof.
+# PlanView: KernelView's fields in order, its arrays as 64-bit device addresses.
+PLAN_VIEW_DTYPE = np.dtype([(name, np.uint64 if i < KernelView.NUM_ARRAYS else np.int32)
+                            for i, name in enumerate(KernelView._fields)], align=True)
+CALL_PARAMS_DTYPE = np.dtype([("Hq", np.int32), ("Hk", np.int32), ("softmax_scale", np.float32),
+                              ("softcap", np.float32)], align=True)
+STRUCT_DTYPES = {"PlanView": PLAN_VIEW_DTYPE, "CallParams": CALL_PARAMS_DTYPE}
+
+
+class KernelLaunch(NamedTuple):
+    """One kernel of a module and its launch geometry."""
+
+    name: str       # template name expression, e.g. varlen_fwd<__half, 64, 64, 64, false>
+    threads: int    # per block
+    smem: int       # dynamic shared memory per block, bytes
 
 
 def _cxx_bool(flag: bool) -> str:
@@ -136,22 +159,22 @@ class KernelSpec:
     def convert_name(self) -> str:
         return f"varlen_bwd_dq_convert<{self.ctype}>"
 
-    def kernels(self):
-        """(name expression, threads per block, dynamic shared bytes) of each kernel."""
+    def kernels(self) -> dict:
+        """{role: KernelLaunch} of the module's kernels, in launch order; roles "fwd", or
+        "preprocess", "dkdv_atomic", "dkdv", "dq", "dq_convert"."""
         if self.kind == "fwd":
-            return ((self.fwd_name(), self.fwd_threads, self.fwd_smem()),)
-        return ((self.preprocess_name(), PREPROCESS_WARPS * WARP_SIZE, 0),
-                (self.dkdv_name(True), self.dkdv_threads, self.dkdv_smem(True)),
-                (self.dkdv_name(False), self.dkdv_threads, self.dkdv_smem(False)),
-                (self.dq_name(), self.dq_threads, self.dq_smem()),
-                (self.convert_name(), CONVERT_THREADS, 0))
+            return {"fwd": KernelLaunch(self.fwd_name(), self.fwd_threads, self.fwd_smem())}
+        return {"preprocess": KernelLaunch(self.preprocess_name(), PREPROCESS_WARPS * WARP_SIZE, 0),
+                "dkdv_atomic": KernelLaunch(self.dkdv_name(True), self.dkdv_threads,
+                                            self.dkdv_smem(True)),
+                "dkdv": KernelLaunch(self.dkdv_name(False), self.dkdv_threads,
+                                     self.dkdv_smem(False)),
+                "dq": KernelLaunch(self.dq_name(), self.dq_threads, self.dq_smem()),
+                "dq_convert": KernelLaunch(self.convert_name(), CONVERT_THREADS, 0)}
 
     @property
     def name_expressions(self) -> tuple:
-        return tuple(name for name, _, _ in self.kernels())
-
-    def max_smem(self) -> int:
-        return max(smem for _, _, smem in self.kernels())
+        return tuple(k.name for k in self.kernels().values())
 
     @property
     def label(self) -> str:

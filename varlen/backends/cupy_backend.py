@@ -70,7 +70,8 @@ class CupyBackend(Backend):
         """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf."""
         from . import _cupy_kernels
         spec = spec_for(plan, q, kind="fwd", softcap=softcap)
-        return _cupy_kernels.forward(spec, plan, q, k, v, softmax_scale, softcap)
+        return _cupy_kernels.forward(spec, plan, q, k, v, softmax_scale=softmax_scale,
+                                     softcap=softcap)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
                  deterministic=False):
@@ -78,8 +79,9 @@ class CupyBackend(Backend):
         row); dQ uses fp32 atomics unless `deterministic`, which runs a separate dQ kernel."""
         from . import _cupy_kernels
         spec = spec_for(plan, q, kind="bwd", softcap=softcap)
-        return _cupy_kernels.backward(spec, plan, dout, q, k, v, out, lse, softmax_scale,
-                                      softcap, bool(deterministic))
+        return _cupy_kernels.backward(spec, plan, dout, q, k, v, out, lse,
+                                      softmax_scale=softmax_scale, softcap=softcap,
+                                      deterministic=bool(deterministic))
 
 
 BACKEND = CupyBackend()

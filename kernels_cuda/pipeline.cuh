@@ -1,0 +1,106 @@
+// The main loop every attention kernel shares: a block keeps its own tile in shared memory and
+// streams the partner chunks its schedule lists through two shared-memory stages, fetching the
+// chunk after the current one with cp.async while the current one is computed. Only scheduled
+// chunks are loaded.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+#include "tile_scheduler.cuh"
+
+namespace varlen {
+
+constexpr int STAGES = 2;
+
+// Runs `compute(chunk, stage)` on every chunk of `cursor` once `load(chunk, stage)` has filled
+// that stage. The copies of the block's own tile, issued by the caller before, join the first
+// chunk's group. On return every copy has landed and every thread is past its last compute, so
+// the shared tiles may be reused.
+template <int CHUNK, typename Load, typename Compute>
+__device__ __forceinline__ void for_each_chunk(PartnerCursor<CHUNK>& cursor, Load&& load,
+                                               Compute&& compute) {
+    if (cursor.valid()) load(cursor.chunk(), 0);
+    cp_async_commit();
+    int stage = 0;
+    while (cursor.valid()) {
+        const Chunk cur = cursor.chunk();
+        cursor.advance();
+        // The other stage was last read one iteration ago and released by the barrier ending it.
+        if (cursor.valid()) load(cursor.chunk(), stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();      // every group but the prefetch: the own tile and `cur`
+        __syncthreads();
+        compute(cur, stage);
+        __syncthreads();         // everyone is done with this stage before it is refilled
+        stage ^= 1;
+    }
+    // Without any chunk the own tile's copies may still be in flight: drain them.
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+// A kernel over query tiles of BM rows (forward, dQ): RESIDENT shared tiles [BM][D + 8] of the
+// query tile (Q; Q and dO), then STAGES stages of K and V chunks [BN][D + 8].
+template <int D, int BM, int BN, int RESIDENT>
+struct QueryTileConfig {
+    static constexpr int NUM_WARPS = BM / WARP_ROWS;
+    static constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
+    static constexpr int STRIDE = smem_stride<D>();
+    static constexpr int SMEM_ELEMS = (RESIDENT * BM + 2 * STAGES * BN) * STRIDE;
+    static_assert(BM % WARP_ROWS == 0, "each warp owns 16 query rows");
+    static_assert(NUM_WARPS >= 1 && NUM_WARPS <= 8, "1 to 8 warps per block");
+    static_assert(BN % 16 == 0, "P V consumes key chunks in k-steps of 16");
+    static_assert(D % 16 == 0, "Q K^T consumes the head dim in k-steps of 16");
+};
+
+// A block over one tile of the plan and one head: grid (num_q_tiles, Hq) over query tiles
+// (forward, dQ), or (num_k_tiles, Hk) over key tiles (dK/dV), which visit the G = Hq / Hk query
+// heads of their key head.
+template <bool KEY_TILES>
+struct TileBlock {
+    int i_tile;
+    int i_head;        // a query head over query tiles, a key head over key tiles
+    int group;         // G = Hq / Hk
+    int i_khead;       // the key head: the one query head i_head reads, or i_head itself
+    TileInfo tile;     // seq < 0: an unused slot, nothing to do
+    WarpSlot w;
+
+    __device__ __forceinline__ TileBlock(const PlanView& plan, const CallParams& call)
+        : i_tile(blockIdx.x), i_head(blockIdx.y), group(call.Hq / call.Hk),
+          i_khead(KEY_TILES ? i_head : i_head / group),
+          tile(load_tile(KEY_TILES ? plan.k_tiles : plan.q_tiles, i_tile)), w(warp_slot()) {}
+
+    // Issues the copies of head i_head's rows of the tile, from a packed [T, H, D] array, into
+    // s_dst [ROWS][D + 8].
+    template <int ROWS, int D, int NUM_THREADS, typename T>
+    __device__ __forceinline__ void load_rows(T* s_dst, const T* base, int num_heads) const {
+        load_tile_async<ROWS, D, NUM_THREADS>(s_dst, head_rows<D>(base, num_heads, i_head),
+                                              tile.row, tile.rows);
+    }
+};
+
+// The K and V chunks of one key head, through shared stages [STAGES][BN][D + 8] each.
+template <typename T, int D, int BN, int NUM_THREADS>
+struct KvStages {
+    static constexpr int STAGE_ELEMS = BN * smem_stride<D>();
+    T* s_k;
+    T* s_v;
+    HeadRows<const T> k;
+    HeadRows<const T> v;
+
+    // Stages from s_base on; k and v are packed [Tk, Hk, D] arrays.
+    __device__ __forceinline__ KvStages(T* s_base, const T* k_base, const T* v_base, int Hk,
+                                        int i_khead)
+        : s_k(s_base), s_v(s_base + STAGES * STAGE_ELEMS), k(head_rows<D>(k_base, Hk, i_khead)),
+          v(head_rows<D>(v_base, Hk, i_khead)) {}
+
+    __device__ __forceinline__ void load(const Chunk& c, int stage) const {
+        load_tile_async<BN, D, NUM_THREADS>(s_k + stage * STAGE_ELEMS, k, c.row, c.rows);
+        load_tile_async<BN, D, NUM_THREADS>(s_v + stage * STAGE_ELEMS, v, c.row, c.rows);
+    }
+
+    __device__ __forceinline__ const T* k_at(int stage) const { return s_k + stage * STAGE_ELEMS; }
+    __device__ __forceinline__ const T* v_at(int stage) const { return s_v + stage * STAGE_ELEMS; }
+};
+
+}  // namespace varlen
