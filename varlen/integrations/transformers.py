@@ -11,7 +11,7 @@ needs no `repeat_kv`). The batch arrives in one of three forms:
   each row's tokens are moved to the front of the row (a stable partition computed on the
   device), the rows are packed at fixed offsets `b * S` (`seq_offsets`), and the outputs are
   moved back; padding positions get output 0. Shapes never depend on the mask, so nothing is
-  read on the host and `torch.compile` sees static shapes.
+  read on the host.
 * **Packed**, without a mask: `DataCollatorWithFlattening`'s `cu_seq_lens_q/k` when it
   passes them (`return_flash_attn_kwargs=True`), else `position_ids` that restart at 0 for
   each document. Documents never see each other, with or without a cache (transformers' eager
