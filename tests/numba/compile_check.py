@@ -58,10 +58,11 @@ def kernels(quick: bool):
     """(name, python function, signature) of every kernel and variant worth typing."""
     out = [
         ("segments_from_cu", K.segments_from_cu,
-         (a1(i32), a1(i32), i64, a2(i32), a2(i32), a2(i32), a1(i32))),
+         (a1(i32), a1(i32), i64, a2(i32), a2(i32), a2(i32), a1(i32), a1(i32))),
         ("to_int32[int32]", K.to_int32, (a1(i32), a1(i32))),
         ("to_int32[bool]", K.to_int32, (a1(nt.boolean), a1(i32))),
-        ("tile_scan", K.tile_scan, (a2(i32), i64, a1(i64))),
+        ("or_flag", K.or_flag, (a1(i32), a1(i32))),
+        ("tile_scan", K.tile_scan, (a2(i32), i64, i64, a1(i64), a1(i32))),
         ("tiles_and_schedule", K.tiles_and_schedule,
          (a1(i64), a2(i32), a2(i32), a2(i32), a2(i32), a2(i32), SEQ_MASK, i64, i64, i64,
           a2(i32), a3(i32))),

@@ -2,16 +2,21 @@
 
 Random batches with zero-length sequences (first, middle, last), row offsets with padding
 gaps, per-sequence masks (windows, alignment), Lq != Lk, and two segments per sequence (the
-context-parallel shard layout). Compared field by field, slot count included.
+context-parallel shard layout). Compared field by field, slot count included. Rows a plan
+would drop (a sequence past its buffer, more tiles than `max_seqlen` allows) fail clearly.
 """
+import contextlib
+
 import numpy as np
 import pytest
 
+import varlen
 from varlen import Mask
 from varlen.backends.numba_backend import BACKEND as NUMBA, plan_from_cu_seqlens
 from varlen.plan import build_plan, segments_from_cu_seqlens
 
 from numba_testing import two_segments
+from helpers import make_batch
 
 FIELDS = ("window_left", "window_right", "bottom_right", "q_tiles", "q_sched", "k_tiles",
           "k_sched")
@@ -101,3 +106,54 @@ def test_many_sequences_two_segments_with_bounds():
     mask = _mask(rng, 37)
     kw = dict(block_m=4, block_n=2, max_seqlen_q=4, max_seqlen_k=3)
     assert_same_plan(NUMBA.make_plan(q, k, mask, **kw), build_plan(q, k, mask, **kw), "B37")
+
+
+# --------------------------------------------------------------------------------------------
+# Rows a plan would drop are device errors, never silent
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validation-on", "validation-off"])
+def test_max_seqlen_too_small_fails_clearly(validate):
+    """Sequences of 5 and 40 rows with max_seqlen_q=4: the tile table would hold 2 tiles of
+    16 rows for 4. The call fails, from the value checks or, unvalidated, from the plan
+    kernels' flag (raised at once for host data)."""
+    rng = np.random.default_rng(3)
+    b = make_batch(rng, [5, 40], Hq=1, Hk=1, D=8, dtype="float32")
+    previous = varlen.set_validation(validate)
+    try:
+        with pytest.raises(ValueError, match="max_seqlen_q"):
+            varlen.attention_forward(b.q, b.k, b.v, b.cu_q, b.cu_k, backend="numba",
+                                     max_seqlen_q=4)
+    finally:
+        varlen.set_validation(previous)
+
+
+def _drain_device_errors():
+    with contextlib.suppress(ValueError):
+        varlen.check_device_errors()
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_dropped_rows_are_device_errors(where):
+    """`plan_from_cu_seqlens` records a sequence past its buffer and more tiles than
+    `max_seqlen` allows: raised at once for host arrays, by `check_device_errors()` (once)
+    for Numba device arrays; a plan that drops nothing records nothing."""
+    from numba import cuda
+    cu = _cu(np.array([6, 0, 9], np.int32))
+    put = cuda.to_device if where == "device" else np.asarray
+    kw = dict(block_m=4, block_n=4)
+    _drain_device_errors()
+    plan_from_cu_seqlens(put(cu), put(cu), num_rows_q=15, num_rows_k=15, max_seqlen_k=9, **kw)
+    varlen.check_device_errors()
+    for bad, message in ((dict(num_rows_q=12, num_rows_k=15), "cu_seqlens_q/seq_offsets_q lies "
+                          "outside the 12 rows"),
+                         (dict(num_rows_q=15, num_rows_k=15, max_seqlen_k=4),
+                          "longer than max_seqlen_k: the tile table has 3 slots")):
+        if where == "host":
+            with pytest.raises(ValueError, match=message):
+                plan_from_cu_seqlens(cu, cu, **bad, **kw)
+            continue
+        plan_from_cu_seqlens(put(cu), put(cu), **bad, **kw)
+        with pytest.raises(ValueError, match=message):
+            varlen.check_device_errors()
+        varlen.check_device_errors()

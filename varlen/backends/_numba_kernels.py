@@ -166,6 +166,13 @@ def to_int32(src, dst):
         dst[i] = int32(src[i])
 
 
+@cuda.jit
+def or_flag(dst, src):
+    """dst[0] = 1 if src[0] is set: an error flag folded into an accumulator (one thread)."""
+    if cuda.grid(1) == 0 and src[0] != 0:
+        dst[0] = 1
+
+
 @functools.lru_cache(maxsize=None)
 def convert_kernel(dtype: str):
     """dst[:] = src[:] (float32 -> dtype), both 1-D."""
@@ -201,17 +208,21 @@ def delta_kernel(dtype: str):
 # --------------------------------------------------------------------------------------------
 
 @cuda.jit
-def segments_from_cu(cu, off, num_rows, row, length, pos, seqlen):
+def segments_from_cu(cu, off, num_rows, row, length, pos, seqlen, outside):
     """One segment per sequence: rows [off[b], off[b] + L[b]) clamped into [0, num_rows).
 
-    `off` is `cu` itself when there are no separate offsets.
+    `off` is `cu` itself when there are no separate offsets. A sequence the clamp cuts sets
+    `outside[0]` (its rows would be dropped: a device error, as in `varlen.plan`).
     """
     b = cuda.grid(1)
     if b >= seqlen.shape[0]:
         return
     L = int64(cu[b + 1]) - int64(cu[b])
-    r = min(max(int64(off[b]), 0), num_rows)
+    r0 = int64(off[b])
+    r = min(max(r0, 0), num_rows)
     n = max(min(L, num_rows - r), 0)
+    if n < L or (r0 < 0 and L > 0):
+        outside[0] = 1
     row[b, 0] = r
     length[b, 0] = n
     pos[b, 0] = 0
@@ -219,10 +230,11 @@ def segments_from_cu(cu, off, num_rows, row, length, pos, seqlen):
 
 
 @cuda.jit
-def tile_scan(length, block, ends):
+def tile_scan(length, block, num_slots, ends, overflow):
     """ends[s] = sum_{u <= s} ceil(length[u] / block) over the flattened [B, m] segments.
 
-    One block: each thread sums a chunk serially, thread 0 scans the chunk totals.
+    One block: each thread sums a chunk serially, thread 0 scans the chunk totals. More tiles
+    than the table's `num_slots` sets `overflow[0]` (the tiles past them would be dropped).
     """
     part = cuda.shared.array(SCAN_THREADS, int64)
     tid = cuda.threadIdx.x
@@ -243,6 +255,8 @@ def tile_scan(length, block, ends):
             x = part[t]
             part[t] = run
             run += x
+        if run > num_slots:
+            overflow[0] = 1
     cuda.syncthreads()
     acc = part[tid]
     for s in range(lo, hi):

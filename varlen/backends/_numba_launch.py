@@ -15,13 +15,18 @@ Three kinds of working arrays are accepted, and results come back as the same ki
 Every size that shapes a launch (grids, tile-table slots, workspaces) comes from array shapes,
 `B`, block sizes and the optional `max_seqlen_*` bounds, never from device values, so plan,
 forward and backward run without host synchronisation and can be captured in a CUDA graph.
+What such sizes would drop (a sequence past its buffer, more tiles than the bound allows) is
+set in device flags by the plan kernels and handed to `varlen._device_errors`.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 from numba import config, cuda
 
 from .._array import alloc, bfloat16_dtype, nan_fill_enabled
+from .._device_errors import record
 from ..masks import MASK_FIELDS, as_mask
 from ..plan import KernelView, Plan, Segments, tile_bound
 from . import _numba_kernels as K
@@ -148,6 +153,51 @@ class Context:
         if flat.shape[0]:
             self.launch(K.fill, *self.grid1d(flat.shape[0]), flat, value)
 
+    def flag(self):
+        """A device error flag: one int32, 0 until a kernel sets it."""
+        return self.alloc((1,), np.int32, fill=0)
+
+    def record(self, flag, message: str):
+        """Hand a flag to `varlen._device_errors`: on the host it raises at once (the copy
+        back reads it anyway), on a device it is kept for `varlen.check_device_errors()`."""
+        if self.kind == "host":
+            record(np, flag.copy_to_host()[0] != 0, message)
+        elif self.kind == "cupy":
+            record(self.cp, flag[0] != 0, message)
+        else:
+            record(_NumbaFlags(self), flag, message)
+
+
+class _DeviceFlag:
+    """A 0-d bool accumulator in a Numba device array, as `check_device_errors()` reads it."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.a = ctx.flag()
+
+    def item(self) -> bool:
+        return bool(self.a.copy_to_host()[0])
+
+    def fill(self, value):
+        self.ctx.fill(self.a, np.int32(bool(value)))
+
+
+class _NumbaFlags:
+    """What `varlen._device_errors.record` asks of an array module, for flags in Numba device
+    arrays: the device (keyed apart from CuPy's), a zero accumulator, an in-place or. Nothing
+    is read on the host until `check_device_errors()`."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        dev = ("numba", getattr(cuda.get_current_device(), "id", 0))
+        self.cuda = SimpleNamespace(Device=lambda: SimpleNamespace(id=dev))
+
+    def zeros(self, shape, dtype):
+        return _DeviceFlag(self.ctx)
+
+    def logical_or(self, acc, flag, out):
+        self.ctx.launch(K.or_flag, 1, 1, out.a, flag)
+
 
 # --------------------------------------------------------------------------------------------
 # Plans on the device
@@ -160,13 +210,17 @@ def check_blocks(block_m, block_n):
 
 
 def segments(ctx: Context, cu, off, num_rows: int, side: str) -> Segments:
-    """`varlen.plan.segments_from_cu_seqlens` by a kernel: one segment per sequence."""
+    """`varlen.plan.segments_from_cu_seqlens` by a kernel: one segment per sequence; a
+    sequence outside the buffer is a device error, as there."""
     B = cu.shape[0] - 1
     cud = ctx.dev(cu, f"cu_seqlens_{side}")
     offd = cud if off is None else ctx.dev(off, f"seq_offsets_{side}")
     arrs = [ctx.alloc((B, 1), np.int32) for _ in range(3)] + [ctx.alloc((B,), np.int32)]
     if B:
-        ctx.launch(K.segments_from_cu, *ctx.grid1d(B), cud, offd, int(num_rows), *arrs)
+        outside = ctx.flag()
+        ctx.launch(K.segments_from_cu, *ctx.grid1d(B), cud, offd, int(num_rows), *arrs, outside)
+        ctx.record(outside, f"a sequence of cu_seqlens_{side}/seq_offsets_{side} lies outside "
+                            f"the {num_rows} rows of its buffer (its rows were not computed)")
     return Segments(*arrs, int(num_rows))
 
 
@@ -193,12 +247,16 @@ def _policy(ctx: Context, mask, B: int):
 
 def _tiles(ctx: Context, side, own: Segments, part: Segments, seq_mask, blk, part_blk,
            max_seqlen):
-    """The tile table and schedule of one side (`q`: query tiles against key segments)."""
+    """The tile table and schedule of one side (`q`: query tiles against key segments); more
+    tiles than its slots (lengths past `max_seqlen`) is a device error, as in `varlen.plan`."""
     S = own.batch * own.per_seq
     n = tile_bound(own.num_rows, S, blk, max_seqlen)
     ends = ctx.scratch(f"ends_{side}", (max(S, 1),), np.int64)
     if S:
-        ctx.launch(K.tile_scan, 1, 4 if ctx.sim else 256, own.length, blk, ends)
+        overflow = ctx.flag()
+        ctx.launch(K.tile_scan, 1, 4 if ctx.sim else 256, own.length, blk, n, ends, overflow)
+        ctx.record(overflow, f"a sequence is longer than max_seqlen_{side}: the tile table has "
+                             f"{n} slots of {blk} rows (rows past them were not computed)")
     tiles = ctx.alloc((n, 5), np.int32)
     sched = ctx.alloc((n, part.per_seq, 4), np.int32)
     if n:

@@ -93,6 +93,8 @@ class NumbaBackend(Backend):
 
         Segment and mask arrays may be CuPy or Numba device arrays (the plan stays there, no
         host synchronisation) or NumPy (built in the device or simulator, returned as NumPy).
+        More tiles than `max_seqlen_*` allows is a device error (`check_device_errors()`), raised
+        at once for NumPy arrays.
         """
         L = _launch()
         L.check_blocks(block_m, block_n)
@@ -115,7 +117,8 @@ class NumbaBackend(Backend):
 
     def forward(self, plan, q, k, v, *, softmax_scale, softcap):
         """`out [Tq, Hq, Dv]` in q's dtype and float32 `lse [Hq, Tq]`, beside the inputs; pad
-        rows and rows that see no key 0 and -inf."""
+        rows and rows that see no key 0 and -inf, rows a NaN or inf reaches NaN
+        (docs/semantics.md, "Non-finite values")."""
         return _launch().forward(variant(plan, q, v, softcap), plan, q, k, v,
                                  softmax_scale=softmax_scale, softcap=softcap)
 
@@ -144,6 +147,8 @@ def plan_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *, num_rows_q: int, num_row
     Everything runs in kernels: segments, mask policy, tile tables, schedules. `num_rows_*`
     (the packed arrays' row counts) size it; values are never read on the host. Block sizes
     default to `BACKEND.default_blocks(dtype, head_dim)`. int32 `cu_seqlens` and offsets.
+    What the sizes would drop (a sequence past its buffer, more tiles than `max_seqlen_*`
+    allows) is a device error (`varlen.check_device_errors()`), raised at once for NumPy.
     """
     bm, bn = BACKEND.default_blocks(dtype, head_dim)
     block_m = bm if block_m is None else block_m
