@@ -5,8 +5,13 @@ its own with NUMBA_ENABLE_CUDASIM=0 (the simulator replaces `numba.cuda` process
 
     NUMBA_ENABLE_CUDASIM=0 python tests/numba/compile_check.py [--quick]
 
-Prints one JSON line: {"ok": [...], "failed": {name: error}, "seconds": ...}; exit status 1
-when anything failed.
+Prints one JSON line: {"ok": [...], "failed": {name: error}, "narrow": {name: [place, ...]},
+"audited": n, "seconds": ...}; exit status 1 when anything failed or is narrow.
+
+`narrow` is the 64-bit audit: every kernel is typed once more and its typed IR, and that of
+every device function it calls, is searched for signed integer arithmetic or `range()`
+counters narrower than 64 bits. Numba indexes arrays in int64, so with none of those, no
+element offset (row x heads x dim past 2**31 on real batches) is computed in 32 bits.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 
 from numba import cuda  # noqa: E402
 from numba import types as nt  # noqa: E402
+from numba.cuda.compiler import compile_cuda  # noqa: E402
 
 import numba.cuda.dispatcher as _dispatcher  # noqa: E402
 
@@ -92,10 +98,44 @@ def kernels(quick: bool):
     return out
 
 
+def _narrow(ty) -> bool:
+    """A signed integer type under 64 bits (indices, counts and positions are signed; the
+    bf16 conversion's unsigned bit operations are no addresses)."""
+    return isinstance(ty, nt.Integer) and ty.signed and ty.bitwidth < 64
+
+
+def narrow_integers(cres, where: str, seen=None) -> list[str]:
+    """`file:line` places in a typed function, and the device functions it calls, where a
+    signed integer result of arithmetic or a `range()` counter is narrower than 64 bits."""
+    seen = set() if seen is None else seen
+    ann = cres.type_annotation
+    found = []
+    for block in ann.blocks.values():
+        for stmt in block.body:
+            expr = getattr(stmt, "value", None)
+            if type(stmt).__name__ != "Assign" or type(expr).__name__ != "Expr":
+                continue
+            ty = ann.typemap.get(stmt.target.name)
+            place = f"{where} line {stmt.loc.line}"
+            if expr.op in ("binop", "inplace_binop", "unary") and _narrow(ty):
+                found.append(f"{place}: {expr.fn} gives {ty}")
+            if expr.op != "call":
+                continue
+            if isinstance(ty, nt.RangeType) and _narrow(ty.dtype):
+                found.append(f"{place}: range() counts in {ty.dtype}")
+            callee = getattr(ann.typemap.get(expr.func.name), "dispatcher", None)
+            args = ann.calltypes[expr].args
+            if callee is not None and (id(callee), args) not in seen:
+                seen.add((id(callee), args))
+                found += narrow_integers(callee.overloads[args], callee.py_func.__qualname__,
+                                         seen)
+    return found
+
+
 def main(argv):
     quick = "--quick" in argv
     t0 = time.time()
-    ok, failed = [], {}
+    ok, failed, narrow, audited = [], {}, {}, 0
     for name, kern, sig in kernels(quick):
         fn = getattr(kern, "py_func", kern)
         for cc in CCS:
@@ -108,8 +148,16 @@ def main(argv):
             except Exception as e:  # noqa: BLE001
                 failed[label] = f"{type(e).__name__}: {e}"[:2000]
                 traceback.print_exc(file=sys.stderr)
-    print(json.dumps({"ok": ok, "failed": failed, "seconds": round(time.time() - t0, 1)}))
-    return 1 if failed else 0
+        try:
+            found = narrow_integers(compile_cuda(fn, None, sig, cc=CCS[-1]), name)
+            audited += 1
+        except Exception as e:  # noqa: BLE001
+            found = [f"could not audit: {type(e).__name__}: {e}"[:2000]]
+        if found:
+            narrow[name] = found
+    print(json.dumps({"ok": ok, "failed": failed, "narrow": narrow, "audited": audited,
+                      "seconds": round(time.time() - t0, 1)}))
+    return 1 if failed or narrow else 0
 
 
 if __name__ == "__main__":

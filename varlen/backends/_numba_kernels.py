@@ -13,6 +13,10 @@ they are written (see `docs/numba_backend.md`):
 * barriers are reached by every thread of a block: loop bounds that contain a barrier are
   block-uniform, and per-thread work is predicated instead.
 
+Address arithmetic is 64-bit: Numba widens integer arithmetic to int64 and indexes arrays in
+int64; loop counters and values read from the int32 plan arrays are cast to int64 before any
+arithmetic (`tests/numba/compile_check.py` checks the typed kernels for narrower ones).
+
 The attention kernels read the plan as one record, `varlen.plan.KernelView` (its arrays on the
 device), and are built from named device-function steps: stage a tile, score it, mask it,
 update the online softmax or the gradients, store. Each is specialised per `Variant` (dtype,
@@ -237,8 +241,8 @@ def tile_scan(length, block, num_slots, ends, overflow):
     than the table's `num_slots` sets `overflow[0]` (the tiles past them would be dropped).
     """
     part = cuda.shared.array(SCAN_THREADS, int64)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
+    tid = int64(cuda.threadIdx.x)
+    nthreads = int64(cuda.blockDim.x)
     m = length.shape[1]
     S = length.shape[0] * m
     chunk = (S + nthreads - 1) // nthreads
@@ -444,8 +448,8 @@ def thread_row(tiles, t, tid):
 @cuda.jit(device=True)
 def _segment_and_ranges(rows, pos, length, sched, b, t, i):
     return ((int64(rows[b, i]), int64(pos[b, i]), int64(length[b, i])),
-            (sched[t, i, SCHED_BEGIN], sched[t, i, SCHED_FULL_BEGIN],
-             sched[t, i, SCHED_FULL_END], sched[t, i, SCHED_END]))
+            (int64(sched[t, i, SCHED_BEGIN]), int64(sched[t, i, SCHED_FULL_BEGIN]),
+             int64(sched[t, i, SCHED_FULL_END]), int64(sched[t, i, SCHED_END])))
 
 
 @cuda.jit(device=True)
