@@ -13,9 +13,14 @@ they are written (see `docs/numba_backend.md`):
 * barriers are reached by every thread of a block: loop bounds that contain a barrier are
   block-uniform, and per-thread work is predicated instead.
 
-Address arithmetic is 64-bit: Numba widens integer arithmetic to int64 and indexes arrays in
-int64; loop counters and values read from the int32 plan arrays are cast to int64 before any
-arithmetic (`tests/numba/compile_check.py` checks the typed kernels for narrower ones).
+Two rules hold in every kernel (`docs/numba_backend.md`):
+
+* Address arithmetic is 64-bit. Numba widens integer arithmetic to int64 and indexes arrays in
+  int64; loop counters and values read from the int32 plan arrays are cast to int64 before
+  any arithmetic (`tests/numba/compile_check.py` checks the typed kernels for narrower ones).
+* Non-finite values reach exactly the rows that may see them (`docs/semantics.md`): pairs the
+  mask hides are skipped, never multiplied by 0, and a pair whose operands are not all finite
+  flags its row, which writes NaN at the end.
 
 The attention kernels read the plan as one record, `varlen.plan.KernelView` (its arrays on the
 device), and are built from named device-function steps: stage a tile, score it, mask it,
@@ -42,6 +47,7 @@ SCAN_THREADS = 1024
 # Static shared memory a kernel may use without an opt-in attribute.
 SHARED_BYTES = 48 * 1024
 NEG_INF = np.float32(-np.inf)
+NAN = np.float32(np.nan)
 # Last axis of the schedules, in the order of `varlen.plan.SCHED_FIELDS`.
 SCHED_BEGIN, SCHED_FULL_BEGIN, SCHED_FULL_END, SCHED_END = range(4)
 
@@ -498,6 +504,14 @@ def zero(a):
 
 
 @cuda.jit(device=True)
+def all_finite(a):
+    for d in range(a.shape[0]):
+        if not math.isfinite(a[d]):
+            return False
+    return True
+
+
+@cuda.jit(device=True)
 def stage_stats(lse_s, dl_s, lse, delta, head, bos, n, tid, nthreads):
     """lse and delta of query rows [bos, bos + n) of head `head` into shared memory."""
     for r in range(tid, n, nthreads):
@@ -506,17 +520,10 @@ def stage_stats(lse_s, dl_s, lse, delta, head, bos, n, tid, nthreads):
 
 
 @cuda.jit(device=True)
-def mask_tile(s_r, n, i, j0, pol):
-    """Scores of the keys at positions j0 + j that query `i` does not see become -inf."""
-    for j in range(n):
-        if not visible(i, j0 + j, pol):
-            s_r[j] = NEG_INF
-
-
-@cuda.jit(device=True)
 def softmax_update(acc, s_r, v_s, n, m_i, l_i):
     """One tile of the online softmax (FlashAttention-2, Alg. 1, lines 9-10): rescale the
-    accumulator to the new row max, add `exp(s - m) @ V`; returns the new `(m, l)`."""
+    accumulator to the new row max, add `exp(s - m) @ V` over the keys with a score (-inf:
+    hidden, skipped so that their values take no part); returns the new `(m, l)`."""
     m_new = m_i
     for j in range(n):
         m_new = max(m_new, s_r[j])
@@ -527,29 +534,26 @@ def softmax_update(acc, s_r, v_s, n, m_i, l_i):
     for d in range(acc.shape[0]):
         acc[d] = acc[d] * alpha
     for j in range(n):
-        p = math.exp(s_r[j] - m_new)
-        l_i += p
-        axpy(acc, p, v_s[j])
+        if s_r[j] > NEG_INF:
+            p = math.exp(s_r[j] - m_new)
+            l_i += p
+            axpy(acc, p, v_s[j])
     return m_new, l_i
 
 
 @cuda.jit(device=True)
-def pair_grad(s, th, lse_i, dp, delta_i, scale):
-    """`(p, dS)` of one visible pair from its logit `s` (FlashAttention-2, Alg. 2:
-    `p = exp(s - lse)`, `dS = p (dP - delta)`); `th = tanh(x / c)` under softcap, whose
-    derivative d/dx c*tanh(x/c) = 1 - th^2 scales dS; without softcap `th = 0`."""
-    p = math.exp(s - lse_i)
-    return p, p * (dp - delta_i) * (float32(1.0) - th * th) * scale
-
-
-@cuda.jit(device=True)
 def add_dq(dq_acc, ds_s, k_s, row0, n, cols, head, tid, nthreads):
-    """dQ[row0 + i] += dS[i, :cols] @ K[:cols], one query row per thread, float32 atomics."""
+    """dQ[row0 + i] += dS[i, :cols] @ K[:cols], one query row per thread, float32 atomics.
+
+    dS is 0 exactly for the pairs the mask hides, which are skipped (a select: their keys may
+    hold anything), and NaN for a seen pair with a non-finite operand, which the row reports.
+    """
     for i in range(tid, n, nthreads):
         for d in range(k_s.shape[1]):
             x = float32(0.0)
             for j in range(cols):
-                x += ds_s[i, j] * k_s[j, d]
+                if ds_s[i, j] != 0.0:
+                    x += ds_s[i, j] * k_s[j, d]
             if x != 0.0:
                 cuda.atomic.add(dq_acc, (row0 + i, head, d), x)
 
@@ -597,6 +601,26 @@ def _logit(has_softcap: bool):
     return logit
 
 
+@functools.lru_cache(maxsize=None)
+def _pair_grad(has_softcap: bool):
+    logit = _logit(has_softcap)
+
+    @cuda.jit(device=True)
+    def pair_grad(x, dp, lse_i, delta_i, scale, softcap):
+        """`(ok, p, dS)` of one visible pair from `x = q . k` and `dp = dO . v`
+        (FlashAttention-2, Alg. 2: `p = exp(s - lse)`, `dS = p (dP - delta)`; under softcap
+        d/dx c*tanh(x/c) = 1 - th^2 scales dS). `ok` is False when an operand is not finite:
+        a NaN or inf in q, k, dO, v (through the dots), O (through delta) or lse, including
+        lse = -inf, which no row that sees a key has. Then `p` and `dS` are NaN."""
+        if not (math.isfinite(x) and math.isfinite(dp) and math.isfinite(lse_i) and
+                math.isfinite(delta_i)):
+            return False, NAN, NAN
+        s, th = logit(x, scale, softcap)
+        p = math.exp(s - lse_i)
+        return True, p, p * (dp - delta_i) * (float32(1.0) - th * th) * scale
+    return pair_grad
+
+
 # --------------------------------------------------------------------------------------------
 # Attention kernels
 # --------------------------------------------------------------------------------------------
@@ -606,10 +630,26 @@ def _score_tile(has_softcap: bool):
     logit = _logit(has_softcap)
 
     @cuda.jit(device=True)
-    def score_tile(s_r, q_r, k_s, n, scale, softcap):
-        """s_r[j] = logit(q . k_j) for the n keys of the staged tile."""
+    def score_tile(s_r, q_r, k_s, n, partial, i, j0, pol, scale, softcap):
+        """s_r[j] = logit(q . k_j) for the n staged keys (positions j0 + j) that query `i`
+        sees, -inf for the others (the predicate is evaluated on partial tiles only).
+
+        Returns whether a key it sees gives a non-finite `q . k` (a NaN or inf in q or in that
+        key's k, checked before softcap's tanh could hide it): the row reports NaN, and the
+        key's score stays -inf so that nothing of it enters the softmax.
+        """
+        bad = False
         for j in range(n):
-            s_r[j] = logit(dot(q_r, k_s[j]), scale, softcap)[0]
+            s_r[j] = NEG_INF
+            if partial and not visible(i, j0 + j, pol):
+                continue
+            x = dot(q_r, k_s[j])
+            s = logit(x, scale, softcap)[0]
+            if math.isfinite(x) and math.isfinite(s):
+                s_r[j] = s
+            else:
+                bad = True
+        return bad
     return score_tile
 
 
@@ -635,6 +675,7 @@ def forward_kernel(var: Variant):
         i_kh = i_h // (q.shape[1] // k.shape[1])
         pol = seq_mask(view, b)
         m_i, l_i = NEG_INF, float32(0.0)
+        bad = False
         zero(acc)
         if valid:
             load_row(q_r, q, row, i_h)
@@ -647,37 +688,46 @@ def forward_kernel(var: Variant):
                 stage(v_s, v, row_n, n, i_kh, tid, BM)
                 cuda.syncthreads()
                 if valid:
-                    score_tile(s_r, q_r, k_s, n, scale, softcap)
-                    if is_partial(ranges, i_n):
-                        mask_tile(s_r, n, pos, pos_n, pol)
+                    bad |= score_tile(s_r, q_r, k_s, n, is_partial(ranges, i_n), pos, pos_n,
+                                      pol, scale, softcap)
                     m_i, l_i = softmax_update(acc, s_r, v_s, n, m_i, l_i)
         if valid:
-            # out = acc / l, lse = m + log l; a row that saw no key: 0 and -inf (never NaN).
+            # out = acc / l, lse = m + log l (Alg. 1, line 12). A non-finite value the row sees
+            # (in q or a key's k, flagged by score_tile; in a value row, which leaves acc
+            # non-finite) makes both NaN; a row that saw no key keeps 0 and -inf.
+            bad = bad or not all_finite(acc)
             seen = l_i > 0.0
-            store_row(out, row, i_h, acc, float32(1.0) / l_i if seen else float32(0.0))
-            lse[i_h, row] = m_i + math.log(l_i) if seen else NEG_INF
+            inv = NAN if bad else (float32(1.0) / l_i if seen else float32(0.0))
+            store_row(out, row, i_h, acc, inv)
+            lse[i_h, row] = NAN if bad else (m_i + math.log(l_i) if seen else NEG_INF)
     return cuda.jit(_forward)
 
 
 @functools.lru_cache(maxsize=None)
 def _key_grads(has_softcap: bool, atomic_dq: bool):
-    logit = _logit(has_softcap)
+    pair_grad = _pair_grad(has_softcap)
     ATOMIC_DQ = atomic_dq
 
     @cuda.jit(device=True)
     def key_grads(dk_r, dv_r, k_r, v_r, q_s, do_s, lse_s, dl_s, ds_s, n, tid, i0, j, partial,
                   pol, scale, softcap):
         """dK, dV of key `j` (this thread's row) over the n staged query rows at positions
-        i0 + i; with ATOMIC_DQ, each pair's dS into ds_s[i, tid] for the dQ reduction."""
+        i0 + i; with ATOMIC_DQ, each pair's dS into ds_s[i, tid] for the dQ reduction (0 for
+        pairs the mask hides). Returns whether a query that sees the key brought a non-finite
+        operand (`pair_grad`): then dK and dV of the key are NaN, and so is that pair's dS."""
+        bad = False
         for i in range(n):
             ds = float32(0.0)
-            if lse_s[i] > NEG_INF and (not partial or visible(i0 + i, j, pol)):
-                s, th = logit(dot(q_s[i], k_r), scale, softcap)
-                p, ds = pair_grad(s, th, lse_s[i], dot(do_s[i], v_r), dl_s[i], scale)
-                axpy(dv_r, p, do_s[i])
-                axpy(dk_r, ds, q_s[i])
+            if not partial or visible(i0 + i, j, pol):
+                ok, p, ds = pair_grad(dot(q_s[i], k_r), dot(do_s[i], v_r), lse_s[i], dl_s[i],
+                                      scale, softcap)
+                if ok:
+                    axpy(dv_r, p, do_s[i])
+                    axpy(dk_r, ds, q_s[i])
+                bad = bad or not ok
             if ATOMIC_DQ:
                 ds_s[i, tid] = ds
+        return bad
     return key_grads
 
 
@@ -719,6 +769,7 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
         zero(dk_r)
         zero(dv_r)
         zero(v_r)
+        bad = False
         if valid:
             load_row(v_r, v, bos + tid, i_kh)
         for i_h in range(i_kh * G, i_kh * G + G):
@@ -732,31 +783,38 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
                     stage_stats(lse_s, dl_s, lse, delta, i_h, row_m, n, tid, BN)
                     cuda.syncthreads()
                     if valid:
-                        key_grads(dk_r, dv_r, k_s[tid], v_r, q_s, do_s, lse_s, dl_s, ds_s, n,
-                                  tid, pos_m, pos0 + tid, is_partial(ranges, i_m), pol, scale,
-                                  softcap)
+                        bad |= key_grads(dk_r, dv_r, k_s[tid], v_r, q_s, do_s, lse_s, dl_s,
+                                         ds_s, n, tid, pos_m, pos0 + tid,
+                                         is_partial(ranges, i_m), pol, scale, softcap)
                     if ATOMIC_DQ:
                         cuda.syncthreads()
                         add_dq(dq_acc, ds_s, k_s, row_m, n, cols, i_h, tid, BN)
         if valid:
-            store_row(dk, bos + tid, i_kh, dk_r, float32(1.0))
-            store_row(dv, bos + tid, i_kh, dv_r, float32(1.0))
+            # x * NaN is NaN for every x: a flagged key's rows become NaN
+            keep = NAN if bad else float32(1.0)
+            store_row(dk, bos + tid, i_kh, dk_r, keep)
+            store_row(dv, bos + tid, i_kh, dv_r, keep)
     return cuda.jit(_dkdv)
 
 
 @functools.lru_cache(maxsize=None)
 def _query_grads(has_softcap: bool):
-    logit = _logit(has_softcap)
+    pair_grad = _pair_grad(has_softcap)
 
     @cuda.jit(device=True)
     def query_grads(dq_r, q_r, do_r, k_s, v_s, n, lse_i, dl_i, i, j0, partial, pol, scale,
                     softcap):
-        """dQ of query `i` (this thread's row) over the n staged keys at positions j0 + j."""
+        """dQ of query `i` (this thread's row) over the n staged keys at positions j0 + j.
+        Returns whether a pair it sees holds a non-finite operand (`pair_grad`)."""
+        bad = False
         for j in range(n):
             if not partial or visible(i, j0 + j, pol):
-                s, th = logit(dot(q_r, k_s[j]), scale, softcap)
-                _, ds = pair_grad(s, th, lse_i, dot(do_r, v_s[j]), dl_i, scale)
-                axpy(dq_r, ds, k_s[j])
+                ok, _, ds = pair_grad(dot(q_r, k_s[j]), dot(do_r, v_s[j]), lse_i, dl_i, scale,
+                                      softcap)
+                if ok:
+                    axpy(dq_r, ds, k_s[j])
+                bad = bad or not ok
+        return bad
     return query_grads
 
 
@@ -782,6 +840,7 @@ def dq_kernel(var: Variant):
         i_kh = i_h // (q.shape[1] // k.shape[1])
         pol = seq_mask(view, b)
         lse_i, dl_i = NEG_INF, float32(0.0)
+        bad = False
         zero(dq_r)
         if valid:
             lse_i, dl_i = lse[i_h, row], delta[i_h, row]
@@ -795,9 +854,9 @@ def dq_kernel(var: Variant):
                 stage(k_s, k, row_n, n, i_kh, tid, BM)
                 stage(v_s, v, row_n, n, i_kh, tid, BM)
                 cuda.syncthreads()
-                if valid and lse_i > NEG_INF:       # a row that saw no key has no gradient
-                    query_grads(dq_r, q_r, do_r, k_s, v_s, n, lse_i, dl_i, pos, pos_n,
-                                is_partial(ranges, i_n), pol, scale, softcap)
+                if valid:
+                    bad |= query_grads(dq_r, q_r, do_r, k_s, v_s, n, lse_i, dl_i, pos, pos_n,
+                                       is_partial(ranges, i_n), pol, scale, softcap)
         if valid:
-            store_row(dq, row, i_h, dq_r, float32(1.0))
+            store_row(dq, row, i_h, dq_r, NAN if bad else float32(1.0))
     return cuda.jit(_dq)
