@@ -36,10 +36,14 @@ struct DkdvConfig {
     static constexpr int DS_STRIDE = smem_stride<BQ>();
     // dQ is produced DQ_COLS columns at a time to bound the registers it needs.
     static constexpr int DQ_COLS = 32;
-    // Blocks per SM the register budget must allow: 2 x 128 threads leave ptxas all 255
-    // registers, and stating it keeps ptxas from squeezing D = 32 under 168 registers (a third
-    // block) with a spill.
+    // Blocks per SM the register budget must allow. Two (of 128 threads) leave ptxas all 255
+    // registers; stated, it keeps ptxas from squeezing D = 32 under 168 registers for a third
+    // block with a spill on sm_80. On sm_90 D = 32 fits three blocks without one.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static constexpr int MIN_BLOCKS = D <= 32 ? 3 : 2;
+#else
     static constexpr int MIN_BLOCKS = 2;
+#endif
     static constexpr int T_ELEMS = 2 * BN * STRIDE + 2 * STAGES * BQ * STRIDE +
                                    (ATOMIC_DQ ? BN * DS_STRIDE : 0);
     static constexpr int F_ELEMS = 2 * STAGES * BQ;
