@@ -1,7 +1,7 @@
 """The CuPy tensor-core backend on a GPU: parity with the float64 reference, determinism,
 graph capture. Skipped without a CUDA GPU (marker `gpu`).
 
-Tolerances are STYLE.md's ratio tolerances (tests/helpers.py): the error against float64 may
+Tolerances are STYLE.md's ratio tolerances (varlen.testing): the error against float64 may
 be at most 2x (output) / 3x (gradients) the error of a naive same-dtype computation, plus a
 rounding floor, with a relative-RMS and a max-abs check.
 """
