@@ -1,4 +1,7 @@
 """Bad input gets a ValueError/TypeError naming the argument; inputs are never modified."""
+import contextvars
+import threading
+
 import numpy as np
 import pytest
 
@@ -96,6 +99,49 @@ def test_validation_can_be_switched_off_and_on():
         call(cu_k=bad)
     with pytest.raises(TypeError, match="set_validation expects"):
         varlen.set_validation("yes")
+
+
+def test_set_validation_is_a_context_manager_and_a_plain_call():
+    bad = np.array([0, 5, 3], np.int32)
+    with varlen.set_validation(False) as previous:
+        assert previous == None  # noqa: E711 (it compares equal to the mode it replaced)
+        assert call(cu_k=bad)[0].shape == (8, 4, 8)
+        with varlen.set_validation(True):
+            with pytest.raises(ValueError):
+                call(cu_k=bad)
+        assert call(cu_k=bad)[0].shape == (8, 4, 8)
+    with pytest.raises(ValueError):
+        call(cu_k=bad)
+    old = varlen.set_validation(True)
+    assert old == None and varlen.set_validation(old) == True  # noqa: E711, E712
+
+
+def test_validation_mode_belongs_to_the_thread():
+    """While another thread has validation off, this thread's bad call is still refused."""
+    switched, done = threading.Event(), threading.Event()
+
+    def other():
+        with varlen.set_validation(False):
+            switched.set()
+            done.wait(10)
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert switched.wait(10)
+        with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+            call(cu_k=np.array([0, 5, 3], np.int32))
+    finally:
+        done.set()
+        t.join()
+
+
+def test_validation_mode_belongs_to_the_context():
+    def off():
+        varlen.set_validation(False)
+        return call(cu_k=np.array([0, 5, 3], np.int32))[0].shape
+    assert contextvars.copy_context().run(off) == (8, 4, 8)
+    with pytest.raises(ValueError):
+        call(cu_k=np.array([0, 5, 3], np.int32))
 
 
 def test_error_messages_do_not_modify_inputs():

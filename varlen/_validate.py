@@ -4,6 +4,7 @@ data unless `set_validation(True)` asks for the synchronising read.
 """
 from __future__ import annotations
 
+import contextvars
 import math
 import numbers
 
@@ -11,30 +12,80 @@ import numpy as np
 
 from ._array import bfloat16_dtype, host_copy, to_working
 
-__all__ = ["set_validation", "validation_enabled", "check_qkv", "as_index_array",
-           "as_policy_array", "check_layout_values", "check_backward_inputs", "check_bound",
-           "scale_and_softcap", "dtype_name", "FLOAT_DTYPES"]
+__all__ = ["set_validation", "validation_enabled", "validation_mode", "check_qkv",
+           "as_index_array", "as_policy_array", "check_layout_values", "check_backward_inputs",
+           "check_bound", "scale_and_softcap", "dtype_name", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-_MODE = None    # None: host data only; True: always (device data: synchronising reads); False
+# --------------------------------------------------------------------------------------------
+# The validation mode: per thread and per context
+# --------------------------------------------------------------------------------------------
+
+# None: host data only; True: always (device data: synchronising reads); False: never.
+_MODE: contextvars.ContextVar = contextvars.ContextVar("varlen_validation", default=None)
+
+
+class _Previous:
+    """What `set_validation` returns: the previous mode (it compares equal to it) and a context
+    manager that restores it on exit."""
+
+    __slots__ = ("mode",)
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _MODE.set(self.mode)
+        return False
+
+    def __eq__(self, other):
+        return self.mode == (other.mode if isinstance(other, _Previous) else other)
+
+    def __hash__(self):
+        return hash(self.mode)
+
+    def __bool__(self):
+        return bool(self.mode)
+
+    def __repr__(self):
+        return repr(self.mode)
 
 
 def set_validation(enabled):
     """Turn value checks on (`True`), off (`False`) or back to the default (`None`).
 
     The default checks host (NumPy) inputs and skips checks that would need a host read of
-    device memory, so device calls stay free of synchronisation. Returns the previous mode.
+    device memory, so device calls stay free of synchronisation. The mode belongs to the
+    current thread and `contextvars` context (a new thread starts from the default), so one
+    thread's setting never reaches another thread's calls.
+
+    Returns the previous mode (equal to `True`, `False` or `None`; pass it back to restore it),
+    which is also a context manager::
+
+        with varlen.set_validation(False):
+            ...                                     # the previous mode is back on exit
     """
-    global _MODE
-    if enabled not in (True, False, None):
+    if isinstance(enabled, _Previous):
+        enabled = enabled.mode
+    if not (enabled is None or isinstance(enabled, (bool, np.bool_))):
         raise TypeError(f"set_validation expects True, False or None, got {enabled!r}")
-    old, _MODE = _MODE, enabled
-    return old
+    previous = _Previous(_MODE.get())
+    _MODE.set(None if enabled is None else bool(enabled))
+    return previous
+
+
+def validation_mode():
+    """The current thread's and context's mode: True, False or None (the default)."""
+    return _MODE.get()
 
 
 def validation_enabled(on_device: bool) -> bool:
-    return (not on_device) if _MODE is None else _MODE
+    mode = _MODE.get()
+    return (not on_device) if mode is None else mode
 
 
 def dtype_name(dtype) -> str:
