@@ -27,7 +27,7 @@ def _run_case(cp, case, method="ring", **over):
     """Run forward on all in-process ranks; returns per-rank (out, lse) and the partition."""
     g = make_global(case)
     part = vc.partition(g["cu_q"], cp, case.scheme, seq_offsets=g["off_q"], num_rows=g["Tq"])
-    kw = dict(mask=case.mask, method=method, **over)
+    kw = dict(mask=case.mask, method=method, backend=case.backend, **over)
 
     def body(grp):
         q, k, v = (part.shard(g[x], grp.rank) for x in ("q", "k", "v"))

@@ -17,6 +17,11 @@ CASE = CASES[1]                          # mixed causal/full sequences, GQA, a z
 PER_RANK = {"ring": lambda cp: cp, "allgather": lambda cp: 1, "ulysses": lambda cp: 1}
 
 
+def _steps(part, rank, **kw):
+    """`vc.plan` for CASE's data on the NumPy backend."""
+    return vc.plan(part, rank, dtype="float64", head_dim=CASE.D, backend="numpy", **kw)
+
+
 @pytest.fixture
 def builds(monkeypatch):
     """The number of plans built so far (every rank, every thread)."""
@@ -29,6 +34,8 @@ def builds(monkeypatch):
 
 def _layers(part, g, n_layers, **kw):
     """Forward and backward of `n_layers` layers on every rank; returns rank 0's grads."""
+    kw.setdefault("backend", "numpy")
+
     def body(grp):
         q, k, v, do = (part.shard(g[x], grp.rank) for x in ("q", "k", "v", "dout"))
         for _ in range(n_layers):
@@ -59,15 +66,16 @@ def test_plan_handle_is_used_as_given(builds):
     g = make_global(CASE)
     part = vc.partition(g["cu_q"], cp)
     kw = dict(mask=CASE.mask, method="ring")
-    steps = [vc.plan(part, r, dtype="float64", head_dim=CASE.D, **kw) for r in range(cp)]
+    steps = [_steps(part, r, **kw) for r in range(cp)]
     assert builds() == cp * cp
     assert all(isinstance(s, vc.StepPlans) and len(s.plans) == cp for s in steps)
 
     def body(grp):
         q, k, v, do = (part.shard(g[x], grp.rank) for x in ("q", "k", "v", "dout"))
-        out, lse = vc.attention_forward(q, k, v, part, grp, plan=steps[grp.rank], **kw)
+        out, lse = vc.attention_forward(q, k, v, part, grp, plan=steps[grp.rank],
+                                        backend="numpy", **kw)
         return vc.attention_backward(do, q, k, v, out, lse, part, grp, plan=steps[grp.rank],
-                                     **kw)
+                                     backend="numpy", **kw)
     with_plan = vc.local_group(cp).run(body)[0]
     assert builds() == cp * cp, "calls with plan= built plans of their own"
     fresh = _layers(vc.partition(g["cu_q"], cp), g, 1, **kw)
@@ -80,8 +88,7 @@ def _plan_errors(wrong_plan, **kw):
     plans; returns each rank's error."""
     g = make_global(CASE)
     part = vc.partition(g["cu_q"], 2)
-    plans = [wrong_plan(part, 0),
-             vc.plan(part, 1, dtype="float64", head_dim=CASE.D, mask=CASE.mask)]
+    plans = [wrong_plan(part, 0), _steps(part, 1, mask=CASE.mask)]
 
     def body(grp):
         q, k, v = (part.shard(g[x], grp.rank) for x in ("q", "k", "v"))
@@ -94,20 +101,16 @@ def _plan_errors(wrong_plan, **kw):
 
 
 @pytest.mark.parametrize("wrong_plan, exc, match", [
-    (lambda part, r: vc.plan(vc.partition(part.cu_seqlens, 2), r, dtype="float64",
-                             head_dim=CASE.D, mask=CASE.mask),
+    (lambda part, r: _steps(vc.partition(part.cu_seqlens, 2), r, mask=CASE.mask),
      ValueError, r"another Partition object"),
-    (lambda part, r: vc.plan(part, r, dtype="float64", head_dim=CASE.D, mask="causal"),
-     ValueError, r"mask \("),
-    (lambda part, r: vc.plan(part, 1 - r, dtype="float64", head_dim=CASE.D, mask=CASE.mask),
-     ValueError, r"rank \("),
-    (lambda part, r: vc.plan(part, r, dtype="float64", head_dim=CASE.D, mask=CASE.mask,
-                             method="allgather"),
+    (lambda part, r: _steps(part, r, mask="causal"), ValueError, r"mask \("),
+    (lambda part, r: _steps(part, 1 - r, mask=CASE.mask), ValueError, r"rank \("),
+    (lambda part, r: _steps(part, r, mask=CASE.mask, method="allgather"),
      ValueError, r"method \('allgather' in the plan, 'ring' in the call\)"),
     (lambda part, r: [], TypeError, r"plan must be this rank's step plans"),
 ], ids=["partition", "mask", "rank", "method", "type"])
 def test_plan_for_another_call_is_refused_on_every_rank(wrong_plan, exc, match):
-    errs = _plan_errors(wrong_plan, mask=CASE.mask)
+    errs = _plan_errors(wrong_plan, mask=CASE.mask, backend="numpy")
     assert isinstance(errs[0], exc) and re.search(match, str(errs[0])), errs[0]
     assert isinstance(errs[1], ValueError) and "rank 0 rejected its inputs" in str(errs[1])
 
