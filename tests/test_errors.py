@@ -8,6 +8,9 @@ import pytest
 import varlen
 
 CU = np.array([0, 3, 8], np.int32)
+# Values past int32 in wider integer types must never run as their wrapped int32 values.
+WIDE_CU = np.array([0, 3, 2**32 + 7, 2**32 + 12], np.int64)
+WIDE_MESSAGE = r"cu_seqlens_q\[2\]=4294967303 is outside int32 \[-2\*\*31, .* 2147483647\]"
 
 
 def _qkv(Tq=8, Tk=8, Hq=4, Hk=2, D=8, Dv=8, dtype=np.float32):
@@ -54,8 +57,22 @@ BAD = [
     ("mask-array-wrong-length",
      dict(mask=varlen.Mask(window_left=np.array([1, 2, 3], np.int32))), ValueError,
      r"mask.window_left has shape \(3,\); expected a scalar or \[2\]"),
-    ("mask-array-float", dict(mask=varlen.Mask(window_right=np.array([0.0, 1.0]))), TypeError,
-     r"mask.window_right must be int32 or bool"),
+    ("mask-array-float", dict(mask=lambda: varlen.Mask(window_right=np.array([0.0, 1.0]))),
+     TypeError, r"mask.window_right must be int32 or bool"),
+    ("mask-window-float", dict(mask=lambda: varlen.Mask(window_left=2.7)), TypeError,
+     r"mask.window_left must be an int \(or an int32/bool \[B\] array\), got 2.7"),
+    ("mask-window-nan", dict(mask=lambda: varlen.Mask(window_left=float("nan"))), TypeError,
+     r"mask.window_left must be an int .*got nan"),
+    ("mask-bottom-right-2", dict(mask=lambda: varlen.Mask(bottom_right=2)), ValueError,
+     r"mask.bottom_right must be True or False \(or 0/1\), got 2"),
+    ("cu-int64-past-int32", dict(cu_q=WIDE_CU, cu_k=WIDE_CU), ValueError, WIDE_MESSAGE),
+    ("cu-uint32-past-int32",
+     dict(cu_q=np.array([0, 3, 2**31 + 7, 2**31 + 12], np.uint32), cu_k=WIDE_CU), ValueError,
+     r"cu_seqlens_q\[2\]=2147483655 is outside int32"),
+    ("offsets-int64-past-int32", dict(seq_offsets_k=np.array([0, 2**31, 2**31 + 5], np.int64)),
+     ValueError, r"seq_offsets_k\[1\]=2147483648 is outside int32"),
+    ("max-seqlen-past-int32", dict(max_seqlen_q=2**31), ValueError,
+     r"max_seqlen_q=2147483648 is past the int32 limit"),
     ("mask-unknown-name", dict(mask="causal_top_left"), ValueError,
      r"mask='causal_top_left' is not a known mask name"),
     ("mask-wrong-type", dict(mask=1), TypeError, r"mask must be a mask name"),
@@ -72,7 +89,8 @@ BAD = [
 @pytest.mark.parametrize("kw,exc,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input(kw, exc, match):
     with pytest.raises(exc, match=match):
-        call(**kw)
+        # a callable builds its argument here: a bad Mask fails as it is made
+        call(**{name: value() if callable(value) else value for name, value in kw.items()})
 
 
 def test_backward_checks_its_extra_arguments():
@@ -84,6 +102,73 @@ def test_backward_checks_its_extra_arguments():
         varlen.attention_backward(out, q, k, v, out, lse.T, CU, CU)
     with pytest.raises(TypeError, match=r"out has dtype float16"):
         varlen.attention_backward(out, q, k, v, out.astype(np.float16), lse, CU, CU)
+    with pytest.raises(TypeError, match=r"lse has dtype float64; expected float32, what "
+                                        r"attention_forward returns for float32 inputs"):
+        varlen.attention_backward(out, q, k, v, out, lse.astype(np.float64), CU, CU)
+    with pytest.raises(TypeError, match=r"deterministic must be True or False, got 'yes'"):
+        varlen.attention_backward(out, q, k, v, out, lse, CU, CU, deterministic="yes")
+
+
+@pytest.mark.parametrize("validation", [None, False], ids=["default", "off"])
+def test_dtype_checks_do_not_depend_on_validation(validation):
+    """Types of equal byte size are told apart, and wide metadata is range-checked before
+    its cast, with value validation off too (host metadata: the check reads host memory)."""
+    import ml_dtypes
+    q, k, v = _qkv(dtype=np.float16)
+    with varlen.set_validation(validation):
+        with pytest.raises(TypeError, match="share one dtype, got float16, bfloat16"):
+            call(q, k.astype(ml_dtypes.bfloat16), v)
+        out, lse = varlen.attention_forward(q, k, v, CU, CU)
+        with pytest.raises(TypeError, match="dout has dtype bfloat16"):
+            varlen.attention_backward(out.astype(ml_dtypes.bfloat16), q, k, v, out, lse, CU, CU)
+        with pytest.raises(TypeError, match="lse has dtype int32"):
+            varlen.attention_backward(out, q, k, v, out, lse.view(np.int32), CU, CU)
+        wide = np.array([0, 3, 2**31 + 3], np.uint32)
+        with pytest.raises(ValueError, match=r"cu_seqlens_k\[2\]=2147483651 is outside int32"):
+            call(cu_k=wide)
+
+
+@pytest.mark.gpu
+def test_wide_device_metadata_is_flagged_without_a_host_read():
+    """Device metadata past int32: validation off, device code flags it for
+    check_device_errors(); validation on, the call reads it and refuses it."""
+    cp = pytest.importorskip("cupy")
+    q, k, v = (cp.asarray(x) for x in _qkv())
+    wide = cp.asarray(np.array([0, 3, 2**32 + 8], np.int64))     # would wrap to [0, 3, 8]
+    varlen.check_device_errors()
+    varlen.attention_forward(q, k, v, wide, cp.asarray(CU))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q holds values outside int32"):
+        varlen.check_device_errors()
+    with varlen.set_validation(True):
+        with pytest.raises(ValueError, match=r"cu_seqlens_q\[2\]=4294967304 is outside int32"):
+            varlen.attention_forward(q, k, v, wide, cp.asarray(CU))
+
+
+def _out(mask):
+    q, k, v = _qkv()
+    cu = np.array([0, 3, 8], np.int32)
+    return varlen.attention_forward(q, k, v, cu, np.array([0, 5, 8], np.int32), mask=mask)[0]
+
+
+def test_mask_arrays_are_normalised_without_a_host_read():
+    """Windows past int32 are unbounded (never wrapped to small ones); any nonzero bottom_right
+    is True (never a doubled shift)."""
+    unbounded = _out(varlen.Mask(window_left=np.array([-1, 2], np.int32)))
+    wide = _out(varlen.Mask(window_left=np.array([2**32 - 1, 2], np.uint32)))
+    wider = _out(varlen.Mask(window_left=np.array([2**40, 2], np.int64)))
+    assert np.array_equal(wide, unbounded) and np.array_equal(wider, unbounded)
+    br = dict(window_right=0)
+    assert np.array_equal(_out(varlen.Mask(bottom_right=np.array([2, 0], np.int32), **br)),
+                          _out(varlen.Mask(bottom_right=np.array([1, 0], np.int32), **br)))
+
+
+@pytest.mark.xfail(strict=True, reason="needs setup() to run check_qkv on the caller's arrays "
+                                       "before converting them (varlen/_setup.py)")
+def test_data_from_two_frameworks_is_refused():
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="k is a numpy array but q is a torch array"):
+        call(torch.from_numpy(q), k, v)
 
 
 def test_validation_can_be_switched_off_and_on():

@@ -118,6 +118,52 @@ def test_mask_names_and_constructors():
         as_mask(3)
 
 
+def test_mask_scalars_are_checked_and_normalised():
+    m = Mask(window_left=np.int64(5), window_right=np.array(0), bottom_right=1)
+    assert m.fields() == (5, 0, True) and type(m.window_left) is int
+    # negative windows, and windows no int32 position can reach, are unbounded
+    assert Mask(window_left=-7, window_right=2**31).fields() == (-1, -1, False)
+    assert Mask(window_left=2**31 - 1).window_left == 2**31 - 1
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(window_left=2.7), TypeError, r"mask.window_left must be an int .*got 2.7"),
+    (dict(window_right=float("nan")), TypeError, r"mask.window_right must be an int .*got nan"),
+    (dict(window_left=np.float32(1)), TypeError, r"mask.window_left must be an int"),
+    (dict(window_left=np.array(1.5)), TypeError, r"mask.window_left must be int32 or bool"),
+    (dict(window_left="3"), TypeError, r"mask.window_left must be an array"),
+    (dict(bottom_right=2), ValueError, r"mask.bottom_right must be True or False \(or 0/1\)"),
+    (dict(window_left=np.zeros((2, 2), np.int32)), ValueError,
+     r"mask.window_left has shape \(2, 2\); expected a scalar or \[B\]"),
+    (dict(bottom_right=np.zeros(2, np.float32)), TypeError,
+     r"mask.bottom_right must be int32 or bool, got dtype float32"),
+], ids=["float", "nan", "numpy-float", "0d-float", "string", "bottom-right-2", "2d", "float-array"])
+def test_bad_mask_fields_are_refused_by_name(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        Mask(**kw)
+
+
+def test_mask_array_fields_are_checked_without_reading_them():
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    assert Mask(window_left=torch.empty(3, dtype=torch.int64, device="meta")).parts()[1] == \
+        (0, -1, 0)
+    with pytest.raises(TypeError, match="mask.window_right must be int32 or bool"):
+        Mask(window_right=torch.empty(3, device="meta"))
+    shapes = jax.jit(lambda flags: jax.numpy.zeros(len(Mask(bottom_right=flags).parts()[0])))
+    assert shapes(jax.numpy.asarray([True, False])).shape == (3,)
+
+
+def test_parts_and_from_parts_round_trip():
+    flags = np.array([True, False])
+    m = Mask(window_left=3, window_right=flags, bottom_right=True)
+    arrays, ints = m.parts()
+    assert arrays[0] is None and arrays[1] is flags and arrays[2] is None
+    assert ints == (3, 0, 1)
+    back = Mask.from_parts(arrays, ints)
+    assert back.window_left == 3 and back.window_right is flags and back.bottom_right is True
+
+
 def test_dense_mask_torch_no_host_sync():
     torch = pytest.importorskip("torch")
     cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)

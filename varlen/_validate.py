@@ -1,22 +1,32 @@
 """Input checks. Shape, dtype and device checks always run; value checks (which read
 `cu_seqlens` and friends) run when validation is on: by default for host data, never for device
 data unless `set_validation(True)` asks for the synchronising read.
+
+The data-free checks read only `.shape`, `.ndim` and `.dtype` (through `spec_of`), so the same
+function serves a NumPy array, a PyTorch tensor (fake and meta tensors too), a JAX array or
+tracer and a CuPy array: `setup` runs them on the call's arrays, the adapters before their op
+or trace, and `Mask` on its fields.
 """
 from __future__ import annotations
 
 import contextvars
 import math
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
-from ._array import bfloat16_dtype, host_copy, to_working
+from ._array import _framework, array_module, bfloat16_dtype, host_copy, to_working
+from ._device_errors import record
 
-__all__ = ["set_validation", "validation_enabled", "validation_mode", "check_qkv",
-           "as_index_array", "as_policy_array", "check_layout_values", "check_backward_inputs",
-           "check_bound", "scale_and_softcap", "dtype_name", "FLOAT_DTYPES"]
+__all__ = ["set_validation", "validation_enabled", "validation_mode", "Spec", "spec_of",
+           "check_specs", "check_qkv", "check_index", "check_policy", "is_policy_scalar",
+           "policy_value", "as_index_array", "as_policy_array", "check_layout_values",
+           "check_backward_inputs", "check_bound", "scale_and_softcap", "dtype_name",
+           "FLOAT_DTYPES", "INT32_MAX"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
 # --------------------------------------------------------------------------------------------
 # The validation mode: per thread and per context
@@ -96,29 +106,106 @@ def dtype_name(dtype) -> str:
     return dt.name
 
 
+# --------------------------------------------------------------------------------------------
+# Specs: what the data-free checks read of an array
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Spec:
+    """Shape, dtype, framework and device of an array, read without touching its data."""
+
+    shape: tuple
+    dtype: str                # NumPy's name, or the framework's where NumPy has none (bfloat16)
+    kind: str                 # NumPy's dtype kind; "f" for every floating type
+    framework: str            # numpy (Python lists and scalars too), torch, jax, cupy, dlpack
+    device: str | None        # "cpu", "cuda:0", ...; None where unknown without data (JAX)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _dtype_info(dtype) -> tuple[str, str]:
+    """`(name, kind)` of a NumPy, JAX, CuPy or PyTorch dtype."""
+    if type(dtype).__module__ == "torch":          # by name: no NumPy call while torch traces
+        name = str(dtype).removeprefix("torch.")
+        if name == "bool":
+            return name, "b"
+        if name.startswith(("int", "uint")):
+            return name, name[0]
+        return name, "f" if "float" in name else "c" if "complex" in name else "V"
+    name = dtype_name(dtype)
+    return name, "f" if name in FLOAT_DTYPES else np.dtype(dtype).kind
+
+
+def _device(x, framework: str):
+    if isinstance(x, (np.ndarray, np.generic)):
+        return "cpu"
+    if framework == "torch":
+        return str(x.device)
+    if framework == "cupy" or type(x).__module__.split(".")[0] == "cupy":
+        return f"cuda:{x.device.id}"
+    return None
+
+
+def spec_of(x, name: str) -> Spec:
+    """The `Spec` of `x` (NumPy, PyTorch, JAX, CuPy, a DLPack producer, a list or a number).
+
+    Reads `.shape` and `.dtype` only (of anything that has them), so fake tensors and JAX
+    tracers work; lists, numbers and a bare DLPack producer are viewed as an array first.
+    Raises a TypeError naming `name` for anything else.
+    """
+    if isinstance(x, Spec):
+        return x
+    fw = _framework(x)
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        x = to_working(x, name)
+        fw = "numpy" if fw == "python" else fw
+    dtype, kind = _dtype_info(x.dtype)
+    return Spec(tuple(x.shape), dtype, kind, fw, _device(x, fw))
+
+
+# --------------------------------------------------------------------------------------------
+# Data-free checks
+# --------------------------------------------------------------------------------------------
+
+def _check_together(specs: dict):
+    """The data arrays come from one framework and live on one device."""
+    (first, s0), *rest = specs.items()
+    for name, s in rest:
+        if s.framework != s0.framework:
+            raise TypeError(f"{name} is a {s.framework} array but {first} is a {s0.framework} "
+                            f"array; pass the data arrays from one framework")
+        if s.device and s0.device and s.device != s0.device:
+            raise ValueError(f"{name} is on {s.device} but {first} is on {s0.device}; all "
+                             f"arrays must live on one device")
+
+
 def check_qkv(q, k, v):
-    """Shapes and dtypes of q, k, v; returns `(Tq, Hq, D, Tk, Hk, Dv)`."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
+    """Shapes, dtypes, framework and device of q, k, v (data-free: arrays or specs of any
+    framework); returns `(Tq, Hq, D, Tk, Hk, Dv)`."""
+    specs = {name: spec_of(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
+    for name, s in specs.items():
+        if s.ndim != 3:
             raise ValueError(f"{name} must be 3-D [T, H, D] (packed THD layout), got shape "
-                             f"{tuple(x.shape)}")
-        dn = dtype_name(x.dtype)
-        if dn not in FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {dn}; expected one of {', '.join(FLOAT_DTYPES)}")
+                             f"{s.shape}")
+        if s.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {s.dtype}; expected one of "
+                            f"{', '.join(FLOAT_DTYPES)}")
+    _check_together(specs)
+    q, k, v = specs.values()
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {dtype_name(q.dtype)}, "
-                        f"{dtype_name(k.dtype)} and {dtype_name(v.dtype)}")
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and "
+                        f"{v.dtype}")
     Tq, Hq, D = q.shape
     Tk, Hk, Dk = k.shape
     if Dk != D:
-        raise ValueError(f"q.shape={tuple(q.shape)} and k.shape={tuple(k.shape)} disagree on "
-                         f"head dim")
+        raise ValueError(f"q.shape={q.shape} and k.shape={k.shape} disagree on head dim")
     if v.shape[0] != Tk:
-        raise ValueError(f"k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} disagree on "
-                         f"rows; k and v must hold the same tokens")
+        raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} disagree on rows; k and v "
+                         f"must hold the same tokens")
     if v.shape[1] != Hk:
-        raise ValueError(f"k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} disagree on "
-                         f"heads")
+        raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} disagree on heads")
     if Hk == 0 or Hq % Hk != 0:
         raise ValueError(f"q has {Hq} heads and k has {Hk}; q heads must be a multiple of k "
                          f"heads (GQA/MQA)")
@@ -127,43 +214,150 @@ def check_qkv(q, k, v):
     return Tq, Hq, D, Tk, Hk, v.shape[2]
 
 
-def as_index_array(x, name: str, xp, length=None):
-    """An int32 1-D metadata array in module `xp` (host metadata moves to the device)."""
-    a = to_working(x, name)
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array, got shape {tuple(a.shape)}")
-    if np.dtype(a.dtype).kind not in "iu":
-        raise TypeError(f"{name} must hold integers (int32), got dtype {dtype_name(a.dtype)}")
-    if length is not None and a.shape[0] != length:
-        raise ValueError(f"{name} has {a.shape[0]} entries; expected {length}")
+def check_index(x, name: str, length=None) -> Spec:
+    """A 1-D integer metadata array (`cu_seqlens_*`, `seq_offsets_*`), data-free."""
+    s = spec_of(x, name)
+    if s.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array, got shape {s.shape}")
+    if s.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int32), got dtype {s.dtype}")
+    if length is not None and s.shape[0] != length:
+        raise ValueError(f"{name} has {s.shape[0]} entries; expected {length}")
+    return s
+
+
+def is_policy_scalar(x) -> bool:
+    """A mask field given as one value (a Python or NumPy scalar), not as an array."""
+    return isinstance(x, (numbers.Number, np.generic))
+
+
+def policy_value(name: str, x) -> int:
+    """A scalar mask field as an int.
+
+    Windows: `-1` (unbounded) or `0 .. 2**31-1`; a negative window, and one past int32 (which no
+    int32 position can reach), is unbounded. `bottom_right`: 0 or 1. Floats, NaN included, are
+    refused rather than truncated.
+    """
+    if not isinstance(x, (numbers.Integral, np.integer, np.bool_)):
+        raise TypeError(f"mask.{name} must be an int (or an int32/bool [B] array), got {x!r}")
+    v = int(x)
+    if name == "bottom_right":
+        if v not in (0, 1):
+            raise ValueError(f"mask.bottom_right must be True or False (or 0/1), got {x!r}")
+        return v
+    return v if 0 <= v <= INT32_MAX else -1
+
+
+def check_policy(x, name: str, batch=None) -> Spec:
+    """A mask field given as an array: 0-d or `[batch]`, int or bool (data-free)."""
+    s = spec_of(x, f"mask.{name}")
+    if s.ndim > 1 or (batch is not None and s.ndim == 1 and s.shape[0] != batch):
+        want = "[B]" if batch is None else f"[{batch}]"
+        raise ValueError(f"mask.{name} has shape {s.shape}; expected a scalar or {want} (one "
+                         f"entry per sequence)")
+    if s.kind not in "iub":
+        raise TypeError(f"mask.{name} must be int32 or bool, got dtype {s.dtype}")
+    return s
+
+
+def check_specs(q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=None, seq_offsets_k=None,
+                mask=None) -> int:
+    """Every check of a single-process call that needs no data; returns the batch size `B`.
+
+    Works on arrays of any framework and on what stands for them while a framework traces
+    (PyTorch fake tensors, JAX tracers), so the adapters run it before their op or trace.
+    `mask` is a `varlen.Mask` (or None).
+    """
+    check_qkv(q, k, v)
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise TypeError("cu_seqlens_q and cu_seqlens_k are required: int32 [B+1] arrays")
+    n = check_index(cu_seqlens_q, "cu_seqlens_q").shape[0]
+    if n == 0:
+        raise ValueError("cu_seqlens_q is empty; expected [B+1] entries starting at 0")
+    n_k = check_index(cu_seqlens_k, "cu_seqlens_k").shape[0]
+    if n_k != n:
+        raise ValueError(f"cu_seqlens_q has {n} entries and cu_seqlens_k {n_k}; both must be "
+                         f"[B+1] for the same B")
+    for name, off in (("seq_offsets_q", seq_offsets_q), ("seq_offsets_k", seq_offsets_k)):
+        if off is not None:
+            check_index(off, name, n)
+    for name, f in (() if mask is None else mask.items()):
+        if not is_policy_scalar(f):
+            check_policy(f, name, n - 1)
+    return n - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Working metadata: int32 arrays in the data's module
+# --------------------------------------------------------------------------------------------
+
+def _working_meta(x, label: str, xp):
+    """`x` as a working array; device metadata with host data is an error."""
+    a = to_working(x, label)
     if xp is np and not isinstance(a, np.ndarray):
-        raise ValueError(f"{name} lives on a CUDA device but the attention inputs are on the "
+        raise ValueError(f"{label} lives on a CUDA device but the attention inputs are on the "
                          f"host; pass host metadata with host data")
-    if xp is not np and isinstance(a, np.ndarray):
-        a = xp.asarray(a)
-    return a.astype(np.int32, copy=False)
+    return a
 
 
-def as_policy_array(x, name: str, xp, batch: int):
-    """A per-sequence mask field: a scalar stays a scalar, an array becomes int32 `[B]`."""
-    if isinstance(x, (bool, int, np.integer, np.bool_)):
-        return int(x)
-    a = to_working(x, f"mask.{name}")
-    if a.ndim == 0:
-        return int(host_copy(a))
-    if a.ndim != 1 or a.shape[0] != batch:
-        raise ValueError(f"mask.{name} has shape {tuple(a.shape)}; expected a scalar or "
-                         f"[{batch}] (one entry per sequence)")
-    if np.dtype(a.dtype).kind not in "iub":
-        raise TypeError(f"mask.{name} must be int32 or bool, got dtype {dtype_name(a.dtype)}")
-    if xp is np and not isinstance(a, np.ndarray):
-        raise ValueError(f"mask.{name} lives on a CUDA device but the attention inputs are on "
-                         f"the host")
-    if xp is not np and isinstance(a, np.ndarray):
-        a = xp.asarray(a)
+def _to_module(a, xp):
+    """Host metadata moves to the device when the data is there."""
+    return xp.asarray(a) if xp is not np and isinstance(a, np.ndarray) else a
+
+
+def _index_int32(a, name: str):
+    """`a` as int32, its values checked against the int32 range before the cast.
+
+    On the host always; on a device with validation on (a host read), else by device code that
+    records the error for `varlen.check_device_errors()`.
+    """
+    dt = np.dtype(a.dtype)
+    if dt == np.int32 or dt.itemsize < 4:
+        return a.astype(np.int32, copy=False)
+    xp = array_module(a)
+    bad = a > INT32_MAX if dt.kind == "u" else (a < INT32_MIN) | (a > INT32_MAX)
+    if xp is np or validation_enabled(True):
+        where = np.flatnonzero(host_copy(bad))
+        if where.size:
+            i = int(where[0])
+            raise ValueError(f"{name}[{i}]={host_copy(a)[i]} is outside int32 [-2**31, "
+                             f"2**31-1 = {INT32_MAX}]: rows are indexed with int32")
+    else:
+        record(xp, bad.any(), f"{name} holds values outside int32 [-2**31, 2**31-1 = "
+                              f"{INT32_MAX}]: rows are indexed with int32")
     return a.astype(np.int32)
 
 
+def as_index_array(x, name: str, xp, length=None):
+    """An int32 1-D metadata array in module `xp` (host metadata moves to the device)."""
+    check_index(x, name, length)
+    return _to_module(_index_int32(_working_meta(x, name, xp), name), xp)
+
+
+def _policy_int32(a, name: str):
+    """A per-sequence mask field as int32 without a host read (see `policy_value`)."""
+    if name == "bottom_right":
+        return (a != 0).astype(np.int32)
+    dt = np.dtype(a.dtype)
+    if dt.kind == "b" or dt.itemsize < 4 or dt == np.int32:
+        return a.astype(np.int32)
+    xp = array_module(a)
+    return xp.where((a < 0) | (a > INT32_MAX), -1, a).astype(np.int32)
+
+
+def as_policy_array(x, name: str, xp, batch: int):
+    """A per-sequence mask field: a scalar stays a scalar (an int), an array becomes int32
+    `[B]` in module `xp`."""
+    if is_policy_scalar(x):
+        return policy_value(name, x)
+    if check_policy(x, name, batch).ndim == 0:
+        return policy_value(name, host_copy(to_working(x, f"mask.{name}"))[()])
+    return _to_module(_policy_int32(_working_meta(x, f"mask.{name}", xp), name), xp)
+
+
+# --------------------------------------------------------------------------------------------
+# Value checks (host reads) and scalars
+# --------------------------------------------------------------------------------------------
 def check_layout_values(cu, off, num_rows: int, max_seqlen=None, side: str = "", *,
                         rows_name=None):
     """Value checks of one side's layout (host reads).
@@ -210,6 +404,8 @@ def check_bound(name: str, value):
         return None
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
         raise TypeError(f"{name} must be a non-negative int (a host-known bound), got {value!r}")
+    if value > INT32_MAX:
+        raise ValueError(f"{name}={value} is past the int32 limit {INT32_MAX} of row counts")
     return int(value)
 
 
@@ -234,21 +430,24 @@ def scale_and_softcap(softmax_scale, softcap, head_dim=None):
 
 
 def check_backward_inputs(q, v, dout, out, lse, rows: str = "Tq"):
-    """`dout` and `out` must be `[Tq, Hq, Dv]` in q's dtype and `lse` floating `[Hq, Tq]`.
+    """`dout` and `out` must be `[Tq, Hq, Dv]` in q's dtype, and `lse` `[Hq, Tq]` float32
+    (float64 for float64 inputs), as `attention_forward` returns it (data-free).
 
     `rows` names the query rows in the messages (`Tq_local` for a context-parallel shard).
     """
+    q, v, lse = spec_of(q, "q"), spec_of(v, "v"), spec_of(lse, "lse")
     Tq, Hq, _ = q.shape
     Dv = v.shape[2]
     for name, a in (("dout", dout), ("out", out)):
-        if tuple(a.shape) != (Tq, Hq, Dv):
-            raise ValueError(f"{name} has shape {tuple(a.shape)}; expected [{rows}, Hq, Dv] = "
+        a = spec_of(a, name)
+        if a.shape != (Tq, Hq, Dv):
+            raise ValueError(f"{name} has shape {a.shape}; expected [{rows}, Hq, Dv] = "
                              f"{(Tq, Hq, Dv)}")
         if a.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {dtype_name(a.dtype)}; expected q's dtype "
-                            f"{dtype_name(q.dtype)}")
-    if tuple(lse.shape) != (Hq, Tq):
-        raise ValueError(f"lse has shape {tuple(lse.shape)}; expected [Hq, {rows}] = "
-                         f"{(Hq, Tq)}")
-    if np.dtype(lse.dtype).kind != "f":
-        raise TypeError(f"lse must be floating point, got {dtype_name(lse.dtype)}")
+            raise TypeError(f"{name} has dtype {a.dtype}; expected q's dtype {q.dtype}")
+    if lse.shape != (Hq, Tq):
+        raise ValueError(f"lse has shape {lse.shape}; expected [Hq, {rows}] = {(Hq, Tq)}")
+    want = "float64" if q.dtype == "float64" else "float32"
+    if lse.dtype != want:
+        raise TypeError(f"lse has dtype {lse.dtype}; expected {want}, what attention_forward "
+                        f"returns for {q.dtype} inputs")

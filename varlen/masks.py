@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._validate import check_policy, is_policy_scalar, policy_value
+
 __all__ = ["Mask", "as_mask", "visible", "key_band", "query_band", "padding_mask",
            "dense_mask", "MASK_NAMES", "MASK_FIELDS"]
 
@@ -33,14 +35,41 @@ class Mask:
         bottom_right: align the diagonal with the bottom-right corner (`s = Lk - Lq`) instead of
             the top-left (`s = 0`). bool or bool/int32 `[B]` array.
 
+    Query i of a sequence sees its key j iff `(left < 0 or j >= i + s - left) and (right < 0 or
+    j <= i + s + right)`, where `s = Lk - Lq` with bottom_right and 0 without (i, j count from
+    the sequence's first row). Three masks of a sequence with Lq=3 and Lk=5::
+
+        Mask(window_right=0)    Mask(-1, 0, True)    Mask(1, 0, True)
+        x . . . .               x x x . .            . x x . .
+        x x . . .               x x x x .            . . x x .
+        x x x . .               x x x x x            . . . x x
+
     Examples: full `Mask()`, causal `Mask(window_right=0)`, sliding causal of width 128
     `Mask(window_left=128, window_right=0)`, per-sequence causal
     `Mask.causal_where(is_causal)`.
+
+    Scalars are checked and normalised here: windows become ints, with every negative window
+    and every window past int32 (`>= 2**31`, which no int32 position can reach) stored as -1
+    (unbounded); `bottom_right` becomes a bool and must be True/False or 0/1. Floats (NaN
+    included) are a TypeError, never truncated. Arrays must be int or bool, 0-d or `[B]`
+    (checked without reading them, so device arrays and traced values work); their values are
+    normalised the same way when a call uses them.
     """
 
     window_left: object = -1
     window_right: object = -1
     bottom_right: object = False
+
+    def __post_init__(self):
+        for name, f in self.items():
+            if isinstance(f, np.ndarray) and f.ndim == 0:      # a host scalar in an array
+                check_policy(f, name)
+                f = f[()]
+            if is_policy_scalar(f):
+                v = policy_value(name, f)
+                object.__setattr__(self, name, bool(v) if name == "bottom_right" else v)
+            else:
+                check_policy(f, name)
 
     @classmethod
     def named(cls, name: str) -> "Mask":
@@ -64,8 +93,24 @@ class Mask:
         right = right.to(xp.int32) if _is_torch(right) else right.astype(np.int32)
         return cls(window_left, right, bottom_right)
 
+    @classmethod
+    def from_parts(cls, arrays, ints) -> "Mask":
+        """The inverse of `parts`: per field, the array where one is given, else the int."""
+        return cls(*(i if a is None else a for a, i in zip(arrays, ints)))
+
+    def parts(self) -> tuple[tuple, tuple]:
+        """The mask split for an op schema or a trace: per field, the array (None for a scalar)
+        and the int (0 where the array is given). `from_parts` puts it back together."""
+        arrays = tuple(None if is_policy_scalar(f) else f for f in self.fields())
+        ints = tuple(0 if a is not None else int(f) for a, f in zip(arrays, self.fields()))
+        return arrays, ints
+
     def fields(self):
         return self.window_left, self.window_right, self.bottom_right
+
+    def items(self):
+        """`(name, field)` pairs in the order of `MASK_FIELDS`."""
+        return tuple(zip(MASK_FIELDS, self.fields()))
 
     def is_uniform(self) -> bool:
         """True when every field is a scalar (one policy for the whole batch)."""
@@ -73,7 +118,7 @@ class Mask:
 
     def __repr__(self):
         def show(f):
-            return repr(f) if _is_scalar(f) else f"<[{np.shape(f)[0]}] array>"
+            return repr(f) if _is_scalar(f) else f"<{list(np.shape(f))} array>"
         return (f"Mask(window_left={show(self.window_left)}, window_right={show(self.window_right)}"
                 f", bottom_right={show(self.bottom_right)})")
 
