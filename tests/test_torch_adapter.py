@@ -1,7 +1,6 @@
 """`varlen.torch.varlen_attention`: the custom op against the float64 reference, autograd,
 gradcheck, the fake implementation and `torch.compile(fullgraph=True)`."""
 import importlib.util
-import os
 import pathlib
 
 import numpy as np
@@ -13,6 +12,8 @@ import varlen  # noqa: E402
 import varlen.torch as vt  # noqa: E402
 from varlen import Mask  # noqa: E402
 
+from adapter_cases import (CASES, SHARED_ERRORS, WIDE_CU, WIDE_MESSAGE,  # noqa: E402
+                           build, call_changed, needs_numba_simulator, numba_case)
 from helpers import check_against_reference, covered_rows, make_batch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,37 +39,9 @@ def to_numpy(t):
     return t.detach().to("cpu", torch.float64).numpy()
 
 
-# Each case: lengths_q, lengths_k, heads, dims, a mask builder taking an array constructor
-# (so the reference gets NumPy fields and the adapter tensors), and call keywords.
-CASES = {
-    "B3-T13-Hq4-Hk2-D16-causal_where": dict(
-        lengths_q=[5, 1, 7], lengths_k=None, Hq=4, Hk=2, D=16, Dv=16, gaps=False,
-        mask=lambda a: Mask.causal_where(a([True, False, True])), kw={}),
-    "B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window": dict(
-        lengths_q=[4, 0, 1, 6], lengths_k=[5, 0, 3, 6], Hq=4, Hk=1, D=8, Dv=8, gaps=True,
-        mask=lambda a: Mask(window_left=a([2, -1, 0, 1]), window_right=a([0, -1, 1, -1]),
-                            bottom_right=a([True, False, True, False])), kw={}),
-    "B2-last-zero-Hq2-Hk2-D8-Dv12-causal_bottom_right-softcap": dict(
-        lengths_q=[6, 0], lengths_k=[8, 0], Hq=2, Hk=2, D=8, Dv=12, gaps=False,
-        mask=lambda a: "causal_bottom_right", kw=dict(softmax_scale=0.3, softcap=5.0)),
-}
-
-
-def np_array(x):
-    return np.asarray(x, dtype=bool if isinstance(x[0], bool) else np.int32)
-
-
 def torch_array(x, device="cpu"):
     return torch.tensor(x, dtype=torch.bool if isinstance(x[0], bool) else torch.int32,
                         device=device)
-
-
-def build(case, dtype, seed=0):
-    c = CASES[case]
-    rng = np.random.default_rng(seed)
-    batch = make_batch(rng, c["lengths_q"], c["lengths_k"], Hq=c["Hq"], Hk=c["Hk"], D=c["D"],
-                       Dv=c["Dv"], dtype=dtype, mask=c["mask"](np_array), gaps=c["gaps"])
-    return batch, c
 
 
 def run_torch(batch, case, device="cpu", grads=True, **extra):
@@ -146,14 +119,10 @@ def test_strided_views_of_a_fused_qkv():
         torch.testing.assert_close(qkv.grad, ref.grad, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
-                    reason="host arrays reach the Numba kernels only in the CUDA simulator")
+@needs_numba_simulator
 def test_backend_is_passed_through_numba_simulator():
     """`backend=` reaches the core: the Numba kernels (simulated on the CPU) behind the op."""
-    rng = np.random.default_rng(3)
-    batch = make_batch(rng, [3, 0, 4], Hq=2, Hk=1, D=8, dtype="float32",
-                       mask=Mask.causal_where(np.array([True, False, False])))
-    case = dict(mask=lambda a: Mask.causal_where(a([True, False, False])), kw={})
+    batch, case = numba_case()
     out, lse, grads = run_torch(batch, case, backend="numba")
     check_against_reference(batch, to_numpy(out), to_numpy(lse), [to_numpy(g) for g in grads],
                             label="torch numba")
@@ -206,7 +175,7 @@ def test_opcheck():
     args = (to_torch(batch.q, requires_grad=True), to_torch(batch.k, requires_grad=True),
             to_torch(batch.v, requires_grad=True), to_torch(batch.cu_q), to_torch(batch.cu_k),
             to_torch(batch.off_q), to_torch(batch.off_k), *mask.fields(), 0, 0, 0, None, 0.0,
-            None, None, None, False)
+            None, None, None, False, 0)
     result = torch.library.opcheck(torch.ops.varlen.attention_forward.default, args)
     assert all(v == "SUCCESS" for v in result.values()), ("forward", result)
     out, lse = torch.ops.varlen.attention_forward(*args)
@@ -253,6 +222,115 @@ def test_compile_dynamic_shapes_new_lengths():
                                 label=f"dynamic {lengths}")
 
 
+def test_compile_errors_surface_while_tracing():
+    """The fake implementation runs the setup step's data-free checks: a bad shape fails while
+    torch.compile traces, with the argument's name in PyTorch's error."""
+    q, k, v, cu = _small()
+    compiled = torch.compile(lambda q, k, v, cu: vt.varlen_attention(q, k, v, cu, cu),
+                             fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"q must be 3-D"):
+        compiled(q.reshape(6, 16), k, v, cu)
+
+
+# --------------------------------------------------------------------------------------------
+# plan=, autocast, what autograd supports
+# --------------------------------------------------------------------------------------------
+
+def _plan_case():
+    batch, c = build("B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window", "float32")
+    mask = c["mask"](torch_array)
+    plan = varlen.plan(to_torch(batch.cu_q), to_torch(batch.cu_k),
+                       seq_offsets_q=to_torch(batch.off_q), seq_offsets_k=to_torch(batch.off_k),
+                       mask=mask, num_rows_q=batch.q.shape[0], num_rows_k=batch.k.shape[0])
+    return batch, c, plan
+
+
+def test_plan_is_passed_to_the_core():
+    batch, c, plan = _plan_case()
+    check_against_reference(batch, *_grads_as_numpy(run_torch(batch, c, plan=plan)),
+                            label="plan")
+    # A plan the caller does not keep lives as long as the autograd graph needs it.
+    out, lse, grads = run_torch(batch, c, plan=_plan_case()[2])
+    check_against_reference(batch, *_grads_as_numpy((out, lse, grads)), label="inline plan")
+    with pytest.raises(ValueError, match="plan was built for another"):
+        run_torch(batch, dict(c, mask=lambda a: "causal"), plan=plan)
+
+
+def test_plan_under_compile_is_a_constant_reused_without_recompiling():
+    batch, c, plan = _plan_case()
+    meta = [to_torch(x) for x in (batch.cu_q, batch.cu_k, batch.off_q, batch.off_k)]
+    mask = c["mask"](torch_array)
+
+    def step(q, k, v, plan):
+        return vt.varlen_attention(q, k, v, *meta[:2], seq_offsets_q=meta[2],
+                                   seq_offsets_k=meta[3], mask=mask, plan=plan,
+                                   return_lse=True)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            q, k, v = (to_torch(x, requires_grad=True) for x in (batch.q, batch.k, batch.v))
+            out, lse = compiled(q, k, v, plan)
+            out.backward(to_torch(batch.dout))
+            check_against_reference(batch, to_numpy(out), to_numpy(lse),
+                                    [to_numpy(x.grad) for x in (q, k, v)], label="compiled plan")
+
+
+def _grads_as_numpy(result):
+    out, lse, grads = result
+    return to_numpy(out), to_numpy(lse), [to_numpy(g) for g in grads]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_autocast_casts_q_k_v_to_the_autocast_dtype(compiled):
+    """bf16 q with fp32 k/v under autocast runs in bf16, like a matmul; k/v get fp32 grads."""
+    q, k, v, cu = _small()
+    q = q.bfloat16().requires_grad_(True)
+    k, v = k.requires_grad_(True), v.requires_grad_(True)
+    fn = lambda q, k, v: vt.varlen_attention(q, k, v, cu, cu, mask="causal")  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fn(q, k, v)
+    assert out.dtype == torch.bfloat16
+    want = vt.varlen_attention(q.detach(), k.detach().bfloat16(), v.detach().bfloat16(), cu,
+                               cu, mask="causal")
+    assert torch.equal(out.detach(), want)
+    out.float().sum().backward()
+    assert k.grad.dtype == v.grad.dtype == torch.float32 and q.grad.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="share one dtype, got bfloat16, float32 and float32"):
+        vt.varlen_attention(q, k, v, cu, cu)
+
+
+def test_double_backward_is_not_implemented():
+    q, k, v, cu = (x.double().requires_grad_(x.is_floating_point()) for x in _small())
+    out = vt.varlen_attention(q, k, v, cu.int(), cu.int())
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="first-order gradients only"):
+        dq.sum().backward()
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp"])
+def test_func_transforms_that_differentiate_are_not_implemented(transform):
+    q, k, v, cu = _small()
+    fn = lambda q: vt.varlen_attention(q, k, v, cu, cu)  # noqa: E731
+    call = {"grad": lambda: torch.func.grad(lambda q: fn(q).sum())(q),
+            "vjp": lambda: torch.func.vjp(fn, q),
+            "jvp": lambda: torch.func.jvp(fn, (q,), (q,))}[transform]
+    with pytest.raises(NotImplementedError, match="use torch.autograd"):
+        call()
+
+
+def test_backward_keeps_the_forward_validation_mode():
+    """autograd may run the backward on another thread: it runs with the forward's mode."""
+    q, k, v, cu = _small()
+    q.requires_grad_(True)
+    bad = torch.tensor([0, 4, 2], dtype=torch.int32)      # unchecked: rows are clamped
+    with varlen.set_validation(False):
+        out = vt.varlen_attention(q, k, v, cu, bad)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
 # --------------------------------------------------------------------------------------------
 # Errors name the argument
 # --------------------------------------------------------------------------------------------
@@ -283,19 +361,22 @@ def _small():
                  "seq_offsets_q", id="offsets-length"),
     pytest.param(dict(mask=Mask(window_right=torch.zeros(3, dtype=torch.int32))), ValueError,
                  r"mask.window_right has shape \(3,\)", id="mask-field-shape"),
-    pytest.param(dict(mask="diagonal"), ValueError, "not a known mask name", id="mask-name"),
     pytest.param(dict(softmax_scale=torch.tensor(0.5)), TypeError, "softmax_scale",
                  id="scale-tensor"),
     pytest.param(dict(max_seqlen_q=1), ValueError, "max_seqlen_q=1", id="max-seqlen"),
     pytest.param(dict(backend="tpu"), ValueError, "backend='tpu'", id="backend"),
+    pytest.param(dict(k=np.zeros((6, 1, 8), np.float32)), TypeError, "k must be a torch.Tensor",
+                 id="k-numpy"),
+    pytest.param(dict(cu_seqlens_q=torch.from_numpy(WIDE_CU),
+                      cu_seqlens_k=torch.from_numpy(WIDE_CU)), ValueError, WIDE_MESSAGE,
+                 id="cu-int64-past-int32"),
+    pytest.param(dict(cu_seqlens_q=WIDE_CU.tolist(), cu_seqlens_k=WIDE_CU.tolist()), ValueError,
+                 WIDE_MESSAGE, id="cu-list-past-int32"),
+    *SHARED_ERRORS,
 ])
 def test_errors_name_the_argument(change, err, match):
-    q, k, v, cu = _small()
-    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    kw = {n: change.pop(n) for n in list(change) if n not in args}
-    args.update(change)
     with pytest.raises(err, match=match):
-        vt.varlen_attention(*args.values(), **kw)
+        call_changed(vt.varlen_attention, _small(), change)
 
 
 # --------------------------------------------------------------------------------------------
