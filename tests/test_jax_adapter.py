@@ -1,7 +1,6 @@
 """`varlen.jax.varlen_attention`: the custom VJP against the float64 reference, eagerly and
 under `jax.jit(jax.grad(...))`, through both callback paths on the CPU."""
 import importlib.util
-import os
 import pathlib
 
 import numpy as np
@@ -11,43 +10,20 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
+import varlen  # noqa: E402
 import varlen.jax as vj  # noqa: E402
 from varlen import Mask  # noqa: E402
 
+from adapter_cases import (CASES, SHARED_ERRORS, WIDE_CU, WIDE_MESSAGE,  # noqa: E402
+                           build, call_changed, needs_numba_simulator, np_array,
+                           numba_case)
 from helpers import check_against_reference, covered_rows, make_batch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Each case: lengths_q, lengths_k, heads, dims, a mask builder taking an array constructor
-# (so the reference gets NumPy fields and the adapter JAX arrays), and call keywords.
-CASES = {
-    "B3-T13-Hq4-Hk2-D16-causal_where": dict(
-        lengths_q=[5, 1, 7], lengths_k=None, Hq=4, Hk=2, D=16, Dv=16, gaps=False,
-        mask=lambda a: Mask.causal_where(a([True, False, True])), kw={}),
-    "B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window": dict(
-        lengths_q=[4, 0, 1, 6], lengths_k=[5, 0, 3, 6], Hq=4, Hk=1, D=8, Dv=8, gaps=True,
-        mask=lambda a: Mask(window_left=a([2, -1, 0, 1]), window_right=a([0, -1, 1, -1]),
-                            bottom_right=a([True, False, True, False])), kw={}),
-    "B2-last-zero-Hq2-Hk2-D8-Dv12-causal_bottom_right-softcap": dict(
-        lengths_q=[6, 0], lengths_k=[8, 0], Hq=2, Hk=2, D=8, Dv=12, gaps=False,
-        mask=lambda a: "causal_bottom_right", kw=dict(softmax_scale=0.3, softcap=5.0)),
-}
-
-
-def np_array(x):
-    return np.asarray(x, dtype=bool if isinstance(x[0], bool) else np.int32)
-
 
 def jnp_array(x):
     return jnp.asarray(np_array(x))
-
-
-def build(case, dtype, seed=0):
-    c = CASES[case]
-    rng = np.random.default_rng(seed)
-    batch = make_batch(rng, c["lengths_q"], c["lengths_k"], Hq=c["Hq"], Hk=c["Hk"], D=c["D"],
-                       Dv=c["Dv"], dtype=dtype, mask=c["mask"](np_array), gaps=c["gaps"])
-    return batch, c
 
 
 def _opt(x):
@@ -189,14 +165,10 @@ def test_buffer_callback_path_on_cpu(monkeypatch):
                             [np.asarray(g) for g in grads], label="buffer path")
 
 
-@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
-                    reason="host arrays reach the Numba kernels only in the CUDA simulator")
+@needs_numba_simulator
 def test_backend_is_passed_through_numba_simulator():
     """`backend=` reaches the core: the Numba kernels (simulated on the CPU) in the callbacks."""
-    rng = np.random.default_rng(3)
-    batch = make_batch(rng, [3, 0, 4], Hq=2, Hk=1, D=8, dtype="float32",
-                       mask=Mask.causal_where(np.array([True, False, False])))
-    case = dict(mask=lambda a: Mask.causal_where(a([True, False, False])), kw={})
+    batch, case = numba_case()
     out, lse, grads = fwd_and_vjp(batch, case, backend="numba")
     check_against_reference(batch, np.asarray(out), np.asarray(lse),
                             [np.asarray(g) for g in grads], label="jax numba")
@@ -236,29 +208,80 @@ def _small():
                  id="offsets-length"),
     pytest.param(dict(mask=Mask(window_right=jnp.zeros(3, jnp.int32))), ValueError,
                  r"mask.window_right has shape \(3,\)", id="mask-field-shape"),
-    pytest.param(dict(mask="diagonal"), ValueError, "not a known mask name", id="mask-name"),
     pytest.param(dict(softmax_scale=jnp.asarray(0.5)), TypeError, "softmax_scale",
                  id="scale-array"),
     pytest.param(dict(max_seqlen_q=1.5), TypeError, "max_seqlen_q", id="max-seqlen-float"),
+    *SHARED_ERRORS,
 ])
 def test_errors_name_the_argument(change, err, match):
-    q, k, v, cu = _small()
-    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    kw = {n: change.pop(n) for n in list(change) if n not in args}
-    args.update(change)
     with pytest.raises(err, match=match):
-        vj.varlen_attention(*args.values(), **kw)
+        call_changed(vj.varlen_attention, _small(), change)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_value_errors_from_the_core_name_the_argument(jit):
-    """Metadata values are only known at run time: the core's message comes back from the
-    callback."""
+BAD_CU_K = "cu_seqlens_k must be non-decreasing, but cu_seqlens_k[2]=2 < cu_seqlens_k[1]=4"
+
+
+def _bad_call(jit):
     q, k, v, _ = _small()
     fn = lambda cu_k: vj.varlen_attention(q, k, v, jnp.asarray([0, 2, 6]), cu_k)  # noqa: E731
     fn = jax.jit(fn) if jit else fn
-    with pytest.raises(Exception, match="cu_seqlens_k must be non-decreasing"):
-        jax.block_until_ready(fn(jnp.asarray([0, 4, 2], jnp.int32)))
+    return lambda: jax.block_until_ready(fn(jnp.asarray([0, 4, 2], jnp.int32)))
+
+
+def test_value_error_on_concrete_arrays_is_the_core_error(caplog):
+    """Eagerly the core API sees the arrays itself: its ValueError, once, nothing logged."""
+    with pytest.raises(ValueError) as info:
+        _bad_call(jit=False)()
+    assert type(info.value) is ValueError and str(info.value) == BAD_CU_K
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_value_error_under_jit_reaches_the_caller_once(caplog):
+    """Under jit the callback finds it: XLA raises it, with the core's message once, and JAX
+    does not log it first."""
+    with pytest.raises(Exception) as info:
+        _bad_call(jit=True)()
+    message = str(info.value)
+    assert message.count(BAD_CU_K) == 1 and "outside jax.jit" in message, message
+    assert "_validate.py" not in message, "the frames of the checks are noise here"
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_shape_errors_under_jit_are_raised_while_tracing():
+    q, k, v, cu = _small()
+    with pytest.raises(ValueError, match=r"seq_offsets_q has 2 entries; expected 3"):
+        jax.jit(lambda q, off: vj.varlen_attention(q, k, v, cu, cu, seq_offsets_q=off))(
+            q, jnp.asarray([0, 2], jnp.int32))
+
+
+def test_wide_host_metadata_is_checked_before_jax_narrows_it():
+    """JAX's 32-bit default would wrap `2**32 + 7` to 7: host metadata goes through the core's
+    conversion first."""
+    q = jnp.zeros((12, 1, 8), jnp.float32)
+    with pytest.raises(ValueError, match=WIDE_MESSAGE):
+        vj.varlen_attention(q, q, q, WIDE_CU, WIDE_CU)
+
+
+def test_windows_past_int32_are_unbounded():
+    batch = make_batch(np.random.default_rng(5), [3, 6], Hq=2, Hk=1, D=8, dtype="float32",
+                       mask=Mask(window_left=-1, window_right=np.array([0, -1], np.int32)))
+    wide = Mask(window_left=2**40, window_right=np.array([0, 2**32 + 3], np.int64))
+    q, k, v, cu_q, cu_k, _, _, _ = inputs(batch)
+    out, lse = vj.varlen_attention(q, k, v, cu_q, cu_k, mask=wide, return_lse=True)
+    check_against_reference(batch, np.asarray(out), np.asarray(lse), label="wide windows")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_plan_is_passed_to_the_core(jit):
+    batch, c = build("B4-gaps-zero-len-Hq4-Hk1-D8-per-seq-window", "float32")
+    plan = varlen.plan(batch.cu_q, batch.cu_k, seq_offsets_q=batch.off_q,
+                       seq_offsets_k=batch.off_k, mask=c["mask"](np_array),
+                       num_rows_q=batch.q.shape[0], num_rows_k=batch.k.shape[0])
+    out, lse, grads = fwd_and_vjp(batch, c, jit=jit, plan=plan)
+    check_against_reference(batch, np.asarray(out), np.asarray(lse),
+                            [np.asarray(g) for g in grads], label="jax plan")
+    with pytest.raises(ValueError, match="plan was built for another"):
+        fwd_and_vjp(batch, dict(c, mask=lambda a: "causal"), jit=False, plan=plan)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
     import varlen.jax
     out = varlen.jax.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, mask="causal")
 
-Forward and backward are each one opaque call chosen by platform when the computation is
-lowered (`jax.lax.platform_dependent`):
+On concrete arrays (no tracer among them: an eager call, or the forward and backward of an
+eager `jax.vjp`/`jax.grad`) the core API runs on the JAX arrays directly, and its errors reach
+the caller as they are. Traced, forward and backward are each one opaque call chosen by
+platform when the computation is lowered (`jax.lax.platform_dependent`):
 
 * CPU (and any platform without CUDA): `jax.pure_callback` hands NumPy views of the operands to
   `varlen.attention_forward` / `varlen.attention_backward` (NumPy backend by default).
@@ -12,13 +14,16 @@ lowered (`jax.lax.platform_dependent`):
   the operands become CuPy arrays through DLPack on that stream, the GPU backend runs on it, and
   the results are copied into XLA's output buffers on it. Nothing waits on the host.
 
-The adapter holds no attention math. Metadata (`cu_seqlens`, offsets, per-sequence mask arrays)
-travels as integer operands of the custom VJP and gets `float0` (zero) cotangents; the scalar
-settings are a hashable static argument. See `docs/frameworks.md`.
+The adapter holds no attention math and checks nothing itself: the setup step's data-free
+checks run on the (possibly traced) arrays while tracing, its value checks inside the call.
+Metadata (`cu_seqlens`, offsets, per-sequence mask arrays) travels as integer operands of the
+custom VJP and gets `float0` (zero) cotangents; the scalar settings and the plan are a hashable
+static argument. See `docs/frameworks.md`.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,34 +33,34 @@ import numpy as np
 
 from ._api import attention_backward, attention_forward
 from ._setup import static_scalars
-from ._validate import check_qkv
-from .masks import Mask, as_mask
+from ._validate import as_index_array, as_policy_array, check_specs
+from .masks import MASK_FIELDS, Mask, as_mask
+from .plan import Plan
 
 __all__ = ["varlen_attention"]
-
-_MASK_FIELDS = ("window_left", "window_right", "bottom_right")
 
 
 @dataclass(frozen=True)
 class _Static:
     """Everything of a call that is not an array: hashable, a static argument of the VJP."""
 
-    mask_ints: tuple            # (window_left, window_right, bottom_right) where no array is given
+    mask_ints: tuple            # per mask field, the int where no array is given
     softmax_scale: float | None
     softcap: float
     max_seqlen_q: int | None
     max_seqlen_k: int | None
     backend: str | None
     deterministic: bool
+    plan: object                # a varlen.Plan (hashed by identity) or None
 
     def keywords(self, meta):
         """The keyword arguments of the core API for metadata `meta` (working arrays)."""
-        _, _, off_q, off_k, *mask_arrays = meta
-        mask = Mask(*(s if a is None else a for a, s in zip(mask_arrays, self.mask_ints)))
-        return dict(seq_offsets_q=off_q, seq_offsets_k=off_k, mask=mask,
+        cu_q, cu_k, off_q, off_k, *mask_arrays = meta
+        return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_offsets_q=off_q,
+                    seq_offsets_k=off_k, mask=Mask.from_parts(mask_arrays, self.mask_ints),
                     softmax_scale=self.softmax_scale, softcap=self.softcap,
                     max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
-                    backend=self.backend)
+                    backend=self.backend, plan=self.plan)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,12 +126,57 @@ def _buffer_call(fn, result_shapes, platform: str):
     return run
 
 
+# --------------------------------------------------------------------------------------------
+# Argument errors found inside a callback
+# --------------------------------------------------------------------------------------------
+
+_CALLBACK_NOTE = ("found by varlen.jax.varlen_attention's callback, where traced metadata is "
+                  "checked; outside jax.jit the same call raises this error directly, with its "
+                  "traceback")
+
+
+def _reported(fn):
+    """`fn` whose argument errors reach the caller once and to the point.
+
+    XLA formats an error raised in a callback into its runtime error, with the Python stack;
+    the core API's message says all there is to say, so it is raised again from here, without
+    the frames of the checks, and marked so that JAX does not log it a second time.
+    """
+    def run(*args):
+        try:
+            return fn(*args)
+        except (ValueError, TypeError) as e:
+            error = (TypeError if isinstance(e, TypeError) else ValueError)(
+                f"{e} ({_CALLBACK_NOTE})")
+        error.varlen_argument_error = True
+        raise error
+    return run
+
+
+class _QuietArgumentErrors(logging.Filter):
+    """JAX logs an exception raised in a callback, then raises it again; for an argument error
+    of ours the log entry would only repeat what the caller gets."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        return not getattr(exc, "varlen_argument_error", False)
+
+
+logging.getLogger("jax._src.callback").addFilter(_QuietArgumentErrors())
+
 # Set by the tests to route CPU computations through `_buffer_call` as well.
 _CPU_BUFFER_PATH = False
 
 
 def _dispatch(fn, result_shapes, *args):
-    """Run `fn` on the platform the computation is lowered for."""
+    """Run `fn` now on concrete arrays, else on the platform the computation is lowered for.
+
+    Concrete (eager) arrays go to the core API as they are, so its errors reach the caller
+    unchanged; traced ones through a callback, where the core API sees NumPy or CuPy arrays.
+    """
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+        return fn(*args)
+    fn = _reported(fn)
     host = _buffer_call(fn, result_shapes, "cpu") if _CPU_BUFFER_PATH else _host_call(
         fn, result_shapes)
     # Every branch is traced; only the one for the lowering platform is compiled.
@@ -142,7 +192,7 @@ def _forward(static: _Static, q, k, v, meta):
               jax.ShapeDtypeStruct((Hq, Tq), lse_dtype))
 
     def fn(q, k, v, meta):
-        return attention_forward(q, k, v, meta[0], meta[1], **static.keywords(meta))
+        return attention_forward(q, k, v, **static.keywords(meta))
     return _dispatch(fn, shapes, q, k, v, meta)
 
 
@@ -150,8 +200,8 @@ def _backward(static: _Static, dout, q, k, v, out, lse, meta):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
 
     def fn(dout, q, k, v, out, lse, meta):
-        return attention_backward(dout, q, k, v, out, lse, meta[0], meta[1],
-                                  **static.keywords(meta), deterministic=static.deterministic)
+        return attention_backward(dout, q, k, v, out, lse, **static.keywords(meta),
+                                  deterministic=static.deterministic)
     return _dispatch(fn, shapes, dout, q, k, v, out, lse, meta)
 
 
@@ -187,113 +237,84 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # The public function
 # --------------------------------------------------------------------------------------------
 
-def _index_array(x, name: str, length=None):
-    """An int32 1-D metadata array (shape and dtype checks only: values may be traced)."""
-    if x is None:
-        return None
-    if not hasattr(x, "dtype"):
-        x = np.asarray(x)
-    if np.dtype(x.dtype).kind not in "iu":
-        raise TypeError(f"{name} must hold integers (int32), got dtype {x.dtype}")
-    if np.ndim(x) != 1:
-        raise ValueError(f"{name} must be a 1-D array, got shape {tuple(np.shape(x))}")
-    if length is not None and x.shape[0] != length:
-        raise ValueError(f"{name} has {x.shape[0]} entries; expected {length}")
-    return jnp.asarray(x, dtype=jnp.int32)
+def _operand(x, convert):
+    """Metadata as a JAX operand: JAX arrays (traced or not) as they are, anything else through
+    the core's conversion first (on the host: values past int32 are refused or normalised
+    there, never wrapped by JAX's 32-bit default)."""
+    if x is None or isinstance(x, jax.Array):
+        return x
+    return jnp.asarray(convert(x))
 
 
-def _mask_args(mask, batch: int):
-    """`mask` as three optional int32 arrays and three static ints (an array overrides)."""
-    m = as_mask(mask)
-    arrays, scalars = [], []
-    for name, f in zip(_MASK_FIELDS, m.fields()):
-        if isinstance(f, (bool, int, np.integer, np.bool_)):
-            arrays.append(None)
-            scalars.append(int(f))
-            continue
-        if not hasattr(f, "dtype"):
-            f = np.asarray(f)
-        if np.ndim(f) == 0 and not isinstance(f, jax.core.Tracer):
-            arrays.append(None)
-            scalars.append(int(f))
-            continue
-        if np.ndim(f) > 1 or (np.ndim(f) == 1 and f.shape[0] != batch):
-            raise ValueError(f"mask.{name} has shape {tuple(np.shape(f))}; expected a scalar "
-                             f"or [{batch}] (one entry per sequence)")
-        if np.dtype(f.dtype).kind not in "iub":
-            raise TypeError(f"mask.{name} must be int32 or bool, got dtype {f.dtype}")
-        arrays.append(jnp.asarray(f).astype(jnp.int32))
-        scalars.append(0)
-    return arrays, tuple(scalars)
+def _operands(layout: dict, mask_arrays, batch: int) -> tuple:
+    """The metadata operands of the VJP: the layout's arrays, then the mask's arrays."""
+    return (*(_operand(x, partial(as_index_array, name=name, xp=np))
+              for name, x in layout.items()),
+            *(_operand(a, partial(as_policy_array, name=name, xp=np, batch=batch))
+              for name, a in zip(MASK_FIELDS, mask_arrays)))
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
-                     return_lse=False):
+                     plan=None, return_lse=False):
     """Attention over a packed variable-length batch, differentiable in q, k and v.
 
-    Works eagerly and under `jax.jit`, `jax.grad` and `jax.vjp`; the metadata may be traced.
+    Works eagerly and under `jax.jit`, `jax.grad`, `jax.vjp` and `jax.vmap`; the metadata may be
+    traced.
 
     Args:
-        q: `[Tq, Hq, D]` float16, bfloat16, float32 (float64 on the CPU, with x64 enabled).
-        k: `[Tk, Hk, D]`, q's dtype; `Hq % Hk == 0` (query head h reads key head
-            `h // (Hq // Hk)`: GQA/MQA).
-        v: `[Tk, Hk, Dv]`, q's dtype.
-        cu_seqlens_q, cu_seqlens_k: int32 `[B+1]`, start at 0, non-decreasing; sequence b has
-            `Lq[b] = cu_seqlens_q[b+1] - cu_seqlens_q[b]` queries (`Lk[b]` keys). Zero lengths
-            are legal.
-        seq_offsets_q, seq_offsets_k: optional int32 `[B+1]`; sequence b occupies rows
-            `[off[b], off[b] + L[b])`. Rows outside every sequence are padding: output 0,
-            gradient 0, never a key.
-        mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` whose fields are
-            Python ints or int32/bool `[B]` arrays (one policy per sequence). Query i sees
-            key j iff `(left < 0 or j >= i + s - left) and (right < 0 or j <= i + s + right)`
-            with `s = Lk - Lq` when bottom_right else 0. For Lq=2, Lk=5, causal::
-
-                top-left (s=0)     bottom-right (s=3)
-                x . . . .          x x x x .
-                x x . . .          x x x x x
-
-        softmax_scale: float, scale of `q @ k^T`; default `1/sqrt(D)`.
-        softcap: float; if > 0, scores become `softcap * tanh(scores / softcap)`.
-        max_seqlen_q, max_seqlen_k: optional host ints bounding the lengths.
+        q: `[Tq, Hq, D]` JAX or NumPy array, float16, bfloat16, float32 (float64 on the CPU
+            with x64 enabled).
+        k: `[Tk, Hk, D]` array in q's dtype; `Hq % Hk == 0`, so that query head h reads key
+            head `h // (Hq // Hk)` (GQA/MQA).
+        v: `[Tk, Hk, Dv]` array in q's dtype.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B+1]` arrays, traced or not, beginning with 0 and
+            non-decreasing: sequence b holds `Lq[b] = cu_seqlens_q[b+1] - cu_seqlens_q[b]`
+            queries and `Lk[b]` keys, possibly none. Host arrays of wider integers must fit
+            int32.
+        seq_offsets_q, seq_offsets_k: optional int32 `[B+1]` arrays of first rows: sequence b
+            covers rows `[off[b], off[b] + L[b])`; every other row is padding (output 0,
+            gradient 0, never a key).
+        mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` with ints or
+            int32/bool `[B]` arrays as fields (one policy per sequence; traced arrays are
+            data). See `varlen.Mask` for what each query sees when Lq != Lk, drawn.
+        softmax_scale: float multiplying `q @ k^T`; None means `1/sqrt(D)`.
+        softcap: float; above 0 the scores become `softcap * tanh(scores / softcap)`.
+        max_seqlen_q, max_seqlen_k: optional Python ints bounding the lengths.
         backend: `"numpy"`, `"numba"`, `"cupy"` or None (NumPy on the CPU, the fastest GPU
             backend on CUDA).
         deterministic: bool, bitwise-repeatable backward.
-        return_lse: also return the log-sum-exp.
+        plan: optional `varlen.plan(...)` of this layout and mask, reused across calls and
+            layers; a static argument (a new Plan object is a new trace under `jax.jit`).
+        return_lse: return `(out, lse)` instead of `out`.
 
     Returns:
         out: `[Tq, Hq, Dv]` in q's dtype.
-        lse (with `return_lse=True`): `[Hq, Tq]` natural-log sum of exp of the scores, float32
-            (float64 for float64 inputs); `-inf` for padding rows and for queries with no
-            visible key (whose output is 0, never NaN). It carries no gradient.
+        lse (with `return_lse=True`): `[Hq, Tq]` float32 (float64 for float64 inputs), the
+            natural log of the sum of exp of each query's scores; `-inf` on padding rows and
+            for queries that see no key (their output is 0, not NaN). It has no gradient.
 
-    Value checks of the metadata (monotone `cu_seqlens`, offsets that fit) run inside the
-    callback on the CPU and surface as a runtime error carrying the core API's message; on CUDA
-    they follow `varlen.set_validation` (off by default: no host synchronisation).
+    Shape and dtype errors are raised while tracing. Value checks of the metadata (monotone
+    `cu_seqlens`, offsets that fit) need the values: on concrete arrays the call raises the
+    core API's error directly; under `jax.jit` the callback finds it and XLA raises it, once,
+    inside its runtime error. On CUDA the value checks follow `varlen.set_validation` (off by
+    default: no host synchronisation).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    check_qkv(q, k, v)
-    cu_q = _index_array(cu_seqlens_q, "cu_seqlens_q")
-    n = cu_q.shape[0]
-    if n == 0:
-        raise ValueError("cu_seqlens_q is empty; expected [B+1] entries starting at 0")
-    cu_k = _index_array(cu_seqlens_k, "cu_seqlens_k")
-    if cu_k.shape[0] != n:
-        raise ValueError(f"cu_seqlens_q has {n} entries and cu_seqlens_k {cu_k.shape[0]}; "
-                         f"both must be [B+1] for the same B")
-    off_q = _index_array(seq_offsets_q, "seq_offsets_q", n)
-    off_k = _index_array(seq_offsets_k, "seq_offsets_k", n)
-    mask_arrays, mask_ints = _mask_args(mask, n - 1)
-    softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend, deterministic = static_scalars(
-        softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend, deterministic)
-    static = _Static(mask_ints, softmax_scale, float(softcap), max_seqlen_q, max_seqlen_k,
-                     backend, bool(deterministic))
-    meta = (cu_q, cu_k, off_q, off_k, *mask_arrays)
-    out, lse = _attention(static, q, k, v, meta)
+    mask = as_mask(mask)
+    layout = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k)
+    batch = check_specs(q, k, v, *layout.values(), mask)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a varlen.Plan from varlen.plan(), got "
+                        f"{type(plan).__name__}")
+    arrays, ints = mask.parts()
+    static = _Static(ints, *static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k,
+                                           backend, deterministic), plan)
+    out, lse = _attention(static, q, k, v, _operands(layout, arrays, batch))
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out
