@@ -1,4 +1,5 @@
-"""varlen in JAX: a packed batch, a different mask per sequence, jax.jit(jax.grad(...)).
+"""varlen in JAX: a packed batch, a different mask per sequence, jax.jit(jax.grad(...)),
+a plan reused across layers.
 
     python docs/examples/jax_example.py             # CPU (NumPy backend), or a GPU if present
 
@@ -42,6 +43,16 @@ def main():
                                                     mask=mask)
     for got, want in zip((dq, dk, dv), ref):
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+    # A plan built once per batch and reused by every layer; it is a static argument (a new
+    # Plan object is a new trace under jax.jit).
+    plan = varlen.plan(cu_seqlens, cu_seqlens, mask=varlen.Mask.causal_where(is_causal),
+                       num_rows_q=T, num_rows_k=T)
+    with_plan = varlen.jax.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, plan=plan,
+                                            mask=varlen.Mask.causal_where(is_causal))
+    np.testing.assert_array_equal(np.asarray(with_plan), np.asarray(
+        varlen.jax.varlen_attention(q, k, v, cu_seqlens, cu_seqlens,
+                                    mask=varlen.Mask.causal_where(is_causal))))
 
     # Other lengths, same shapes: no retrace.
     value2, _ = value_and_grad(q, k, v, jnp.asarray([0, 2, 10, 13], jnp.int32), is_causal)

@@ -1,4 +1,5 @@
-"""varlen in PyTorch: a packed batch, a different mask per sequence, autograd, torch.compile.
+"""varlen in PyTorch: a packed batch, a different mask per sequence, autograd, torch.compile,
+a plan reused across layers.
 
     python docs/examples/torch_example.py            # CPU (NumPy backend), or CUDA if present
 
@@ -45,6 +46,15 @@ def main(compile_backend="inductor"):
     torch.testing.assert_close(out_c, out, atol=tol, rtol=tol)
     for g, x in zip(grads, (q, k, v)):
         torch.testing.assert_close(x.grad, g, atol=tol, rtol=tol)
+
+    # A plan built once per batch and reused by every layer (on the data's device; no host
+    # read when num_rows_* are given). Under torch.compile, pass the same Plan object each step.
+    plan = varlen.plan(cu_seqlens, cu_seqlens, mask=varlen.Mask.causal_where(is_causal),
+                       num_rows_q=T, num_rows_k=T)
+    for _layer in range(2):
+        out_p = varlen.torch.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, plan=plan,
+                                              mask=varlen.Mask.causal_where(is_causal))
+        torch.testing.assert_close(out_p, out, atol=0, rtol=0)
 
     # The log-sum-exp, e.g. to merge partial results; it carries no gradient.
     _, lse = varlen.torch.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, mask="causal",
