@@ -67,7 +67,7 @@ def alloc(xp, shape, dtype, fill=None):
     """
     dtype = np.dtype(dtype)
     if fill is None:
-        if _NAN_FILL and dtype.kind == "f":
+        if _NAN_FILL and (dtype.kind == "f" or _is_bf16(dtype)):
             return xp.full(shape, np.nan, dtype=dtype)
         return xp.empty(shape, dtype=dtype)
     if fill == 0 and dtype.itemsize == 2 and dtype.kind not in "iub":
