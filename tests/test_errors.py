@@ -162,8 +162,6 @@ def test_mask_arrays_are_normalised_without_a_host_read():
                           _out(varlen.Mask(bottom_right=np.array([1, 0], np.int32), **br)))
 
 
-@pytest.mark.xfail(strict=True, reason="needs setup() to run check_qkv on the caller's arrays "
-                                       "before converting them (varlen/_setup.py)")
 def test_data_from_two_frameworks_is_refused():
     torch = pytest.importorskip("torch")
     q, k, v = _qkv()

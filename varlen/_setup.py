@@ -18,13 +18,12 @@ import numpy as np
 from . import backends
 from ._array import Origin, array_module, common_origin, host_copy, to_working
 from ._validate import (as_index_array, as_policy_array, check_backward_inputs, check_bound,
-                        check_layout_values, check_qkv, dtype_name, scale_and_softcap,
-                        validation_enabled)
+                        check_layout_specs, check_layout_values, check_qkv, dtype_name,
+                        scale_and_softcap, validation_enabled)
 from .masks import MASK_FIELDS, Mask, as_mask
 from .plan import Plan, build_plan, segments_from_cu_seqlens
 
-__all__ = ["Call", "Layout", "setup", "make_plan", "working_mask", "mask_parts",
-           "static_scalars"]
+__all__ = ["Call", "Layout", "setup", "make_plan", "working_mask", "static_scalars"]
 
 
 @dataclass(frozen=True)
@@ -101,21 +100,6 @@ def working_mask(mask, batch: int, xp) -> Mask:
     return Mask(*(as_policy_array(f, n, xp, batch) for n, f in zip(MASK_FIELDS, m.fields())))
 
 
-def mask_parts(mask) -> tuple[tuple, tuple]:
-    """`mask` split for an op schema: per field, an array (or None) and an int (0 where the
-    array is given). Arrays stay in their framework; their values are checked by `setup`."""
-    arrays, scalars = [], []
-    for f in as_mask(mask).fields():
-        if isinstance(f, (bool, int, np.integer, np.bool_)) or np.ndim(f) == 0 and \
-                isinstance(f, np.ndarray):
-            arrays.append(None)
-            scalars.append(int(f))
-        else:
-            arrays.append(f)
-            scalars.append(0)
-    return tuple(arrays), tuple(scalars)
-
-
 def static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,
                    deterministic=False):
     """The scalar arguments as plain Python values, for adapters that make them static (part of
@@ -140,16 +124,9 @@ def _flag(deterministic) -> bool:
 
 def _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
             max_seqlen_k) -> Layout:
-    if cu_seqlens_q is None or cu_seqlens_k is None:
-        raise TypeError("cu_seqlens_q and cu_seqlens_k are required: int32 [B+1] arrays")
+    B = check_layout_specs(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k)
     cu_q = as_index_array(cu_seqlens_q, "cu_seqlens_q", xp)
     cu_k = as_index_array(cu_seqlens_k, "cu_seqlens_k", xp)
-    if cu_q.shape[0] == 0:
-        raise ValueError("cu_seqlens_q is empty; expected [B+1] entries starting at 0")
-    if cu_q.shape[0] != cu_k.shape[0]:
-        raise ValueError(f"cu_seqlens_q has {cu_q.shape[0]} entries and cu_seqlens_k "
-                         f"{cu_k.shape[0]}; both must be [B+1] for the same B")
-    B = cu_q.shape[0] - 1
     off_q = None if seq_offsets_q is None else as_index_array(
         seq_offsets_q, "seq_offsets_q", xp, length=B + 1)
     off_k = None if seq_offsets_k is None else as_index_array(
@@ -262,8 +239,8 @@ def _tensors(q, k, v, grads):
     if grads is not None:
         named += list(zip(("dout", "out", "lse"), grads))
     origin = common_origin(named)
+    check_qkv(q, k, v)             # on the caller's arrays: frameworks are compared too
     qw, kw, vw = to_working(q, "q"), to_working(k, "k"), to_working(v, "v")
-    check_qkv(qw, kw, vw)
     gw = None if grads is None else tuple(to_working(x, n) for n, x in named[3:])
     return origin, qw, kw, vw, gw
 

@@ -269,6 +269,12 @@ def check_specs(q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=None, seq_off
     `mask` is a `varlen.Mask` (or None).
     """
     check_qkv(q, k, v)
+    return check_layout_specs(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, mask)
+
+
+def check_layout_specs(cu_seqlens_q, cu_seqlens_k, seq_offsets_q=None, seq_offsets_k=None,
+                       mask=None) -> int:
+    """The data-free checks of the layout and mask arguments; returns the batch size `B`."""
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise TypeError("cu_seqlens_q and cu_seqlens_k are required: int32 [B+1] arrays")
     n = check_index(cu_seqlens_q, "cu_seqlens_q").shape[0]
