@@ -15,8 +15,9 @@ from .base import Backend, Problem
 
 __all__ = ["Backend", "Problem", "NAMES", "get", "select", "explain"]
 
-NAMES = ("numpy", "numba", "cupy")
-_MODULES = {"numpy": "numpy_backend", "numba": "numba_backend", "cupy": "cupy_backend"}
+NAMES = ("numpy", "cpu", "numba", "cupy")
+_MODULES = {"numpy": "numpy_backend", "cpu": "cpu_backend", "numba": "numba_backend",
+            "cupy": "cupy_backend"}
 # Preference when backend=None: fastest first. Host data goes to the host backends only (the
 # Numba simulator accepts host arrays too, but only when asked for by name).
 _DEVICE_ORDER = ("cupy", "numba", "numpy")

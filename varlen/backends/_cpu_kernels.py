@@ -1,0 +1,659 @@
+"""Numba CPU kernels of the `cpu` backend: fused attention tiles, forward and backward.
+
+Kernel source only; the launcher (dtypes, work lists, threads, BLAS scope) is `cpu_backend.py`
+and the method is described in `docs/cpu_backend.md`. Every kernel reads the plan as one
+`KernelView` named tuple and walks its schedule: for a query tile, the key tiles
+`[begin, end)` of each key segment, the mask evaluated only outside `[full_begin, full_end)`.
+
+Working layouts (built by `pack_rows` / `pack_grad_rows`, non-finite values replaced by 0 and
+flagged per row, as docs/semantics.md asks):
+
+* queries (and dO) `[Hk, Tq * G, D]`: the `G = Hq / Hk` query heads of a key head stacked row
+  by row, so one query tile of a GQA group is one contiguous `[BM * G, D]` block and the group
+  shares every K/V tile it reads;
+* keys and values `[Hk, Tk, D]`: one key tile is a contiguous `[BN, D]` block.
+
+Scores are kept key-major, `St [BN, R]` (`R = rows * G` stacked query rows), so the softmax
+work (scale, mask, running max, exp, row sums) is elementwise along contiguous rows and
+vectorises without a horizontal reduction. Tile products go to BLAS (`?gemm`, one call in the
+calling thread) when they are large enough, else to plain loops; which one depends only on the
+tile's sizes, so results are the same for any thread count.
+
+Work items run on `nw` workers that take items longest first from a shared atomic counter; an
+item writes only rows it owns (forward: one query tile of one key head; backward: one
+sequence of one key head, so dQ, dK and dV accumulate in a fixed order without atomics).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ..masks import UNBOUNDED
+
+LOG2E = 1.4426950408889634          # 1/ln(2)
+LN2 = 0.6931471805599453            # ln(2)
+# Arguments of exp2 below this give 0 (2^-127 is below float32's smallest normal).
+EXP2_FLOOR = -127.0
+# tanh(|x|) rounds to 1 in float32 and float64 beyond this.
+TANH_CLAMP = 20.0
+# Fast-math flags: FMA contraction, reciprocals and signed zeros only. No `nnan`/`ninf` (masked
+# scores are -inf, and the non-finite rules must hold) and no `reassoc` (summation order fixed).
+FASTMATH = {"contract", "arcp", "nsz"}
+
+# Columns of the tile tables and schedules (plan.TILE_FIELDS, plan.SCHED_FIELDS).
+T_SEQ, T_SEG, T_ROW, T_ROWS, T_POS = range(5)
+S_BEGIN, S_FULL_BEGIN, S_FULL_END, S_END = range(4)
+
+
+# --------------------------------------------------------------------------------------------
+# BLAS: ?gemm of the BLAS SciPy links, called by symbol so compiled kernels stay cacheable
+# --------------------------------------------------------------------------------------------
+
+GEMM_SYMBOLS = {"float32": "varlen_cpu_sgemm", "float64": "varlen_cpu_dgemm"}
+_GEMM_ARGS = 13                      # Fortran ?gemm: every argument by pointer
+_STUBS = []
+
+
+def _bind_blas() -> bool:
+    """Make the `GEMM_SYMBOLS` resolvable by the JIT linker (also for kernels loaded from the
+    on-disk cache). True when they are SciPy's BLAS; otherwise they are inert stubs and the
+    kernels are told never to call them (`blas_min` beyond any tile)."""
+    try:
+        import scipy.linalg.cython_blas  # noqa: F401
+        from numba.extending import get_cython_function_address
+        addresses = {dtype: get_cython_function_address("scipy.linalg.cython_blas", name)
+                     for dtype, name in (("float32", "sgemm"), ("float64", "dgemm"))}
+        bound = True
+    except (ImportError, ValueError, AttributeError):
+        stub = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * _GEMM_ARGS)(lambda *args: None)
+        _STUBS.append(stub)
+        addresses = dict.fromkeys(GEMM_SYMBOLS, ctypes.cast(stub, ctypes.c_void_p).value)
+        bound = False
+    for dtype, symbol in GEMM_SYMBOLS.items():
+        llvm.add_symbol(symbol, addresses[dtype])
+    return bound
+
+
+BLAS_BOUND = _bind_blas()
+
+
+@intrinsic
+def _xgemm(typingctx, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Column-major `c = alpha op(a) op(b) + beta c` through `GEMM_SYMBOLS[c.dtype]`; `trans*`
+    are the characters' codes, `a`, `b`, `c` arrays whose data pointers start the matrices."""
+    dtype = c.dtype
+    if dtype not in (types.float32, types.float64) or a.dtype != dtype or b.dtype != dtype:
+        return None
+    sig = types.void(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+    symbol = GEMM_SYMBOLS[str(dtype)]
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p] * _GEMM_ARGS)
+        fn = cgutils.get_or_insert_function(builder.module, fnty, symbol)
+        tys = signature.args
+
+        def by_ref(i, to):
+            value = context.cast(builder, args[i], tys[i], to)
+            slot = cgutils.alloca_once_value(builder, value)
+            return builder.bitcast(slot, i8p)
+
+        def char(i):
+            value = builder.trunc(context.cast(builder, args[i], tys[i], types.int32),
+                                  ir.IntType(8))
+            return builder.bitcast(cgutils.alloca_once_value(builder, value), i8p)
+
+        def data(i):
+            arr = context.make_array(tys[i])(context, builder, args[i])
+            return builder.bitcast(arr.data, i8p)
+
+        call_args = [char(0), char(1), by_ref(2, types.int32), by_ref(3, types.int32),
+                     by_ref(4, types.int32), by_ref(5, dtype), data(6), by_ref(7, types.int32),
+                     data(8), by_ref(9, types.int32), by_ref(10, dtype), data(11),
+                     by_ref(12, types.int32)]
+        builder.call(fn, call_args)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_N, _T = ord("N"), ord("T")
+
+
+# Products too small for a BLAS call (or no BLAS) take one strided loop nest. Like BLAS, it
+# forms the product from zero and adds it to `c` once, so an accumulator is rounded once per
+# product.
+
+@njit(fastmath=FASTMATH)
+def _mm_loops(a, a_i, a_k, b, b_k, b_j, c, M, N, K, beta):
+    """`c[i, j] = sum_k a[i * a_i + k * a_k] * b[k * b_k + j * b_j] (+ c[i, j] if beta)` on
+    flat views."""
+    for i in range(M):
+        for j in range(N):
+            acc = like(c, 0.0)
+            for kk in range(K):
+                acc += a[i * a_i + kk * a_k] * b[kk * b_k + j * b_j]
+            c[i, j] = c[i, j] + acc if beta != 0 else acc
+
+
+@njit(cache=True)
+def mm_nt(a, b, c, beta, blas_min):
+    """Row-major `c[M, N] = a[M, K] @ b[N, K].T (+ c if beta)`; contiguous operands."""
+    M, K = a.shape
+    N = b.shape[0]
+    if M * N * K >= blas_min:
+        _xgemm(_T, _N, N, M, K, 1.0, b, K, a, K, beta, c, N)
+    elif M > 0 and N > 0:
+        _mm_loops(a.ravel(), K, 1, b.ravel(), 1, K, c, M, N, K, beta)
+
+
+@njit(cache=True)
+def mm_nn(a, b, c, beta, blas_min):
+    """Row-major `c[M, N] = a[M, K] @ b[K, N] (+ c if beta)`; contiguous operands."""
+    M, K = a.shape
+    N = b.shape[1]
+    if M * N * K >= blas_min:
+        _xgemm(_N, _N, N, M, K, 1.0, b, N, a, K, beta, c, N)
+    elif M > 0 and N > 0:
+        _mm_loops(a.ravel(), K, 1, b.ravel(), N, 1, c, M, N, K, beta)
+
+
+@njit(cache=True)
+def mm_tn(a, b, c, beta, blas_min):
+    """Row-major `c[M, N] = a[K, M].T @ b[K, N] (+ c if beta)`; contiguous operands."""
+    K, M = a.shape
+    N = b.shape[1]
+    if M * N * K >= blas_min:
+        _xgemm(_N, _T, N, M, K, 1.0, b, N, a, M, beta, c, N)
+    elif M > 0 and N > 0:
+        _mm_loops(a.ravel(), 1, M, b.ravel(), N, 1, c, M, N, K, beta)
+
+
+# --------------------------------------------------------------------------------------------
+# Small intrinsics: bit casts for exp2, an atomic counter for the work queue
+# --------------------------------------------------------------------------------------------
+
+@intrinsic
+def _bits_to_float(typingctx, bits):
+    """The float32 whose bit pattern is the int32 `bits`."""
+    if bits != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, counter, index, value):
+    """Atomically `old = counter[index]; counter[index] += value; return old` (int64)."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        idx = context.cast(builder, args[1], signature.args[1], types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], arr, [idx])
+        val = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", ptr, val, "seq_cst")
+    return types.int64(counter, index, value), codegen
+
+
+def like(x, value):
+    """`value` in the float type of `x` (a float scalar or array): constants in kernels that
+    serve float32 and float64 (a bare literal would promote float32 arithmetic to float64)."""
+
+
+@overload(like)
+def _like_impl(x, value):
+    ty = x.dtype if isinstance(x, types.Array) else x
+    if ty == types.float32:
+        return lambda x, value: np.float32(value)
+    if ty == types.float64:
+        return lambda x, value: np.float64(value)
+    return None
+
+
+def exp2(x):
+    """`2 ** x` (masked scores: -inf -> 0); float32: a polynomial that vectorises, float64:
+    libm."""
+
+
+def exp2m1(x):
+    """`2 ** x - 1`, accurate also for small `|x|` (for tanh)."""
+
+
+@njit(fastmath=FASTMATH)
+def _exp2_parts(x):
+    """float32 `(2^n, f * q(f))` with `2^x = 2^n (1 + f q(f))`: Cody-Waite, `x = n + f`,
+    `|f| <= 1/2`, Cephes exp2f's polynomial (rel. err ~2e-8), 2^n built in the exponent bits;
+    `x` is clamped to [-127, 127] and n = -127 gives 2^n = 0 exactly."""
+    x = min(max(x, np.float32(EXP2_FLOOR)), np.float32(-EXP2_FLOOR))
+    n = np.floor(x + np.float32(0.5))
+    f = x - n
+    p = np.float32(1.535336188319500e-4)
+    p = p * f + np.float32(1.339887440266574e-3)
+    p = p * f + np.float32(9.618437357674640e-3)
+    p = p * f + np.float32(5.550332471162809e-2)
+    p = p * f + np.float32(2.402264791363012e-1)
+    p = p * f + np.float32(6.931472028550421e-1)
+    return _bits_to_float(np.int32((np.int32(n) + np.int32(127)) << np.int32(23))), p * f
+
+
+@overload(exp2, jit_options={"fastmath": FASTMATH})
+def _exp2_impl(x):
+    if x == types.float32:
+        def impl(x):
+            two_n, fq = _exp2_parts(x)
+            return two_n + two_n * fq
+        return impl
+    if x == types.float64:
+        return lambda x: np.exp2(x)
+    return None
+
+
+@overload(exp2m1, jit_options={"fastmath": FASTMATH})
+def _exp2m1_impl(x):
+    if x == types.float32:
+        def impl(x):
+            two_n, fq = _exp2_parts(x)
+            # n = 0: 2^f - 1 = f q(f) without cancellation
+            return fq if two_n == np.float32(1) else (two_n - np.float32(1)) + two_n * fq
+        return impl
+    if x == types.float64:
+        return lambda x: np.expm1(x * LN2)
+    return None
+
+
+@njit(fastmath=FASTMATH)
+def _tanh(x):
+    """tanh through exp2m1 (vectorises in float32): `-em / (2 + em)`, `em = e^(-2|x|) - 1`."""
+    y = min(abs(x), like(x, TANH_CLAMP))
+    em = exp2m1(y * like(x, -2.0 * LOG2E))
+    t = -em / (like(x, 2.0) + em)
+    return t if x >= 0 else -t
+
+
+# --------------------------------------------------------------------------------------------
+# The mask predicate (varlen.masks.visible / key_band / query_band), one home for Numba
+# --------------------------------------------------------------------------------------------
+
+@njit
+def shift_of(pv, b):
+    """`(Lk - Lq) * bottom_right` of sequence `b`."""
+    return (np.int64(pv.seqlen_k[b]) - np.int64(pv.seqlen_q[b])) * np.int64(pv.bottom_right[b])
+
+
+@njit
+def visible(i, j, shift, left, right):
+    """Query position `i` sees key position `j` (masks.visible with `shift` precomputed)."""
+    return (left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right)
+
+
+@njit
+def key_band(i, shift, left, right):
+    """`(lo, hi)`: query `i` sees exactly the keys `lo <= j <= hi` (masks.key_band)."""
+    lo = -UNBOUNDED if left < 0 else i + shift - left
+    hi = UNBOUNDED if right < 0 else i + shift + right
+    return lo, hi
+
+
+@njit
+def query_band(j, shift, left, right):
+    """`(lo, hi)`: key `j` is seen by exactly the queries `lo <= i <= hi` (masks.query_band)."""
+    lo = -UNBOUNDED if right < 0 else j - shift - right
+    hi = UNBOUNDED if left < 0 else j - shift + left
+    return lo, hi
+
+
+@njit
+def stacked_band(jpos, qpos0, rows, G, shift, left, right):
+    """Stacked rows `[lo, hi)` (row = query * G + head) of a query tile whose first query is
+    at position `qpos0` that see the key at `jpos`."""
+    qlo, qhi = query_band(jpos, shift, left, right)
+    tlo = max(qlo - qpos0, 0)
+    thi = min(qhi - qpos0, rows - 1)
+    if thi < tlo:
+        return 0, 0
+    return tlo * G, (thi + 1) * G
+
+
+@njit(cache=True)
+def visible_pairs(pv, i, j, b):
+    """The predicate for arrays of positions (for tests: the njit mirror of masks.visible)."""
+    out = np.zeros(i.size, np.bool_)
+    for n in range(i.size):
+        s = shift_of(pv, b[n])
+        out[n] = visible(i[n], j[n], s, pv.window_left[b[n]], pv.window_right[b[n]])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Packing: working layouts, non-finite values replaced by 0 and flagged per row
+# --------------------------------------------------------------------------------------------
+
+@njit(parallel=True, cache=True)
+def pack_rows(x, G, out, flag):
+    """`x [T, Hk * G, d]` -> `out [Hk, T * G, d]` (working dtype) and `flag [Hk, T * G]`."""
+    T, H, d = x.shape
+    for t in prange(T):
+        for h in range(H):
+            kh, g = h // G, h % G
+            r = t * G + g
+            bad = False
+            for e in range(d):
+                v = x[t, h, e]
+                ok = np.isfinite(v)
+                bad |= not ok
+                out[kh, r, e] = v if ok else like(out, 0.0)
+            flag[kh, r] = bad
+
+
+@njit(parallel=True, cache=True)
+def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, flag):
+    """Backward query side: `dout_w [Hk, Tq * G, Dv]` as `pack_rows`, `delta = rowsum(dO * O)`,
+    `lse2 = lse * log2(e)` (`+inf` where lse is not finite, so such a row's P is 0), and
+    `flag` raised where dout, out or lse of the row is not finite (OR-ed into `flag`)."""
+    T, H, d = dout.shape
+    for t in prange(T):
+        for h in range(H):
+            kh, g = h // G, h % G
+            r = t * G + g
+            bad = False
+            acc = 0.0                       # float64: delta = rowsum(dO * O) cancels against dP
+            for e in range(d):
+                a, b = dout[t, h, e], o[t, h, e]
+                ok_a, ok_b = np.isfinite(a), np.isfinite(b)
+                bad |= not (ok_a and ok_b)
+                a = a if ok_a else like(dout_w, 0.0)
+                dout_w[kh, r, e] = a
+                acc += a * (b if ok_b else like(dout_w, 0.0))
+            delta[kh, r] = acc
+            s = lse[h, t]
+            if np.isfinite(s):
+                lse2[kh, r] = s * LOG2E
+            else:
+                lse2[kh, r] = np.inf
+                bad = True
+            if bad:
+                flag[kh, r] = True
+
+
+@njit(cache=True)
+def flag_prefix(flag):
+    """`[Hk, n + 1]` running count of raised flags: a tile's flags in O(1)."""
+    Hk, n = flag.shape
+    out = np.zeros((Hk, n + 1), np.int64)
+    for h in range(Hk):
+        for i in range(n):
+            out[h, i + 1] = out[h, i] + flag[h, i]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Forward: one query tile of one key head (its G query heads stacked), FlashAttention-2
+# --------------------------------------------------------------------------------------------
+
+@njit
+def fill(x, start, stop, value):
+    """`x[start:stop] = value` for a 1-D array, as a plain loop (cheaper to compile than a
+    slice assignment)."""
+    for i in range(start, stop):
+        x[i] = value
+
+
+@njit(fastmath=FASTMATH)
+def _scores_pass(S, n, lo, hi, c, cap, tile_max):
+    """Scaled scores in the log2 domain in `S[:n]` (softcap applied), -inf outside each key's
+    rows `[lo[j], hi[j])`; `tile_max` gets the per-row maximum."""
+    # Loops run over views from 0 so that Numba's index wraparound folds away and they vectorise.
+    for j in range(n):
+        a, z = lo[j], hi[j]
+        row = S[j]
+        fill(row, 0, a, -np.inf)
+        fill(row, z, row.size, -np.inf)
+        seg, top = row[a:z], tile_max[a:z]
+        if cap > 0:
+            for i in range(seg.size):
+                x = cap * _tanh(seg[i] * c)
+                seg[i] = x
+                top[i] = max(top[i], x)
+        else:
+            for i in range(seg.size):
+                x = seg[i] * c
+                seg[i] = x
+                top[i] = max(top[i], x)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def forward_tile(pv, item, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse, ws):
+    """Query tile `item // Hk` of key head `item % Hk`: writes its rows of `out [Tq, Hq, Dv]`
+    and `lse [Hq, Tq]`.
+
+    `c = softmax_scale * log2(e)`, or `softmax_scale / softcap` under softcap with `cap =
+    softcap * log2(e)`. `ws` is the worker's scratch (`forward_scratch`).
+    """
+    S_buf, O_buf, m, l, tmax, row_flag, lo, hi = ws
+    Hk = Kw.shape[0]
+    Dv = Vw.shape[2]
+    G = out.shape[1] // Hk
+    qt, kh = item // Hk, item % Hk
+    b = pv.q_tiles[qt, T_SEQ]
+    t0, rows, qpos0 = pv.q_tiles[qt, T_ROW], pv.q_tiles[qt, T_ROWS], pv.q_tiles[qt, T_POS]
+    R = rows * G
+    Qb = Qw[kh, t0 * G:(t0 + rows) * G]                      # [R, D]
+    O = O_buf[:R * Dv].reshape(R, Dv)                       # [R, Dv]
+    fill(O_buf, 0, R * Dv, 0)
+    fill(m, 0, R, -np.inf)
+    fill(l, 0, R, 0)
+    fill(row_flag, 0, R, False)
+    shift = shift_of(pv, b)
+    left, right = pv.window_left[b], pv.window_right[b]
+    zero = like(c, 0.0)
+    for r in range(pv.mk):
+        begin, fbegin = pv.q_sched[qt, r, S_BEGIN], pv.q_sched[qt, r, S_FULL_BEGIN]
+        fend, end = pv.q_sched[qt, r, S_FULL_END], pv.q_sched[qt, r, S_END]
+        for kt in range(begin, end):
+            off = kt * pv.block_n
+            j0 = pv.k_row[b, r] + off
+            n = min(pv.block_n, pv.k_len[b, r] - off)
+            jpos0 = pv.k_pos[b, r] + off
+            full = fbegin <= kt < fend
+            for j in range(n):
+                if full:
+                    lo[j], hi[j] = 0, R
+                else:
+                    lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift, left,
+                                                right)
+            S = S_buf[:n * R].reshape(n, R)                 # [BN, R] key-major scores
+            mm_nt(Kw[kh, j0:j0 + n], Qb, S, 0.0, blas_min)
+            fill(tmax, 0, R, -np.inf)
+            _scores_pass(S, n, lo, hi, c, cap, tmax)
+            # online softmax (FlashAttention-2, Alg. 1, lines 8-10), in the log2 domain
+            for i in range(R):
+                mn = max(m[i], tmax[i])
+                ms = mn if mn > -np.inf else zero
+                alpha = exp2(m[i] - ms)
+                m[i] = mn
+                tmax[i] = ms
+                l[i] *= alpha
+                if alpha != 1:
+                    for e in range(Dv):
+                        O[i, e] *= alpha
+            for j in range(n):
+                row = S[j]
+                for i in range(R):
+                    p = exp2(row[i] - tmax[i])
+                    row[i] = p
+                    l[i] += p
+            mm_tn(S, Vw[kh, j0:j0 + n], O, 1.0, blas_min)
+            if k_cum[kh, j0 + n] != k_cum[kh, j0]:
+                for j in range(n):
+                    if k_cum[kh, j0 + j + 1] != k_cum[kh, j0 + j]:
+                        fill(row_flag, lo[j], hi[j], True)
+    for t in range(rows):
+        for g in range(G):
+            i = t * G + g
+            h = kh * G + g
+            seen = l[i] > 0
+            if (seen and q_flag[kh, t0 * G + i]) or row_flag[i]:
+                fill(out[t0 + t, h], 0, Dv, np.nan)
+                lse[h, t0 + t] = np.nan
+            elif seen:
+                inv = 1.0 / l[i]
+                for e in range(Dv):
+                    out[t0 + t, h, e] = O[i, e] * inv
+                lse[h, t0 + t] = (np.float64(m[i]) + math.log2(np.float64(l[i]))) * LN2
+            else:
+                fill(out[t0 + t, h], 0, Dv, 0)
+                lse[h, t0 + t] = -np.inf
+
+
+@njit(cache=True)
+def forward_scratch(dtype_probe, rows_max, block_n, Dv):
+    """One worker's scratch for `forward_tile`: `(S, O, m, l, tile max, row flags, lo, hi)`."""
+    dt = dtype_probe.dtype
+    return (np.empty(block_n * rows_max, dt), np.empty(rows_max * Dv, dt),
+            np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt),
+            np.zeros(rows_max, np.bool_), np.zeros(block_n, np.int64),
+            np.zeros(block_n, np.int64))
+
+
+@njit(parallel=True, cache=True)
+def forward(pv, order, nw, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, rows_max, out, lse):
+    """Every item of `order` (longest first) on `nw` workers: see `forward_tile`."""
+    counter = np.zeros(1, np.int64)
+    for _ in prange(nw):
+        ws = forward_scratch(Qw, rows_max, pv.block_n, Vw.shape[2])
+        t = fetch_add(counter, 0, 1)
+        while t < order.size:
+            forward_tile(pv, order[t], Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse, ws)
+            t = fetch_add(counter, 0, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: one sequence of one key head, every visible (key tile, query tile) pair once
+# --------------------------------------------------------------------------------------------
+
+@njit(fastmath=FASTMATH)
+def _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale):
+    """`S <- P = 2^(s - lse2)` and `dP <- dS = P (dP - delta) scale` (times `1 - tanh^2`
+    under softcap), both 0 outside each key's rows `[lo[j], hi[j])`
+    (FlashAttention-2, Alg. 2, lines 11-14)."""
+    one = like(c, 1.0)
+    for j in range(n):
+        a, z = lo[j], hi[j]
+        s_row, d_row = S[j], dP[j]
+        fill(s_row, 0, a, 0)
+        fill(s_row, z, s_row.size, 0)
+        fill(d_row, 0, a, 0)
+        fill(d_row, z, d_row.size, 0)
+        ps, ds, l2, dl = s_row[a:z], d_row[a:z], lse2[a:z], delta[a:z]
+        if cap > 0:
+            for i in range(ps.size):
+                th = _tanh(ps[i] * c)
+                p = exp2(cap * th - l2[i])
+                ps[i] = p
+                ds[i] = p * (ds[i] - dl[i]) * ((one - th * th) * scale)
+        else:
+            for i in range(ps.size):
+                p = exp2(ps[i] * c - l2[i])
+                ps[i] = p
+                ds[i] = p * (ds[i] - dl[i]) * scale
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def backward_item(pv, item, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum, k_cum,
+                  c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan, ws):
+    """Sequence `item // Hk`, key head `item % Hk`: for each of its key tiles (slots
+    `k_slots[b] .. k_slots[b + 1]`) and each query tile of its transposed schedule, one pass
+    gives the tile pair's dV, dK and dQ contributions, accumulated in place (the item owns
+    these rows, so the order is fixed)."""
+    S_buf, P_buf, lo, hi = ws
+    Hk = Kw.shape[0]
+    G = dQ.shape[1] // max(pv.rows_q, 1)
+    b, kh = item // Hk, item % Hk
+    shift = shift_of(pv, b)
+    left, right = pv.window_left[b], pv.window_right[b]
+    for s in range(k_slots[b], k_slots[b + 1]):
+        j0, n, jpos0 = pv.k_tiles[s, T_ROW], pv.k_tiles[s, T_ROWS], pv.k_tiles[s, T_POS]
+        Kb, Vb = Kw[kh, j0:j0 + n], Vw[kh, j0:j0 + n]       # [BN, D], [BN, Dv]
+        dKb, dVb = dK[kh, j0:j0 + n], dV[kh, j0:j0 + n]
+        k_bad = k_cum[kh, j0 + n] != k_cum[kh, j0]
+        for r in range(pv.mq):
+            begin, fbegin = pv.k_sched[s, r, S_BEGIN], pv.k_sched[s, r, S_FULL_BEGIN]
+            fend, end = pv.k_sched[s, r, S_FULL_END], pv.k_sched[s, r, S_END]
+            for qt in range(begin, end):
+                off = qt * pv.block_m
+                t0 = pv.q_row[b, r] + off
+                rows = min(pv.block_m, pv.q_len[b, r] - off)
+                qpos0 = pv.q_pos[b, r] + off
+                R, i0 = rows * G, t0 * G
+                full = fbegin <= qt < fend
+                for j in range(n):
+                    if full:
+                        lo[j], hi[j] = 0, R
+                    else:
+                        lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift, left,
+                                                    right)
+                Qb, dOb = Qw[kh, i0:i0 + R], dOw[kh, i0:i0 + R]          # [R, D], [R, Dv]
+                S = S_buf[:n * R].reshape(n, R)                          # [BN, R]
+                dP = P_buf[:n * R].reshape(n, R)
+                mm_nt(Kb, Qb, S, 0.0, blas_min)
+                mm_nt(Vb, dOb, dP, 0.0, blas_min)
+                _grad_pass(S, dP, n, lo, hi, lse2[kh, i0:i0 + R], delta[kh, i0:i0 + R], c, cap,
+                           scale)
+                mm_nn(S, dOb, dVb, 1.0, blas_min)                        # dV += P dO
+                mm_nn(dP, Qb, dKb, 1.0, blas_min)                        # dK += dS Q
+                mm_tn(dP, Kb, dQ[kh, i0:i0 + R], 1.0, blas_min)          # dQ += dS^T K
+                if k_bad or q_cum[kh, i0 + R] != q_cum[kh, i0]:
+                    for j in range(n):
+                        for i in range(lo[j], hi[j]):
+                            if k_flag[kh, j0 + j] or q_flag[kh, i0 + i]:
+                                dq_nan[kh, i0 + i] = True
+                                dk_nan[kh, j0 + j] = True
+
+
+@njit(parallel=True, cache=True)
+def backward(pv, order, nw, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum, k_cum,
+             c, cap, scale, blas_min, rows_max, dQ, dK, dV, dq_nan, dk_nan):
+    """Every item of `order` (longest first) on `nw` workers: see `backward_item`."""
+    counter = np.zeros(1, np.int64)
+    for _ in prange(nw):
+        ws = backward_scratch(Qw, rows_max, pv.block_n)
+        t = fetch_add(counter, 0, 1)
+        while t < order.size:
+            backward_item(pv, order[t], k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag,
+                          q_cum, k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan, ws)
+            t = fetch_add(counter, 0, 1)
+
+
+@njit(cache=True)
+def backward_scratch(dtype_probe, rows_max, block_n):
+    """One worker's scratch for `backward_item`: `(S, dP, lo, hi)`."""
+    size = block_n * rows_max
+    return (np.empty(size, dtype_probe.dtype), np.empty(size, dtype_probe.dtype),
+            np.zeros(block_n, np.int64), np.zeros(block_n, np.int64))
+
+
+@njit(parallel=True, cache=True)
+def unpack_rows(acc, nan, out):
+    """`acc [Hk, T * G, d]` -> `out [T, Hk * G, d]`, NaN on the rows `nan [Hk, T * G]` flags."""
+    T, H, d = out.shape
+    G = H // acc.shape[0]
+    for t in prange(T):
+        for h in range(H):
+            kh, g = h // G, h % G
+            r = t * G + g
+            if nan[kh, r]:
+                fill(out[t, h], 0, d, np.nan)
+            else:
+                for e in range(d):
+                    out[t, h, e] = acc[kh, r, e]

@@ -1,0 +1,224 @@
+"""The CPU backend: fused float32 attention tiles on Numba's CPU target, BLAS and threads.
+
+`CpuBackend` answers the `Backend` questions; the launchers below turn a call into the
+kernels' working arrays and work lists and run `_cpu_kernels.py` (the method, tile sizes and
+threading are described in docs/cpu_backend.md):
+
+1. pack: inputs to the working dtype (float32 for float16/bfloat16/float32, float64 for
+   float64) in head-group-major layouts, non-finite values replaced by 0 and flagged per row;
+2. work list: forward items are (query tile, key head), backward items (sequence, key head),
+   sorted longest first by the work the schedule says they hold;
+3. run on `_cpu_threads.num_threads()` workers, BLAS held single-threaded;
+4. unpack into buffers from `varlen._array.alloc`: rows a non-finite value reached are NaN,
+   pad rows 0 (lse -inf).
+
+Numba compiles the kernels on the first call of a process that finds no on-disk cache
+(`cache=True`, next to the module or under `NUMBA_CACHE_DIR`); later processes load them.
+Numba is imported on first use, so this module loads without it.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from .._array import alloc
+from ..plan import Plan, TILE_ROWS, TILE_SEQ
+from .base import Backend
+
+__all__ = ["CpuBackend", "BACKEND", "DTYPES"]
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+LOG2E = 1.4426950408889634          # 1/ln(2)
+# Tile products of at least this many multiply-adds (M * N * K) go to BLAS; smaller ones (a
+# ragged edge, a length-1 sequence) to the kernels' loops, where a call would cost more.
+BLAS_MIN = 16 * 16 * 16
+_NO_BLAS = 1 << 62
+
+
+def _kernels():
+    from . import _cpu_kernels
+    return _cpu_kernels
+
+
+def _threads():
+    from . import _cpu_threads
+    return _cpu_threads
+
+
+def _working_dtype(dtype) -> np.dtype:
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _as(x, wdt):
+    """`x` as a C-contiguous array of `wdt` (no copy when it already is one)."""
+    return np.ascontiguousarray(x) if x.dtype == wdt else np.asarray(x).astype(wdt)
+
+
+def _view(plan: Plan):
+    """The plan's KernelView with every array C-contiguous int32 (one compiled signature)."""
+    return plan.view().map_arrays(lambda a: np.ascontiguousarray(a, dtype=np.int32))
+
+
+def _pack(x, G: int, wdt):
+    """`x [T, Hk * G, d]` -> (`[Hk, T * G, d]` in `wdt`, bool `[Hk, T * G]` non-finite rows)."""
+    T, H, d = x.shape
+    Hk = H // G
+    w = alloc(np, (Hk, T * G, d), wdt)
+    flag = alloc(np, (Hk, T * G), np.bool_, fill=False)
+    _kernels().pack_rows(_as(x, wdt), G, w, flag)
+    return w, flag
+
+
+def _unpack(acc, nan, like, dtype):
+    """Accumulators `[Hk, T * G, d]` -> a fresh `[T, H, d]` array of `dtype` (shape of
+    `like`), NaN on flagged rows."""
+    out = alloc(np, like.shape, dtype)
+    wdt = acc.dtype
+    target = out if out.dtype == wdt else alloc(np, like.shape, wdt)
+    _kernels().unpack_rows(acc, nan, target)
+    if target is not out:
+        out[...] = target
+    return out
+
+
+def _scalars(softmax_scale: float, softcap: float, wdt):
+    """`(c, cap)` of the kernels: scores in the log2 domain are `s * c`, or `cap * tanh(s * c)`
+    under softcap (`c = scale / softcap`, `cap = softcap * log2(e)`)."""
+    if softcap > 0:
+        return wdt.type(softmax_scale / softcap), wdt.type(softcap * LOG2E)
+    return wdt.type(softmax_scale * LOG2E), wdt.type(0.0)
+
+
+def _longest_first(items, cost):
+    return np.ascontiguousarray(items[np.argsort(-cost, kind="stable")], dtype=np.int64)
+
+
+def forward_items(plan: Plan, Hk: int):
+    """Forward work items `query tile * Hk + key head`, longest first (cost: key rows the
+    schedule visits times the tile's rows)."""
+    tiles = plan.q_tiles
+    used = np.flatnonzero(tiles[:, TILE_SEQ] >= 0)
+    sched = plan.q_sched[used].astype(np.int64)
+    keys = (sched[..., 3] - sched[..., 0]).sum(axis=1) * plan.block_n
+    cost = (keys + 1) * tiles[used, TILE_ROWS].astype(np.int64)
+    items = (used[:, None] * Hk + np.arange(Hk)).reshape(-1)
+    return _longest_first(items, np.repeat(cost, Hk))
+
+
+def backward_items(plan: Plan, Hk: int):
+    """Backward work items `sequence * Hk + key head` and `k_slots [B + 1]` (the key tile
+    slots of sequence b are `k_slots[b] .. k_slots[b + 1]`), longest first."""
+    tiles = plan.k_tiles
+    B = plan.batch
+    used = np.flatnonzero(tiles[:, TILE_SEQ] >= 0)
+    seq = tiles[used, TILE_SEQ].astype(np.int64)
+    k_slots = np.zeros(B + 1, np.int64)
+    np.cumsum(np.bincount(seq, minlength=B), out=k_slots[1:])
+    sched = plan.k_sched[used].astype(np.int64)
+    pairs = (sched[..., 3] - sched[..., 0]).sum(axis=1) * plan.block_m
+    work = np.bincount(seq, weights=(pairs + 1) * tiles[used, TILE_ROWS], minlength=B)
+    has = np.flatnonzero(np.bincount(seq, minlength=B) > 0)
+    items = (has[:, None] * Hk + np.arange(Hk)).reshape(-1)
+    return _longest_first(items, np.repeat(work[has], Hk)), k_slots
+
+
+def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
+    K, th = _kernels(), _threads()
+    Tq, Hq, _ = q.shape
+    Hk, Dv = k.shape[1], v.shape[2]
+    G = Hq // Hk
+    wdt = _working_dtype(q.dtype)
+    out = alloc(np, (Tq, Hq, Dv), q.dtype)
+    lse = alloc(np, (Hq, Tq), wdt)
+    work_out = out if out.dtype == wdt else alloc(np, (Tq, Hq, Dv), wdt)
+    pad = ~plan.q.covered()
+    work_out[pad] = 0
+    lse[:, pad] = -np.inf
+    c, cap = _scalars(softmax_scale, softcap, wdt)
+    order = forward_items(plan, Hk)
+    with th.worker_scope() as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
+        Qw, q_flag = _pack(q, G, wdt)
+        Kw, k_flag = _pack(k, 1, wdt)
+        Vw, v_flag = _pack(v, 1, wdt)
+        k_cum = K.flag_prefix(k_flag | v_flag)
+        K.forward(_view(plan), order, nw, Qw, Kw, Vw, q_flag, k_cum, c, cap,
+                  BLAS_MIN if use_blas else _NO_BLAS, plan.block_m * G, work_out, lse)
+    if work_out is not out:
+        out[...] = work_out
+    return out, lse
+
+
+def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float):
+    K, th = _kernels(), _threads()
+    Tq, Hq, D = q.shape
+    Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
+    G = Hq // Hk
+    wdt = _working_dtype(q.dtype)
+    c, cap = _scalars(softmax_scale, softcap, wdt)
+    order, k_slots = backward_items(plan, Hk)
+    with th.worker_scope() as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
+        Qw, q_flag = _pack(q, G, wdt)
+        Kw, k_flag = _pack(k, 1, wdt)
+        Vw, v_flag = _pack(v, 1, wdt)
+        k_flag |= v_flag
+        dOw = alloc(np, (Hk, Tq * G, Dv), wdt)
+        delta = alloc(np, (Hk, Tq * G), wdt)
+        lse2 = alloc(np, (Hk, Tq * G), wdt)
+        K.pack_grad_rows(_as(dout, wdt), _as(out, wdt), _as(lse, wdt), G, dOw, delta, lse2,
+                         q_flag)
+        q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
+        dQ = alloc(np, (Hk, Tq * G, D), wdt, fill=0)
+        dK = alloc(np, (Hk, Tk, D), wdt, fill=0)
+        dV = alloc(np, (Hk, Tk, Dv), wdt, fill=0)
+        dq_nan = alloc(np, (Hk, Tq * G), np.bool_, fill=False)
+        dk_nan = alloc(np, (Hk, Tk), np.bool_, fill=False)
+        K.backward(_view(plan), order, nw, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag,
+                   k_flag, q_cum, k_cum, c, cap, wdt.type(softmax_scale),
+                   BLAS_MIN if use_blas else _NO_BLAS, plan.block_m * G, dQ, dK, dV, dq_nan,
+                   dk_nan)
+        return (_unpack(dQ, dq_nan, q, q.dtype), _unpack(dK, dk_nan, k, k.dtype),
+                _unpack(dV, dk_nan, v, v.dtype))
+
+
+def _numba_missing() -> str | None:
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed (pip install 'varlen[cpu]')"
+    return None
+
+
+class CpuBackend(Backend):
+    """FlashAttention-2 tiles on the CPU: float32 arithmetic (float64 for float64 inputs),
+    BLAS tile products, work items on Numba's threads. Always deterministic: results are
+    bitwise identical for any thread count."""
+
+    name = "cpu"
+
+    def supports(self, call):
+        if call.on_device:
+            return "the cpu backend runs on the host; the arrays live on a CUDA device"
+        missing = _numba_missing()
+        if missing:
+            return missing
+        if call.dtype not in DTYPES:
+            return f"dtype {call.dtype} is not supported (expected one of {', '.join(DTYPES)})"
+        return None
+
+    def default_blocks(self, dtype, head_dim):
+        return 64, 64
+
+    def check_plan(self, plan: Plan):
+        if not plan.on_host:
+            return "its arrays live on a device; build it from host cu_seqlens for host data"
+        return None
+
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
+        return _forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
+
+    def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
+                 deterministic=False):
+        return _backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                         softcap=softcap)
+
+
+BACKEND = CpuBackend()
