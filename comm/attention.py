@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from varlen._array import Origin, host_copy
+from varlen._array import Origin, digest, host_copy
 from varlen._setup import CP_METHODS, Call, setup
 from varlen._validate import dtype_name
 
@@ -115,23 +114,18 @@ def _sizes(p) -> tuple:
     return (p.scheme, p.cp_size, p.batch, p.num_rows, p.local_rows, p.seq_offsets is not None)
 
 
-def _digest(f):
-    if isinstance(f, (int, np.integer)):
-        return int(f)
-    return zlib.crc32(np.ascontiguousarray(host_copy(f)).tobytes())
-
-
 def _signature(call: Call) -> tuple:
     """`(facts, values)` of a call; values only when validating."""
     pq, pk = call.part
     arrays = (call.q, call.k, call.v) + tuple(call.grads or ())
     facts = (call.method, call.validate, tuple(dtype_name(a.dtype) for a in arrays),
              tuple(tuple(a.shape) for a in arrays), _sizes(pq), _sizes(pk),
-             mask_key(call.mask), call.softmax_scale, call.softcap, call.backend.name)
+             mask_key(call.mask, pq.batch), call.softmax_scale, call.softcap, call.backend.name)
     values = None
     if call.validate:
         values = (pq.fingerprint(), pk.fingerprint(),
-                  tuple(_digest(f) for f in call.mask.fields()))
+                  tuple(digest(f if isinstance(f, int) else host_copy(f), pq.batch)
+                        for f in call.mask.fields()))
     return facts, values
 
 

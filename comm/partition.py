@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from varlen import backends
-from varlen._array import array_module, common_origin, host_copy, to_working
+from varlen._array import array_module, common_origin, digest, host_copy, to_working
 from varlen._setup import check_context_parallel, working_mask
 from varlen._validate import (FLOAT_DTYPES, as_index_array, check_layout_values, dtype_name,
                               validation_enabled)
@@ -374,16 +374,11 @@ class StepPlans:
                 f"on_host={self.parts[0].xp is np})")
 
 
-def mask_key(mask) -> tuple:
-    """A host fingerprint of a working mask, per field: the value of a scalar, `("crc", B,
-    crc32)` of a host array, `("device", B)` for a device array (its values are not read)."""
-    def one(f):
-        if isinstance(f, (int, np.integer)):
-            return int(f)
-        if isinstance(f, np.ndarray):
-            return ("crc", int(f.shape[0]), zlib.crc32(np.ascontiguousarray(f).tobytes()))
-        return ("device", int(f.shape[0]))
-    return tuple(one(f) for f in mask.fields())
+def mask_key(mask, batch: int) -> tuple:
+    """A host fingerprint of a working mask, per field (`varlen._array.digest`: values of
+    scalars and host arrays, `("device", shape)` for a device array, whose values are not
+    read)."""
+    return tuple(digest(f, batch) for f in mask.fields())
 
 
 def _cacheable(key: tuple) -> bool:
@@ -415,7 +410,7 @@ def step_plans(pq, pk, rank, method, backend, blocks, mask) -> StepPlans:
     """`rank`'s step plans over partitions `pq`, `pk` (already where the data lives) for a
     working `mask`, built by `backend` with tiles `blocks`: from `pq`'s cache, else built
     and cached (not cached when the mask holds device arrays)."""
-    mkey = mask_key(mask)
+    mkey = mask_key(mask, pq.batch)
     key = (pk, rank, method, backend.name, tuple(blocks), mkey)
     if _cacheable(mkey):
         with pq._lock:
@@ -454,7 +449,7 @@ def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, valid
     differs = [f"{name} ({mine!r} in the plan, {want!r} in the call)" for name, mine, want in (
         ("rank", steps.rank, rank), ("method", steps.method, method),
         ("backend", steps.backend, backend.name), ("blocks", steps.blocks, tuple(blocks)),
-        ("mask", steps.mask_key, mask_key(mask))) if mine != want]
+        ("mask", steps.mask_key, mask_key(mask, pq.batch))) if mine != want]
     if steps.parts[0] is not pq or steps.parts[1] is not pk:
         differs.insert(0, "partition (another Partition object than the call's part)")
     if not differs and validate and not _cacheable(steps.mask_key):

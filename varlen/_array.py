@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Origin", "to_working", "array_module", "alloc", "set_nan_fill", "nan_fill_enabled", "bfloat16_dtype",
+__all__ = ["Origin", "to_working", "array_module", "alloc", "digest", "set_nan_fill", "nan_fill_enabled", "bfloat16_dtype",
            "is_device_array"]
 
 # DLPack device types (dlpack.h)
@@ -52,6 +53,17 @@ def set_nan_fill(enabled: bool) -> bool:
     global _NAN_FILL
     old, _NAN_FILL = _NAN_FILL, bool(enabled)
     return old
+
+
+def digest(a, batch: int):
+    """A cheap host fingerprint of per-sequence metadata: a scalar or host array is the crc32 of
+    its int32 values broadcast to `[batch]` (so `0` and `zeros(B)` agree); a device array
+    contributes `("device", shape)`, its values unread (no synchronisation)."""
+    if isinstance(a, (bool, int, np.integer, np.bool_, np.ndarray)):
+        v = np.asarray(a, np.int32)
+        v = np.broadcast_to(v, (batch,)) if v.ndim == 0 else v
+        return zlib.crc32(np.ascontiguousarray(v).tobytes())
+    return ("device", tuple(a.shape))
 
 
 def nan_fill_enabled() -> bool:

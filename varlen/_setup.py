@@ -10,13 +10,12 @@ Value checks that read `cu_seqlens` and friends run when validation is on (`_val
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from . import backends
-from ._array import Origin, array_module, common_origin, host_copy, to_working
+from ._array import Origin, array_module, common_origin, digest, host_copy, to_working
 from ._validate import (as_index_array, as_policy_array, check_backward_inputs, check_bound,
                         check_layout_specs, check_layout_values, check_qkv, dtype_name,
                         scale_and_softcap, validation_enabled)
@@ -150,18 +149,11 @@ def _segments(lay: Layout, rows_q: int, rows_k: int):
 def _fingerprint(lay: Layout, rows_q: int, rows_k: int, mask: Mask) -> tuple:
     """What a plan describes, cheap to compare: sizes, and a digest of every host array among
     the layout and the mask (a device array contributes its shape only: no host read)."""
-    def digest(a):
-        if a is None:
-            return None
-        if isinstance(a, (int, np.ndarray)):
-            a = np.broadcast_to(np.asarray(a, np.int32), (lay.batch,) if np.ndim(a) == 0 else
-                                np.shape(a))
-            return zlib.crc32(np.ascontiguousarray(a).tobytes())
-        return ("device", tuple(a.shape))
     off_q = lay.cu_q if lay.off_q is None else lay.off_q      # the default offsets
     off_k = lay.cu_k if lay.off_k is None else lay.off_k
-    return (lay.batch, rows_q, rows_k, *(digest(a) for a in (lay.cu_q, lay.cu_k, off_q, off_k)),
-            *(digest(f) for f in mask.fields()))
+    return (lay.batch, rows_q, rows_k,
+            *(digest(a, lay.batch) for a in (lay.cu_q, lay.cu_k, off_q, off_k)),
+            *(digest(f, lay.batch) for f in mask.fields()))
 
 
 _FINGERPRINT_NAMES = ("B", "rows of q", "rows of k", "cu_seqlens_q", "cu_seqlens_k",
@@ -252,8 +244,8 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
     """Check and normalise one call's arguments; returns its `Call` record.
 
     Single process: `cu_seqlens_*` (and optional offsets, bounds, `plan`). Context
-    parallelism: `part`, a pair `(query partition, key partition)` already checked against the
-    group by `varlen.comm`, and `method`. `grads = (dout, out, lse)` for a backward call.
+    parallelism: `part`, a pair `(query partition, key partition)`, `method` and `group_size`,
+    checked here (`check_context_parallel`). `grads = (dout, out, lse)` for a backward call.
     """
     origin, qw, kw, vw, gw = _tensors(q, k, v, grads)
     xp = array_module(qw)
