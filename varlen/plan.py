@@ -321,45 +321,27 @@ def _policy(xp, plan_mask, b, q: Segments, k: Segments):
     return left, right, shift
 
 
-def _schedule_q(xp, tiles, q: Segments, k: Segments, pol, block_n):
-    """For each query tile, the key-tile ranges of each key segment of its sequence."""
+def _schedule(xp, tiles, q: Segments, k: Segments, pol, block, band, partner: Segments):
+    """For each tile, the partner-tile ranges of each partner segment of its sequence.
+
+    Query tiles (partner: key segments, `band = key_band`) drive forward and dQ; key tiles
+    (partner: query segments, `band = query_band`) drive dK/dV.
+    """
     used = tiles[:, TILE_SEQ] >= 0
     b = xp.maximum(tiles[:, TILE_SEQ], 0).astype(np.int64)
     p0 = tiles[:, TILE_POS].astype(np.int64)
     p1 = p0 + tiles[:, TILE_ROWS].astype(np.int64) - 1
     left, right, shift = _policy(xp, pol, b, q, k)
-    # Visible keys of the tile's first and last query: [lo0, hi0] and [lo1, hi1].
-    lo0, hi0 = (e[:, None] for e in key_band(xp, p0, shift, left, right))
-    lo1, hi1 = (e[:, None] for e in key_band(xp, p1, shift, left, right))
-    kpos = k.pos.astype(np.int64)[b]                                  # [n, mk]
-    klen = k.length.astype(np.int64)[b]
-    nt = (klen + block_n - 1) // block_n
-    n, bn = klen, block_n
-    begin = _first_last_ge(xp, lo0 - kpos, n, bn, nt)
-    end = _count_first_le(xp, hi1 - kpos, bn, nt)
-    fbegin = _first_first_ge(xp, lo1 - kpos, bn, nt)
-    fend = _count_last_le(xp, hi0 - kpos, n, bn, nt)
-    end = xp.where(used[:, None], end, 0)
-    return _ranges(xp, begin, end, fbegin, fend)
-
-
-def _schedule_k(xp, tiles, q: Segments, k: Segments, pol, block_m):
-    """For each key tile, the query-tile ranges of each query segment of its sequence."""
-    used = tiles[:, TILE_SEQ] >= 0
-    b = xp.maximum(tiles[:, TILE_SEQ], 0).astype(np.int64)
-    j0 = tiles[:, TILE_POS].astype(np.int64)
-    j1 = j0 + tiles[:, TILE_ROWS].astype(np.int64) - 1
-    left, right, shift = _policy(xp, pol, b, q, k)
-    # Queries that see the tile's first and last key: [qlo0, qhi0] and [qlo1, qhi1].
-    qlo0, qhi0 = (e[:, None] for e in query_band(xp, j0, shift, left, right))
-    qlo1, qhi1 = (e[:, None] for e in query_band(xp, j1, shift, left, right))
-    qpos = q.pos.astype(np.int64)[b]                                  # [n, mq]
-    qlen = q.length.astype(np.int64)[b]
-    nt = (qlen + block_m - 1) // block_m
-    begin = _first_last_ge(xp, qlo0 - qpos, qlen, block_m, nt)
-    end = _count_first_le(xp, qhi1 - qpos, block_m, nt)
-    fbegin = _first_first_ge(xp, qlo1 - qpos, block_m, nt)
-    fend = _count_last_le(xp, qhi0 - qpos, qlen, block_m, nt)
+    # Visible partners of the tile's first and last row: [lo0, hi0] and [lo1, hi1].
+    lo0, hi0 = (e[:, None] for e in band(xp, p0, shift, left, right))
+    lo1, hi1 = (e[:, None] for e in band(xp, p1, shift, left, right))
+    pos = partner.pos.astype(np.int64)[b]                             # [n, m]
+    n = partner.length.astype(np.int64)[b]
+    nt = (n + block - 1) // block
+    begin = _first_last_ge(xp, lo0 - pos, n, block, nt)
+    end = _count_first_le(xp, hi1 - pos, block, nt)
+    fbegin = _first_first_ge(xp, lo1 - pos, block, nt)
+    fend = _count_last_le(xp, hi0 - pos, n, block, nt)
     end = xp.where(used[:, None], end, 0)
     return _ranges(xp, begin, end, fbegin, fend)
 
@@ -388,8 +370,8 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
     nk = tile_bound(k.num_rows, k.batch * k.per_seq, block_n, max_seqlen_k)
     q_tiles = _tile_table(xp, q, block_m, nq, "q")
     k_tiles = _tile_table(xp, k, block_n, nk, "k")
-    q_sched = _schedule_q(xp, q_tiles, q, k, pol, block_n)
-    k_sched = _schedule_k(xp, k_tiles, q, k, pol, block_m)
+    q_sched = _schedule(xp, q_tiles, q, k, pol, block_n, key_band, partner=k)
+    k_sched = _schedule(xp, k_tiles, q, k, pol, block_m, query_band, partner=q)
     return Plan(q=q, k=k, window_left=pol[0], window_right=pol[1], bottom_right=pol[2],
                 block_m=int(block_m), block_n=int(block_n), q_tiles=q_tiles, q_sched=q_sched,
                 k_tiles=k_tiles, k_sched=k_sched)
