@@ -1,0 +1,213 @@
+"""The transformers attention implementation "varlen" against transformers' own ones.
+
+Tiny Llama (GQA 4:2) and Qwen2 (MQA 4:1, qkv bias, sliding-window layers) models built from
+configs with random weights (nothing is downloaded), in float32 (against "eager") and float64
+(against "sdpa"): logits and every
+parameter's gradient on padded batches (left and right padding; holes for Llama, whose layers
+have no window that would count the holes) and packed batches (documents marked by position
+ids or by `DataCollatorWithFlattening`'s kwargs, with and without a cache), greedy generation
+with a cache, and decoding without a mask.
+"""
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import varlen.torch as vt  # noqa: E402
+
+vt.register_transformers()
+
+VOCAB = 101
+
+
+def llama():
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def qwen2():
+    # Layers from max_window_layers on use a sliding window of 4 tokens.
+    return transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1, max_position_embeddings=128)
+
+
+CONFIGS = {"llama": llama, "qwen2": qwen2}
+# Largest error allowed, relative to the largest reference value: float64 differs only in
+# summation order; float32 by a few hundred ulps through the layers.
+RTOL = {torch.float32: 2e-5, torch.float64: 1e-11}
+
+
+# The implementation compared with: eager in float32; sdpa in float64, where eager's additive
+# mask (the dtype's lowest value) overflows to -inf on left-padded rows and spreads NaN.
+REFERENCE = {torch.float32: "eager", torch.float64: "sdpa"}
+
+
+def pair(name, dtype):
+    """The same random model twice: with the reference attn_implementation and "varlen"."""
+    models = []
+    for impl in (REFERENCE[dtype], "varlen"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](),
+                                                              attn_implementation=impl)
+        models.append(model.to(dtype).eval())
+    assert models[1].config._attn_implementation == "varlen"
+    return models
+
+
+def assert_close(label, got, want, dtype):
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= RTOL[dtype] * max(scale, 1e-30), (
+        f"{label}: max abs error {err:.3e} > {RTOL[dtype]:.0e} x max |reference| {scale:.3e}")
+
+
+def logits_and_grads(model, keep, **inputs):
+    """Logits at the positions `keep` marks, and every parameter's gradient of a fixed random
+    weighting of them (so that each position and vocabulary entry matters)."""
+    model.zero_grad()
+    logits = model(**inputs).logits
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=logits.dtype)
+    (logits * weights)[keep].sum().backward()
+    return logits[keep].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_model_outputs(label, got, want, dtype):
+    assert_close(f"{label} logits", got[0], want[0], dtype)
+    assert want[1].keys() == got[1].keys()
+    for name, g in want[1].items():
+        assert_close(f"{label} grad {name}", got[1][name], g, dtype)
+
+
+def ids(*shape, seed=2):
+    return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def padding_masks(S, holes):
+    pos = torch.arange(S)
+    rows = [pos >= 4, pos < S - 3, pos >= 0, pos >= S - 1]  # left, right, none, one token
+    if holes:
+        rows.append((pos % 3 != 1) & (pos != S - 2))
+    return torch.stack(rows).long()
+
+
+DTYPE_IDS = {torch.float32: "float32", torch.float64: "float64"}
+both = pytest.mark.parametrize("name", ["llama", "qwen2"])
+dtypes = pytest.mark.parametrize("dtype", DTYPE_IDS, ids=DTYPE_IDS.get)
+
+
+@both
+@dtypes
+def test_padded_batch(name, dtype):
+    reference, varlen_model = pair(name, dtype)
+    mask = padding_masks(13, holes=name == "llama")
+    inputs = dict(input_ids=ids(*mask.shape), attention_mask=mask)
+    keep = mask.bool()
+    assert_same_model_outputs(f"{name} padded", logits_and_grads(varlen_model, keep, **inputs),
+                              logits_and_grads(reference, keep, **inputs), dtype)
+
+
+DOCS = (5, 3, 1, 9, 2)
+
+
+def packed_inputs():
+    position_ids = torch.cat([torch.arange(n) for n in DOCS])[None]
+    return dict(input_ids=ids(1, sum(DOCS)), position_ids=position_ids)
+
+
+@both
+@dtypes
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "cache"])
+def test_packed_batch(name, dtype, use_cache):
+    """Documents apart, with or without a cache (eager and sdpa keep them apart only without
+    one, so they run without)."""
+    reference, varlen_model = pair(name, dtype)
+    inputs = packed_inputs()
+    keep = torch.ones(1, sum(DOCS), dtype=torch.bool)
+    want = logits_and_grads(reference, keep, use_cache=False, **inputs)
+    got = logits_and_grads(varlen_model, keep, use_cache=use_cache, **inputs)
+    assert_same_model_outputs(f"{name} packed", got, want, dtype)
+    # Each document alone gives the same logits.
+    start = 0
+    with torch.no_grad():
+        for n in DOCS:
+            alone = reference(input_ids=inputs["input_ids"][:, start:start + n]).logits[0]
+            assert_close(f"{name} document at {start}", got[0][start:start + n], alone, dtype)
+            start += n
+
+
+@both
+def test_data_collator_with_flattening_kwargs(name):
+    """`cu_seq_lens_q/k` alone keep documents apart (positions run on across them here)."""
+    dtype = torch.float64
+    reference, varlen_model = pair(name, dtype)
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    tokens = ids(sum(DOCS))
+    starts = [sum(DOCS[:i]) for i in range(len(DOCS))]
+    batch = collator([{"input_ids": tokens[s:s + n].tolist()} for s, n in zip(starts, DOCS)])
+    assert "cu_seq_lens_q" in batch
+    for name_ in ("labels", "position_ids"):
+        batch.pop(name_)
+    with torch.no_grad():
+        got = varlen_model(**batch, use_cache=False).logits[0]
+        for s, n in zip(starts, DOCS):
+            alone = reference(input_ids=tokens[None, s:s + n],
+                              position_ids=torch.arange(s, s + n)[None]).logits[0]
+            assert_close(f"{name} document at {s}", got[s:s + n], alone, dtype)
+
+
+@both
+def test_greedy_generation_with_left_padding(name):
+    dtype = torch.float64
+    reference, varlen_model = pair(name, dtype)
+    mask = torch.stack([torch.arange(9) >= 3, torch.arange(9) >= 0, torch.arange(9) >= 7]).long()
+    prompt = dict(input_ids=ids(*mask.shape, seed=5), attention_mask=mask, max_new_tokens=6,
+                  do_sample=False, output_scores=True, return_dict_in_generate=True,
+                  pad_token_id=0)
+    want, got = reference.generate(**prompt), varlen_model.generate(**prompt)
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (g, w) in enumerate(zip(got.scores, want.scores)):
+        assert_close(f"{name} step {step} scores", g, w, dtype)
+
+
+@both
+def test_decoding_with_a_cache_and_no_mask(name):
+    """Queries are the last keys: causal aligned bottom-right."""
+    dtype = torch.float64
+    reference, varlen_model = pair(name, dtype)
+    tokens = ids(2, 11, seed=7)
+    outs = []
+    for model in (reference, varlen_model):
+        with torch.no_grad():
+            first = model(input_ids=tokens[:, :8], use_cache=True)
+            # transformers 5 renames `past_key_values` to `cache`
+            name_ = "cache" if "cache" in inspect.signature(model.forward).parameters \
+                else "past_key_values"
+            outs.append(model(input_ids=tokens[:, 8:], use_cache=True,
+                              **{name_: first.past_key_values}).logits)
+    assert_close(f"{name} decode", outs[1], outs[0], dtype)
+
+
+def test_attention_dropout_is_not_implemented():
+    config = llama()
+    config.attention_dropout = 0.1
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="varlen")
+    with pytest.raises(NotImplementedError, match="attention_dropout"):
+        model.train()(input_ids=ids(1, 5))
+
+
+def test_a_4d_mask_is_refused():
+    _, model = pair("llama", torch.float32)
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        model(input_ids=ids(1, 5), attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool))
+
+
+def test_registering_again_is_harmless():
+    vt.register_transformers()
+    import varlen.integrations.transformers  # noqa: F401  (registers on import)
+    assert "varlen" in transformers.AttentionInterface._global_mapping
