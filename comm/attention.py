@@ -283,6 +283,122 @@ def _ring_backward(rc: _RankCall, steps: StepPlans):
 
 
 # --------------------------------------------------------------------------------------------
+# Ring over a document partition: only split documents' rows travel, only between sharers
+# --------------------------------------------------------------------------------------------
+#
+# At step i rank r receives, from rank (r - i) % cp, the compact buffer of that rank's K/V rows
+# of the documents both hold (`part.ring_rows(src, r)`, host-known size), and sends its own to
+# (r + i) % cp. A document that lives whole on one rank is in no buffer; a step whose buffers are
+# both empty posts nothing. Backward sends each step's dK/dV of the received rows straight back
+# to their owner, which adds them into its own rows.
+
+def _doc_post(ch, sends, recvs):
+    """Post the non-empty `(array, peer)` sends and `(buffer, peer)` receives; commit if any.
+    Returns whether a batch is in flight."""
+    posted = False
+    for a, peer in sends:
+        if a.shape[0]:
+            ch.post_send(a, peer)
+            posted = True
+    for b, peer in recvs:
+        if b.shape[0]:
+            ch.post_recv(b, peer)
+            posted = True
+    if posted:
+        ch.commit()
+    return posted
+
+
+def _doc_kv_exchange(rc, ch, part, step, k, v):
+    """Post step `step`'s K/V exchange; returns `(received k, received v, in flight)`."""
+    xp, cp, rank = rc.xp, rc.cp, rc.rank
+    dst, src = (rank + step) % cp, (rank - step) % cp
+    idx = part.ring_rows(rank, dst)
+    n_in = part.ring_count(src, rank)
+    k_in = xp.empty((n_in,) + k.shape[1:], dtype=k.dtype)
+    v_in = xp.empty((n_in,) + v.shape[1:], dtype=v.dtype)
+    sends = ((xp.ascontiguousarray(k[idx]), dst), (xp.ascontiguousarray(v[idx]), dst))
+    return k_in, v_in, _doc_post(ch, sends, ((k_in, src), (v_in, src)))
+
+
+def _doc_ring_forward(rc: _RankCall, steps: StepPlans):
+    c, cp = rc.call, rc.cp
+    part = steps.parts[1]
+    ch = rc.group.p2p(_TAG_KV)
+    k, v = rc.xp.ascontiguousarray(c.k), rc.xp.ascontiguousarray(c.v)
+    out = lse = None
+    kv = (k, v, False)
+    for step in range(cp):
+        nxt = _doc_kv_exchange(rc, ch, part, step + 1, k, v) if step + 1 < cp else None
+        if steps.busy[step]:
+            o, l = rc.forward(steps.plans[step], c.q, kv[0], kv[1])
+            if out is None:
+                out, lse = o.astype(rc.acc), l.astype(rc.acc)
+            else:
+                out, lse = merge_partial(out, lse, o, l)
+        if nxt is not None:
+            if nxt[2]:
+                ch.wait()
+            kv = nxt
+    return _finish_forward(rc, out, lse)
+
+
+def _doc_ring_backward(rc: _RankCall, steps: StepPlans):
+    c, xp, cp, rank = rc.call, rc.xp, rc.cp, rc.rank
+    dout, out, lse = c.grads
+    part = steps.parts[1]
+    kv_ch, dkv_ch = rc.group.p2p(_TAG_KV), rc.group.p2p(_TAG_DKV)
+    k, v = xp.ascontiguousarray(c.k), xp.ascontiguousarray(c.v)
+    dq = xp.zeros(c.q.shape, dtype=rc.acc)
+    dk, dv = xp.zeros(k.shape, dtype=rc.acc), xp.zeros(v.shape, dtype=rc.acc)
+    kv = (k, v, False)
+    back = None                  # (rows of mine, dk in, dv in, in flight) of the last step
+    for step in range(cp):
+        nxt = _doc_kv_exchange(rc, kv_ch, part, step + 1, k, v) if step + 1 < cp else None
+        dst, src = (rank + step) % cp, (rank - step) % cp
+        dk_s = xp.zeros(kv[0].shape, dtype=rc.acc)
+        dv_s = xp.zeros(kv[1].shape, dtype=rc.acc)
+        if steps.busy[step]:
+            dq_s, dk_b, dv_b = rc.backward(steps.plans[step], dout, c.q, kv[0], kv[1], out,
+                                           lse)
+            dq += dq_s
+            dk_s += dk_b
+            dv_s += dv_b
+        if back is not None:
+            _doc_settle(dkv_ch, back, dk, dv)
+        if step == 0:
+            dk += dk_s
+            dv += dv_s
+            back = None
+        else:
+            # The received rows' gradients go straight back to their owner `src`; mine come
+            # back from `dst`, which received my rows this step.
+            idx = part.ring_rows(rank, dst)
+            dk_in = xp.empty((idx.shape[0],) + dk.shape[1:], dtype=rc.acc)
+            dv_in = xp.empty((idx.shape[0],) + dv.shape[1:], dtype=rc.acc)
+            flying = _doc_post(dkv_ch, ((dk_s, src), (dv_s, src)),
+                               ((dk_in, dst), (dv_in, dst)))
+            back = (idx, dk_in, dv_in, flying)
+        if nxt is not None:
+            if nxt[2]:
+                kv_ch.wait()
+            kv = nxt
+    if back is not None:
+        _doc_settle(dkv_ch, back, dk, dv)
+    return dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype)
+
+
+def _doc_settle(ch, back, dk, dv):
+    """Wait for returning dK/dV and add them into this rank's rows (each row once per step)."""
+    idx, dk_in, dv_in, flying = back
+    if flying:
+        ch.wait()
+    if idx.shape[0]:
+        dk[idx] += dk_in
+        dv[idx] += dv_in
+
+
+# --------------------------------------------------------------------------------------------
 # All-gather
 # --------------------------------------------------------------------------------------------
 
@@ -380,9 +496,19 @@ def _ulysses_backward(rc: _RankCall, steps: StepPlans):
     return dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype)
 
 
-_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward,
+def _ring_forward_any(rc: _RankCall, steps: StepPlans):
+    doc = steps.parts[1].scheme == "document"
+    return (_doc_ring_forward if doc else _ring_forward)(rc, steps)
+
+
+def _ring_backward_any(rc: _RankCall, steps: StepPlans):
+    doc = steps.parts[1].scheme == "document"
+    return (_doc_ring_backward if doc else _ring_backward)(rc, steps)
+
+
+_FORWARD = {"ring": _ring_forward_any, "allgather": _allgather_forward,
             "ulysses": _ulysses_forward}
-_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward,
+_BACKWARD = {"ring": _ring_backward_any, "allgather": _allgather_backward,
              "ulysses": _ulysses_backward}
 
 
