@@ -1,14 +1,17 @@
 """Per-rank attention work and communication of a context-parallel partition, on the CPU.
 
 For a document-length distribution and a list of cp sizes, builds `varlen.comm.partition` for
-the zigzag and contiguous schemes and reports, from the partition alone (no attention is run):
+the zigzag, contiguous and document schemes (the document scheme balancing the work of the
+`--mask`) and reports, from the partition alone (no attention is run):
 
 * visible query-key pairs per rank (the attention FLOPs are 4 * D * pairs per head), max and
   mean over ranks; max / mean is the load imbalance the slowest rank sets;
 * pad rows added by the partition;
 * bytes each rank sends per layer (forward + backward) with each method:
     ring       K/V: (cp-1) hops forward, (cp-1) again in backward; dK/dV accumulators in
-               float32: cp hops;
+               float32: cp hops; document scheme: only the rows of split documents, to each
+               rank sharing them, forward and backward, and the float32 dK/dV of the rows
+               received back to their owners (the busiest rank);
     allgather  K/V all-gathered forward and backward ((cp-1) blocks each); dK/dV in float32
                reduce-scattered ((cp-1) blocks);
     ulysses    all-to-all of (cp-1)/cp of q, k, v (KV heads replicated up to a multiple of
@@ -39,6 +42,7 @@ import varlen.comm as vc  # noqa: E402
 from varlen._cli import ArgumentParser, positive_int  # noqa: E402
 
 DISTS = ("uniform", "long-tail", "one-long")
+SCHEMES = ("zigzag", "contiguous", "document")
 FLOAT32 = 4
 
 
@@ -75,17 +79,20 @@ def parse_mask(text: str):
 
 
 def visible_pairs(part, rank: int, window) -> int:
-    """Query-key pairs rank `rank`'s queries see (per head), from its global positions."""
+    """Query-key pairs rank `rank`'s queries see (per head), from its segments' global
+    positions (any scheme)."""
     left, right = window
-    pos = part.positions(rank)
-    valid = part.valid(rank)
-    local_cu = part.local_cu_seqlens.astype(np.int64)
-    seq = np.searchsorted(local_cu[1:], np.arange(part.local_rows), side="right")
-    seq = np.minimum(seq, max(part.batch - 1, 0))
-    L = part.seqlens.astype(np.int64)[seq] if part.batch else np.zeros_like(pos)
+    seg = part.segments(rank)
+    length = seg.length.astype(np.int64).reshape(-1)
+    pos0 = seg.pos.astype(np.int64).reshape(-1)
+    L = np.repeat(part.seqlens.astype(np.int64), seg.length.shape[1])
+    keep = length > 0
+    pos = np.concatenate([p + np.arange(n) for p, n in zip(pos0[keep], length[keep])] or
+                         [np.zeros(0, np.int64)])
+    L = np.repeat(L[keep], length[keep])
     hi = L - 1 if right < 0 else np.minimum(L - 1, pos + right)
     lo = np.zeros_like(pos) if left < 0 else np.maximum(0, pos - left)
-    return int(np.where(valid, np.maximum(hi - lo + 1, 0), 0).sum())
+    return int(np.maximum(hi - lo + 1, 0).sum())
 
 
 def bytes_per_rank(local_rows, cp, Hq, Hk, D, Dv, elem) -> dict:
@@ -108,18 +115,41 @@ def bytes_per_rank(local_rows, cp, Hq, Hk, D, Dv, elem) -> dict:
     return out
 
 
+def document_ring_bytes(part, Hk, D, Dv, elem) -> int:
+    """Bytes the busiest rank sends per layer on the ring of a document partition: its rows of
+    split documents to each rank sharing them, forward and again in backward, plus the float32
+    dK/dV of the rows it received, sent back to their owners."""
+    kv = Hk * (D + Dv)
+    cp = part.cp_size
+    most = 0
+    for r in range(cp):
+        sent = sum(part.ring_count(r, d) for d in range(cp))
+        got = sum(part.ring_count(s, r) for s in range(cp))
+        most = max(most, 2 * sent * kv * elem + got * kv * FLOAT32)
+    return most
+
+
 def analyse(lengths, cp, scheme, window, heads) -> dict:
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    part = vc.partition(cu, cp, scheme)
+    part = vc.partition(cu, cp, scheme, mask=window_mask(window))
     work = np.array([visible_pairs(part, r, window) for r in range(cp)], dtype=np.int64)
     Hq, Hk, D, Dv, elem = heads
+    sent = bytes_per_rank(part.local_rows, cp, Hq, Hk, D, Dv, elem)
+    if scheme == "document":
+        sent["ring"] = document_ring_bytes(part, Hk, D, Dv, elem)
     return {"cp": cp, "scheme": scheme, "tokens": int(cu[-1]), "documents": len(lengths),
             "local_rows": part.local_rows,
-            "pad_rows": int(part.padded_seqlens.sum() - cu[-1]),
+            "pad_rows": int(cp * part.local_rows - cu[-1]),
             "pairs_per_rank": work.tolist(), "pairs_max": int(work.max()),
             "pairs_mean": float(work.mean()),
             "imbalance": float(work.max() / work.mean()) if work.mean() > 0 else 1.0,
-            "bytes_per_rank": bytes_per_rank(part.local_rows, cp, Hq, Hk, D, Dv, elem)}
+            "bytes_per_rank": sent}
+
+
+def window_mask(window):
+    """The `varlen.Mask` of a `(left, right)` window (the work the document scheme balances)."""
+    import varlen
+    return varlen.Mask(window_left=window[0], window_right=window[1])
 
 
 def _mb(x):
@@ -127,7 +157,8 @@ def _mb(x):
 
 
 def plot(results, cp, path):
-    """Per-rank work at one cp size, zigzag against contiguous, a panel per distribution."""
+    """Per-rank work at one cp size, one bar per scheme, a panel per distribution; the legend
+    gives max/mean work and ring MiB per rank."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -136,11 +167,13 @@ def plot(results, cp, path):
     fig, axes = plt.subplots(1, len(dists), figsize=(5 * len(dists), 3.6), squeeze=False)
     for ax, dist in zip(axes[0], dists):
         rows = results[dist]
-        for i, scheme in enumerate(("zigzag", "contiguous")):
+        width = 0.8 / len(SCHEMES)
+        for i, scheme in enumerate(SCHEMES):
             r = next(x for x in rows if x["cp"] == cp and x["scheme"] == scheme)
             w = np.asarray(r["pairs_per_rank"], float) / max(r["pairs_mean"], 1.0)
-            ax.bar(np.arange(cp) + (i - 0.5) * 0.4, w, width=0.4,
-                   label=f"{scheme} (max/mean {r['imbalance']:.2f})")
+            ring = r["bytes_per_rank"]["ring"] / 2 ** 20
+            ax.bar(np.arange(cp) + (i - (len(SCHEMES) - 1) / 2) * width, w, width=width,
+                   label=f"{scheme} (max/mean {r['imbalance']:.3f}, ring {ring:.0f} MiB)")
         ax.set_xticks(np.arange(cp))
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_title(f"{dist}, cp={cp}")
@@ -196,7 +229,7 @@ def print_table(args, heads):
         lengths = document_lengths(dist, args.tokens, args.mean, rng)
         rows = results[dist] = []
         for cp in args.cp:
-            for scheme in ("zigzag", "contiguous"):
+            for scheme in SCHEMES:
                 r = analyse(lengths, cp, scheme, args.mask, heads)
                 rows.append(r)
                 b = r["bytes_per_rank"]
