@@ -420,17 +420,17 @@ def _assign(L, work, cp, split, target, capacity, limit=math.inf):
     stay within it (or, when none do, that reach the lowest maximum). Returns `(ranks of each
     document: a tuple per document, estimated work per rank)`, or None when `capacity` rows
     per rank cannot hold them."""
-    load = np.zeros(cp, np.float64)
-    rows = np.zeros(cp, np.int64)
+    load = [0.0] * cp                                # Python lists: cp is small, B large
+    rows = [0] * cp
     groups = [(0,)] * L.shape[0]
     order = np.lexsort((-work, ~split))              # split documents first, heaviest first
-    for b in order:
+    for b in order.tolist():
         n, w = int(L[b]), float(work[b])
         if n == 0:
             continue
         most = min(cp, max(1, n // 2))              # every zigzag chunk keeps a row
         g = 1 if not split[b] else min(most, max(2, math.ceil(w / target)))
-        chosen = _members(n, w, g, load, rows, capacity, limit)
+        chosen = _members(n, w, g, most, load, rows, capacity, limit)
         if chosen is None:
             return None
         groups[b] = chosen
@@ -439,26 +439,25 @@ def _assign(L, work, cp, split, target, capacity, limit=math.inf):
         for j, r in enumerate(chosen):
             rows[r] += sum(ends[c + 1] - ends[c] for c in _zigzag_chunks(j, g))
             load[r] += w / g
-    return groups, load
+    return groups, np.asarray(load)
 
 
-def _members(n, w, g, load, rows, capacity, limit):
-    """The ranks (sorted) that take a document of `n` rows and work `w`, at least `g` of them:
-    the least loaded with room, more of them when rows or `limit` require it."""
-    cp = load.shape[0]
+def _members(n, w, g, most, load, rows, capacity, limit):
+    """The ranks (sorted) that take a document of `n` rows and work `w`: the `g` least loaded
+    with room, more of them (up to `most`) when rows or `limit` require it."""
+    by_load = sorted(range(len(load)), key=load.__getitem__)
     best = None
-    for size in range(g, min(cp, max(1, n // 2)) + 1):
+    for size in range(g, most + 1):
         need = n if size == 1 else -(-n // size) + 1
-        room = np.flatnonzero(rows + need <= capacity)
-        if room.shape[0] < size:
+        chosen = [r for r in by_load if rows[r] + need <= capacity][:size]
+        if len(chosen) < size:
             continue
-        chosen = room[np.argsort(load[room], kind="stable")[:size]]
-        peak = float(load[chosen].max()) + w / size
+        peak = load[chosen[-1]] + w / size
         if best is None or peak < best[0]:
             best = (peak, chosen)
         if peak <= limit:
             break
-    return None if best is None else tuple(sorted(int(r) for r in best[1]))
+    return None if best is None else tuple(sorted(best[1]))
 
 
 def _zigzag_bounds(n, g):
