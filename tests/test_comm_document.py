@@ -269,6 +269,31 @@ def test_ring_of_whole_documents_sends_nothing(monkeypatch):
     assert sent == []
 
 
+def test_training_entry_point_takes_a_document_partition():
+    torch = pytest.importorskip("torch")
+    import varlen.torch as vt
+    if not hasattr(vt, "context_parallel_attention"):
+        pytest.skip("varlen.torch.context_parallel_attention is not available")
+    lengths, cp = [5, 0, 13, 1, 8, 31, 3], 3
+    cu = _cu(lengths)
+    part = vc.partition(cu, cp, "document", max_doc_len=6)
+    assert any(len(g) > 1 for g in part.groups)
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((int(cu[-1]), 4, 8)) for _ in range(4))
+    want = reference.attention_dense(q, k, v, cu, cu, mask="causal")[0]
+    want_dk = reference.attention_dense_backward(dout, q, k, v, cu, cu, mask="causal")[1]
+
+    def body(grp):
+        qs, ks, vs = (torch.tensor(part.shard(x, grp.rank), requires_grad=True)
+                      for x in (q, k, v))
+        out = vt.context_parallel_attention(qs, ks, vs, part, grp, mask="causal")
+        (out * torch.tensor(part.shard(dout, grp.rank))).sum().backward()
+        return out.detach().numpy(), ks.grad.numpy()
+    res = vc.local_group(cp).run(body)
+    np.testing.assert_allclose(part.unshard([o for o, _ in res]), want, atol=1e-12)
+    np.testing.assert_allclose(part.unshard([g for _, g in res]), want_dk, atol=1e-12)
+
+
 # --------------------------------------------------------------------------------------------
 # Real mpiexec ranks: this file is the worker
 # --------------------------------------------------------------------------------------------
