@@ -69,6 +69,10 @@ def local_rows_bound(num_rows: int, batch: int, cp_size: int, scheme: str = "zig
     Each sequence gains fewer than `chunks` pad rows, so the padded total is at most
     `num_rows + batch * (chunks - 1)`, rounded down to a multiple of `chunks`.
     """
+    if scheme == "document":
+        raise ValueError("the document scheme has no bound from the sizes alone: its "
+                         "local_rows is a capacity the placement respects; pass one (e.g. "
+                         "ceil(1.25 * num_rows / cp_size))")
     n = _chunks(scheme, cp_size)
     return (num_rows + batch * (n - 1)) // n * (n // cp_size)
 

@@ -164,6 +164,8 @@ def test_capacity_is_respected_or_refused():
     assert part.local_rows == 40 and max(part.rows_used) <= 40
     with pytest.raises(ValueError, match="local_rows=20 is too small"):
         vc.partition(cu, 3, "document", local_rows=20)
+    with pytest.raises(ValueError, match="capacity"):
+        vc.local_rows_bound(94, 5, 3, "document")
 
 
 def test_work_of_each_mask():
