@@ -11,6 +11,9 @@ outputs and gradients.
   runs. Partial outputs merge through their LSE (`merge_partial`). Backward: dQ accumulates
   locally, and the dK/dV accumulators (float32, float64 for float64) travel the ring one hop
   behind K/V and arrive at their owners after the last step.
+  On a `"document"` partition step i instead exchanges compact buffers: only the rows of
+  documents split between rank r and rank `(r - i) % cp` (host-known sizes), nothing for a
+  step with no shared document; each step's dK/dV go straight back to their owner.
 * `allgather`: K/V all-gathered once (cheap for GQA, whose K/V are small), one kernel call over
   the gathered segments; dK/dV reduce-scattered back.
 * `ulysses`: all-to-all from sequence shards to head shards, one kernel call over the whole

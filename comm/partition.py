@@ -1,4 +1,5 @@
-"""Partitions of a packed batch over context-parallel ranks: zigzag (load-balanced) and contiguous.
+"""Partitions of a packed batch over context-parallel ranks: zigzag (load-balanced), contiguous,
+and document (whole documents per rank where balance allows: `DocumentPartition`).
 
 Every sequence `b` of global length `L[b]` is padded to `P[b]`, a multiple of `2 * cp` (zigzag)
 or `cp` (contiguous), and cut into equal chunks of `c[b] = P[b] / (2 * cp)` rows (or `P[b] / cp`):
