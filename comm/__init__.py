@@ -9,15 +9,18 @@
     dq_r, dk_r, dv_r = vc.attention_backward(dout_r, q_r, k_r, v_r, out_r, lse_r, part, group,
                                              mask="causal", plan=steps)
 
-See `docs/context_parallel.md`. mpi4py and CuPy are imported only when a group needs them.
+See `docs/context_parallel.md`. mpi4py, CuPy and torch are imported only when a group needs
+them; under torchrun, `torch_group()` is the default torch.distributed group.
 """
 from .attention import METHODS, attention_backward, attention_forward
 from .group import DEFAULT_TIMEOUT, Group, GroupAborted, LocalGroup, LocalGroups, P2P, local_group
 from .merge import merge_partial
 from .partition import SCHEMES, Partition, StepPlans, local_rows_bound, partition, plan
+from .torch_group import TorchGroup, torch_group
 
 __all__ = ["partition", "Partition", "local_rows_bound", "plan", "StepPlans", "init",
-           "local_group", "Group", "LocalGroup", "LocalGroups", "P2P", "GroupAborted",
+           "local_group", "torch_group", "TorchGroup", "Group", "LocalGroup", "LocalGroups", "P2P",
+           "GroupAborted",
            "attention_forward", "attention_backward", "merge_partial", "METHODS", "SCHEMES",
            "DEFAULT_TIMEOUT"]
 

@@ -31,7 +31,7 @@ from ._validate import check_specs, set_validation, validation_mode
 from .masks import MASK_FIELDS, Mask, as_mask
 from .plan import Plan
 
-__all__ = ["varlen_attention"]
+__all__ = ["varlen_attention", "context_parallel_attention"]
 
 # The op arguments after the data arrays: metadata tensors, the mask as `Mask.parts` splits it
 # (a tensor where given, else the int), the scalars of `_setup.static_scalars`, and
@@ -286,6 +286,101 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                              deterministic)
     out, lse = _forward_op(q, k, v, *meta, *map(_as_tensor, arrays), *ints, *scalars,
                            _plan_key(plan))
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism: this rank's shard in, this rank's shard out, differentiable
+# --------------------------------------------------------------------------------------------
+
+def _cp_group(group):
+    """A `varlen.comm.Group` for `group`: a Group as it is; a torch.distributed ProcessGroup,
+    or None for the default one, through `varlen.comm.torch_group`."""
+    import varlen.comm as vc
+    if isinstance(group, vc.Group):
+        return group
+    if group is None or isinstance(group, torch.distributed.ProcessGroup):
+        return vc.torch_group(group)
+    raise TypeError(f"group must be a varlen.comm.Group, a torch.distributed.ProcessGroup or "
+                    f"None (the default process group), got {type(group).__name__}")
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    """Forward: `varlen.comm.attention_forward` on this rank; backward: the method's backward
+    (for the ring, K/V and the dK/dV accumulators travel the ring again) with the same step
+    plans, which the partition caches per rank, mask, method and tiles."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, part, group, kw, deterministic):
+        import varlen.comm as vc
+        out, lse = vc.attention_forward(q, k, v, part, group, **kw)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.part, ctx.group, ctx.kw = part, group, dict(kw, deterministic=deterministic)
+        # Autograd may run the backward on another thread: it keeps the forward's mode.
+        ctx.validation = validation_mode()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        import varlen.comm as vc
+        q, k, v, out, lse = ctx.saved_tensors
+        with set_validation(ctx.validation):
+            dq, dk, dv = vc.attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.part,
+                                               ctx.group, **ctx.kw)
+        return dq, dk, dv, None, None, None, None
+
+
+@torch.compiler.disable
+def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softmax_scale=None,
+                               softcap=0.0, method="ring", deterministic=False,
+                               return_lse=False):
+    """Context-parallel attention on this rank, differentiable in its q, k and v shards.
+
+    Call it on every rank of the group with the same partition, mask and method; each rank
+    passes its shards and gets its shard of the output. `part.unshard([...])` of all ranks'
+    outputs (and gradients) is what `varlen_attention` computes on the whole batch.
+
+        part = varlen.comm.partition(cu_seqlens, cp_size)           # once per batch layout
+        q_r, k_r, v_r = (part.shard(x, rank) for x in (q, k, v))
+        out_r = varlen.torch.context_parallel_attention(q_r, k_r, v_r, part, mask="causal")
+
+    Args:
+        q: `[Tq_local, Hq, D]` tensor, this rank's shard `part.shard(q_global, rank)`.
+        k, v: `[Tk_local, Hk, D]` and `[Tk_local, Hk, Dv]` shards in q's dtype and device;
+            `Hq % Hk == 0` (GQA/MQA).
+        part: `varlen.comm.partition(cu_seqlens, cp_size, ...)` (a pair `(part_q, part_k)` for
+            cross attention).
+        group: a `varlen.comm.Group` (MPI, NCCL, in-process), a
+            `torch.distributed.ProcessGroup`, or None for torch.distributed's default group
+            (gloo on CPUs, NCCL on GPUs); its size must be `part.cp_size`.
+        mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` (per-sequence
+            fields as ints or `[B]` arrays); positions are global.
+        softmax_scale: default `1/sqrt(D)`. softcap: as in `varlen_attention`.
+        method: `"ring"`, `"allgather"` or `"ulysses"` (`Hq % cp_size == 0`).
+        deterministic: bitwise-repeatable backward.
+        return_lse: return `(out, lse)` instead of `out`.
+
+    Returns:
+        out: `[Tq_local, Hq, Dv]` in q's dtype, on q's device; lse (with `return_lse=True`):
+        `[Hq, Tq_local]` float32 (float64 for float64), no gradient. Pad rows get 0 and -inf.
+
+    Step plans are built on the first call and cached by the partition (per rank, mask,
+    method and tile size): build the partition once per batch and every layer, forward and
+    backward, reuses them. Under torch.compile the call is a graph break (it communicates
+    and runs host-side setup); the code around it compiles. Argument errors on any rank
+    (a group of the wrong size, shards of the wrong length, ranks called differently) raise
+    the same ValueError on every rank.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if _under_func_transform(q, k, v):
+        raise NotImplementedError(_NO_FUNC_TRANSFORMS)
+    q, k, v = _autocast(q, k, v)
+    kw = dict(mask=mask, softmax_scale=softmax_scale, softcap=softcap, method=method)
+    out, lse = _ContextParallelAttention.apply(q, k, v, part, _cp_group(group), kw,
+                                               bool(deterministic))
     return (out, lse) if return_lse else out
 
 
