@@ -193,7 +193,8 @@ def _forward(static: _Static, q, k, v, meta):
 
     def fn(q, k, v, meta):
         return attention_forward(q, k, v, **static.keywords(meta))
-    return _dispatch(fn, shapes, q, k, v, meta)
+    axes = frozenset().union(*map(_varying_axes, jax.tree.leaves((q, k, v, meta))))
+    return tuple(_vary(r, axes) for r in _dispatch(fn, shapes, q, k, v, meta))
 
 
 def _backward(static: _Static, dout, q, k, v, out, lse, meta):
@@ -223,10 +224,33 @@ def _float0_like(x):
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
+def _vary(x, axes):
+    """`x` typed as varying over the manual mesh axes `axes` (inside `jax.shard_map`, a
+    callback's results vary over none, though each device computed its own: without this the
+    output would pass for replicated, and the VJP's cotangents would not match their primals'
+    type)."""
+    missing = tuple(sorted(frozenset(axes) - _varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over (`aval.vma` in JAX < 0.10)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    if kind is not None:
+        return frozenset(kind.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
 def _attention_bwd(static, residuals, cotangents):
     q, k, v, out, lse, meta = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
     dq, dk, dv = _backward(static, dout, q, k, v, out, lse, meta)
+    dq, dk, dv = (_vary(g, _varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))
     return dq, dk, dv, jax.tree.map(_float0_like, meta)
 
 
