@@ -19,11 +19,16 @@ checks run on the (possibly traced) arrays while tracing, its value checks insid
 Metadata (`cu_seqlens`, offsets, per-sequence mask arrays) travels as integer operands of the
 custom VJP and gets `float0` (zero) cotangents; the scalar settings and the plan are a hashable
 static argument. See `docs/frameworks.md`.
+
+`context_parallel_attention` runs inside `jax.shard_map`: varlen.comm's ring, all-gather and
+Ulysses methods with `lax.ppermute`, `all_gather`, `psum_scatter` and `all_to_all`, each kernel
+call a host callback that picks its rank's cached step plan (`docs/context_parallel.md`).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -33,11 +38,11 @@ import numpy as np
 
 from ._api import attention_backward, attention_forward
 from ._setup import static_scalars
-from ._validate import as_index_array, as_policy_array, check_specs
+from ._validate import as_index_array, as_policy_array, check_specs, scale_and_softcap
 from .masks import MASK_FIELDS, Mask, as_mask
 from .plan import Plan
 
-__all__ = ["varlen_attention"]
+__all__ = ["varlen_attention", "context_parallel_attention"]
 
 
 @dataclass(frozen=True)
@@ -340,5 +345,287 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     static = _Static(ints, *static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k,
                                            backend, deterministic), plan)
     out, lse = _attention(static, q, k, v, _operands(layout, arrays, batch))
+    lse = jax.lax.stop_gradient(lse)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism inside jax.shard_map: varlen.comm's methods with JAX collectives
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _CPStatic:
+    """A context-parallel call's host metadata (hashed by identity): every rank's step plans,
+    built once per partition and mask (the partition's cache), and the backend that runs them."""
+
+    axis_name: object
+    cp: int
+    method: str
+    steps: tuple                # steps[rank]: that rank's `varlen.comm.StepPlans`
+    backend: object
+    softmax_scale: float
+    softcap: float
+    deterministic: bool
+
+
+def _acc(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _kernel(static: _CPStatic, index: int, backward: bool, *args):
+    """Kernel call `index` of this rank's step plans (`args[-1]`: the rank, int32) on the host:
+    forward `(out, lse)` of `(q, k, v)`, backward `(dq, dk, dv)` of `(dout, q, k, v, out,
+    lse)`. The rank is traced, so the callback selects its plan; a step with nothing visible
+    returns zeros (lse -inf) without a kernel call."""
+    if backward:
+        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[1:4])
+    else:
+        q, _, v, _ = args
+        shapes = (jax.ShapeDtypeStruct(q.shape[:2] + v.shape[2:], q.dtype),
+                  jax.ShapeDtypeStruct(q.shape[1::-1], _acc(q.dtype)))
+
+    def fn(*arrays):
+        *arrays, rank = arrays
+        steps = static.steps[int(rank)]
+        if not steps.busy[index]:
+            return tuple(np.full(s.shape, -np.inf if i and not backward else 0, s.dtype)
+                         for i, s in enumerate(shapes))
+        kw = dict(softmax_scale=static.softmax_scale, softcap=static.softcap)
+        if backward:
+            results = static.backend.backward(steps.plans[index], *arrays, **kw,
+                                              deterministic=static.deterministic)
+        else:
+            results = static.backend.forward(steps.plans[index], *arrays, **kw)
+        return tuple(np.asarray(r, s.dtype) for r, s in zip(results, shapes))
+    results = _host_call(fn, shapes)(*args)
+    return tuple(_vary(r, {static.axis_name}) for r in results)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """`varlen.comm.merge_partial` in JAX, in the accumulation dtype."""
+    m = jnp.maximum(lse_a, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0)
+    wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)        # [H, T], 0 for a -inf part
+    total = wa + wb
+    seen = total > 0
+    safe = jnp.where(seen, total, 1)
+    lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+    return out_a * (wa / safe).T[:, :, None] + out_b * (wb / safe).T[:, :, None], lse
+
+
+def _rank(static):
+    return jax.lax.axis_index(static.axis_name).astype(jnp.int32)
+
+
+def _hop(static, *xs):
+    """Every array one hop along the ring: rank r sends to r+1, receives from r-1."""
+    perm = [(i, (i + 1) % static.cp) for i in range(static.cp)]
+    return tuple(jax.lax.ppermute(x, static.axis_name, perm) for x in xs)
+
+
+def _ring_forward(static, q, k, v):
+    out = lse = None
+    for step in range(static.cp):             # K/V of rank (rank - step) % cp
+        o, l = _kernel(static, step, False, q, k, v, _rank(static))
+        o = o.astype(_acc(q.dtype))
+        out, lse = (o, l) if out is None else _merge(out, lse, o, l)
+        if step + 1 < static.cp:
+            k, v = _hop(static, k, v)
+    return out.astype(q.dtype), lse
+
+
+def _ring_backward(static, dout, q, k, v, out, lse):
+    # dQ accumulates here; the dK/dV accumulators travel one hop behind K/V and reach their
+    # owners with the hop after the last step.
+    acc = _acc(q.dtype)
+    dq = jnp.zeros(q.shape, acc)
+    dk = jnp.zeros(k.shape, acc)
+    dv = jnp.zeros(v.shape, acc)
+    for step in range(static.cp):
+        dq_s, dk_s, dv_s = _kernel(static, step, True, dout, q, k, v, out, lse, _rank(static))
+        dq, dk, dv = dq + dq_s.astype(acc), dk + dk_s.astype(acc), dv + dv_s.astype(acc)
+        if static.cp > 1:
+            dk, dv = _hop(static, dk, dv)
+            if step + 1 < static.cp:
+                k, v = _hop(static, k, v)
+    return dq, dk, dv
+
+
+def _gather(static, x):
+    """`[cp * T, ...]`: every rank's rows, rank-major (the gathered segments' layout)."""
+    return jax.lax.all_gather(x, static.axis_name, tiled=True)
+
+
+def _allgather_forward(static, q, k, v):
+    return _kernel(static, 0, False, q, _gather(static, k), _gather(static, v), _rank(static))
+
+
+def _allgather_backward(static, dout, q, k, v, out, lse):
+    dq, dk, dv = _kernel(static, 0, True, dout, q, _gather(static, k), _gather(static, v),
+                         out, lse, _rank(static))
+    acc = _acc(q.dtype)
+    dk, dv = (jax.lax.psum_scatter(g.astype(acc), static.axis_name, tiled=True)
+              for g in (dk, dv))
+    return dq, dk, dv
+
+
+def _to_heads(static, x, axis=1):
+    """Sequence shard -> head shard: `[T, H, d]` -> `[cp * T, H / cp, d]` (`axis=1`), or lse
+    `[H, T]` -> `[H / cp, cp * T]` (`axis=0`)."""
+    return jax.lax.all_to_all(x, static.axis_name, split_axis=axis, concat_axis=1 - axis,
+                              tiled=True)
+
+
+def _to_sequence(static, x, axis=1):
+    """The inverse of `_to_heads`."""
+    return jax.lax.all_to_all(x, static.axis_name, split_axis=1 - axis, concat_axis=axis,
+                              tiled=True)
+
+
+def _kv_replicas(static, Hk):
+    """Copies of each KV head that make the KV heads divisible by cp (GQA)."""
+    return static.cp // math.gcd(Hk, static.cp)
+
+
+def _ulysses_inputs(static, q, k, v):
+    f = _kv_replicas(static, k.shape[1])
+    # Copy j of head h becomes head h*f + j; query head h still reads a copy of h // G.
+    k, v = jnp.repeat(k, f, axis=1), jnp.repeat(v, f, axis=1)
+    return tuple(_to_heads(static, x) for x in (q, k, v)) + (f,)
+
+
+def _ulysses_forward(static, q, k, v):
+    q, k, v, _ = _ulysses_inputs(static, q, k, v)
+    out, lse = _kernel(static, 0, False, q, k, v, _rank(static))
+    return _to_sequence(static, out), _to_sequence(static, lse, axis=0)
+
+
+def _ulysses_backward(static, dout, q, k, v, out, lse):
+    T, Hk = k.shape[:2]
+    qh, kh, vh, f = _ulysses_inputs(static, q, k, v)
+    grads = _kernel(static, 0, True, _to_heads(static, dout), qh, kh, vh,
+                    _to_heads(static, out), _to_heads(static, lse, axis=0), _rank(static))
+    dq, dk, dv = (_to_sequence(static, g.astype(_acc(q.dtype))) for g in grads)
+    return dq, dk.reshape(T, Hk, f, -1).sum(axis=2), dv.reshape(T, Hk, f, -1).sum(axis=2)
+
+
+_CP_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward,
+               "ulysses": _ulysses_forward}
+_CP_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward,
+                "ulysses": _ulysses_backward}
+
+
+def _cp_forward(static, q, k, v):
+    out, lse = _CP_FORWARD[static.method](static, q, k, v)
+    return out.astype(q.dtype), lse
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cp_attention(static, q, k, v):
+    return _cp_forward(static, q, k, v)
+
+
+def _cp_attention_fwd(static, q, k, v):
+    out, lse = _cp_forward(static, q, k, v)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _cp_attention_bwd(static, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
+    grads = _CP_BACKWARD[static.method](static, dout, q, k, v, out, lse)
+    return tuple(_vary(g.astype(x.dtype), _varying_axes(x)) for g, x in zip(grads, (q, k, v)))
+
+
+_cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
+
+
+def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax_scale=None,
+                               softcap=0.0, method="ring", deterministic=False,
+                               return_lse=False):
+    """Context-parallel attention inside `jax.shard_map`, differentiable in this device's shards.
+
+    Call it in a function mapped by `jax.shard_map` over mesh axis `axis_name` of size
+    `part.cp_size`, with q, k, v split evenly along rows by `P(axis_name)`: the global arrays
+    are the concatenation over ranks of `part.shard(x, r)`, and device r of the axis holds shard
+    r. Works under `jax.jit` and `jax.grad` with shard_map's default checks.
+
+        part = varlen.comm.partition(cu_seqlens, cp)                 # once per batch layout
+        q_g = jnp.concatenate([part.shard(q, r) for r in range(cp)])  # likewise k, v
+        f = jax.shard_map(lambda q, k, v: context_parallel_attention(q, k, v, part,
+                          axis_name="cp", mask="causal"), mesh=mesh,
+                          in_specs=(P("cp"),) * 3, out_specs=P("cp"))
+
+    Args:
+        q: `[Tq_local, Hq, D]`, this device's shard (inside shard_map), float16, bfloat16,
+            float32 (float64 with x64 enabled).
+        k, v: `[Tk_local, Hk, D]` and `[Tk_local, Hk, Dv]` shards in q's dtype; `Hq % Hk == 0`.
+        part: a host `varlen.comm.partition(cu_seqlens, cp_size)` (zigzag or contiguous
+            scheme), a static argument.
+        axis_name: the shard_map mesh axis of size `part.cp_size`.
+        mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` whose
+            per-sequence fields are ints or host `[B]` arrays (not traced); positions are global.
+        softmax_scale: default `1/sqrt(D)`. softcap: as in `varlen_attention`.
+        method: `"ring"` (K/V travel the ring with `lax.ppermute`, partial results merge
+            through their LSE; dK/dV travel one hop behind and reach their owners last),
+            `"allgather"` (K/V `all_gather`ed once, dK/dV `psum_scatter`ed back) or
+            `"ulysses"` (`all_to_all` from sequence to head shards and back; `Hq % cp_size
+            == 0`, KV heads replicated when `Hk` does not divide by cp).
+        deterministic: bitwise-repeatable backward.
+        return_lse: return `(out, lse)` instead of `out`.
+
+    Returns:
+        out: `[Tq_local, Hq, Dv]` in q's dtype, typed varying over `axis_name`; lse (with
+        `return_lse=True`): `[Hq, Tq_local]` float32 (float64 for float64), no gradient. Pad
+        rows get 0 and -inf.
+
+    Every rank's step plans come from the partition's cache (built once per partition, mask
+    and tile size, reused by every layer, forward and backward); the kernels run on the host
+    through `jax.pure_callback` (one call per ring step, one for the other methods), each
+    selecting its rank's plan by `lax.axis_index(axis_name)`.
+    """
+    import varlen.comm as vc
+    from . import backends
+
+    if method not in vc.METHODS:
+        raise ValueError(f"method must be one of {', '.join(vc.METHODS)}, got {method!r}")
+    if not isinstance(part, vc.Partition) or part.scheme == "document":
+        raise TypeError(f"part must be a zigzag or contiguous varlen.comm.Partition, got "
+                        f"{part!r}")
+    if part.xp is not np:
+        raise ValueError("part must be built from host cu_seqlens")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be a JAX array, got {type(x).__name__}")
+    mask = as_mask(mask)
+    if any(isinstance(f, jax.core.Tracer) for f in mask.fields()):
+        raise TypeError("mask arrays must be host values (the step plans are built on the "
+                        "host), got a traced array")
+    mask = Mask(*(f if isinstance(f, (int, np.integer)) else np.asarray(f)
+                  for f in mask.fields()))
+    rows = part.local_rows
+    if q.shape[0] != rows or k.shape[0] != rows or v.shape[0] != rows:
+        raise ValueError(f"{q.shape=}, {k.shape=} and {v.shape=}: shards must have "
+                         f"part.local_rows={rows} rows (inside shard_map over {axis_name!r})")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"{q.shape=}, {k.shape=} and {v.shape=} do not fit (Hq % Hk == 0, "
+                         f"same head dim for q and k)")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"{q.dtype=}, {k.dtype=} and {v.dtype=} differ")
+    if method == "ulysses" and q.shape[1] % part.cp_size:
+        raise ValueError(f"method='ulysses' needs Hq divisible by cp_size: {q.shape=}, "
+                         f"cp_size={part.cp_size}")
+    size = jax.lax.axis_size(axis_name)
+    if size != part.cp_size:
+        raise ValueError(f"mesh axis {axis_name!r} has size {size} but "
+                         f"part.cp_size={part.cp_size}")
+    dtype = np.dtype(q.dtype).name
+    D, Dv = int(q.shape[2]), int(v.shape[2])
+    steps = tuple(vc.plan(part, r, dtype=dtype, head_dim=D, head_dim_v=Dv, mask=mask,
+                          method=method, on_device=False) for r in range(part.cp_size))
+    scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
+    static = _CPStatic(axis_name, part.cp_size, method, steps, backends.get(steps[0].backend),
+                         scale, softcap, bool(deterministic))
+    out, lse = _cp_attention(static, q, k, v)
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out
