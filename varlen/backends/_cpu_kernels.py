@@ -46,6 +46,14 @@ TANH_CLAMP = 20.0
 # Fast-math flags: FMA contraction, reciprocals and signed zeros only. No `nnan`/`ninf` (masked
 # scores are -inf, and the non-finite rules must hold) and no `reassoc` (summation order fixed).
 FASTMATH = {"contract", "arcp", "nsz"}
+# IEEE division: Python's ZeroDivisionError check would keep loops from vectorising.
+ERROR_MODEL = "numpy"
+_OVERLOAD_OPTIONS = {"fastmath": FASTMATH, "error_model": ERROR_MODEL}
+
+
+def kernel(*args, **options):
+    """`numba.njit` with the kernels' error model (used as `@kernel` or `@kernel(...)`)."""
+    return njit(*args, error_model=ERROR_MODEL, **options)
 
 # Columns of the tile tables and schedules (plan.TILE_FIELDS, plan.SCHED_FIELDS).
 T_SEQ, T_SEG, T_ROW, T_ROWS, T_POS = range(5)
@@ -131,7 +139,7 @@ _N, _T = ord("N"), ord("T")
 # forms the product from zero and adds it to `c` once, so an accumulator is rounded once per
 # product.
 
-@njit(fastmath=FASTMATH)
+@kernel(fastmath=FASTMATH)
 def _mm_loops(a, a_i, a_k, b, b_k, b_j, c, M, N, K, beta):
     """`c[i, j] = sum_k a[i * a_i + k * a_k] * b[k * b_k + j * b_j] (+ c[i, j] if beta)` on
     flat views."""
@@ -143,7 +151,7 @@ def _mm_loops(a, a_i, a_k, b, b_k, b_j, c, M, N, K, beta):
             c[i, j] = c[i, j] + acc if beta != 0 else acc
 
 
-@njit(cache=True)
+@kernel(cache=True)
 def mm_nt(a, b, c, beta, blas_min):
     """Row-major `c[M, N] = a[M, K] @ b[N, K].T (+ c if beta)`; contiguous operands."""
     M, K = a.shape
@@ -154,7 +162,7 @@ def mm_nt(a, b, c, beta, blas_min):
         _mm_loops(a.ravel(), K, 1, b.ravel(), 1, K, c, M, N, K, beta)
 
 
-@njit(cache=True)
+@kernel(cache=True)
 def mm_nn(a, b, c, beta, blas_min):
     """Row-major `c[M, N] = a[M, K] @ b[K, N] (+ c if beta)`; contiguous operands."""
     M, K = a.shape
@@ -165,7 +173,7 @@ def mm_nn(a, b, c, beta, blas_min):
         _mm_loops(a.ravel(), K, 1, b.ravel(), N, 1, c, M, N, K, beta)
 
 
-@njit(cache=True)
+@kernel(cache=True)
 def mm_tn(a, b, c, beta, blas_min):
     """Row-major `c[M, N] = a[K, M].T @ b[K, N] (+ c if beta)`; contiguous operands."""
     K, M = a.shape
@@ -226,11 +234,7 @@ def exp2(x):
     libm."""
 
 
-def exp2m1(x):
-    """`2 ** x - 1`, accurate also for small `|x|` (for tanh)."""
-
-
-@njit(fastmath=FASTMATH)
+@kernel(fastmath=FASTMATH)
 def _exp2_parts(x):
     """float32 `(2^n, f * q(f))` with `2^x = 2^n (1 + f q(f))`: Cody-Waite, `x = n + f`,
     `|f| <= 1/2`, Cephes exp2f's polynomial (rel. err ~2e-8), 2^n built in the exponent bits;
@@ -247,7 +251,7 @@ def _exp2_parts(x):
     return _bits_to_float(np.int32((np.int32(n) + np.int32(127)) << np.int32(23))), p * f
 
 
-@overload(exp2, jit_options={"fastmath": FASTMATH})
+@overload(exp2, jit_options=_OVERLOAD_OPTIONS)
 def _exp2_impl(x):
     if x == types.float32:
         def impl(x):
@@ -259,45 +263,75 @@ def _exp2_impl(x):
     return None
 
 
-@overload(exp2m1, jit_options={"fastmath": FASTMATH})
-def _exp2m1_impl(x):
-    if x == types.float32:
-        def impl(x):
-            two_n, fq = _exp2_parts(x)
-            # n = 0: 2^f - 1 = f q(f) without cancellation
-            return fq if two_n == np.float32(1) else (two_n - np.float32(1)) + two_n * fq
+@intrinsic
+def _bits_to_double(typingctx, bits):
+    """The float64 whose bit pattern is the int64 `bits`."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(bits), codegen
+
+
+# Taylor coefficients of (2^f - 1) / f = sum_k ln2^k f^(k-1) / k!, k = 1 .. 10
+_E1, _E2, _E3, _E4, _E5, _E6, _E7, _E8, _E9, _E10 = (
+    LN2 ** k / math.factorial(k) for k in range(1, 11))
+
+
+@kernel(fastmath=FASTMATH)
+def _exp2m1_f64(x):
+    """float64 `2^x - 1` for `-60 <= x <= 0` that vectorises: `x = n + f`, `|f| <= 1/2`,
+    `2^f - 1 = f q(f)` by its Taylor series to degree 10 (rel. err < 1e-11), no cancellation
+    near 0."""
+    n = np.floor(x + 0.5)
+    f = x - n
+    q = ((((((((_E10 * f + _E9) * f + _E8) * f + _E7) * f + _E6) * f + _E5) * f + _E4) * f
+          + _E3) * f + _E2) * f + _E1
+    two_n = _bits_to_double((np.int64(n) + np.int64(1023)) << np.int64(52))
+    return (two_n - 1.0) + two_n * (f * q)          # n = 0: exactly f q(f), no branch
+
+
+def softcap_score(s, c, cap):
+    """`(cap * tanh(s * c), 1 - tanh(s * c)^2)` in the dtype of `s`, for the softcap: float32
+    computes in float64 (rounded once at the end, as a float32 tanh would be), float64 with
+    libm's tanh."""
+
+
+@overload(softcap_score, jit_options=_OVERLOAD_OPTIONS)
+def _softcap_score_impl(s, c, cap):
+    if s == types.float32:
+        def impl(s, c, cap):
+            y = np.float64(s) * c
+            em = _exp2m1_f64(min(abs(y), TANH_CLAMP) * (-2.0 * LOG2E))   # e^(-2|y|) - 1
+            t = -em / (2.0 + em)
+            return np.float32(cap * math.copysign(t, y)), np.float32((1.0 - t) * (1.0 + t))
         return impl
-    if x == types.float64:
-        return lambda x: np.expm1(x * LN2)
+    if s == types.float64:
+        def impl(s, c, cap):
+            t = np.tanh(s * c)
+            return cap * t, (1.0 - t) * (1.0 + t)
+        return impl
     return None
-
-
-@njit(fastmath=FASTMATH)
-def _tanh(x):
-    """tanh through exp2m1 (vectorises in float32): `-em / (2 + em)`, `em = e^(-2|x|) - 1`."""
-    y = min(abs(x), like(x, TANH_CLAMP))
-    em = exp2m1(y * like(x, -2.0 * LOG2E))
-    t = -em / (like(x, 2.0) + em)
-    return t if x >= 0 else -t
 
 
 # --------------------------------------------------------------------------------------------
 # The mask predicate (varlen.masks.visible / key_band / query_band), one home for Numba
 # --------------------------------------------------------------------------------------------
 
-@njit
+@kernel
 def shift_of(pv, b):
     """`(Lk - Lq) * bottom_right` of sequence `b`."""
     return (np.int64(pv.seqlen_k[b]) - np.int64(pv.seqlen_q[b])) * np.int64(pv.bottom_right[b])
 
 
-@njit
+@kernel
 def visible(i, j, shift, left, right):
     """Query position `i` sees key position `j` (masks.visible with `shift` precomputed)."""
     return (left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right)
 
 
-@njit
+@kernel
 def key_band(i, shift, left, right):
     """`(lo, hi)`: query `i` sees exactly the keys `lo <= j <= hi` (masks.key_band)."""
     lo = -UNBOUNDED if left < 0 else i + shift - left
@@ -305,7 +339,7 @@ def key_band(i, shift, left, right):
     return lo, hi
 
 
-@njit
+@kernel
 def query_band(j, shift, left, right):
     """`(lo, hi)`: key `j` is seen by exactly the queries `lo <= i <= hi` (masks.query_band)."""
     lo = -UNBOUNDED if right < 0 else j - shift - right
@@ -313,7 +347,7 @@ def query_band(j, shift, left, right):
     return lo, hi
 
 
-@njit
+@kernel
 def stacked_band(jpos, qpos0, rows, G, shift, left, right):
     """Stacked rows `[lo, hi)` (row = query * G + head) of a query tile whose first query is
     at position `qpos0` that see the key at `jpos`."""
@@ -325,7 +359,7 @@ def stacked_band(jpos, qpos0, rows, G, shift, left, right):
     return tlo * G, (thi + 1) * G
 
 
-@njit(cache=True)
+@kernel(cache=True)
 def visible_pairs(pv, i, j, b):
     """The predicate for arrays of positions (for tests: the njit mirror of masks.visible)."""
     out = np.zeros(i.size, np.bool_)
@@ -339,7 +373,7 @@ def visible_pairs(pv, i, j, b):
 # Packing: working layouts, non-finite values replaced by 0 and flagged per row
 # --------------------------------------------------------------------------------------------
 
-@njit(parallel=True, cache=True)
+@kernel(parallel=True, cache=True)
 def pack_rows(x, G, out, flag):
     """`x [T, Hk * G, d]` -> `out [Hk, T * G, d]` (working dtype) and `flag [Hk, T * G]`."""
     T, H, d = x.shape
@@ -356,7 +390,7 @@ def pack_rows(x, G, out, flag):
             flag[kh, r] = bad
 
 
-@njit(parallel=True, cache=True)
+@kernel(parallel=True, cache=True)
 def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, flag):
     """Backward query side: `dout_w [Hk, Tq * G, Dv]` as `pack_rows`, `delta = rowsum(dO * O)`,
     `lse2 = lse * log2(e)` (`+inf` where lse is not finite, so such a row's P is 0), and
@@ -386,7 +420,7 @@ def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, flag):
                 flag[kh, r] = True
 
 
-@njit(cache=True)
+@kernel(cache=True)
 def flag_prefix(flag):
     """`[Hk, n + 1]` running count of raised flags: a tile's flags in O(1)."""
     Hk, n = flag.shape
@@ -401,7 +435,7 @@ def flag_prefix(flag):
 # Forward: one query tile of one key head (its G query heads stacked), FlashAttention-2
 # --------------------------------------------------------------------------------------------
 
-@njit
+@kernel
 def fill(x, start, stop, value):
     """`x[start:stop] = value` for a 1-D array, as a plain loop (cheaper to compile than a
     slice assignment)."""
@@ -409,7 +443,7 @@ def fill(x, start, stop, value):
         x[i] = value
 
 
-@njit(fastmath=FASTMATH)
+@kernel(fastmath=FASTMATH)
 def _scores_pass(S, n, lo, hi, c, cap, tile_max):
     """Scaled scores in the log2 domain in `S[:n]` (softcap applied), -inf outside each key's
     rows `[lo[j], hi[j])`; `tile_max` gets the per-row maximum."""
@@ -422,20 +456,59 @@ def _scores_pass(S, n, lo, hi, c, cap, tile_max):
         seg, top = row[a:z], tile_max[a:z]
         if cap > 0:
             for i in range(seg.size):
-                x = cap * _tanh(seg[i] * c)
+                x, _ = softcap_score(seg[i], c, cap)
                 seg[i] = x
                 top[i] = max(top[i], x)
         else:
+            cw = like(seg, c)
             for i in range(seg.size):
-                x = seg[i] * c
+                x = seg[i] * cw
                 seg[i] = x
                 top[i] = max(top[i], x)
 
 
-@njit(cache=True, fastmath=FASTMATH)
-def forward_tile(pv, item, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse, ws):
-    """Query tile `item // Hk` of key head `item % Hk`: writes its rows of `out [Tq, Hq, Dv]`
-    and `lse [Hq, Tq]`.
+@kernel
+def _key_bands(lo, hi, n, first, fbegin, fend, block_n, jpos0, qpos0, rows, G, shift, left,
+               right):
+    """Visible stacked rows `[lo[j], hi[j])` of a query tile for keys `j < n` of consecutive
+    key tiles from tile `first` on: all rows in the schedule's full tiles, the predicate's band
+    elsewhere."""
+    R = rows * G
+    for j in range(n):
+        u = first + j // block_n
+        if fbegin <= u < fend:
+            lo[j], hi[j] = 0, R
+        else:
+            lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift, left, right)
+
+
+@kernel
+def _chunk_range(sched, first, count, r):
+    """`(begin, full_begin, full_end, end)` of tiles `first .. first + count` against segment
+    `r`: the union of what they visit, the intersection of what is full for each."""
+    begin, end = sched[first, r, S_BEGIN], sched[first, r, S_END]
+    fbegin, fend = sched[first, r, S_FULL_BEGIN], sched[first, r, S_FULL_END]
+    for t in range(first + 1, first + count):
+        b, e = sched[t, r, S_BEGIN], sched[t, r, S_END]
+        if e > b:
+            begin, end = (b, e) if end <= begin else (min(begin, b), max(end, e))
+        fbegin = max(fbegin, sched[t, r, S_FULL_BEGIN])
+        fend = min(fend, sched[t, r, S_FULL_END])
+    for t in range(first, first + count):
+        if sched[t, r, S_END] <= sched[t, r, S_BEGIN]:     # a tile that sees none of them
+            fend = fbegin
+    if fend <= fbegin:
+        fbegin = fend = end
+    return begin, fbegin, fend, end
+
+
+@kernel(cache=True, fastmath=FASTMATH)
+def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse,
+                 ws):
+    """Query tiles `chunks[item // Hk]` (first slot, count: consecutive tiles of one segment)
+    of key head `item % Hk`: writes their rows of `out [Tq, Hq, Dv]` and `lse [Hq, Tq]`. The
+    key tiles any of them visits go `kstep` at a time (one product of up to `kstep * block_n`
+    keys); a key tile is full only when it is full for every query tile of the chunk.
 
     `c = softmax_scale * log2(e)`, or `softmax_scale / softcap` under softcap with `cap =
     softcap * log2(e)`. `ws` is the worker's scratch (`forward_scratch`).
@@ -444,9 +517,12 @@ def forward_tile(pv, item, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse
     Hk = Kw.shape[0]
     Dv = Vw.shape[2]
     G = out.shape[1] // Hk
-    qt, kh = item // Hk, item % Hk
-    b = pv.q_tiles[qt, T_SEQ]
-    t0, rows, qpos0 = pv.q_tiles[qt, T_ROW], pv.q_tiles[qt, T_ROWS], pv.q_tiles[qt, T_POS]
+    BN = pv.block_n
+    first, count, kh = chunks[item // Hk, 0], chunks[item // Hk, 1], item % Hk
+    b = pv.q_tiles[first, T_SEQ]
+    t0, qpos0 = pv.q_tiles[first, T_ROW], pv.q_tiles[first, T_POS]
+    last = first + count - 1
+    rows = pv.q_tiles[last, T_ROW] + pv.q_tiles[last, T_ROWS] - t0
     R = rows * G
     Qb = Qw[kh, t0 * G:(t0 + rows) * G]                      # [R, D]
     O = O_buf[:R * Dv].reshape(R, Dv)                       # [R, Dv]
@@ -456,23 +532,16 @@ def forward_tile(pv, item, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse
     fill(row_flag, 0, R, False)
     shift = shift_of(pv, b)
     left, right = pv.window_left[b], pv.window_right[b]
-    zero = like(c, 0.0)
+    zero = like(O_buf, 0.0)
     for r in range(pv.mk):
-        begin, fbegin = pv.q_sched[qt, r, S_BEGIN], pv.q_sched[qt, r, S_FULL_BEGIN]
-        fend, end = pv.q_sched[qt, r, S_FULL_END], pv.q_sched[qt, r, S_END]
-        for kt in range(begin, end):
-            off = kt * pv.block_n
+        begin, fbegin, fend, end = _chunk_range(pv.q_sched, first, count, r)
+        for kt in range(begin, end, kstep):
+            off = kt * BN
             j0 = pv.k_row[b, r] + off
-            n = min(pv.block_n, pv.k_len[b, r] - off)
-            jpos0 = pv.k_pos[b, r] + off
-            full = fbegin <= kt < fend
-            for j in range(n):
-                if full:
-                    lo[j], hi[j] = 0, R
-                else:
-                    lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift, left,
-                                                right)
-            S = S_buf[:n * R].reshape(n, R)                 # [BN, R] key-major scores
+            n = min(min(kt + kstep, end) * BN, pv.k_len[b, r]) - off
+            _key_bands(lo, hi, n, kt, fbegin, fend, BN, pv.k_pos[b, r] + off, qpos0, rows, G,
+                       shift, left, right)
+            S = S_buf[:n * R].reshape(n, R)                 # [keys, R] key-major scores
             mm_nt(Kw[kh, j0:j0 + n], Qb, S, 0.0, blas_min)
             fill(tmax, 0, R, -np.inf)
             _scores_pass(S, n, lo, hi, c, cap, tmax)
@@ -516,25 +585,28 @@ def forward_tile(pv, item, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse
                 lse[h, t0 + t] = -np.inf
 
 
-@njit(cache=True)
-def forward_scratch(dtype_probe, rows_max, block_n, Dv):
+@kernel(cache=True)
+def forward_scratch(dtype_probe, rows_max, keys_max, Dv):
     """One worker's scratch for `forward_tile`: `(S, O, m, l, tile max, row flags, lo, hi)`."""
     dt = dtype_probe.dtype
-    return (np.empty(block_n * rows_max, dt), np.empty(rows_max * Dv, dt),
+    return (np.empty(keys_max * rows_max, dt), np.empty(rows_max * Dv, dt),
             np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt),
-            np.zeros(rows_max, np.bool_), np.zeros(block_n, np.int64),
-            np.zeros(block_n, np.int64))
+            np.zeros(rows_max, np.bool_), np.zeros(keys_max, np.int64),
+            np.zeros(keys_max, np.int64))
 
 
-@njit(parallel=True, cache=True)
-def forward(pv, order, nw, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, rows_max, out, lse):
-    """Every item of `order` (longest first) on `nw` workers: see `forward_tile`."""
+@kernel(parallel=True, cache=True)
+def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min,
+            out, lse):
+    """Every item of `order` (longest first) on `nw` workers: see `forward_tile`;
+    `rows_max` bounds a chunk's stacked rows."""
     counter = np.zeros(1, np.int64)
     for _ in prange(nw):
-        ws = forward_scratch(Qw, rows_max, pv.block_n, Vw.shape[2])
+        ws = forward_scratch(Qw, rows_max, kstep * pv.block_n, Vw.shape[2])
         t = fetch_add(counter, 0, 1)
         while t < order.size:
-            forward_tile(pv, order[t], Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse, ws)
+            forward_tile(pv, order[t], chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap,
+                         blas_min, out, lse, ws)
             t = fetch_add(counter, 0, 1)
 
 
@@ -542,12 +614,12 @@ def forward(pv, order, nw, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, rows_max
 # Backward: one sequence of one key head, every visible (key tile, query tile) pair once
 # --------------------------------------------------------------------------------------------
 
-@njit(fastmath=FASTMATH)
+@kernel(fastmath=FASTMATH)
 def _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale):
     """`S <- P = 2^(s - lse2)` and `dP <- dS = P (dP - delta) scale` (times `1 - tanh^2`
     under softcap), both 0 outside each key's rows `[lo[j], hi[j])`
     (FlashAttention-2, Alg. 2, lines 11-14)."""
-    one = like(c, 1.0)
+    cw, sw = like(S, c), like(S, scale)
     for j in range(n):
         a, z = lo[j], hi[j]
         s_row, d_row = S[j], dP[j]
@@ -558,27 +630,28 @@ def _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale):
         ps, ds, l2, dl = s_row[a:z], d_row[a:z], lse2[a:z], delta[a:z]
         if cap > 0:
             for i in range(ps.size):
-                th = _tanh(ps[i] * c)
-                p = exp2(cap * th - l2[i])
+                x, sech2 = softcap_score(ps[i], c, cap)
+                p = exp2(x - l2[i])
                 ps[i] = p
-                ds[i] = p * (ds[i] - dl[i]) * ((one - th * th) * scale)
+                ds[i] = p * (ds[i] - dl[i]) * (sech2 * sw)
         else:
             for i in range(ps.size):
-                p = exp2(ps[i] * c - l2[i])
+                p = exp2(ps[i] * cw - l2[i])
                 ps[i] = p
-                ds[i] = p * (ds[i] - dl[i]) * scale
+                ds[i] = p * (ds[i] - dl[i]) * sw
 
 
-@njit(cache=True, fastmath=FASTMATH)
-def backward_item(pv, item, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum, k_cum,
-                  c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan, ws):
+@kernel(cache=True, fastmath=FASTMATH)
+def backward_item(pv, item, qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum,
+                  k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan, ws):
     """Sequence `item // Hk`, key head `item % Hk`: for each of its key tiles (slots
-    `k_slots[b] .. k_slots[b + 1]`) and each query tile of its transposed schedule, one pass
-    gives the tile pair's dV, dK and dQ contributions, accumulated in place (the item owns
-    these rows, so the order is fixed)."""
+    `k_slots[b] .. k_slots[b + 1]`) and the query tiles of its transposed schedule, `qstep`
+    at a time, one pass gives the pair's dV, dK and dQ contributions, accumulated in place
+    (the item owns these rows, so the order is fixed)."""
     S_buf, P_buf, lo, hi = ws
     Hk = Kw.shape[0]
     G = dQ.shape[1] // max(pv.rows_q, 1)
+    BM = pv.block_m
     b, kh = item // Hk, item % Hk
     shift = shift_of(pv, b)
     left, right = pv.window_left[b], pv.window_right[b]
@@ -590,13 +663,14 @@ def backward_item(pv, item, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_fla
         for r in range(pv.mq):
             begin, fbegin = pv.k_sched[s, r, S_BEGIN], pv.k_sched[s, r, S_FULL_BEGIN]
             fend, end = pv.k_sched[s, r, S_FULL_END], pv.k_sched[s, r, S_END]
-            for qt in range(begin, end):
-                off = qt * pv.block_m
+            for qt in range(begin, end, qstep):
+                last = min(qt + qstep, end)
+                off = qt * BM
                 t0 = pv.q_row[b, r] + off
-                rows = min(pv.block_m, pv.q_len[b, r] - off)
+                rows = min(last * BM, pv.q_len[b, r]) - off
                 qpos0 = pv.q_pos[b, r] + off
                 R, i0 = rows * G, t0 * G
-                full = fbegin <= qt < fend
+                full = fbegin <= qt and last <= fend
                 for j in range(n):
                     if full:
                         lo[j], hi[j] = 0, R
@@ -621,21 +695,23 @@ def backward_item(pv, item, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_fla
                                 dk_nan[kh, j0 + j] = True
 
 
-@njit(parallel=True, cache=True)
-def backward(pv, order, nw, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum, k_cum,
-             c, cap, scale, blas_min, rows_max, dQ, dK, dV, dq_nan, dk_nan):
+@kernel(parallel=True, cache=True)
+def backward(pv, order, nw, qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum,
+             k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan):
     """Every item of `order` (longest first) on `nw` workers: see `backward_item`."""
     counter = np.zeros(1, np.int64)
+    rows_max = qstep * pv.block_m * (dQ.shape[1] // max(pv.rows_q, 1))
     for _ in prange(nw):
         ws = backward_scratch(Qw, rows_max, pv.block_n)
         t = fetch_add(counter, 0, 1)
         while t < order.size:
-            backward_item(pv, order[t], k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag,
-                          q_cum, k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan, ws)
+            backward_item(pv, order[t], qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag,
+                          k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan,
+                          dk_nan, ws)
             t = fetch_add(counter, 0, 1)
 
 
-@njit(cache=True)
+@kernel(cache=True)
 def backward_scratch(dtype_probe, rows_max, block_n):
     """One worker's scratch for `backward_item`: `(S, dP, lo, hi)`."""
     size = block_n * rows_max
@@ -643,7 +719,7 @@ def backward_scratch(dtype_probe, rows_max, block_n):
             np.zeros(block_n, np.int64), np.zeros(block_n, np.int64))
 
 
-@njit(parallel=True, cache=True)
+@kernel(parallel=True, cache=True)
 def unpack_rows(acc, nan, out):
     """`acc [Hk, T * G, d]` -> `out [T, Hk * G, d]`, NaN on the rows `nan [Hk, T * G]` flags."""
     T, H, d = out.shape

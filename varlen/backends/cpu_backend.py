@@ -6,8 +6,8 @@ threading are described in docs/cpu_backend.md):
 
 1. pack: inputs to the working dtype (float32 for float16/bfloat16/float32, float64 for
    float64) in head-group-major layouts, non-finite values replaced by 0 and flagged per row;
-2. work list: forward items are (query tile, key head), backward items (sequence, key head),
-   sorted longest first by the work the schedule says they hold;
+2. work list: forward items are (chunk of query tiles, key head), backward items (sequence,
+   key head), sorted longest first by the work the schedule says they hold;
 3. run on `_cpu_threads.num_threads()` workers, BLAS held single-threaded;
 4. unpack into buffers from `varlen._array.alloc`: rows a non-finite value reached are NaN,
    pad rows 0 (lse -inf).
@@ -23,7 +23,7 @@ import importlib.util
 import numpy as np
 
 from .._array import alloc
-from ..plan import Plan, TILE_ROWS, TILE_SEQ
+from ..plan import Plan, TILE_ROWS, TILE_SEG, TILE_SEQ
 from .base import Backend
 
 __all__ = ["CpuBackend", "BACKEND", "DTYPES"]
@@ -34,6 +34,13 @@ LOG2E = 1.4426950408889634          # 1/ln(2)
 # ragged edge, a length-1 sequence) to the kernels' loops, where a call would cost more.
 BLAS_MIN = 16 * 16 * 16
 _NO_BLAS = 1 << 62
+# Rows of a tile product: the forward takes as many consecutive visited key tiles at once as
+# fill PRODUCT_KEYS keys, the backward as many query tiles as fill PRODUCT_ROWS queries (per
+# head). Plans keep their tiles (what is skipped or masked), the products get larger.
+PRODUCT_KEYS = 128
+PRODUCT_ROWS = 128
+# Stacked query rows (rows x heads of a GQA group) of a forward product.
+FORWARD_ROWS = 128
 
 
 def _kernels():
@@ -70,40 +77,51 @@ def _pack(x, G: int, wdt):
     return w, flag
 
 
-def _unpack(acc, nan, like, dtype):
-    """Accumulators `[Hk, T * G, d]` -> a fresh `[T, H, d]` array of `dtype` (shape of
-    `like`), NaN on flagged rows."""
-    out = alloc(np, like.shape, dtype)
+def _unpack(acc, nan, shape, dtype):
+    """Accumulators `[Hk, T * G, d]` -> a fresh `[T, H, d]` array (`shape`) of `dtype`, NaN
+    on flagged rows."""
+    out = alloc(np, shape, dtype)
     wdt = acc.dtype
-    target = out if out.dtype == wdt else alloc(np, like.shape, wdt)
+    target = out if out.dtype == wdt else alloc(np, shape, wdt)
     _kernels().unpack_rows(acc, nan, target)
     if target is not out:
         out[...] = target
     return out
 
 
-def _scalars(softmax_scale: float, softcap: float, wdt):
-    """`(c, cap)` of the kernels: scores in the log2 domain are `s * c`, or `cap * tanh(s * c)`
-    under softcap (`c = scale / softcap`, `cap = softcap * log2(e)`)."""
+def _scalars(softmax_scale: float, softcap: float):
+    """`(c, cap)` of the kernels (float64): scores in the log2 domain are `s * c`, or
+    `cap * tanh(s * c)` under softcap (`c = scale / softcap`, `cap = softcap * log2(e)`)."""
     if softcap > 0:
-        return wdt.type(softmax_scale / softcap), wdt.type(softcap * LOG2E)
-    return wdt.type(softmax_scale * LOG2E), wdt.type(0.0)
+        return float(softmax_scale / softcap), float(softcap * LOG2E)
+    return float(softmax_scale * LOG2E), 0.0
 
 
 def _longest_first(items, cost):
     return np.ascontiguousarray(items[np.argsort(-cost, kind="stable")], dtype=np.int64)
 
 
-def forward_items(plan: Plan, Hk: int):
-    """Forward work items `query tile * Hk + key head`, longest first (cost: key rows the
-    schedule visits times the tile's rows)."""
+def forward_items(plan: Plan, Hk: int, G: int):
+    """Forward work: `(items, chunks)`. `chunks [n, 2]` (first slot, count) groups consecutive
+    query tiles of one segment so that a chunk holds about FORWARD_ROWS stacked rows (a small
+    GQA group or MHA gets two or more tiles per product); items are `chunk * Hk + key head`,
+    longest first (cost: key rows the schedule visits times the tile's rows)."""
     tiles = plan.q_tiles
     used = np.flatnonzero(tiles[:, TILE_SEQ] >= 0)
+    per = max(1, FORWARD_ROWS // (plan.block_m * G))
+    segment = tiles[used, TILE_SEQ].astype(np.int64) * plan.q.per_seq + tiles[used, TILE_SEG]
+    starts = np.ones(used.size, bool)
+    starts[1:] = segment[1:] != segment[:-1]
+    group_start = np.maximum.accumulate(np.where(starts, np.arange(used.size), 0))
+    starts |= (np.arange(used.size) - group_start) % per == 0
+    first = np.flatnonzero(starts)
+    count = np.diff(np.append(first, used.size))
+    chunks = np.ascontiguousarray(np.stack([used[first], count], axis=1), dtype=np.int64)
     sched = plan.q_sched[used].astype(np.int64)
     keys = (sched[..., 3] - sched[..., 0]).sum(axis=1) * plan.block_n
-    cost = (keys + 1) * tiles[used, TILE_ROWS].astype(np.int64)
-    items = (used[:, None] * Hk + np.arange(Hk)).reshape(-1)
-    return _longest_first(items, np.repeat(cost, Hk))
+    cost = np.add.reduceat((keys + 1) * tiles[used, TILE_ROWS], first) if used.size else keys
+    items = (np.arange(first.size)[:, None] * Hk + np.arange(Hk)).reshape(-1)
+    return _longest_first(items, np.repeat(cost, Hk)), chunks
 
 
 def backward_items(plan: Plan, Hk: int):
@@ -135,15 +153,17 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     pad = ~plan.q.covered()
     work_out[pad] = 0
     lse[:, pad] = -np.inf
-    c, cap = _scalars(softmax_scale, softcap, wdt)
-    order = forward_items(plan, Hk)
+    c, cap = _scalars(softmax_scale, softcap)
+    order, chunks = forward_items(plan, Hk, G)
+    rows_max = int(chunks[:, 1].max(initial=1)) * plan.block_m * G
     with th.worker_scope() as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
         Qw, q_flag = _pack(q, G, wdt)
         Kw, k_flag = _pack(k, 1, wdt)
         Vw, v_flag = _pack(v, 1, wdt)
         k_cum = K.flag_prefix(k_flag | v_flag)
-        K.forward(_view(plan), order, nw, Qw, Kw, Vw, q_flag, k_cum, c, cap,
-                  BLAS_MIN if use_blas else _NO_BLAS, plan.block_m * G, work_out, lse)
+        K.forward(_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
+                  rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
+                  BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
     if work_out is not out:
         out[...] = work_out
     return out, lse
@@ -155,7 +175,7 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
     G = Hq // Hk
     wdt = _working_dtype(q.dtype)
-    c, cap = _scalars(softmax_scale, softcap, wdt)
+    c, cap = _scalars(softmax_scale, softcap)
     order, k_slots = backward_items(plan, Hk)
     with th.worker_scope() as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
         Qw, q_flag = _pack(q, G, wdt)
@@ -173,12 +193,11 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
         dV = alloc(np, (Hk, Tk, Dv), wdt, fill=0)
         dq_nan = alloc(np, (Hk, Tq * G), np.bool_, fill=False)
         dk_nan = alloc(np, (Hk, Tk), np.bool_, fill=False)
-        K.backward(_view(plan), order, nw, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag,
-                   k_flag, q_cum, k_cum, c, cap, wdt.type(softmax_scale),
-                   BLAS_MIN if use_blas else _NO_BLAS, plan.block_m * G, dQ, dK, dV, dq_nan,
-                   dk_nan)
-        return (_unpack(dQ, dq_nan, q, q.dtype), _unpack(dK, dk_nan, k, k.dtype),
-                _unpack(dV, dk_nan, v, v.dtype))
+        K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), k_slots, Qw, dOw, Kw, Vw, delta, lse2,
+                   q_flag, k_flag, q_cum, k_cum, c, cap, float(softmax_scale),
+                   BLAS_MIN if use_blas else _NO_BLAS, dQ, dK, dV, dq_nan, dk_nan)
+        return (_unpack(dQ, dq_nan, q.shape, q.dtype), _unpack(dK, dk_nan, k.shape, k.dtype),
+                _unpack(dV, dk_nan, v.shape, v.dtype))
 
 
 def _numba_missing() -> str | None:
@@ -205,7 +224,8 @@ class CpuBackend(Backend):
         return None
 
     def default_blocks(self, dtype, head_dim):
-        return 64, 64
+        # 64 query rows: fine masking and work items; 128 keys: the backward's dK/dV products
+        return 64, 128
 
     def check_plan(self, plan: Plan):
         if not plan.on_host:
