@@ -13,7 +13,7 @@ from varlen import reference
 
 from helpers import make_batch
 
-HOST_BACKENDS = ["numpy"]
+HOST_BACKENDS = ["numpy", "cpu"]
 VALUES = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf}
 
 

@@ -4,7 +4,8 @@ Each backend module defines one `Backend` subclass (`base.py`) and its instance 
 Modules are imported on first use, so a machine without CuPy or Numba never imports them.
 
     >>> varlen.backends.explain(dtype="float32", head_dim=64, on_device=False)
-    [('numpy', None), ('numba', 'not chosen by default for host arrays (ask for it by name)'),
+    [('cpu', None), ('numpy', None),
+     ('numba', 'not chosen by default for host arrays (ask for it by name)'),
      ('cupy', 'the cupy backend runs on a CUDA device; the arrays live on the host')]
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ _MODULES = {"numpy": "numpy_backend", "cpu": "cpu_backend", "numba": "numba_back
 # Preference when backend=None: fastest first. Host data goes to the host backends only (the
 # Numba simulator accepts host arrays too, but only when asked for by name).
 _DEVICE_ORDER = ("cupy", "numba", "numpy")
-_HOST_ORDER = ("numpy",)
+_HOST_ORDER = ("cpu", "numpy")
+# float64 host data stays on the float64 reference (the cpu backend runs it when asked by name)
+_HOST_ORDER_FLOAT64 = ("numpy",)
 
 
 def get(name: str) -> Backend | None:
@@ -38,8 +41,10 @@ def get(name: str) -> Backend | None:
     return module.BACKEND
 
 
-def _order(on_device: bool):
-    return _DEVICE_ORDER if on_device else _HOST_ORDER
+def _order(call):
+    if call.on_device:
+        return _DEVICE_ORDER
+    return _HOST_ORDER_FLOAT64 if call.dtype == "float64" else _HOST_ORDER
 
 
 def _reason(name: str, call, on_device: bool) -> str | None:
@@ -50,9 +55,9 @@ def _reason(name: str, call, on_device: bool) -> str | None:
     why = backend.supports(call)
     if why:
         return why
-    if name not in _order(on_device):
-        return f"not chosen by default for {'device' if on_device else 'host'} arrays (ask for " \
-               f"it by name)"
+    if name not in _order(call):
+        where = "device" if on_device else "float64 host" if call.dtype == "float64" else "host"
+        return f"not chosen by default for {where} arrays (ask for it by name)"
     if not backend.default_eligible:
         return "not chosen by default yet (ask for it by name)"
     return None
@@ -66,7 +71,7 @@ def explain(call=None, **problem) -> list[tuple[str, str | None]]:
         problem.setdefault("head_dim_v", problem.get("head_dim"))
         problem.setdefault("on_device", False)
         call = Problem(**problem)
-    order = _order(call.on_device)
+    order = _order(call)
     names = order + tuple(n for n in NAMES if n not in order)
     return [(n, _reason(n, call, call.on_device)) for n in names]
 
@@ -85,7 +90,7 @@ def select(name, call) -> Backend:
         if why:
             raise ValueError(f"backend={name!r} cannot run this call: {why}")
         return backend
-    for n in _order(call.on_device):          # only the candidates: others are not imported
+    for n in _order(call):                    # only the candidates: others are not imported
         if _reason(n, call, call.on_device) is None:
             return get(n)
     raise ValueError("no backend supports this call (" +
