@@ -369,3 +369,14 @@ def test_nonfinite_patterns_in_float32(tensor):
         for name, g, w in zip(("dq", "dk", "dv"), grads, want):
             assert np.array_equal(np.isnan(np.asarray(g, float)), np.isnan(w)), \
                 f"{tensor}={value}: NaN pattern of {name}"
+
+
+def test_not_the_default_without_blas(monkeypatch):
+    """Without SciPy's BLAS (or threadpoolctl to hold it at one thread) the backend's own loops
+    are slower than the numpy backend: it runs by name but is not chosen by default."""
+    monkeypatch.setattr(K, "BLAS_BOUND", False)
+    names = dict(backends.explain(dtype="float32", head_dim=64))
+    assert names["cpu"] and names["numpy"] is None
+    b = make_batch(np.random.default_rng(0), [5, 9], Hq=2, Hk=1, D=8, dtype="float32")
+    out, lse, grads = fwd_bwd(b, backend="cpu")
+    check_against_reference(b, out, lse, label="no BLAS")

@@ -16,7 +16,7 @@ import contextlib
 import os
 import threading
 
-__all__ = ["num_threads", "worker_scope", "blas_scope"]
+__all__ = ["num_threads", "worker_scope", "blas_scope", "blas_controllable"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -93,6 +93,20 @@ def _blas_controller():
     import scipy.linalg.cython_blas  # noqa: F401  (load SciPy's BLAS before looking for it)
     ctl = tpc.get_cached_controller().select(user_api="blas")
     return ctl if ctl.lib_controllers else None
+
+
+def blas_controllable() -> bool:
+    """True when threadpoolctl finds a BLAS library it can hold at one thread."""
+    global _controllable
+    if _controllable is None:
+        try:
+            _controllable = _blas_controller() is not None
+        except ImportError:
+            _controllable = False
+    return _controllable
+
+
+_controllable = None
 
 
 @contextlib.contextmanager

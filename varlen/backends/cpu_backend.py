@@ -206,12 +206,24 @@ def _numba_missing() -> str | None:
     return None
 
 
+def blas_usable() -> bool:
+    """The kernels can call BLAS: SciPy's BLAS is bound and threadpoolctl controls it (the
+    `[cpu]` extra)."""
+    return _numba_missing() is None and _kernels().BLAS_BOUND and _threads().blas_controllable()
+
+
 class CpuBackend(Backend):
     """FlashAttention-2 tiles on the CPU: float32 arithmetic (float64 for float64 inputs),
     BLAS tile products, work items on Numba's threads. Always deterministic: results are
     bitwise identical for any thread count."""
 
     name = "cpu"
+
+    @property
+    def default_eligible(self) -> bool:
+        """Chosen by default only with its BLAS tile products: without SciPy and threadpoolctl
+        its own loops are slower than the numpy backend (it still runs when asked by name)."""
+        return blas_usable()
 
     def supports(self, call):
         if call.on_device:
