@@ -3,7 +3,8 @@
 // varlen_bwd_preprocess: per (row i, head h), delta[h, i] = sum_d dO[i, h, d] * O[i, h, d] in
 // fp32, and lse2[h, i] = lse[h, i] * LOG2E, the row's log-sum-exp in the base-2 units of the
 // score tiles, or +inf for a row without a visible key (lse = -inf): then every recomputed
-// probability exp2(x - lse2) is exactly 0 instead of NaN. One warp per (row, head) pair.
+// probability exp2(x - lse2) is exactly 0 instead of NaN. One warp per (row, head) pair,
+// striding over the grid.
 //
 // varlen_bwd_dq_convert: dq = dq_accum (fp32, atomically accumulated) in the input dtype.
 #pragma once
@@ -29,28 +30,31 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
                       int Tq, int Hq) {
     static_assert(D % WARP_SIZE == 0, "each lane reads D / 32 elements of a row");
     const int lane = threadIdx.x % WARP_SIZE;
-    const int64_t pair = static_cast<int64_t>(blockIdx.x) * PREPROCESS_WARPS +
-                         threadIdx.x / WARP_SIZE;          // = row * Hq + head
-    if (pair >= static_cast<int64_t>(Tq) * Hq) return;
-    const int64_t row = pair / Hq;
-    const int head = static_cast<int>(pair % Hq);
-    const T* p_o = out + pair * D;
-    const T* p_do = dout + pair * D;
-    float sum = 0.f;
-    #pragma unroll
-    for (int i = 0; i < D / WARP_SIZE; ++i) {
-        const int d = lane + i * WARP_SIZE;
-        sum += ElemTraits<T>::to_float(p_o[d]) * ElemTraits<T>::to_float(p_do[d]);
-    }
-    #pragma unroll
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    }
-    if (lane == 0) {
-        const int64_t idx = static_cast<int64_t>(head) * Tq + row;
-        const float l = lse[idx];
-        delta[idx] = sum;
-        lse2[idx] = l == neg_inf() ? pos_inf() : l * LOG2E;
+    const int64_t pairs = static_cast<int64_t>(Tq) * Hq;
+    const int64_t step = static_cast<int64_t>(gridDim.x) * PREPROCESS_WARPS;
+    for (int64_t pair = static_cast<int64_t>(blockIdx.x) * PREPROCESS_WARPS +
+                        threadIdx.x / WARP_SIZE;           // = row * Hq + head
+         pair < pairs; pair += step) {
+        const int64_t row = pair / Hq;
+        const int head = static_cast<int>(pair % Hq);
+        const T* p_o = out + pair * D;
+        const T* p_do = dout + pair * D;
+        float sum = 0.f;
+        #pragma unroll
+        for (int i = 0; i < D / WARP_SIZE; ++i) {
+            const int d = lane + i * WARP_SIZE;
+            sum += ElemTraits<T>::to_float(p_o[d]) * ElemTraits<T>::to_float(p_do[d]);
+        }
+        #pragma unroll
+        for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        }
+        if (lane == 0) {
+            const int64_t idx = static_cast<int64_t>(head) * Tq + row;
+            const float l = lse[idx];
+            delta[idx] = sum;
+            lse2[idx] = l == neg_inf() ? pos_inf() : l * LOG2E;
+        }
     }
 }
 

@@ -75,7 +75,8 @@ struct PartnerCursor {
             while (seg < num_segments) {
                 const int* s = p_sched + seg * SCHED_FIELDS;
                 const int len = p_len[seg];
-                const int num_chunks = (len + CHUNK - 1) / CHUNK;
+                // not (len + CHUNK - 1) / CHUNK, which overflows for len > 2^31 - CHUNK
+                const int num_chunks = len / CHUNK + (len % CHUNK != 0);
                 c = s[0] * ratio;
                 c_end = min(s[3] * ratio, num_chunks);
                 f_begin = s[1] * ratio;

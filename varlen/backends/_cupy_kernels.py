@@ -14,7 +14,6 @@ scalar of this size is refused by CuPy 13 and 14). The other scalars are cast ex
 """
 from __future__ import annotations
 
-import math
 import threading
 from typing import NamedTuple
 
@@ -26,7 +25,8 @@ from ._cupy_spec import (CALL_PARAMS_DTYPE, CONVERT_THREADS, PLAN_VIEW_DTYPE, PR
                          STATIC_SMEM_LIMIT, KernelSpec, compile_options, module_source)
 
 MAX_GRID_Y = 65535
-MAX_CONVERT_BLOCKS = 1 << 16
+# Blocks of the grid-stride kernels (preprocess, dQ conversion): enough to fill any GPU.
+MAX_STRIDE_BLOCKS = 1 << 16
 
 _lock = threading.Lock()
 _modules: dict = {}
@@ -162,7 +162,7 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units.
     delta = alloc(cupy, (Hq, Tq), np.float32)
     lse2 = alloc(cupy, (Hq, Tq), np.float32)
-    mod.launch("preprocess", grid=(math.ceil(Tq * Hq / PREPROCESS_WARPS),),
+    mod.launch("preprocess", grid=(_stride_blocks(Tq * Hq, PREPROCESS_WARPS),),
                args=(out, dout, lse, delta, lse2, cupy.int32(Tq), cupy.int32(Hq)))
     inputs = (q, k, v, dout, lse2, delta)
     if deterministic:
@@ -181,9 +181,14 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
                    args=(*inputs, dk, dv, dq_accum, plan_arg.struct, call))
     dq = alloc(cupy, q.shape, q.dtype)
     n = dq_accum.size
-    blocks = max(1, min(math.ceil(n / CONVERT_THREADS), MAX_CONVERT_BLOCKS))
-    mod.launch("dq_convert", grid=(blocks,), args=(dq_accum, dq, cupy.int64(n)))
+    mod.launch("dq_convert", grid=(_stride_blocks(n, CONVERT_THREADS),),
+               args=(dq_accum, dq, cupy.int64(n)))
     return dq, dk, dv
+
+
+def _stride_blocks(items: int, per_block: int) -> int:
+    """Blocks of a grid-stride kernel over `items` (any count: the kernel loops in 64-bit)."""
+    return max(1, min(-(-items // per_block), MAX_STRIDE_BLOCKS))
 
 
 def _null_pointer():

@@ -1,0 +1,204 @@
+"""The CuPy kernels at the edges, on a CPU: the real kernels through the host emulation
+(`varlen/backends/_cupy_emulation.py`, each case in its own process, as the emulation replaces
+`cupy`) against the float64 reference.
+
+* 64-bit addressing: one short sequence at the end of packed arrays of more than 2**31
+  elements (sparse anonymous memory maps: only its rows are ever touched) is computed at the
+  right addresses, forward and backward (dK/dV with atomic dQ, and deterministic dQ); and the
+  forward kernel walks the last key chunks of a sequence of 2**31 - 1 keys (chunk counts
+  without an int32 overflow, element offsets near 2**36).
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+CXX = os.environ.get("CXX", "g++")
+needs_cxx = pytest.mark.skipif(shutil.which(CXX) is None,
+                               reason="needs a C++20 compiler (host emulation)")
+SKIP = 77                            # exit status of an emulated case that cannot run here
+
+
+def _emulate(*case, timeout=600):
+    """Runs `case` of this file's __main__ in a fresh process (the emulation replaces cupy)."""
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *case],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode == SKIP:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, (f"emulated case {' '.join(case)}:\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+
+
+def _assert_finite_close(label, got, want, tol):
+    """Entries finite in both agree within `tol` times the reference's magnitude (or 1)."""
+    got = np.asarray(got, np.float64)
+    both = np.isfinite(got) & np.isfinite(want)
+    err = np.abs(got[both] - want[both]).max(initial=0.0)
+    scale = max(1.0, np.abs(want[both]).max(initial=0.0))
+    assert err <= tol * scale, f"{label}: finite entries differ by {err:.3e} (scale {scale:.3g})"
+
+
+# --------------------------------------------------------------------------------------------
+# 64-bit addressing
+# --------------------------------------------------------------------------------------------
+
+# Rows of q (Hq = 2, D = 64) and of k, v (Hk = 1): both past 2**31 elements.
+LARGE_ROWS_Q = (1 << 24) + 256
+LARGE_ROWS_K = (1 << 25) + 256
+LARGE_LEN = 70                       # one causal sequence of 70 x 70, two tiles of 64
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)         # the Linux value
+
+
+@needs_cxx
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sparse anonymous maps (Linux)")
+def test_addresses_past_2_31_elements():
+    assert LARGE_ROWS_Q * 2 * 64 > 2 ** 31 and LARGE_ROWS_K * 1 * 64 > 2 ** 31
+    _emulate("large-offsets")
+
+
+@needs_cxx
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sparse anonymous maps (Linux)")
+def test_last_chunks_of_a_sequence_of_2_31_keys():
+    _emulate("long-sequence")
+
+
+def _sparse(shape, dtype):
+    """A zero array of `shape` over anonymous memory that is reserved, not committed: untouched
+    pages cost nothing."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+    except OSError as e:
+        print(f"cannot map {nbytes / 2 ** 30:.0f} GiB of address space here ({e})")
+        sys.exit(SKIP)
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+def _case_large_offsets():
+    import varlen
+    from varlen import reference
+    from varlen.backends import _cupy_kernels
+    from varlen.backends.cupy_backend import BACKEND, spec_for
+    Hq, Hk, D, L = 2, 1, 64, LARGE_LEN
+    Tq, Tk = LARGE_ROWS_Q, LARGE_ROWS_K
+    # the sequence ends 2 rows before the end of q and 1 before the end of k
+    rq, rk = slice(Tq - L - 2, Tq - 2), slice(Tk - L - 1, Tk - 1)
+    q, dout = _sparse((Tq, Hq, D), np.float16), _sparse((Tq, Hq, D), np.float16)
+    k, v = _sparse((Tk, Hk, D), np.float16), _sparse((Tk, Hk, D), np.float16)
+    rng = np.random.default_rng(3)
+    for a, r in ((q, rq), (dout, rq), (k, rk), (v, rk)):
+        a[r] = rng.standard_normal(a[r].shape).astype(np.float16)
+    cu = np.array([0, L], np.int32)
+    plan = varlen.plan(cu, cu, seq_offsets_q=np.array([rq.start, rq.stop], np.int32),
+                       seq_offsets_k=np.array([rk.start, rk.stop], np.int32), mask="causal",
+                       num_rows_q=Tq, num_rows_k=Tk, max_seqlen_q=L, max_seqlen_k=L,
+                       block_m=64, block_n=64)
+    assert plan.num_q_tiles == 2 and plan.num_k_tiles == 2, "the grid covers one sequence"
+    scale = 1.0 / math.sqrt(D)
+    f64 = [a[r].astype(np.float64) for a, r in ((q, rq), (k, rk), (v, rk), (dout, rq))]
+    ref_out, ref_lse = reference.attention_dense(*f64[:3], cu, cu, mask="causal")
+    ref_grads = reference.attention_dense_backward(f64[3], *f64[:3], cu, cu, mask="causal")
+
+    out, lse = BACKEND.forward(plan, q, k, v, softmax_scale=scale, softcap=0.0)
+    _assert_finite_close("out rows past 2**31 elements", out[rq], ref_out, 2e-2)
+    _assert_finite_close("lse", lse[:, rq], ref_lse, 2e-2)
+    assert np.isfinite(out[rq]).all() and np.isfinite(lse[:, rq]).all(), "unwritten rows"
+    for row in (0, Tq // 2, rq.start - 1, Tq - 1):      # pad rows, sampled
+        assert (out[row] == 0).all() and (lse[:, row] == -np.inf).all(), f"pad row {row}"
+
+    # The backward kernels, launched on the sequence's tiles only: the preprocessing and the
+    # dQ conversion stride over every row of the arrays, which the emulation cannot afford.
+    spec = spec_for(plan, q, kind="bwd", softcap=0.0)
+    module, plan_arg = _cupy_kernels.module(spec), _cupy_kernels.plan_view_arg(plan)
+    call = _cupy_kernels.call_params_arg(Hq, Hk, scale, 0.0)
+    lse2, delta = np.zeros((Hq, Tq), np.float32), np.zeros((Hq, Tq), np.float32)
+    lse2[:, rq] = lse[:, rq] * math.log2(math.e)
+    delta[:, rq] = (out[rq].astype(np.float32) * dout[rq].astype(np.float32)).sum(-1).T
+    inputs = (q, k, v, dout, lse2, delta)
+    dk, dv = np.zeros(k.shape, np.float16), np.zeros(v.shape, np.float16)
+    dq_accum = np.zeros((Tq, Hq, D), np.float32)
+    module.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk),
+                  args=(*inputs, dk, dv, dq_accum, plan_arg.struct, call))
+    dq = np.zeros(q.shape, np.float16)
+    module.launch("dq", grid=(plan.num_q_tiles, Hq), args=(*inputs, dq, plan_arg.struct, call))
+    for name, got, want in (("dq (atomic)", dq_accum[rq], ref_grads[0]),
+                            ("dq (deterministic)", dq[rq], ref_grads[0]),
+                            ("dk", dk[rk], ref_grads[1]), ("dv", dv[rk], ref_grads[2])):
+        assert np.isfinite(got).all(), f"{name}: unwritten rows"
+        _assert_finite_close(f"{name} rows past 2**31 elements", got, want, 5e-2)
+    for name, g, row in (("dq_accum", dq_accum, Tq - 1), ("dk", dk, Tk - 1), ("dv", dv, 0)):
+        assert (g[row] == 0).all(), f"{name}: pad row {row} written"
+
+
+def _case_long_sequence():
+    """Queries 0..63 of a sequence of 64 queries and 2**31 - 1 keys, bottom-right causal with a
+    window of 100 keys: the schedule lists its last three key chunks (the last one ragged),
+    about 2**31 rows into k and v. The plan is written by hand (a real one would table 2**25
+    key tiles) and the forward kernel launched on its one query tile."""
+    import varlen
+    from varlen import reference
+    from varlen.backends import _cupy_kernels
+    from varlen.backends._cupy_spec import KernelSpec
+    from varlen.plan import KernelView
+    Hq, Hk, D, Lq, left, bn = 2, 1, 32, 64, 100, 64
+    Lk = 2 ** 31 - 1
+    first = Lk - Lq - left                        # the first key query 0 sees
+    k, v = _sparse((Lk, Hk, D), np.float16), _sparse((Lk, Hk, D), np.float16)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((Lq, Hq, D)).astype(np.float16)
+    for a in (k, v):
+        a[first:] = rng.standard_normal(a[first:].shape).astype(np.float16)
+
+    def i32(*rows):
+        return np.array(rows, np.int32)
+    tiles = (first // bn, -(-Lk // bn))           # [begin, end) key tiles, none fully visible
+    view = KernelView(q_tiles=i32([0, 0, 0, Lq, 0]), q_sched=i32([tiles[0], tiles[0], tiles[0],
+                                                                   tiles[1]]).reshape(1, 1, 4),
+                      k_tiles=np.zeros((0, 5), np.int32), k_sched=np.zeros((0, 1, 4), np.int32),
+                      q_row=i32([0]), q_len=i32([Lq]), q_pos=i32([0]),
+                      k_row=i32([0]), k_len=i32([Lk]), k_pos=i32([0]),
+                      seqlen_q=i32(Lq), seqlen_k=i32(Lk), window_left=i32(left),
+                      window_right=i32(0), bottom_right=i32(1), batch=1, mq=1, mk=1,
+                      num_q_tiles=1, num_k_tiles=0, block_m=64, block_n=bn, rows_q=Lq, rows_k=Lk)
+    plan = type("HandPlan", (), {"view": lambda self: view})()
+    plan_arg = _cupy_kernels.plan_view_arg(plan)
+    scale = 1.0 / math.sqrt(D)
+    out = np.zeros((Lq, Hq, D), np.float16)
+    lse = np.full((Hq, Lq), -np.inf, np.float32)
+    module = _cupy_kernels.module(KernelSpec("fwd", "float16", D, 64, bn, False))
+    module.launch("fwd", grid=(1, Hq), args=(q, k, v, out, lse, plan_arg.struct,
+                                             _cupy_kernels.call_params_arg(Hq, Hk, scale, 0.0)))
+    # the same attention on the keys [first, Lk): query i sees keys i .. i + left of them
+    cu_q, cu_k = np.array([0, Lq], np.int32), np.array([0, Lk - first], np.int32)
+    mask = varlen.Mask(window_left=left, window_right=0, bottom_right=True)
+    ref_out, ref_lse = reference.attention_dense(q, k[first:], v[first:], cu_q, cu_k, mask=mask)
+    assert np.isfinite(out).all() and np.isfinite(lse).all(), "rows left unwritten"
+    _assert_finite_close("out of the last chunks of 2**31 - 1 keys", out, ref_out, 2e-2)
+    _assert_finite_close("lse", lse, ref_lse, 2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# The emulated cases (python tests/test_cupy_edges.py CASE [ARG])
+# --------------------------------------------------------------------------------------------
+
+CASES = {"large-offsets": _case_large_offsets,
+         "long-sequence": _case_long_sequence}
+
+
+def _main(argv):
+    from varlen.backends._cupy_emulation import install_fake_cupy
+    install_fake_cupy(block_m=64)
+    CASES[argv[0]](*argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
