@@ -14,6 +14,9 @@
 //     dQ  += dS K  (ATOMIC_DQ: dS^T goes through shared memory, then fp32 atomics)
 // Shared memory: K, V [BN][D+8]; two stages of Q, dO [BQ][D+8] and lse2, delta [BQ];
 // dS^T [BN][BQ+8] with ATOMIC_DQ.
+// A key row with a pair it sees holding a NaN or inf operand writes NaN to dK and dV, and that
+// pair's dS makes the query's dQ NaN; hidden pairs never reach either (softmax_backward,
+// QueryStages::zero_nonfinite, and the key tile's own check with ATOMIC_DQ).
 #pragma once
 
 #include "common.cuh"
@@ -107,6 +110,20 @@ struct QueryStages {
         }
     }
 
+    // On a partially masked chunk, where hidden pairs have P^T = dS^T = 0: a NaN or inf in this
+    // thread's chunks of Q or dO (the right-hand factors of dK += dS^T Q and dV += P^T dO) is
+    // zeroed, and the query row's delta becomes NaN, which reaches exactly the pairs that see
+    // the row (softmax_backward). Several threads may flag one row: atomically. Call it in
+    // for_each_chunk's `own` step, once the chunk's delta stores are ordered before it.
+    __device__ __forceinline__ void zero_nonfinite(const Chunk& c, int stage) const {
+        float* p_delta = s.delta + stage * Cfg::BQ;
+        const auto flag = [&](int r, int) { atomicAdd(p_delta + r, nan_f()); };
+        zero_nonfinite_chunks<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(s.q + stage * STAGE_ELEMS, c.rows,
+                                                                 flag);
+        zero_nonfinite_chunks<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(s.dout + stage * STAGE_ELEMS,
+                                                                 c.rows, flag);
+    }
+
     __device__ __forceinline__ const T* q_at(int stage) const { return s.q + stage * STAGE_ELEMS; }
     __device__ __forceinline__ const T* do_at(int stage) const {
         return s.dout + stage * STAGE_ELEMS;
@@ -178,8 +195,25 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
     float acc_dv[D / 8][4];
     zero_acc(acc_dk);
     zero_acc(acc_dv);
+    bool first = true;
     for_each_chunk(queries, [&](const Chunk& c, int stage) { qs.load(c, stage); },
                    [&](const Chunk& c, int stage) {
+        if (first) {
+            first = false;
+            // The first chunk's lse2 and delta were stored before the loop, by other threads:
+            // in place before zero_nonfinite may flag a delta.
+            __syncthreads();
+            if constexpr (ATOMIC_DQ) {
+                // K is the right-hand factor of dQ += dS K: a NaN or inf in a key row moves to
+                // its V row, which meets queries only in dP^T = V dO^T, pair by pair.
+                zero_nonfinite_chunks<BN, D, Cfg::NUM_THREADS>(smem.k, b.tile.rows,
+                                                               [&](int r, int col) {
+                    smem.v[r * Cfg::STRIDE + col] = ElemTraits<T>::from_float(nan_f());
+                });
+            }
+        }
+        if (!c.full) qs.zero_nonfinite(c, stage);
+    }, [&](const Chunk& c, int stage) {
         // [16, BQ] S^T, then P^T, and dP^T, then dS^T, of this warp's key rows
         float acc_s[BQ / 8][4];
         float acc_dp[BQ / 8][4];

@@ -5,7 +5,8 @@
 // the forward pass it walks q_sched with K and V double-buffered, and per key chunk computes
 //     S = Q K^T, P = exp2(S * LOG2E - lse2), dP = dO V^T,
 //     dS = P * (dP - delta) * softmax_scale (times 1 - tanh^2 with a softcap), dQ += dS K,
-// keeping dQ in registers and writing each row once: bitwise repeatable.
+// keeping dQ in registers and writing each row once: bitwise repeatable. A row with a pair it
+// sees holding a NaN or inf operand writes NaN (softmax_backward, KvStages::zero_nonfinite).
 // Shared memory: Q, dO [BM][D+8]; two stages of K, V [BN][D+8].
 #pragma once
 
@@ -78,6 +79,8 @@ varlen_bwd_dq(const T* __restrict__ q,            // [Tq, Hq, D]
     zero_acc(acc_dq);
     for_each_chunk(keys, [&](const Chunk& c, int stage) { kv.load(c, stage); },
                    [&](const Chunk& c, int stage) {
+        if (!c.full) kv.template zero_nonfinite<false>(c, stage);
+    }, [&](const Chunk& c, int stage) {
         // [16, BN] S, then P, and dP, then dS, of this warp's rows
         float acc_s[BN / 8][4];
         float acc_dp[BN / 8][4];

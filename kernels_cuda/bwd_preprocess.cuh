@@ -2,8 +2,10 @@
 //
 // varlen_bwd_preprocess: per (row i, head h), delta[h, i] = sum_d dO[i, h, d] * O[i, h, d] in
 // fp32, and lse2[h, i] = lse[h, i] * LOG2E, the row's log-sum-exp in the base-2 units of the
-// score tiles, or +inf for a row without a visible key (lse = -inf): then every recomputed
-// probability exp2(x - lse2) is exactly 0 instead of NaN. One warp per (row, head) pair,
+// score tiles. Where lse is not finite (-inf for a row without a visible key; NaN or +inf
+// otherwise) lse2 is +inf, so that every probability exp2(x - lse2) of a hidden pair (x = -inf)
+// is exactly 0, and delta is NaN, as it is where O or dO holds a NaN or inf: the one value the
+// attention kernels check for the query side of a visible pair. One warp per (row, head) pair,
 // striding over the grid.
 //
 // varlen_bwd_dq_convert: dq = dq_accum (fp32, atomically accumulated) in the input dtype.
@@ -52,8 +54,8 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
         if (lane == 0) {
             const int64_t idx = static_cast<int64_t>(head) * Tq + row;
             const float l = lse[idx];
-            delta[idx] = sum;
-            lse2[idx] = l == neg_inf() ? pos_inf() : l * LOG2E;
+            delta[idx] = is_finite(l) ? sum : nan_f();
+            lse2[idx] = is_finite(l) ? l * LOG2E : pos_inf();
         }
     }
 }

@@ -1,5 +1,5 @@
 // Shared definitions of the varlen attention kernels: element types, constants, smem layout,
-// the rows of one head of a packed array, a thread's warp and lane.
+// tests for non-finite values, the rows of one head of a packed array, a thread's warp and lane.
 #pragma once
 
 #include "plan_view.cuh"
@@ -28,6 +28,23 @@ constexpr float LN2 = 0.6931471805599453f;     // ln(2), back to natural-log lse
 // -inf marks a masked score and the lse of a row without a visible key (no <math.h> here).
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
+// NaN marks a row that sees a non-finite value (docs/semantics.md, "Non-finite values").
+__device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000u); }
+// false for NaN and +-inf. A comparison, not x - x == 0, which a fast-math compiler may fold.
+__device__ __forceinline__ bool is_finite(float x) { return fabsf(x) < pos_inf(); }
+
+// 0 for a finite x, NaN for NaN and +-inf: added to a value, it makes that value NaN exactly when
+// x is not finite, with no compare or select (IEEE: inf * 0 is NaN). --use_fast_math (ftz,
+// approximate division and square root) does not assume finite values: the SASS keeps the
+// multiply by zero (FMUL or FFMA with RZ).
+__device__ __forceinline__ float zero_or_nan(float x) { return x * 0.f; }
+
+// x clamped to the finite range, NaN to -FLT_MAX (min/max return the number when one operand is
+// NaN): 0 * clamp_finite(x) is 0 whatever x holds.
+__device__ __forceinline__ float clamp_finite(float x) {
+    const float big = __int_as_float(0x7f7fffffu);   // FLT_MAX
+    return fminf(fmaxf(x, -big), big);
+}
 constexpr int INT_LOWEST = -2147483647 - 1;
 constexpr int INT_HIGHEST = 2147483647;
 
@@ -47,8 +64,11 @@ constexpr int CHUNK_ELEMS = 8;
 // (the lower column index goes to the lower 16 bits, as the PTX fragment layouts require).
 template <typename T> struct ElemTraits;
 
+// EXP_BITS: the exponent fields of two packed elements; an element is NaN or inf when its field
+// is all ones (see any_nonfinite).
 template <> struct ElemTraits<__half> {
     static constexpr bool IS_BF16 = false;
+    static constexpr uint32_t EXP_BITS = 0x7c007c00u;
     __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
         __half2 h = __floats2half2_rn(lo, hi);     // .x = lo (low 16 bits), .y = hi
         return *reinterpret_cast<uint32_t*>(&h);
@@ -59,6 +79,7 @@ template <> struct ElemTraits<__half> {
 
 template <> struct ElemTraits<__nv_bfloat16> {
     static constexpr bool IS_BF16 = true;
+    static constexpr uint32_t EXP_BITS = 0x7f807f80u;
     __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&h);
@@ -66,6 +87,19 @@ template <> struct ElemTraits<__nv_bfloat16> {
     __device__ static __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
     __device__ static __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
+
+// Whether any of the 8 elements of a 16-byte chunk is NaN or inf. Per pair of packed elements,
+// adding the lowest exponent bit to an all-ones exponent field carries into that element's sign
+// bit, and a smaller field never carries at all (so nothing crosses into the other element).
+template <typename T>
+__device__ __forceinline__ bool any_nonfinite(const uint4& v) {
+    constexpr uint32_t E = ElemTraits<T>::EXP_BITS;
+    constexpr uint32_t LSB = E & ~(E << 1);          // lowest bit of each exponent field
+    constexpr uint32_t SIGNS = 0x80008000u;
+    const uint32_t x = ((v.x & E) + LSB) | ((v.y & E) + LSB) | ((v.z & E) + LSB) |
+                       ((v.w & E) + LSB);
+    return (x & SIGNS) != 0;
+}
 
 // The rows of one head of a packed [T, H, D] array: row r starts at p + r * stride, in 64-bit
 // arithmetic (T * H * D may exceed 2^31).

@@ -3,7 +3,8 @@
 // Grid (num_q_tiles, Hq); block BM / 16 warps, warp w owns query rows 16w .. 16w + 15 of the
 // tile. Shared memory: Q [BM][D+8], then two stages of K [BN][D+8] and V [BN][D+8] (pipeline.cuh).
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
-// rows).
+// rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
+// and lse; hidden keys never reach it (mask_scores, KvStages::zero_nonfinite).
 #pragma once
 
 #include "common.cuh"
@@ -19,14 +20,15 @@ template <int D, int BM, int BN>
 using FwdConfig = QueryTileConfig<D, BM, BN, 1>;
 
 // O / l of this warp's rows, through its rows of the Q buffer, and their natural-log lse (one
-// lane per quad writes it); rows past the tile are not written.
+// lane per quad writes it), both NaN for a row that saw a NaN or inf; rows past the tile are
+// not written.
 template <typename T, int D, int STRIDE>
 __device__ __forceinline__ void store_output(const float (&acc_o)[D / 8][4],
                                              const OnlineSoftmax& softmax, T* s_stage,
                                              const HeadRows<T>& out, float* p_lse,
                                              const TileInfo& tile, const WarpSlot& w) {
     float inv_l[2], row_lse[2];
-    softmax.finish(inv_l, row_lse);
+    softmax.finish(acc_o, inv_l, row_lse);
     store_rows<T, D / 8, STRIDE>(acc_o, inv_l, s_stage, w.row0, out, tile.row, tile.rows, w.lane);
     const int r = w.row0 + w.lane / 4;
     if (w.lane % 4 == 0) {
@@ -68,11 +70,12 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
     softmax.init();
     for_each_chunk(keys, [&](const Chunk& c, int stage) { kv.load(c, stage); },
                    [&](const Chunk& c, int stage) {
+        if (!c.full) kv.template zero_nonfinite<true>(c, stage);
+    }, [&](const Chunk& c, int stage) {
         // [16, BN] scores of this warp's rows
         float acc_s[BN / 8][4];
         gemm_abt<T, D>(acc_s, s_q, w.row0, kv.k_at(stage), w.lane);
-        scale_scores<HAS_SOFTCAP>(acc_s, call);
-        apply_mask(acc_s, query_rows_mask(pol, b.tile.pos, w, c), w.lane);
+        mask_scores<HAS_SOFTCAP>(acc_s, query_rows_mask(pol, b.tile.pos, w, c), call, w.lane);
         softmax.update(acc_s, acc_o);
         gemm_pb<T, D / 8, BN / 8, Cfg::STRIDE>(acc_o, acc_s, kv.v_at(stage), w.lane);
     });

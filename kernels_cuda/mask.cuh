@@ -121,14 +121,4 @@ __device__ __forceinline__ void for_each_element(const TileMask<ROWS_ARE_KEYS>& 
     }
 }
 
-// Sets every element of a [16, 8 NB] score tile that its row does not see to -inf.
-template <int NB, bool ROWS_ARE_KEYS>
-__device__ __forceinline__ void apply_mask(float (&s)[NB][4], const TileMask<ROWS_ARE_KEYS>& mask,
-                                           int lane) {
-    if (!mask.partial) return;
-    for_each_element<NB>(mask, lane, [&](int nb, int i, int, bool visible) {
-        if (!visible) s[nb][i] = neg_inf();
-    });
-}
-
 }  // namespace varlen

@@ -99,27 +99,55 @@ __device__ __forceinline__ void cp_async_wait() {
 template <int D>
 __host__ __device__ constexpr int smem_stride() { return D + SMEM_PAD; }
 
-// Asynchronously copies rows [row, row + ROWS) x columns [0, D) of one head of a packed array
-// into a padded shared tile [ROWS][D + SMEM_PAD]; rows >= valid_rows are zero-filled. Only row
-// `row` is addressed for them (it is valid whenever valid_rows > 0).
-template <int ROWS, int D, int NUM_THREADS, typename T>
-__device__ __forceinline__ void load_tile_async(T* s_dst, const HeadRows<const T>& src, int row,
-                                                int valid_rows) {
+// Calls f(r, col) for this thread's 16-byte chunks (row r, columns col .. col + 7) of a
+// [ROWS][D] tile, in increasing r: chunk c = threadIdx.x + i * NUM_THREADS of the tile's rows.
+template <int ROWS, int D, int NUM_THREADS, typename F>
+__device__ __forceinline__ void for_each_own_chunk(F&& f) {
     static_assert(D % CHUNK_ELEMS == 0, "rows are copied in 16-byte chunks");
     constexpr int CHUNKS_PER_ROW = D / CHUNK_ELEMS;
-    constexpr int STRIDE = smem_stride<D>();
     constexpr int TOTAL = ROWS * CHUNKS_PER_ROW;
-    const T* p_src = src.row(row);
     #pragma unroll
     for (int i = 0; i < (TOTAL + NUM_THREADS - 1) / NUM_THREADS; ++i) {
         const int c = threadIdx.x + i * NUM_THREADS;
         if (TOTAL % NUM_THREADS != 0 && c >= TOTAL) break;
-        const int r = c / CHUNKS_PER_ROW;
-        const int col = (c % CHUNKS_PER_ROW) * CHUNK_ELEMS;
+        f(c / CHUNKS_PER_ROW, (c % CHUNKS_PER_ROW) * CHUNK_ELEMS);
+    }
+}
+
+// Asynchronously copies rows [row, row + ROWS) x columns [0, D) of one head of a packed array
+// into a padded shared tile [ROWS][D + SMEM_PAD]; rows >= valid_rows are zero-filled, so no
+// value of a row outside the tile (another sequence, a padding gap) ever enters shared memory.
+// Only row `row` is addressed for them (it is valid whenever valid_rows > 0).
+template <int ROWS, int D, int NUM_THREADS, typename T>
+__device__ __forceinline__ void load_tile_async(T* s_dst, const HeadRows<const T>& src, int row,
+                                                int valid_rows) {
+    constexpr int STRIDE = smem_stride<D>();
+    const T* p_src = src.row(row);
+    for_each_own_chunk<ROWS, D, NUM_THREADS>([&](int r, int col) {
         const bool valid = r < valid_rows;
         const T* p = p_src + (valid ? static_cast<int64_t>(r) * src.stride + col : 0);
         cp_async_16(s_dst + r * STRIDE + col, p, valid);
-    }
+    });
+}
+
+// Zeroes this thread's chunks of a tile loaded by load_tile_async (with the same ROWS, D,
+// NUM_THREADS) that hold a NaN or inf, and calls flag(r, col) for each. Call it after this
+// thread's cp.async.wait for the tile: its own copies have landed for it, and no other thread
+// touches them before the next barrier. It keeps a non-finite value of a row out of the
+// products in which that row has a zero coefficient (the masked pairs of P V, dS K, P^T dO,
+// dS^T Q, where 0 x NaN would be NaN); `flag` hands the value on to an operand that only meets
+// the row's pairs one by one, where the mask selects.
+template <int ROWS, int D, int NUM_THREADS, typename T, typename Flag>
+__device__ __forceinline__ void zero_nonfinite_chunks(T* s_tile, int valid_rows, Flag&& flag) {
+    constexpr int STRIDE = smem_stride<D>();
+    for_each_own_chunk<ROWS, D, NUM_THREADS>([&](int r, int col) {
+        if (r >= valid_rows) return;                   // zero-filled
+        uint4* p = reinterpret_cast<uint4*>(s_tile + r * STRIDE + col);
+        if (any_nonfinite<T>(*p)) {
+            *p = uint4{0u, 0u, 0u, 0u};
+            flag(r, col);
+        }
+    });
 }
 
 // The two orders of the four 8 x 8 matrices of an x4 load of a 16 x 16 block (see top).

@@ -13,12 +13,14 @@ namespace varlen {
 constexpr int STAGES = 2;
 
 // Runs `compute(chunk, stage)` on every chunk of `cursor` once `load(chunk, stage)` has filled
-// that stage. The copies of the block's own tile, issued by the caller before, join the first
-// chunk's group. On return every copy has landed and every thread is past its last compute, so
-// the shared tiles may be reused.
-template <int CHUNK, typename Load, typename Compute>
+// that stage. Before, `own(chunk, stage)` runs between this thread's wait for its copies and the
+// barrier that publishes everyone's: a thread may rewrite its own copies there
+// (zero_nonfinite_chunks). The copies of the block's own tile, issued by the caller before, join
+// the first chunk's group. On return every copy has landed and every thread is past its last
+// compute, so the shared tiles may be reused.
+template <int CHUNK, typename Load, typename Own, typename Compute>
 __device__ __forceinline__ void for_each_chunk(PartnerCursor<CHUNK>& cursor, Load&& load,
-                                               Compute&& compute) {
+                                               Own&& own, Compute&& compute) {
     if (cursor.valid()) load(cursor.chunk(), 0);
     cp_async_commit();
     int stage = 0;
@@ -29,6 +31,7 @@ __device__ __forceinline__ void for_each_chunk(PartnerCursor<CHUNK>& cursor, Loa
         if (cursor.valid()) load(cursor.chunk(), stage ^ 1);
         cp_async_commit();
         cp_async_wait<1>();      // every group but the prefetch: the own tile and `cur`
+        own(cur, stage);
         __syncthreads();
         compute(cur, stage);
         __syncthreads();         // everyone is done with this stage before it is refilled
@@ -97,6 +100,20 @@ struct KvStages {
     __device__ __forceinline__ void load(const Chunk& c, int stage) const {
         load_tile_async<BN, D, NUM_THREADS>(s_k + stage * STAGE_ELEMS, k, c.row, c.rows);
         load_tile_async<BN, D, NUM_THREADS>(s_v + stage * STAGE_ELEMS, v, c.row, c.rows);
+    }
+
+    // On a partially masked chunk, where hidden pairs have P = 0 (or dS = 0): a NaN or inf in
+    // this thread's chunks of V (FROM_V, the forward's P V) or K (the dQ kernel's dS K) is zeroed
+    // and handed on as a NaN in the other one, which meets the key row only in Q K^T or dO V^T,
+    // one pair at a time: exactly the rows that see the key are flagged, the others select it
+    // away. Call it in for_each_chunk's `own` step.
+    template <bool FROM_V>
+    __device__ __forceinline__ void zero_nonfinite(const Chunk& c, int stage) const {
+        T* s_to = (FROM_V ? s_k : s_v) + stage * STAGE_ELEMS;
+        zero_nonfinite_chunks<BN, D, NUM_THREADS>((FROM_V ? s_v : s_k) + stage * STAGE_ELEMS,
+                                                  c.rows, [&](int r, int col) {
+            s_to[r * smem_stride<D>() + col] = ElemTraits<T>::from_float(nan_f());
+        });
     }
 
     __device__ __forceinline__ const T* k_at(int stage) const { return s_k + stage * STAGE_ELEMS; }

@@ -1,7 +1,8 @@
-// Score transform (scale, softcap), the online softmax of FlashAttention-2 (Alg. 1, lines 9-10)
-// and its backward (Alg. 2), on a warp's [16, 8 NB] fp32 score tiles in C-fragment layout:
-// lane (g, t) holds rows g and g + 8, columns nb * 8 + 2t + {0, 1}. Scores are kept in base-2
-// units x = s * LOG2E, so p = exp2(x - m) = exp(s - m / LOG2E).
+// Score transform (scale, softcap, mask, non-finite values), the online softmax of
+// FlashAttention-2 (Alg. 1, lines 9-10) and its backward (Alg. 2), on a warp's [16, 8 NB] fp32
+// score tiles in C-fragment layout: lane (g, t) holds rows g and g + 8, columns
+// nb * 8 + 2t + {0, 1}. Scores are kept in base-2 units x = s * LOG2E, so
+// p = exp2(x - m) = exp(s - m / LOG2E).
 #pragma once
 
 #include "common.cuh"
@@ -23,17 +24,27 @@ __device__ __forceinline__ float score_log2(float qk, float softmax_scale, float
     }
 }
 
-// Every score of a [16, 8 NB] tile in base-2 units (the forward pass; the backward pass also
-// needs each tanh, so it transforms element by element in softmax_backward).
+// Every score of a warp's [16, 8 NB] tile in base-2 units (the forward pass), then -inf where
+// the row does not see the key: a select, so whatever a hidden key holds stays out. A NaN or
+// inf dot product (a NaN or inf in q or in that key's k) makes the score NaN, also under a
+// softcap whose tanh would turn an infinite score into a finite one; a row that sees one has a
+// NaN probability, and OnlineSoftmax carries it into the row's sum and output. Mask arithmetic
+// on partial tiles only.
 template <bool HAS_SOFTCAP, int NB>
-__device__ __forceinline__ void scale_scores(float (&s)[NB][4], const CallParams& call) {
+__device__ __forceinline__ void mask_scores(float (&s)[NB][4], const TileMask<false>& mask,
+                                            const CallParams& call, int lane) {
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[nb][e] = score_log2<HAS_SOFTCAP>(s[nb][e], call.softmax_scale, call.softcap);
+            s[nb][e] = score_log2<HAS_SOFTCAP>(s[nb][e], call.softmax_scale, call.softcap) +
+                       zero_or_nan(s[nb][e]);
         }
     }
+    if (!mask.partial) return;
+    for_each_element<NB>(mask, lane, [&](int nb, int i, int, bool visible) {
+        if (!visible) s[nb][i] = neg_inf();
+    });
 }
 
 // Running row statistics of one lane's two rows (g and g + 8): max m in base-2 units and the
@@ -81,20 +92,29 @@ struct OnlineSoftmax {
     }
 
     // Final 1/l per row (0 for a row without a visible key: output 0) and the natural-log
-    // lse (-inf for such a row).
-    __device__ __forceinline__ void finish(float (&inv_l)[2], float (&lse)[2]) const {
+    // lse (-inf for such a row). Both are NaN for a row that saw a NaN or inf: a NaN score
+    // (mask_scores) has made its sum NaN, a value row its output rows `acc` non-finite.
+    template <int NO>
+    __device__ __forceinline__ void finish(const float (&acc)[NO][4], float (&inv_l)[2],
+                                           float (&lse)[2]) const {
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
+            bool bad = !is_finite(l[half]);
+            #pragma unroll
+            for (int no = 0; no < NO; ++no) {
+                bad |= !is_finite(acc[no][2 * half]) || !is_finite(acc[no][2 * half + 1]);
+            }
+            bad = quad_max(bad ? 1.f : 0.f) > 0.f;       // any lane of the row's quad
             const float l_row = quad_sum(l[half]);
             const bool seen = l_row > 0.f;
-            inv_l[half] = seen ? 1.f / l_row : 0.f;
-            lse[half] = seen ? (m[half] + log2f(l_row)) * LN2 : neg_inf();
+            inv_l[half] = bad ? nan_f() : (seen ? 1.f / l_row : 0.f);
+            lse[half] = bad ? nan_f() : (seen ? (m[half] + log2f(l_row)) * LN2 : neg_inf());
         }
     }
 };
 
 // lse2 and delta of query row `row` of head `head` ([Hq, Tq] arrays); a row past the tile gets
-// lse2 = +inf and delta = 0, so its recomputed probabilities are exactly 0.
+// lse2 = +inf and delta = 0 (its pairs are masked, or its results not written).
 __device__ __forceinline__ void load_row_stats(float& row_lse2, float& row_delta,
                                                const float* lse2, const float* delta, int Tq,
                                                int head, int row, bool present) {
@@ -103,11 +123,17 @@ __device__ __forceinline__ void load_row_stats(float& row_lse2, float& row_delta
     row_delta = present ? delta[idx] : 0.f;
 }
 
-// The softmax backward of one [16, 8 NB] tile (FlashAttention-2, Alg. 2): with x the masked
-// score in base-2 units, P = exp2(x - lse2) replaces the scores `s` (in: Q K^T) and
+// The softmax backward of one [16, 8 NB] tile (FlashAttention-2, Alg. 2): with x the score in
+// base-2 units, P = exp2(x - lse2) replaces the scores `s` (in: Q K^T) and
 // dS = P (dP - delta) * softmax_scale (times 1 - tanh^2 with a softcap) replaces `dp` (in:
 // dO V^T). `stats.lse2(half, col)` and `stats.delta(half, col)` give an element's row
 // statistics: per row in the dQ kernel, per column in the transposed dK/dV kernel.
+// Hidden pairs get P = dS = 0 exactly, whatever their operands hold: x = -inf against an lse2
+// that is finite or +inf (the preprocessing), times a finite dP - delta. A pair the row sees
+// with a NaN or inf operand gets P = dS = NaN, so the products that follow (dQ += dS K in the dQ
+// kernel; dV += P^T dO, dK += dS^T Q and the atomic dQ += dS K in the dK/dV kernel) make both
+// sides of the pair NaN in every column. The checks ride on values in registers, without a
+// compare: see zero_or_nan and clamp_finite.
 template <bool HAS_SOFTCAP, int NB, typename Mask, typename Stats>
 __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[NB][4],
                                                  const Mask& mask, const Stats& stats,
@@ -115,12 +141,16 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
     for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
         float th = 0.f;
         float x = score_log2<HAS_SOFTCAP>(s[nb][i], call.softmax_scale, call.softcap, &th);
+        float t = dp[nb][i] - stats.delta(i / 2, col);
+        if (HAS_SOFTCAP) t *= 1.f - th * th;
+        // NaN for a pair with a NaN or inf operand: q or k (the dot product, before the
+        // softcap's tanh), dO or v (dP), O or lse (delta)
+        x += zero_or_nan(s[nb][i] + t);
         if (!visible) x = neg_inf();
         const float p = exp2f(x - stats.lse2(i / 2, col));
-        float ds = p * (dp[nb][i] - stats.delta(i / 2, col));
-        if (HAS_SOFTCAP) ds *= 1.f - th * th;
         s[nb][i] = p;
-        dp[nb][i] = ds * call.softmax_scale;
+        // a hidden pair's 0 * t stays 0 whatever its operands hold
+        dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
     });
 }
 

@@ -2,6 +2,11 @@
 (`varlen/backends/_cupy_emulation.py`, each case in its own process, as the emulation replaces
 `cupy`) against the float64 reference.
 
+* Non-finite values (docs/semantics.md, "Non-finite values"): NaN, +inf and -inf in q, k, v
+  (forward) and q, k, v, dout, out, lse (backward, both dQ modes) of a small batch whose tile
+  edges fall inside a sequence, with padding gaps full of NaN and a second sequence, give the
+  reference's pattern of non-finite (row, head) entries: nothing reaches a row that cannot see
+  it, and every row that sees one is NaN.
 * 64-bit addressing: one short sequence at the end of packed arrays of more than 2**31
   elements (sparse anonymous memory maps: only its rows are ever touched) is computed at the
   right addresses, forward and backward (dK/dV with atomic dQ, and deterministic dQ); and the
@@ -44,6 +49,124 @@ def _assert_finite_close(label, got, want, tol):
     err = np.abs(got[both] - want[both]).max(initial=0.0)
     scale = max(1.0, np.abs(want[both]).max(initial=0.0))
     assert err <= tol * scale, f"{label}: finite entries differ by {err:.3e} (scale {scale:.3g})"
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite values: a value never leaves what can see it; where it is seen, it shows
+# --------------------------------------------------------------------------------------------
+
+FORWARD_TENSORS = ("q", "k", "v")
+BACKWARD_TENSORS = ("q", "k", "v", "dout", "out", "lse")
+
+
+@needs_cxx
+@pytest.mark.parametrize("tensor, softcap", [(t, 0.0) for t in FORWARD_TENSORS] + [("k", 5.0)],
+                         ids=[*FORWARD_TENSORS, "k-softcap"])
+def test_nonfinite_forward_matches_reference_pattern(tensor, softcap):
+    # under a softcap, tanh would turn an infinite score into a finite one: still NaN
+    _emulate("nonfinite-forward", tensor, str(softcap))
+
+
+@needs_cxx
+@pytest.mark.parametrize("tensor", BACKWARD_TENSORS)
+def test_nonfinite_backward_matches_reference_pattern(tensor):
+    _emulate("nonfinite-backward", tensor)
+
+
+def _nonfinite_batch():
+    """fp16, D=32, GQA 4/2, tiles (64, 64). Sequence 0 (70 x 70, causal) has a tile edge at
+    row 64 inside it: its diagonal chunks are partially masked, chunk 0 of its second query tile
+    is fully visible, its last key chunk is ragged. Sequence 1 (9 x 12, sliding window) follows
+    after a padding gap. Every padding row of q, k, v, dout holds NaN."""
+    import varlen
+    from helpers import make_batch
+    mask = varlen.Mask(window_left=np.array([-1, 4], np.int32),
+                       window_right=np.array([0, 2], np.int32))
+    rng = np.random.default_rng(7)
+    b = make_batch(rng, [70, 9], [70, 12], Hq=4, Hk=2, D=32, dtype="float16", mask=mask,
+                   gaps=True, garbage=np.nan)
+    assert b.off_q[1] > b.off_q[0] + 70 or b.off_k[1] > b.off_k[0] + 70, "no padding gap"
+    return b
+
+
+def _positions(b, tensor):
+    """Three (row, head, value) poisons at rows that test an edge each, in different heads so
+    that their patterns stay apart."""
+    q_side = tensor in ("q", "dout", "out", "lse")
+    off = b.off_q if q_side else b.off_k
+    if q_side:
+        # a row of the first tile (keys after it in the same chunk are hidden from it), a row
+        # past the tile edge, a row of the second sequence
+        rows = (off[0] + 10, off[0] + 66, off[1] + 3)
+        heads = (0, 2, 1)
+    else:
+        # a key hidden from the earlier queries of its chunk, the first key of the ragged last
+        # chunk, a key of the second sequence
+        rows = (off[0] + 20, off[0] + 64, off[1] + 5)
+        heads = (0, 1, 1)
+    return list(zip(map(int, rows), heads, (np.nan, np.inf, -np.inf)))
+
+
+def _poisoned(arrays, tensor, positions):
+    a = arrays[tensor].copy()
+    for row, head, value in positions:
+        if tensor == "lse":
+            a[head, row] = value
+        else:
+            a[row, head, 0] = value
+    return {**arrays, tensor: a}
+
+
+def _emulated_plan(b):
+    import varlen
+    return varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
+                       block_m=64, block_n=64)
+
+
+def _case_nonfinite_forward(tensor, softcap):
+    from test_nonfinite import _assert_same_pattern
+    from varlen import reference
+    from varlen.backends.cupy_backend import BACKEND
+    b = _nonfinite_batch()
+    plan = _emulated_plan(b)
+    scale, softcap = 1.0 / math.sqrt(b.q.shape[2]), float(softcap)
+    args = _poisoned({"q": b.q, "k": b.k, "v": b.v}, tensor, _positions(b, tensor))
+    out, lse = BACKEND.forward(plan, args["q"], args["k"], args["v"], softmax_scale=scale,
+                               softcap=softcap)
+    rout, rlse = reference.attention_dense(args["q"], args["k"], args["v"], b.cu_q, b.cu_k,
+                                           softcap=softcap, **b.layout)
+    label = f"forward (softcap={softcap}), {tensor} poisoned at {_positions(b, tensor)}"
+    _assert_same_pattern(f"{label}: out", out, rout, values=False)
+    _assert_same_pattern(f"{label}: lse", lse, rlse, values=False)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(rlse)), f"{label}: -inf lse rows"
+    assert not np.isinf(np.asarray(out, np.float64)).any(), f"{label}: inf instead of NaN"
+    _assert_finite_close(f"{label}: out", out, rout, 2e-2)
+    _assert_finite_close(f"{label}: lse", lse, rlse, 2e-2)
+
+
+def _case_nonfinite_backward(tensor):
+    from test_nonfinite import _assert_same_pattern
+    from varlen import reference
+    from varlen.backends.cupy_backend import BACKEND
+    b = _nonfinite_batch()
+    plan = _emulated_plan(b)
+    scale = 1.0 / math.sqrt(b.q.shape[2])
+    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, softmax_scale=scale, softcap=0.0)
+    clean = {"q": b.q, "k": b.k, "v": b.v, "dout": b.dout, "out": out, "lse": lse}
+    a = _poisoned(clean, tensor, _positions(b, tensor))
+    want = reference.attention_dense_backward(a["dout"], a["q"], a["k"], a["v"], b.cu_q, b.cu_k,
+                                              out=a["out"], lse=a["lse"], **b.layout)
+    for det in (False, True):
+        grads = BACKEND.backward(plan, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"],
+                                 softmax_scale=scale, softcap=0.0, deterministic=det)
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+            label = (f"backward (deterministic={det}), {tensor} poisoned at "
+                     f"{_positions(b, tensor)}: {name}")
+            _assert_same_pattern(label, g, w, values=False)
+            assert not np.isinf(np.asarray(g, np.float64)).any(), f"{label}: inf instead of NaN"
+            if tensor in ("dout", "out", "lse"):      # out, lse consistent with q, k, v
+                _assert_finite_close(label, g, w, 5e-2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,7 +312,9 @@ def _case_long_sequence():
 # The emulated cases (python tests/test_cupy_edges.py CASE [ARG])
 # --------------------------------------------------------------------------------------------
 
-CASES = {"large-offsets": _case_large_offsets,
+CASES = {"nonfinite-forward": _case_nonfinite_forward,
+         "nonfinite-backward": _case_nonfinite_backward,
+         "large-offsets": _case_large_offsets,
          "long-sequence": _case_long_sequence}
 
 
