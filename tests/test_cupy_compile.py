@@ -59,7 +59,7 @@ def test_shared_memory_budget(report):
 
 def test_host_smem_matches_kernel_layout():
     """The host's dynamic shared-memory sizes equal the kernels' own layout constants."""
-    from varlen.backends._cupy_compile import cuda_include_dirs
+    from varlen.backends._cupy_compile import program_options
     lines = ['#include "varlen_attention.cu"']
     for s in _cupy_spec.all_specs():
         if s.kind == "fwd":
@@ -75,8 +75,7 @@ def test_host_smem_matches_kernel_layout():
                          f"{s.dkdv_smem(atomic)}, \"{s.label} dkdv\");")
     src = "\n".join(lines) + "\n"
     prog = nvrtc.nvrtcCreateProgram(src.encode(), b"check.cu", 0, [], [])[1]
-    opts = ["--gpu-architecture=sm_80", "--std=c++17", *_cupy_spec.compile_options(),
-            *[f"-I{d}" for d in cuda_include_dirs()]]
+    opts = program_options("sm_80")
     res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
     size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
     log = b" " * size
@@ -187,7 +186,7 @@ def test_backend_interface_without_a_gpu():
     def supports(dtype, on_device=True, head_dim=128, head_dim_v=128):
         return cb.supports(Problem(dtype, head_dim, head_dim_v, on_device))
     why = supports("bfloat16")
-    assert why is None or why.startswith("CuPy is not importable"), why
+    assert why is None or why.startswith(("CuPy is not importable", "no CUDA device")), why
     assert "host" in supports("bfloat16", on_device=False)
     assert "float32" in supports("float32")
     assert "head_dim=80" in supports("float16", head_dim=80, head_dim_v=80)

@@ -12,6 +12,11 @@
   right addresses, forward and backward (dK/dV with atomic dQ, and deterministic dQ); and the
   forward kernel walks the last key chunks of a sequence of 2**31 - 1 keys (chunk counts
   without an int32 overflow, element offsets near 2**36).
+* Device support, on stand-in device properties: compute capability sm_80 or newer, plan tiles
+  whose kernels fit the GPU's opt-in shared memory per block (a 99 KiB sm_86/sm_89 gets
+  (64, 64) tiles for D = 96 and 128 and refuses the deterministic backward at D = 128, naming
+  the limit), device attributes read once per device, and the same NVRTC options (include
+  directories) at run time as in the compile-budget check.
 """
 from __future__ import annotations
 
@@ -21,9 +26,13 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
+
+from varlen.backends import _cupy_spec
+from varlen.backends._cupy_spec import DeviceInfo, KernelSpec
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 CXX = os.environ.get("CXX", "g++")
@@ -306,6 +315,131 @@ def _case_long_sequence():
     assert np.isfinite(out).all() and np.isfinite(lse).all(), "rows left unwritten"
     _assert_finite_close("out of the last chunks of 2**31 - 1 keys", out, ref_out, 2e-2)
     _assert_finite_close("lse", lse, ref_lse, 2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Device support
+# --------------------------------------------------------------------------------------------
+
+KIB = 1024
+A100 = DeviceInfo((8, 0), 163 * KIB, "NVIDIA A100")
+A6000 = DeviceInfo((8, 6), 99 * KIB, "NVIDIA RTX A6000")
+L40S = DeviceInfo((8, 9), 99 * KIB, "NVIDIA L40S")
+H100 = DeviceInfo((9, 0), 227 * KIB, "NVIDIA H100")
+T4 = DeviceInfo((7, 5), 64 * KIB, "Tesla T4")
+# The tiles the backend's plans get, by head dim: 99 KiB cannot hold the (128, 64) forward at
+# D = 128 (104448 B) nor the (128, 64) dQ kernel at D = 96 (106496 B).
+BIG_TILES = {D: (128, 64) for D in _cupy_spec.HEAD_DIMS}
+SMALL_SMEM_TILES = {32: (128, 64), 64: (128, 64), 96: (64, 64), 128: (64, 64)}
+
+
+def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
+    """What `supports` reads of a call (the setup record's attributes)."""
+    return types.SimpleNamespace(dtype=dtype, head_dim=D, head_dim_v=D, on_device=True,
+                                 grads=() if backward else None, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("device, tiles", [(A100, BIG_TILES), (A6000, SMALL_SMEM_TILES),
+                                           (L40S, SMALL_SMEM_TILES), (H100, BIG_TILES)],
+                         ids=["sm_80-163KiB", "sm_86-99KiB", "sm_89-99KiB", "sm_90-227KiB"])
+def test_tiles_fit_the_device(device, tiles):
+    from varlen.backends.cupy_backend import BACKEND
+    with BACKEND.stand_in_device(device):
+        for D in _cupy_spec.HEAD_DIMS:
+            for dtype in _cupy_spec.DTYPES:
+                blocks = BACKEND.default_blocks(dtype, D)
+                assert blocks == tiles[D], f"{device.arch} D={D}: tiles {blocks}"
+                assert BACKEND.supports(_call(dtype, D)) is None, f"{device.arch} D={D} forward"
+                assert BACKEND.supports(_call(dtype, D, backward=True)) is None
+                for kind, roles in (("fwd", "fwd"), ("bwd", "bwd")):
+                    spec = KernelSpec(kind, dtype, D, *blocks, False)
+                    for role in _cupy_spec.ROLES[roles]:
+                        assert spec.kernels()[role].smem <= device.smem_optin, (
+                            f"{device.arch}: {spec.kernels()[role].name} does not fit")
+                why = BACKEND.supports(_call(dtype, D, backward=True, deterministic=True))
+                dq = KernelSpec("bwd", dtype, D, *blocks, False).kernels()["dq"]
+                if dq.smem <= device.smem_optin:
+                    assert why is None, f"{device.arch} D={D} deterministic: {why}"
+                else:
+                    assert f"{dq.smem} B" in why and f"{device.smem_optin} B" in why, why
+
+
+def test_small_shared_memory_refuses_the_deterministic_backward_and_says_why():
+    import varlen
+    from varlen.backends.cupy_backend import BACKEND
+    with BACKEND.stand_in_device(A6000):
+        with pytest.raises(ValueError, match=r"deterministic=True .* varlen_bwd_dq<__half, 128, "
+                                             r"64, 64, false> needs 104448 B .* NVIDIA RTX A6000 "
+                                             r"\(sm_86\) allows at most 101376 B \(99 KiB\)"):
+            varlen.backends.select("cupy", _call("float16", 128, backward=True,
+                                                 deterministic=True))
+        # a plan built elsewhere with tiles the GPU cannot hold is refused before any launch
+        plan = types.SimpleNamespace(block_m=128, block_n=64)
+        q = np.zeros((1, 1, 128), np.float16)
+        with pytest.raises(ValueError, match=r"tiles \(128, 64\) .* 104448 B .* 101376 B"):
+            BACKEND.forward(plan, q, q, q, softmax_scale=1.0, softcap=0.0)
+
+
+def test_old_gpus_are_refused():
+    from varlen.backends.cupy_backend import BACKEND
+    with BACKEND.stand_in_device(T4):
+        why = BACKEND.supports(_call())
+    assert "sm_75" in why and "compute capability 7.5" in why and "sm_80" in why, why
+
+
+def _stub_cupy(reads, options=None):
+    """A `cupy` module with the few attributes the backend reads of a device and a RawModule
+    that records its NVRTC options; `reads` counts the attribute reads per device."""
+    class Device:
+        def __init__(self, device=0):
+            self.id = device
+
+        @property
+        def compute_capability(self):
+            reads[self.id] = reads.get(self.id, 0) + 1
+            return "86"
+
+        @property
+        def attributes(self):
+            return {"MaxSharedMemoryPerBlockOptin": 99 * KIB}
+
+    class RawModule:
+        def __init__(self, code=None, options=(), name_expressions=()):
+            options_seen.extend(options)
+
+    options_seen = options if options is not None else []
+    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"stub"})
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device, runtime=runtime),
+                                 RawModule=RawModule)
+
+
+def test_device_attributes_are_read_once_per_device(monkeypatch):
+    from varlen.backends import cupy_backend
+    reads = {}
+    monkeypatch.setitem(sys.modules, "cupy", _stub_cupy(reads))
+    cupy_backend.device_info.cache_clear()
+    try:
+        for _ in range(3):
+            assert cupy_backend.device_info(0) == DeviceInfo((8, 6), 99 * KIB, "stub")
+            cupy_backend.BACKEND.supports(_call())
+            cupy_backend.BACKEND.default_blocks("bfloat16", 128)
+        cupy_backend.device_info(1)
+        assert reads == {0: 1, 1: 1}, f"device attributes read {reads} times"
+    finally:
+        cupy_backend.device_info.cache_clear()
+
+
+def test_runtime_nvrtc_options_are_the_compile_checks(monkeypatch):
+    """The options CuPy's RawModule gets are the compile check's, include directories too."""
+    from varlen.backends import _cupy_compile, _cupy_kernels
+    runtime = []
+    monkeypatch.setitem(sys.modules, "cupy", _stub_cupy({}, runtime))
+    _cupy_kernels._Module(KernelSpec("fwd", "bfloat16", 128, 128, 64, False))
+    check = _cupy_compile.program_options("sm_80")
+    assert [o for o in check if o.startswith(("-I", "-D", "--use_fast_math"))] == runtime
+    includes = [o[2:] for o in runtime if o.startswith("-I")]
+    for d in _cupy_spec.cuda_include_dirs():
+        assert d in includes, f"runtime NVRTC options miss the CUDA headers {d}: {runtime}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ CI compile test.
 """
 from __future__ import annotations
 
-import os
 import re
 from collections import defaultdict
 
@@ -16,23 +15,6 @@ from . import _cupy_spec as spec_mod
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
-
-
-def cuda_include_dirs():
-    """CUDA headers (cuda_fp16.h, cuda_bf16.h): $CUDA_HOME/include, $CUDA_PATH/include, or
-    the header directory of the nvidia-cuda-runtime wheel."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        root = os.environ.get(var)
-        if root and os.path.isfile(os.path.join(root, "include", "cuda_fp16.h")):
-            return (os.path.join(root, "include"),)
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-        found = find_nvidia_header_directory("cudart")
-        if found:
-            return (found,)
-    except ImportError:
-        pass
-    return ("/usr/local/cuda/include",)
 
 
 def _check(res, what):
@@ -55,6 +37,13 @@ def parse_ptxas_log(log: str) -> dict:
     return out
 
 
+def program_options(arch: str) -> list:
+    """NVRTC options of the check: the runtime's (`_cupy_spec.compile_options`), for `arch`,
+    with ptxas' resource report."""
+    return [f"--gpu-architecture={arch}", "--std=c++17", *spec_mod.compile_options(),
+            "-Xptxas=-v"]
+
+
 def compile_names(names, arch: str):
     """Compile the kernels named by `names` (template name expressions) for `arch` (sm_XX).
 
@@ -66,9 +55,7 @@ def compile_names(names, arch: str):
     try:
         for name in names:
             _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), "add name expression")
-        opts = [f"--gpu-architecture={arch}", "--std=c++17", *spec_mod.compile_options(),
-                "-Xptxas=-v",
-                *[f"-I{d}" for d in cuda_include_dirs()]]
+        opts = program_options(arch)
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
         log = b" " * size

@@ -151,6 +151,17 @@ def _host_data(a):
     return a
 
 
+class _Device:
+    """The emulated GPU as `cupy.cuda.Device` describes it: sm_90 with 227 KiB of opt-in shared
+    memory per block (the emulation's buffer holds EMULATED_SMEM)."""
+
+    compute_capability = "90"
+    attributes = {"MaxSharedMemoryPerBlockOptin": 227 * 1024}
+
+    def __init__(self, device=None):
+        self.id = 0
+
+
 def install_fake_cupy(block_m: int):
     """Replace `cupy` by NumPy plus an emulating RawModule (this process only)."""
     fake = types.ModuleType("cupy")
@@ -167,7 +178,8 @@ def install_fake_cupy(block_m: int):
             return _Kernel(name, block_m)
 
     fake.RawModule = RawModule
-    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
+    fake.cuda = types.SimpleNamespace(Device=_Device, runtime=types.SimpleNamespace(
+        getDeviceProperties=lambda device_id: {"name": b"host emulation"}))
     sys.modules["cupy"] = fake
     from . import _cupy_kernels
     _cupy_kernels._modules.clear()

@@ -39,9 +39,12 @@ CONVERT_THREADS = 256
 STAGES = 2
 
 # Largest dynamic shared memory per block (opt-in) by architecture: A100 163 KiB,
-# H100/H200 227 KiB (CUDA C++ Programming Guide, "Compute capabilities" table).
+# H100/H200 227 KiB (CUDA C++ Programming Guide, "Compute capabilities" table). The compile
+# budget checks these two; at run time the backend reads the device's own limit (DeviceInfo).
 SMEM_BUDGET = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 ARCHS = tuple(SMEM_BUDGET)
+# mma.sync m16n8k16 on bfloat16 operands and cp.async need compute capability 8.0.
+MIN_COMPUTE_CAPABILITY = (8, 0)
 
 # The structs of kernels_cuda/plan_view.cuh as aligned NumPy dtypes (C layout: each field at a
 # multiple of its size, the whole padded to its largest field); tests/test_cupy_compile.py
@@ -182,6 +185,69 @@ class KernelSpec:
                 f"{'-softcap' if self.has_softcap else ''}")
 
 
+# The kernels a call runs, by role (KernelSpec.kernels): the forward, the backward with atomic
+# dQ, the deterministic backward.
+ROLES = {"fwd": ("fwd",), "bwd": ("preprocess", "dkdv_atomic", "dq_convert"),
+         "bwd-deterministic": ("preprocess", "dkdv", "dq")}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the backend reads of a GPU, once per device: its compute capability and the largest
+    dynamic shared memory one block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin;
+    99 KiB on sm_86/sm_89, 163 KiB on sm_80, 227 KiB on sm_90)."""
+
+    compute_capability: tuple      # (major, minor)
+    smem_optin: int                # bytes
+    name: str = ""
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.arch})" if self.name else self.arch
+
+
+def unsupported_device(device: DeviceInfo) -> str | None:
+    """Why the kernels cannot run on `device` at all (None: they can)."""
+    if tuple(device.compute_capability) < MIN_COMPUTE_CAPABILITY:
+        major, minor = device.compute_capability
+        return (f"the GPU is {device.describe()}, compute capability {major}.{minor}; the "
+                f"tensor-core kernels need sm_80 or newer (mma.sync on bfloat16, cp.async)")
+    return None
+
+
+def smem_refusal(spec: KernelSpec, device: DeviceInfo, roles=None) -> str | None:
+    """None when the kernels of `spec` (those of `roles`, default all) fit the shared memory a
+    block may opt into on `device`; else which one does not, naming both sizes."""
+    over = [k for role, k in spec.kernels().items()
+            if (roles is None or role in roles) and k.smem > device.smem_optin]
+    if not over:
+        return None
+    k = max(over, key=lambda k: k.smem)
+    return (f"{k.name} needs {k.smem} B of shared memory per block and {device.describe()} "
+            f"allows at most {device.smem_optin} B ({device.smem_optin / 1024:g} KiB)")
+
+
+def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tuple):
+    """The plan tiles for `device`: the first of `preferred`, then the other BLOCKS, under which
+    every kernel fits its shared memory; else the first under which the forward and the
+    atomic-dQ backward fit (the deterministic backward is then refused); None if none does."""
+    order = (tuple(preferred), *(b for b in BLOCKS if b != tuple(preferred)))
+
+    def fits(blocks, role_sets):
+        return all(smem_refusal(KernelSpec(kind, dtype, head_dim, *blocks, False), device,
+                                ROLES[roles]) is None
+                   for kind, roles in role_sets)
+    for role_sets in ((("fwd", "fwd"), ("bwd", "bwd"), ("bwd", "bwd-deterministic")),
+                      (("fwd", "fwd"), ("bwd", "bwd"))):
+        for blocks in order:
+            if fits(blocks, role_sets):
+                return blocks
+    return None
+
+
 def all_specs():
     """Every variant the backend ships."""
     return [KernelSpec(kind, dtype, d, bm, bn, sc)
@@ -204,9 +270,28 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def cuda_include_dirs():
+    """CUDA headers (cuda_fp16.h, cuda_bf16.h): $CUDA_HOME/include, $CUDA_PATH/include, or
+    the header directory of the nvidia-cuda-runtime wheel."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_fp16.h")):
+            return (os.path.join(root, "include"),)
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            return (found,)
+    except ImportError:
+        pass
+    return ("/usr/local/cuda/include",)
+
+
 def compile_options():
-    """NVRTC options of the runtime build (CuPy adds -std=c++17 and -arch itself)."""
-    return ("--use_fast_math", f"-I{SOURCE_DIR}", f"-DVARLEN_SOURCE_HASH=0x{source_hash()}")
+    """NVRTC options of every build of the kernels: the runtime's (CuPy adds -arch itself) and
+    the compile check's (scripts/compile_kernels.py), so both find the same headers."""
+    return ("--use_fast_math", f"-I{SOURCE_DIR}", *(f"-I{d}" for d in cuda_include_dirs()),
+            f"-DVARLEN_SOURCE_HASH=0x{source_hash()}")
 
 
 def module_source() -> str:

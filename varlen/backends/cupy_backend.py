@@ -1,15 +1,20 @@
 """The CuPy backend: tensor-core (mma.sync) forward and backward kernels for float16/bfloat16.
 
 Kernels live in `kernels_cuda/` (see docs/cupy_backend.md); this module checks what they can
-run and hands the plan and the working CuPy arrays to the launchers in `_cupy_kernels.py`.
-Nothing here reads device memory on the host.
+run (dtype, head dim, and the GPU: compute capability, opt-in shared memory per block) and
+hands the plan and the working CuPy arrays to the launchers in `_cupy_kernels.py`. Nothing
+here reads device memory on the host.
 """
 from __future__ import annotations
+
+import contextlib
+import functools
 
 from .._validate import dtype_name
 from ..plan import Plan
 from .base import Backend
-from ._cupy_spec import BLOCKS, DTYPES, HEAD_DIMS, KernelSpec
+from ._cupy_spec import (BLOCKS, DTYPES, HEAD_DIMS, ROLES, DeviceInfo, KernelSpec, choose_blocks,
+                         smem_refusal, unsupported_device)
 
 # Tile sizes of plans this backend builds by default: 8 warps of 16 query rows per block.
 DEFAULT_BLOCKS = (128, 64)
@@ -21,6 +26,19 @@ def _cupy_missing():
     except ImportError as e:
         return f"CuPy is not importable ({e})"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def device_info(device_id: int) -> DeviceInfo:
+    """The compute capability and opt-in shared memory per block of CUDA device `device_id`,
+    read once per device."""
+    import cupy
+    dev = cupy.cuda.Device(device_id)
+    cc = str(dev.compute_capability)                        # "86"
+    name = cupy.cuda.runtime.getDeviceProperties(device_id).get("name", b"")
+    return DeviceInfo(compute_capability=(int(cc[:-1]), int(cc[-1])),
+                      smem_optin=int(dev.attributes["MaxSharedMemoryPerBlockOptin"]),
+                      name=name.decode() if isinstance(name, bytes) else str(name))
 
 
 def spec_for(plan: Plan, q, *, kind: str, softcap: float) -> KernelSpec:
@@ -38,6 +56,31 @@ class CupyBackend(Backend):
     # sm_80/sm_90 but their numerics are unverified until then. backend="cupy" always works.
     default_eligible = False
 
+    def __init__(self):
+        self._stand_in = None
+
+    @contextlib.contextmanager
+    def stand_in_device(self, device: DeviceInfo):
+        """Answer every device question as if the current GPU were `device` (tests on a CPU)."""
+        self._stand_in, before = device, self._stand_in
+        try:
+            yield device
+        finally:
+            self._stand_in = before
+
+    def device(self) -> tuple:
+        """`(DeviceInfo of the current GPU, None)`, or `(None, why there is none)`."""
+        if self._stand_in is not None:
+            return self._stand_in, None
+        why = _cupy_missing()
+        if why:
+            return None, why
+        import cupy
+        try:
+            return device_info(cupy.cuda.Device().id), None
+        except Exception as e:          # no driver, no device: CuPy's own error types vary
+            return None, f"no CUDA device is usable ({type(e).__name__}: {e})"
+
     def supports(self, call):
         if not call.on_device:
             return "the cupy backend runs on a CUDA device; the arrays live on the host"
@@ -48,10 +91,29 @@ class CupyBackend(Backend):
             return f"head_dim={call.head_dim} is not compiled (available: {HEAD_DIMS})"
         if call.head_dim_v != call.head_dim:
             return f"head_dim_v={call.head_dim_v} differs from head_dim={call.head_dim}"
-        return _cupy_missing()
+        device, why = self.device()
+        return why or unsupported_device(device) or self._fits(device, call)
+
+    def _fits(self, device, call):
+        """Why the kernels of `call` do not fit the shared memory of `device` (None: they do)."""
+        blocks = choose_blocks(device, call.dtype, call.head_dim, DEFAULT_BLOCKS)
+        if blocks is None:
+            smallest = KernelSpec("fwd", call.dtype, call.head_dim, *BLOCKS[0], False)
+            return f"no tile size fits this GPU: {smem_refusal(smallest, device)}"
+        if getattr(call, "grads", None) is not None and getattr(call, "deterministic", False):
+            why = smem_refusal(KernelSpec("bwd", call.dtype, call.head_dim, *blocks, False),
+                               device, ROLES["bwd-deterministic"])
+            if why:
+                return f"deterministic=True runs a dQ kernel that does not fit: {why}"
+        return None
 
     def default_blocks(self, dtype, head_dim):
-        return DEFAULT_BLOCKS
+        """(128, 64), or the tiles whose kernels fit the current GPU's shared memory
+        (`_cupy_spec.choose_blocks`: (64, 64) for D = 96 and 128 on a 99 KiB sm_86/sm_89)."""
+        device, _ = self.device()
+        if device is None or dtype not in DTYPES or head_dim not in HEAD_DIMS:
+            return DEFAULT_BLOCKS
+        return choose_blocks(device, dtype, head_dim, DEFAULT_BLOCKS) or DEFAULT_BLOCKS
 
     def check_plan(self, plan: Plan):
         if (plan.block_m, plan.block_n) not in BLOCKS:
@@ -66,10 +128,20 @@ class CupyBackend(Backend):
             return "its arrays are not CuPy device arrays; build it from device cu_seqlens"
         return None
 
+    def _require_fit(self, spec, roles):
+        """A plan given with the call has its own tiles: refuse those the GPU cannot hold."""
+        device, _ = self.device()
+        why = None if device is None else smem_refusal(spec, device, ROLES[roles])
+        if why:
+            raise ValueError(f"the cupy backend cannot run a plan with tiles ({spec.block_m}, "
+                             f"{spec.block_n}) on this GPU: {why}; build the plan with the "
+                             f"tiles of CupyBackend.default_blocks or use another backend")
+
     def forward(self, plan, q, k, v, *, softmax_scale, softcap):
         """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf."""
         from . import _cupy_kernels
         spec = spec_for(plan, q, kind="fwd", softcap=softcap)
+        self._require_fit(spec, "fwd")
         return _cupy_kernels.forward(spec, plan, q, k, v, softmax_scale=softmax_scale,
                                      softcap=softcap)
 
@@ -79,6 +151,7 @@ class CupyBackend(Backend):
         row); dQ uses fp32 atomics unless `deterministic`, which runs a separate dQ kernel."""
         from . import _cupy_kernels
         spec = spec_for(plan, q, kind="bwd", softcap=softcap)
+        self._require_fit(spec, "bwd-deterministic" if deterministic else "bwd")
         return _cupy_kernels.backward(spec, plan, dout, q, k, v, out, lse,
                                       softmax_scale=softmax_scale, softcap=softcap,
                                       deterministic=bool(deterministic))
