@@ -373,11 +373,16 @@ def visible_pairs(pv, i, j, b):
 # Packing: working layouts, non-finite values replaced by 0 and flagged per row
 # --------------------------------------------------------------------------------------------
 
-@kernel(parallel=True, cache=True)
-def pack_rows(x, G, out, flag):
-    """`x [T, Hk * G, d]` -> `out [Hk, T * G, d]` (working dtype) and `flag [Hk, T * G]`."""
+# Packing and unpacking run in the calling thread: they move O(T H D) values, a parallel launch
+# would cost more than it saves on small calls and little on large ones.
+
+@kernel(cache=True)
+def pack_rows(x, G, scale, out, flag):
+    """`x [T, Hk * G, d] * scale` -> `out [Hk, T * G, d]` (working dtype) and
+    `flag [Hk, T * G]`."""
     T, H, d = x.shape
-    for t in prange(T):
+    w = like(out, scale)
+    for t in range(T):
         for h in range(H):
             kh, g = h // G, h % G
             r = t * G + g
@@ -386,17 +391,17 @@ def pack_rows(x, G, out, flag):
                 v = x[t, h, e]
                 ok = np.isfinite(v)
                 bad |= not ok
-                out[kh, r, e] = v if ok else like(out, 0.0)
+                out[kh, r, e] = v * w if ok else like(out, 0.0)
             flag[kh, r] = bad
 
 
-@kernel(parallel=True, cache=True)
+@kernel(cache=True)
 def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, flag):
     """Backward query side: `dout_w [Hk, Tq * G, Dv]` as `pack_rows`, `delta = rowsum(dO * O)`,
     `lse2 = lse * log2(e)` (`+inf` where lse is not finite, so such a row's P is 0), and
     `flag` raised where dout, out or lse of the row is not finite (OR-ed into `flag`)."""
     T, H, d = dout.shape
-    for t in prange(T):
+    for t in range(T):
         for h in range(H):
             kh, g = h // G, h % G
             r = t * G + g
@@ -445,8 +450,9 @@ def fill(x, start, stop, value):
 
 @kernel(fastmath=FASTMATH)
 def _scores_pass(S, n, lo, hi, c, cap, tile_max):
-    """Scaled scores in the log2 domain in `S[:n]` (softcap applied), -inf outside each key's
-    rows `[lo[j], hi[j])`; `tile_max` gets the per-row maximum."""
+    """Scores in the log2 domain in `S[:n]` (under softcap `cap * tanh(s * c)`; without, Q was
+    packed times `c` and they are already), -inf outside each key's rows `[lo[j], hi[j])`;
+    `tile_max` gets the per-row maximum."""
     # Loops run over views from 0 so that Numba's index wraparound folds away and they vectorise.
     for j in range(n):
         a, z = lo[j], hi[j]
@@ -460,11 +466,8 @@ def _scores_pass(S, n, lo, hi, c, cap, tile_max):
                 seg[i] = x
                 top[i] = max(top[i], x)
         else:
-            cw = like(seg, c)
-            for i in range(seg.size):
-                x = seg[i] * cw
-                seg[i] = x
-                top[i] = max(top[i], x)
+            for i in range(seg.size):                      # scores came scaled (Q packed * c)
+                top[i] = max(top[i], seg[i])
 
 
 @kernel
@@ -502,16 +505,64 @@ def _chunk_range(sched, first, count, r):
     return begin, fbegin, fend, end
 
 
+@kernel
+def trim(lo, hi, n):
+    """The part of a product that holds visible pairs: `(j_first, j_end, row_first, row_end)`
+    over keys `j < n` with bands `[lo[j], hi[j])`; bands become relative to `row_first` and
+    move to index 0. Empty: `j_end <= j_first`."""
+    j_first, j_end, r_first, r_end = n, 0, 1 << 62, 0
+    for j in range(n):
+        if hi[j] > lo[j]:
+            j_first = min(j_first, j)
+            j_end = j + 1
+            r_first = min(r_first, lo[j])
+            r_end = max(r_end, hi[j])
+    for j in range(j_first, j_end):
+        lo[j - j_first] = min(max(lo[j] - r_first, 0), r_end - r_first)
+        hi[j - j_first] = max(min(hi[j] - r_first, r_end - r_first), lo[j - j_first])
+    return j_first, j_end, r_first, r_end
+
+
+@kernel(fastmath=FASTMATH)
+def _forward_product(Qb, Kb, Vb, O, m, l, tmax, lo, hi, S_buf, c, cap, blas_min):
+    """One product of the online softmax (FlashAttention-2, Alg. 1, lines 6-10), in the log2
+    domain: the rows of `Qb [R, D]` against keys `Kb [n, D]` whose visible rows are
+    `[lo[j], hi[j])`; updates `O [R, Dv]`, the running max `m` and sum `l`."""
+    n, R = Kb.shape[0], Qb.shape[0]
+    S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major scores
+    mm_nt(Kb, Qb, S, 0.0, blas_min)
+    fill(tmax, 0, R, -np.inf)
+    _scores_pass(S, n, lo, hi, c, cap, tmax)
+    zero = like(O, 0.0)
+    for i in range(R):
+        mn = max(m[i], tmax[i])
+        ms = mn if mn > -np.inf else zero
+        alpha = exp2(m[i] - ms)
+        m[i] = mn
+        tmax[i] = ms
+        l[i] *= alpha
+        if alpha != 1:
+            for e in range(O.shape[1]):
+                O[i, e] *= alpha
+    for j in range(n):
+        row = S[j]
+        for i in range(R):
+            p = exp2(row[i] - tmax[i])
+            row[i] = p
+            l[i] += p
+    mm_tn(S, Vb, O, 1.0, blas_min)
+
+
 @kernel(cache=True, fastmath=FASTMATH)
 def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse,
                  ws):
     """Query tiles `chunks[item // Hk]` (first slot, count: consecutive tiles of one segment)
-    of key head `item % Hk`: writes their rows of `out [Tq, Hq, Dv]` and `lse [Hq, Tq]`. The
-    key tiles any of them visits go `kstep` at a time (one product of up to `kstep * block_n`
-    keys); a key tile is full only when it is full for every query tile of the chunk.
+    of key head `item % Hk`: writes their rows of `out [Tq, Hq, Dv]` and `lse [Hq, Tq]`.
 
-    `c = softmax_scale * log2(e)`, or `softmax_scale / softcap` under softcap with `cap =
-    softcap * log2(e)`. `ws` is the worker's scratch (`forward_scratch`).
+    The key tiles any of them visits make the products: up to `kstep` consecutive tiles that
+    are full for every query tile of the chunk in one product, each partially masked tile in
+    its own, cut to the keys and the rows that hold a visible pair (`trim`).
+    `c`, `cap`: see `_scores_pass`. `ws` is the worker's scratch (`forward_scratch`).
     """
     S_buf, O_buf, m, l, tmax, row_flag, lo, hi = ws
     Hk = Kw.shape[0]
@@ -532,41 +583,27 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
     fill(row_flag, 0, R, False)
     shift = shift_of(pv, b)
     left, right = pv.window_left[b], pv.window_right[b]
-    zero = like(O_buf, 0.0)
     for r in range(pv.mk):
         begin, fbegin, fend, end = _chunk_range(pv.q_sched, first, count, r)
-        for kt in range(begin, end, kstep):
+        kt = begin
+        while kt < end:
+            stop = min(kt + kstep, fend, end) if fbegin <= kt < fend else kt + 1
             off = kt * BN
-            j0 = pv.k_row[b, r] + off
-            n = min(min(kt + kstep, end) * BN, pv.k_len[b, r]) - off
+            n = min(stop * BN, pv.k_len[b, r]) - off
             _key_bands(lo, hi, n, kt, fbegin, fend, BN, pv.k_pos[b, r] + off, qpos0, rows, G,
                        shift, left, right)
-            S = S_buf[:n * R].reshape(n, R)                 # [keys, R] key-major scores
-            mm_nt(Kw[kh, j0:j0 + n], Qb, S, 0.0, blas_min)
-            fill(tmax, 0, R, -np.inf)
-            _scores_pass(S, n, lo, hi, c, cap, tmax)
-            # online softmax (FlashAttention-2, Alg. 1, lines 8-10), in the log2 domain
-            for i in range(R):
-                mn = max(m[i], tmax[i])
-                ms = mn if mn > -np.inf else zero
-                alpha = exp2(m[i] - ms)
-                m[i] = mn
-                tmax[i] = ms
-                l[i] *= alpha
-                if alpha != 1:
-                    for e in range(Dv):
-                        O[i, e] *= alpha
-            for j in range(n):
-                row = S[j]
-                for i in range(R):
-                    p = exp2(row[i] - tmax[i])
-                    row[i] = p
-                    l[i] += p
-            mm_tn(S, Vw[kh, j0:j0 + n], O, 1.0, blas_min)
-            if k_cum[kh, j0 + n] != k_cum[kh, j0]:
-                for j in range(n):
+            kt = stop
+            ja, jz, ra, rz = trim(lo, hi, n)
+            if jz <= ja:
+                continue
+            j0 = pv.k_row[b, r] + off + ja
+            jn = jz - ja
+            _forward_product(Qb[ra:rz], Kw[kh, j0:j0 + jn], Vw[kh, j0:j0 + jn], O[ra:rz],
+                             m[ra:rz], l[ra:rz], tmax[ra:rz], lo, hi, S_buf, c, cap, blas_min)
+            if k_cum[kh, j0 + jn] != k_cum[kh, j0]:
+                for j in range(jn):
                     if k_cum[kh, j0 + j + 1] != k_cum[kh, j0 + j]:
-                        fill(row_flag, lo[j], hi[j], True)
+                        fill(row_flag, ra + lo[j], ra + hi[j], True)
     for t in range(rows):
         for g in range(G):
             i = t * G + g
@@ -618,8 +655,8 @@ def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c
 def _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale):
     """`S <- P = 2^(s - lse2)` and `dP <- dS = P (dP - delta) scale` (times `1 - tanh^2`
     under softcap), both 0 outside each key's rows `[lo[j], hi[j])`
-    (FlashAttention-2, Alg. 2, lines 11-14)."""
-    cw, sw = like(S, c), like(S, scale)
+    (FlashAttention-2, Alg. 2, lines 11-14); scores as in `_scores_pass`."""
+    sw = like(S, scale)
     for j in range(n):
         a, z = lo[j], hi[j]
         s_row, d_row = S[j], dP[j]
@@ -635,10 +672,27 @@ def _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale):
                 ps[i] = p
                 ds[i] = p * (ds[i] - dl[i]) * (sech2 * sw)
         else:
-            for i in range(ps.size):
-                p = exp2(ps[i] * cw - l2[i])
+            for i in range(ps.size):                       # scores came scaled (Q packed * c)
+                p = exp2(ps[i] - l2[i])
                 ps[i] = p
                 ds[i] = p * (ds[i] - dl[i]) * sw
+
+
+@kernel(fastmath=FASTMATH)
+def _backward_product(Qb, dOb, Kb, Vb, lse2, delta, dQ, dK, dV, lo, hi, S_buf, P_buf, c, cap,
+                      scale, blas_min):
+    """One pass over a (key tile, query rows) pair (FlashAttention-2, Alg. 2, lines 8-15):
+    the rows of `Qb [R, D]`, `dOb [R, Dv]` against keys `Kb [n, D]`, `Vb [n, Dv]` with visible
+    rows `[lo[j], hi[j])`; adds the pair's share to `dQ [R, D]`, `dK [n, D]`, `dV [n, Dv]`."""
+    n, R = Kb.shape[0], Qb.shape[0]
+    S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major
+    dP = P_buf[:n * R].reshape(n, R)
+    mm_nt(Kb, Qb, S, 0.0, blas_min)
+    mm_nt(Vb, dOb, dP, 0.0, blas_min)
+    _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale)
+    mm_nn(S, dOb, dV, 1.0, blas_min)                        # dV += P dO
+    mm_nn(dP, Qb, dK, 1.0, blas_min)                        # dK += dS Q
+    mm_tn(dP, Kb, dQ, 1.0, blas_min)                        # dQ += dS^T K
 
 
 @kernel(cache=True, fastmath=FASTMATH)
@@ -646,8 +700,9 @@ def backward_item(pv, item, qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag
                   k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan, ws):
     """Sequence `item // Hk`, key head `item % Hk`: for each of its key tiles (slots
     `k_slots[b] .. k_slots[b + 1]`) and the query tiles of its transposed schedule, `qstep`
-    at a time, one pass gives the pair's dV, dK and dQ contributions, accumulated in place
-    (the item owns these rows, so the order is fixed)."""
+    at a time, cut to the keys and rows that hold a visible pair (`trim`), one pass gives the
+    pair's dV, dK and dQ contributions, accumulated in place (the item owns these rows, so the
+    order is fixed)."""
     S_buf, P_buf, lo, hi = ws
     Hk = Kw.shape[0]
     G = dQ.shape[1] // max(pv.rows_q, 1)
@@ -657,9 +712,6 @@ def backward_item(pv, item, qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag
     left, right = pv.window_left[b], pv.window_right[b]
     for s in range(k_slots[b], k_slots[b + 1]):
         j0, n, jpos0 = pv.k_tiles[s, T_ROW], pv.k_tiles[s, T_ROWS], pv.k_tiles[s, T_POS]
-        Kb, Vb = Kw[kh, j0:j0 + n], Vw[kh, j0:j0 + n]       # [BN, D], [BN, Dv]
-        dKb, dVb = dK[kh, j0:j0 + n], dV[kh, j0:j0 + n]
-        k_bad = k_cum[kh, j0 + n] != k_cum[kh, j0]
         for r in range(pv.mq):
             begin, fbegin = pv.k_sched[s, r, S_BEGIN], pv.k_sched[s, r, S_FULL_BEGIN]
             fend, end = pv.k_sched[s, r, S_FULL_END], pv.k_sched[s, r, S_END]
@@ -669,30 +721,27 @@ def backward_item(pv, item, qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag
                 t0 = pv.q_row[b, r] + off
                 rows = min(last * BM, pv.q_len[b, r]) - off
                 qpos0 = pv.q_pos[b, r] + off
-                R, i0 = rows * G, t0 * G
                 full = fbegin <= qt and last <= fend
                 for j in range(n):
                     if full:
-                        lo[j], hi[j] = 0, R
+                        lo[j], hi[j] = 0, rows * G
                     else:
                         lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift, left,
                                                     right)
-                Qb, dOb = Qw[kh, i0:i0 + R], dOw[kh, i0:i0 + R]          # [R, D], [R, Dv]
-                S = S_buf[:n * R].reshape(n, R)                          # [BN, R]
-                dP = P_buf[:n * R].reshape(n, R)
-                mm_nt(Kb, Qb, S, 0.0, blas_min)
-                mm_nt(Vb, dOb, dP, 0.0, blas_min)
-                _grad_pass(S, dP, n, lo, hi, lse2[kh, i0:i0 + R], delta[kh, i0:i0 + R], c, cap,
-                           scale)
-                mm_nn(S, dOb, dVb, 1.0, blas_min)                        # dV += P dO
-                mm_nn(dP, Qb, dKb, 1.0, blas_min)                        # dK += dS Q
-                mm_tn(dP, Kb, dQ[kh, i0:i0 + R], 1.0, blas_min)          # dQ += dS^T K
-                if k_bad or q_cum[kh, i0 + R] != q_cum[kh, i0]:
-                    for j in range(n):
+                ja, jz, ra, rz = trim(lo, hi, n)
+                if jz <= ja:
+                    continue
+                i0, i1, k0, k1 = t0 * G + ra, t0 * G + rz, j0 + ja, j0 + jz
+                _backward_product(Qw[kh, i0:i1], dOw[kh, i0:i1], Kw[kh, k0:k1], Vw[kh, k0:k1],
+                                  lse2[kh, i0:i1], delta[kh, i0:i1], dQ[kh, i0:i1],
+                                  dK[kh, k0:k1], dV[kh, k0:k1], lo, hi, S_buf, P_buf, c, cap,
+                                  scale, blas_min)
+                if k_cum[kh, k1] != k_cum[kh, k0] or q_cum[kh, i1] != q_cum[kh, i0]:
+                    for j in range(k1 - k0):
                         for i in range(lo[j], hi[j]):
-                            if k_flag[kh, j0 + j] or q_flag[kh, i0 + i]:
+                            if k_flag[kh, k0 + j] or q_flag[kh, i0 + i]:
                                 dq_nan[kh, i0 + i] = True
-                                dk_nan[kh, j0 + j] = True
+                                dk_nan[kh, k0 + j] = True
 
 
 @kernel(parallel=True, cache=True)
@@ -719,12 +768,14 @@ def backward_scratch(dtype_probe, rows_max, block_n):
             np.zeros(block_n, np.int64), np.zeros(block_n, np.int64))
 
 
-@kernel(parallel=True, cache=True)
-def unpack_rows(acc, nan, out):
-    """`acc [Hk, T * G, d]` -> `out [T, Hk * G, d]`, NaN on the rows `nan [Hk, T * G]` flags."""
+@kernel(cache=True)
+def unpack_rows(acc, nan, scale, out):
+    """`acc [Hk, T * G, d] * scale` -> `out [T, Hk * G, d]`, NaN on the rows `nan [Hk, T * G]`
+    flags."""
     T, H, d = out.shape
     G = H // acc.shape[0]
-    for t in prange(T):
+    w = like(acc, scale)
+    for t in range(T):
         for h in range(H):
             kh, g = h // G, h % G
             r = t * G + g
@@ -732,4 +783,4 @@ def unpack_rows(acc, nan, out):
                 fill(out[t, h], 0, d, np.nan)
             else:
                 for e in range(d):
-                    out[t, h, e] = acc[kh, r, e]
+                    out[t, h, e] = acc[kh, r, e] * w

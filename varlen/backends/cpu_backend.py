@@ -37,10 +37,10 @@ _NO_BLAS = 1 << 62
 # Rows of a tile product: the forward takes as many consecutive visited key tiles at once as
 # fill PRODUCT_KEYS keys, the backward as many query tiles as fill PRODUCT_ROWS queries (per
 # head). Plans keep their tiles (what is skipped or masked), the products get larger.
-PRODUCT_KEYS = 128
+PRODUCT_KEYS = 256
 PRODUCT_ROWS = 128
 # Stacked query rows (rows x heads of a GQA group) of a forward product.
-FORWARD_ROWS = 128
+FORWARD_ROWS = 256
 
 
 def _kernels():
@@ -67,34 +67,36 @@ def _view(plan: Plan):
     return plan.view().map_arrays(lambda a: np.ascontiguousarray(a, dtype=np.int32))
 
 
-def _pack(x, G: int, wdt):
-    """`x [T, Hk * G, d]` -> (`[Hk, T * G, d]` in `wdt`, bool `[Hk, T * G]` non-finite rows)."""
+def _pack(x, G: int, wdt, scale: float = 1.0):
+    """`x [T, Hk * G, d] * scale` -> (`[Hk, T * G, d]` in `wdt`, bool `[Hk, T * G]` non-finite
+    rows)."""
     T, H, d = x.shape
     Hk = H // G
     w = alloc(np, (Hk, T * G, d), wdt)
     flag = alloc(np, (Hk, T * G), np.bool_, fill=False)
-    _kernels().pack_rows(_as(x, wdt), G, w, flag)
+    _kernels().pack_rows(_as(x, wdt), G, float(scale), w, flag)
     return w, flag
 
 
-def _unpack(acc, nan, shape, dtype):
-    """Accumulators `[Hk, T * G, d]` -> a fresh `[T, H, d]` array (`shape`) of `dtype`, NaN
-    on flagged rows."""
+def _unpack(acc, nan, shape, dtype, scale: float = 1.0):
+    """Accumulators `[Hk, T * G, d] * scale` -> a fresh `[T, H, d]` array (`shape`) of
+    `dtype`, NaN on flagged rows."""
     out = alloc(np, shape, dtype)
     wdt = acc.dtype
     target = out if out.dtype == wdt else alloc(np, shape, wdt)
-    _kernels().unpack_rows(acc, nan, target)
+    _kernels().unpack_rows(acc, nan, float(scale), target)
     if target is not out:
         out[...] = target
     return out
 
 
 def _scalars(softmax_scale: float, softcap: float):
-    """`(c, cap)` of the kernels (float64): scores in the log2 domain are `s * c`, or
-    `cap * tanh(s * c)` under softcap (`c = scale / softcap`, `cap = softcap * log2(e)`)."""
+    """`(q_scale, c, cap)` of the kernels (float64): scores in the log2 domain are
+    `cap * tanh(s * c)` under softcap (`c = scale / softcap`, `cap = softcap * log2(e)`);
+    without it Q is packed times `q_scale = scale * log2(e)` and the products give them."""
     if softcap > 0:
-        return float(softmax_scale / softcap), float(softcap * LOG2E)
-    return float(softmax_scale * LOG2E), 0.0
+        return 1.0, float(softmax_scale / softcap), float(softcap * LOG2E)
+    return float(softmax_scale * LOG2E), 1.0, 0.0
 
 
 def _longest_first(items, cost):
@@ -153,11 +155,11 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     pad = ~plan.q.covered()
     work_out[pad] = 0
     lse[:, pad] = -np.inf
-    c, cap = _scalars(softmax_scale, softcap)
+    q_scale, c, cap = _scalars(softmax_scale, softcap)
     order, chunks = forward_items(plan, Hk, G)
     rows_max = int(chunks[:, 1].max(initial=1)) * plan.block_m * G
-    with th.worker_scope() as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
-        Qw, q_flag = _pack(q, G, wdt)
+    with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
+        Qw, q_flag = _pack(q, G, wdt, q_scale)
         Kw, k_flag = _pack(k, 1, wdt)
         Vw, v_flag = _pack(v, 1, wdt)
         k_cum = K.flag_prefix(k_flag | v_flag)
@@ -175,10 +177,10 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
     G = Hq // Hk
     wdt = _working_dtype(q.dtype)
-    c, cap = _scalars(softmax_scale, softcap)
+    q_scale, c, cap = _scalars(softmax_scale, softcap)
     order, k_slots = backward_items(plan, Hk)
-    with th.worker_scope() as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
-        Qw, q_flag = _pack(q, G, wdt)
+    with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
+        Qw, q_flag = _pack(q, G, wdt, q_scale)
         Kw, k_flag = _pack(k, 1, wdt)
         Vw, v_flag = _pack(v, 1, wdt)
         k_flag |= v_flag
@@ -196,7 +198,9 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
         K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), k_slots, Qw, dOw, Kw, Vw, delta, lse2,
                    q_flag, k_flag, q_cum, k_cum, c, cap, float(softmax_scale),
                    BLAS_MIN if use_blas else _NO_BLAS, dQ, dK, dV, dq_nan, dk_nan)
-        return (_unpack(dQ, dq_nan, q.shape, q.dtype), _unpack(dK, dk_nan, k.shape, k.dtype),
+        # dK accumulated dS^T (Q * q_scale)
+        return (_unpack(dQ, dq_nan, q.shape, q.dtype),
+                _unpack(dK, dk_nan, k.shape, k.dtype, 1.0 / q_scale),
                 _unpack(dV, dk_nan, v.shape, v.dtype))
 
 
