@@ -73,11 +73,11 @@ def num_threads() -> int:
 
 
 @contextlib.contextmanager
-def worker_scope():
-    """Yields the number of workers and holds Numba's thread count at it for the call (the
-    packing kernels run on Numba's pool too); the setting is per calling thread."""
+def worker_scope(items: int):
+    """Yields the number of workers for `items` work items (no more workers than items) and
+    holds Numba's thread count at it for the call; the setting is per calling thread."""
     import numba
-    n = num_threads()
+    n = max(1, min(num_threads(), items))
     old = numba.get_num_threads()
     numba.set_num_threads(n)
     try:
