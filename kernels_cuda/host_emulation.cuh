@@ -46,25 +46,7 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 
 inline float __int_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 
-// ---- element types --------------------------------------------------------------------
-struct __half { uint16_t bits; };
-struct __nv_bfloat16 { uint16_t bits; };
-struct __half2 { __half x, y; };
-struct __nv_bfloat162 { __nv_bfloat16 x, y; };
-
-inline __half __float2half_rn(float f) { _Float16 h = (_Float16)f; __half r; std::memcpy(&r.bits, &h, 2); return r; }
-inline float __half2float(__half h) { _Float16 v; std::memcpy(&v, &h.bits, 2); return (float)v; }
-inline __nv_bfloat16 __float2bfloat16_rn(float f) {
-    uint32_t u; std::memcpy(&u, &f, 4);
-    __nv_bfloat16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) { r.bits = 0x7fc0; return r; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    r.bits = (uint16_t)(u >> 16);
-    return r;
-}
-inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = (uint32_t)b.bits << 16; float f; std::memcpy(&f, &u, 4); return f; }
-inline __half2 __floats2half2_rn(float a, float b) { return __half2{__float2half_rn(a), __float2half_rn(b)}; }
-inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
+#include "host_emulation_math.cuh"
 
 // ---- block and warp synchronisation ---------------------------------------------------
 struct WarpX {
@@ -161,9 +143,9 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
     float out[4];
     for (int e = 0; e < 4; ++e) {
         const int r = g + 8 * (e >= 2), n = 2 * t + (e % 2);
-        double acc = w.c[l][e];
-        for (int k = 0; k < 16; ++k) acc += (double)A(r, k) * (double)B(k, n);
-        out[e] = (float)acc;
+        float a_row[16], b_col[16];
+        for (int k = 0; k < 16; ++k) { a_row[k] = A(r, k); b_col[k] = B(k, n); }
+        out[e] = mma_dot16(w.c[l][e], a_row, b_col);
     }
     w.bar.arrive_and_wait();
     for (int e = 0; e < 4; ++e) d[e] = out[e];
