@@ -2,7 +2,10 @@
 """Compile every CuPy kernel variant with NVRTC for sm_80 and sm_90 and report its budget.
 
     python scripts/compile_kernels.py --json      # JSON list of {kernel, arch, registers,
-                                                  #   spill_bytes, shared_bytes, shared_budget}
+                                                  #   spill_bytes, shared_bytes, shared_budget,
+                                                  #   threads, gpu, ctas_by_registers,
+                                                  #   ctas_by_shared, ctas_by_threads,
+                                                  #   ctas_per_sm}
     python scripts/compile_kernels.py             # a table; exit status 1 on a spill or an
                                                   #   over-budget kernel
     python scripts/compile_kernels.py --only 'fwd-float16-D64-*' --arch sm_80   # a subset
@@ -11,6 +14,8 @@ Progress (one line per compiled program, with the elapsed time) goes to stderr i
 
 No GPU is needed: NVRTC produces cubin from the CUDA headers (`$CUDA_HOME/include` or the
 nvidia-cuda-runtime wheel). shared_bytes = static + the dynamic shared memory of the launch.
+CTAs per SM are for the GPU of each architecture (sm_80: A100, sm_90: H100/H200), from the
+compiled registers and shared bytes (`_cupy_compile.ctas_per_sm`).
 """
 from __future__ import annotations
 
@@ -79,10 +84,13 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'arch':6} {'regs':>4} {'spill':>5} {'smem':>7}  kernel")
+        print(f"{'arch':6} {'regs':>4} {'spill':>5} {'smem':>7} {'CTAs/SM (regs, smem)':>20}"
+              f"  kernel")
         for r in rows:
+            ctas = (f"{r['gpu']} {r['ctas_per_sm']} ({r['ctas_by_registers']}, "
+                    f"{r['ctas_by_shared']})")
             print(f"{r['arch']:6} {r['registers']:4d} {r['spill_bytes']:5d} "
-                  f"{r['shared_bytes']:7d}  {r['kernel']}")
+                  f"{r['shared_bytes']:7d} {ctas:>20}  {r['kernel']}")
         print(f"{len(rows)} kernels, {len(bad)} over budget, {time.time() - start:.0f} s")
     return 1 if bad else 0
 

@@ -57,6 +57,47 @@ def test_shared_memory_budget(report):
             f"{r['arch']} {r['kernel']}: {r['shared_bytes']} B shared > budget {budget} B")
 
 
+def test_ctas_per_sm_from_registers_and_shared_memory():
+    """Hand-counted occupancy (docs/cupy_backend.md, "Performance model"): registers are whole
+    256-register units per warp out of each SM sub-partition's 16384, shared memory adds 1 KiB
+    per CTA, against 228 KiB per SM on H100 and 164 KiB on A100."""
+    from varlen.backends._cupy_compile import ctas_per_sm
+    fwd = ctas_per_sm("sm_90", 170, 256, 104448)      # 176 regs x 8 warps: 2 warps per SMSP
+    assert (fwd["gpu"], fwd["ctas_by_registers"], fwd["ctas_by_shared"], fwd["ctas_per_sm"]) \
+        == ("H100", 1, 2, 1), fwd
+    dkdv = ctas_per_sm("sm_80", 249, 128, 75264)
+    assert (dkdv["gpu"], dkdv["ctas_by_registers"], dkdv["ctas_by_shared"]) == ("A100", 2, 2)
+    assert ctas_per_sm("sm_80", 128, 128, 87040)["ctas_by_shared"] == 1
+    assert ctas_per_sm("sm_90", 128, 128, 87040)["ctas_by_shared"] == 2
+    small = ctas_per_sm("sm_90", 16, 128, 0)
+    assert small["ctas_by_threads"] == 16 and small["ctas_per_sm"] == 16, small
+
+
+def test_report_gives_ctas_per_sm_for_h100_and_a100(report):
+    from varlen.backends._cupy_compile import ctas_per_sm
+    gpus = {"sm_80": "A100", "sm_90": "H100"}
+    for r in report:
+        want = ctas_per_sm(r["arch"], r["registers"], r["threads"], r["shared_bytes"])
+        got = {k: r.get(k) for k in want}
+        assert got == want, f"{r['arch']} {r['kernel']}: {got} != {want}"
+        assert r["gpu"] == gpus[r["arch"]]
+        assert r["ctas_per_sm"] >= 1, f"{r['arch']} {r['kernel']} cannot be resident"
+    by_name = {(r["arch"], r["kernel"]): r for r in report}
+    for spec in _cupy_spec.all_specs():
+        for k in spec.kernels().values():
+            assert by_name[("sm_90", k.name)]["threads"] == k.threads, k.name
+
+
+def test_performance_model_table_is_the_documented_one():
+    """docs/cupy_backend.md, "Performance model", shows what scripts/perf_model.py prints."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "perf_model.py")],
+                          capture_output=True, text=True, timeout=120, check=True)
+    with open(os.path.join(ROOT, "docs", "cupy_backend.md")) as f:
+        doc = f.read().split("## Performance model", 1)[-1]
+    missing = [line for line in proc.stdout.splitlines() if line.strip() and line not in doc]
+    assert not missing, "regenerate the table in docs/cupy_backend.md:\n" + "\n".join(missing)
+
+
 def test_host_smem_matches_kernel_layout():
     """The host's dynamic shared-memory sizes equal the kernels' own layout constants."""
     from varlen.backends._cupy_compile import program_options

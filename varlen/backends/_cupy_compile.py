@@ -2,19 +2,52 @@
 
 Compiles the kernel sources to cubin (not PTX: a newer NVRTC emits PTX the driver may reject)
 for a given architecture through `cuda.bindings.nvrtc`, and reads the register, spill and
-shared-memory figures from the `-Xptxas=-v` log. Used by `scripts/compile_kernels.py` and the
-CI compile test.
+shared-memory figures from the `-Xptxas=-v` log, and the CTAs per SM those allow on the GPU of
+each architecture. Used by `scripts/compile_kernels.py` and the CI compile test.
 """
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import NamedTuple
 
 from . import _cupy_spec as spec_mod
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+
+
+class SmLimits(NamedTuple):
+    """What one SM holds (CUDA C++ Programming Guide, "Technical Specifications per Compute
+    Capability": 8.0 for A100, 9.0 for H100/H200)."""
+
+    gpu: str
+    registers: int          # 32-bit registers per SM, in 4 partitions (one per SMSP)
+    shared: int             # shared memory per SM, bytes
+    threads: int            # resident threads per SM
+    ctas: int               # resident CTAs per SM
+
+
+SM_LIMITS = {"sm_80": SmLimits("A100", 65536, 164 * 1024, 2048, 32),
+             "sm_90": SmLimits("H100", 65536, 228 * 1024, 2048, 32)}
+REG_UNIT = 256              # registers are allocated per warp in units of 256 (8 per thread)
+SMSPS = 4                   # a warp's registers come from its SM sub-partition's quarter
+RESERVED_SMEM = 1024        # shared memory the system reserves per CTA (sm_80 and newer)
+
+
+def ctas_per_sm(arch: str, registers: int, threads: int, shared_bytes: int) -> dict:
+    """Resident CTAs per SM of a kernel on the GPU of `arch`: by registers (whole warps per SM
+    sub-partition), by shared memory (+1 KiB reserved per CTA), by threads, and the least."""
+    lim = SM_LIMITS[arch]
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // REG_UNIT) * REG_UNIT
+    warps_by_regs = SMSPS * (lim.registers // SMSPS // per_warp)
+    by_regs = warps_by_regs // warps
+    by_smem = lim.shared // (shared_bytes + RESERVED_SMEM)
+    by_threads = min(lim.threads // (32 * warps), lim.ctas)
+    return {"gpu": lim.gpu, "ctas_by_registers": by_regs, "ctas_by_shared": by_smem,
+            "ctas_by_threads": by_threads, "ctas_per_sm": min(by_regs, by_smem, by_threads)}
 
 
 def _check(res, what):
@@ -75,7 +108,7 @@ def compile_names(names, arch: str):
 
 def compile_groups(specs=None, archs=spec_mod.ARCHS):
     """Jobs of the compile check: one NVRTC program per (arch, dtype, head dim), each with
-    the distinct kernels of those specs. Returns [(arch, names, {name: dynamic smem})]."""
+    the distinct kernels of those specs. Returns [(arch, names, {name: KernelLaunch})]."""
     specs = spec_mod.all_specs() if specs is None else specs
     groups = defaultdict(dict)
     seen = set()
@@ -83,19 +116,21 @@ def compile_groups(specs=None, archs=spec_mod.ARCHS):
         for kernel in s.kernels().values():
             if kernel.name not in seen:   # kernels shared by several specs compile once
                 seen.add(kernel.name)
-                groups[(s.dtype, s.head_dim)][kernel.name] = kernel.smem
+                groups[(s.dtype, s.head_dim)][kernel.name] = kernel
     return [(arch, tuple(kern), kern) for arch in archs for _, kern in sorted(groups.items())]
 
 
 def run_group(job):
     """Compile one group; rows of the JSON report."""
-    arch, names, dyn_smem = job
+    arch, names, launches = job
     _, usage = compile_names(names, arch)
     rows = []
     for name in names:
         u = usage[name]
+        shared = u["static_smem"] + launches[name].smem
         rows.append({"kernel": name, "arch": arch, "registers": u["registers"],
                      "spill_bytes": u["spill_stores"] + u["spill_loads"],
-                     "shared_bytes": u["static_smem"] + dyn_smem[name],
-                     "shared_budget": spec_mod.SMEM_BUDGET[arch]})
+                     "shared_bytes": shared, "shared_budget": spec_mod.SMEM_BUDGET[arch],
+                     "threads": launches[name].threads,
+                     **ctas_per_sm(arch, u["registers"], launches[name].threads, shared)})
     return rows

@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""Analytical performance model of the CuPy kernels (bf16, D=128): per tile pair, the
+shared-memory bytes, tensor-pipe cycles, special-function and FP32 cycles and barriers, for the
+current kernels and for the FlashAttention-2 design point, on H100 SXM and A100 SXM; the
+ceilings and predicted TFLOP/s they give (docs/cupy_backend.md, "Performance model").
+
+    python scripts/perf_model.py                  # the table (the figures of the doc)
+    python scripts/perf_model.py --json model.json
+    python scripts/perf_model.py --measure [--json bench.json]
+        # on a GPU: scripts/bench.py's runners (cupy, torch SDPA flash/cuDNN, varlen_attn,
+        # compiled flex_attention) at 8k and 16k tokens per sequence, bf16, D=128, 16 heads,
+        # with the measured bf16 matmul peak, each figure beside the model's prediction.
+        # Without a GPU it says so and exits 0.
+
+Model, per SM and per tile pair (one step of a block's main loop):
+  T_tensor = mma.m16n8k16 count * 4096 FLOP / the SM's mma.sync FLOP per clock
+  T_smem   = (ldmatrix bytes + cp.async and st.shared bytes) / 128 B per clock
+  T_sfu    = exp2 count / 16 per clock;  T_fp32 = FP32 lane operations / FP32 lanes
+  T_bar    = barriers * BARRIER_DRAIN / resident CTAs per SM (another CTA fills the drain)
+  ceiling:    FLOP / max(T_tensor, T_smem, T_sfu, T_fp32)
+  prediction: FLOP / (max(T_tensor, T_smem) + max(T_sfu, T_fp32) + T_bar + exposed latency)
+i.e. loads overlap the tensor pipe, the softmax does not (it sits between two dependent GEMMs
+of the same warp). TFLOP/s = FLOP per pair / cycles * SMs * clock.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+from typing import NamedTuple
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from varlen._cli import ArgumentParser  # noqa: E402
+from varlen.backends._cupy_compile import SM_LIMITS, ctas_per_sm  # noqa: E402
+
+D = 128                    # head dim of the model
+E = 2                      # bytes per bf16 element
+MMA_FLOP = 2 * 16 * 8 * 16  # one mma.m16n8k16
+LDSM_X4 = 512              # bytes one ldmatrix.x4 moves for a warp
+SMEM_BYTES_PER_CLK = 128   # 32 banks x 4 B per SM
+SFU_PER_CLK = 16           # MUFU.EX2 results per SM per clock
+BARRIER_DRAIN = 300        # clocks a CTA idles per __syncthreads: the slowest warp's dependent
+#                            mma chain (~8 x 35 clk), refilled only by another resident CTA
+GLOBAL_LATENCY = 600       # clocks of a dependent global load (L2 hit), when nothing hides it
+
+
+class Gpu(NamedTuple):
+    name: str
+    arch: str
+    sms: int
+    clock_ghz: float       # the clock at which the datasheet's tensor peak is quoted
+    mma_flop_per_clk: int  # mma.sync bf16 FLOP per SM per clock
+    fp32_lanes: int        # FP32 lanes per SM
+    peak_tflops: float     # dense bf16 tensor peak of the datasheet
+
+
+# H100 SXM5: 132 SMs; 989 TFLOP/s dense bf16 = 132 x 4096 FLOP/clk x 1.83 GHz (wgmma); mma.sync
+# reaches about 2/3 of it (FlashAttention-3 paper). A100 SXM4: 108 SMs, 312 TFLOP/s =
+# 108 x 2048 x 1.41 GHz, which mma.sync reaches.
+GPUS = (Gpu("H100", "sm_90", 132, 1.83, 4096 * 2 // 3, 128, 989.0),
+        Gpu("A100", "sm_80", 108, 1.41, 2048, 64, 312.0))
+
+
+class Design(NamedTuple):
+    """One kernel's main-loop step (a tile pair) at D=128, bf16."""
+
+    name: str
+    what: str
+    pair: tuple            # (query rows, key rows) of the step
+    gemms: int             # GEMMs of pair[0] x pair[1] x D in the step
+    ldsm_bytes: int        # ldmatrix reads per step, all warps
+    smem_write_bytes: int  # cp.async and st.shared writes per step
+    exps: int              # exp2 per step
+    fp32_ops: int          # FP32 lane operations per step (scale, max, sums, rescale, packs)
+    barriers: int
+    threads: int
+    registers: int         # per thread (compiled for the current kernels; the design's cap)
+    smem: int              # shared memory per CTA, bytes
+    exposed: int = 0       # clocks of latency nothing hides, per step
+    note: str = ""
+
+    @property
+    def flop(self):
+        return self.gemms * 2 * self.pair[0] * self.pair[1] * D
+
+    @property
+    def mma(self):
+        return self.flop // MMA_FLOP
+
+
+KB = 1024
+ROW = (D + 8) * E          # a padded shared-memory row
+DESIGNS = (
+    Design("fwd-current", "8 warps x 16 query rows; Q, K, V fragments from smem each step",
+           (128, 64), 2, ldsm_bytes=8 * (16 * KB + 16 * KB + 4 * KB), smem_write_bytes=32 * KB,
+           exps=128 * 64, fp32_ops=128 * 64 * 5 + 128 * D, barriers=2, threads=256,
+           registers=172, smem=(128 + 2 * 2 * 64) * ROW,
+           note="K/V read once per 16 rows; scale and max subtraction separate"),
+    Design("fwd-FA2", "4 warps x 32 query rows, Q in registers, K and V waited for apart",
+           (128, 64), 2, ldsm_bytes=4 * (16 * KB + 16 * KB), smem_write_bytes=32 * KB,
+           exps=128 * 64, fp32_ops=128 * 64 * 4 + 128 * D, barriers=2, threads=128,
+           registers=255, smem=(128 + 2 * 2 * 64) * ROW,
+           note="each K/V fragment feeds 32 rows: half the smem bytes per FLOP"),
+    Design("bwd-current", "dK/dV: BN=64 keys on 4 warps, BQ=32 queries, atomic dQ on 2 warps",
+           (32, 64), 5, ldsm_bytes=4 * (12 * KB + 12 * KB + 8 * KB + 8 * KB) + 2 * (8 * KB + 16 * KB),
+           smem_write_bytes=2 * 32 * D * E + 64 * 32 * E + 2 * 32 * 4, exps=32 * 64,
+           fp32_ops=32 * 64 * 6, barriers=3, threads=128, registers=254,
+           smem=(2 * 64 + 2 * 2 * 32) * ROW + 64 * 40 * E + 2 * 2 * 32 * 4,
+           exposed=0,    # set per GPU below: the dQ phase on half the warps, lse/delta loads
+           note="dQ phase on 2 of 4 warps; lse/delta loaded synchronously"),
+    Design("bwd-FA2", "BN=128 keys, BQ=64 queries on 8 warps (2 x 4 warp grid per GEMM)",
+           (64, 128), 5, ldsm_bytes=(128 + 128 + 96 + 96 + 128) * KB,
+           smem_write_bytes=2 * 64 * D * E + 2 * 128 * 64 * E, exps=64 * 128,
+           fp32_ops=64 * 128 * 6, barriers=4, threads=256, registers=255,
+           smem=2 * 128 * ROW + 2 * 64 * ROW + 128 * 72 * E,
+           note="lse/delta by cp.async; dQ on all warps"),
+)
+
+
+def exposed_clocks(design: Design, gpu: Gpu, ctas: int) -> int:
+    """Latency of the current backward that nothing overlaps: its dQ GEMM on 2 of the 4 SM
+    sub-partitions (the other two idle for that GEMM's share), and a synchronous lse/delta
+    load per step (hidden only by another resident CTA)."""
+    if design.name != "bwd-current":
+        return design.exposed
+    dq_mma = 2 * design.pair[0] * design.pair[1] * D // MMA_FLOP
+    return round(dq_mma * MMA_FLOP / gpu.mma_flop_per_clk) + GLOBAL_LATENCY // ctas
+
+
+def evaluate(design: Design, gpu: Gpu) -> dict:
+    occ = ctas_per_sm(gpu.arch, design.registers, design.threads, design.smem)
+    ctas = max(occ["ctas_per_sm"], 1)
+    t = {"tensor": design.mma * MMA_FLOP / gpu.mma_flop_per_clk,
+         "smem": (design.ldsm_bytes + design.smem_write_bytes) / SMEM_BYTES_PER_CLK,
+         "sfu": design.exps / SFU_PER_CLK,
+         "fp32": design.fp32_ops / gpu.fp32_lanes,
+         "barriers": design.barriers * BARRIER_DRAIN / ctas,
+         "exposed": exposed_clocks(design, gpu, ctas)}
+    ceiling_clk = max(t["tensor"], t["smem"], t["sfu"], t["fp32"])
+    predicted_clk = (max(t["tensor"], t["smem"]) + max(t["sfu"], t["fp32"]) + t["barriers"]
+                     + t["exposed"])
+    scale = gpu.sms * gpu.clock_ghz * 1e9 / 1e12
+    return {"design": design.name, "gpu": gpu.name, "flop_per_pair": design.flop,
+            "mma_per_pair": design.mma, "smem_read_bytes": design.ldsm_bytes,
+            "smem_write_bytes": design.smem_write_bytes, "barriers": design.barriers,
+            "ctas_per_sm": ctas, "clocks": {k: round(v) for k, v in t.items()},
+            "bound": max(("tensor", "smem", "sfu", "fp32"), key=lambda k: t[k]),
+            "ceiling_tflops": design.flop / ceiling_clk * scale,
+            "predicted_tflops": design.flop / predicted_clk * scale}
+
+
+def table():
+    return [evaluate(d, g) for g in GPUS for d in DESIGNS]
+
+
+# The targets of issue 16 (H100/H200, bf16, D=128), written before any GPU run.
+TARGETS = {"fwd": 350.0, "bwd": 250.0}
+
+
+def format_table(rows) -> str:
+    head = (f"{'design':12} {'gpu':5} {'MFLOP':>6} {'smem KB':>8} {'tensor':>7} {'smem':>6} "
+            f"{'sfu':>5} {'fp32':>5} {'bar':>4} {'expo':>5} {'CTA':>3} {'bound':>6} "
+            f"{'ceiling':>8} {'predict':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        c = r["clocks"]
+        lines.append(
+            f"{r['design']:12} {r['gpu']:5} {r['flop_per_pair'] / 1e6:6.2f} "
+            f"{(r['smem_read_bytes'] + r['smem_write_bytes']) / 1024:8.0f} {c['tensor']:7d} "
+            f"{c['smem']:6d} {c['sfu']:5d} {c['fp32']:5d} {c['barriers']:4d} {c['exposed']:5d} "
+            f"{r['ctas_per_sm']:3d} {r['bound']:>6} {r['ceiling_tflops']:8.0f} "
+            f"{r['predicted_tflops']:8.0f}")
+    lines.append("clocks per tile pair per SM; TFLOP/s at the datasheet clock (H100 1.83 GHz, "
+                 "A100 1.41 GHz); targets on H100/H200: forward >= "
+                 f"{TARGETS['fwd']:.0f}, backward >= {TARGETS['bwd']:.0f}")
+    return "\n".join(lines)
+
+
+# ---- against a measurement ----------------------------------------------------------------
+
+MEASURE_LENGTHS = (8192, 16384)
+MEASURE_TOKENS = 16384     # one packed size for both lengths: compiled flex_attention compiles once
+MEASURE_RUNNERS = ["cupy", "sdpa-flash", "sdpa-cudnn", "varlen", "flex"]
+
+
+def comparison(report: dict, rows) -> str:
+    """Measured TFLOP/s of every runner beside the H100 model's predictions for the current
+    kernels (the cupy column) and for the FlashAttention-2 design point (torch's sdpa-flash
+    runs FlashAttention-2), and the targets. Causal workloads add partial tiles and a tail."""
+    model = {r["design"]: r["predicted_tflops"] for r in rows if r["gpu"] == "H100"}
+    peak = report.get("bf16_matmul_peak_tflops") or 0.0
+    lines = [f"predicted vs measured (TFLOP/s over visible pairs; bf16 matmul peak measured: "
+             f"{peak:.0f}; model at 1.83 GHz)",
+             f"{'workload':28} {'':4} {'model':>6} {'FA2 mdl':>7} {'target':>6} "
+             + " ".join(f"{r:>10}" for r in MEASURE_RUNNERS)]
+    for w in report.get("results", []):
+        for phase in ("fwd", "bwd"):
+            cells = []
+            for r in MEASURE_RUNNERS:
+                v = w["runners"].get(r, {}).get(phase, {}).get("tflops")
+                cells.append(f"{v:10.0f}" if v else f"{'-':>10}")
+            lines.append(f"{w['workload']:28} {phase:4} {model[phase + '-current']:6.0f} "
+                         f"{model[phase + '-FA2']:7.0f} {TARGETS[phase]:6.0f} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def measure(json_path: str, iters: int) -> int:
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import bench
+    torch, why = bench.gpu_stack()
+    if torch is None:
+        print(f"perf_model --measure: no usable GPU stack ({why}); nothing measured")
+        return 0
+    timer = bench.Timer(torch, iters)
+    state = bench.Bench(torch, timer, bench.matmul_peak(torch, timer), 16, D)
+    work = [(f"uniform-L{L}-{'causal' if c else 'full'}", [L] * (MEASURE_TOKENS // L),
+             [c] * (MEASURE_TOKENS // L)) for L in MEASURE_LENGTHS for c in (True, False)]
+    tick = bench.Progress(len(work) * (1 + len(MEASURE_RUNNERS)))
+    results = [bench.run_workload(state, w, MEASURE_RUNNERS, tick) for w in work]
+    args = types.SimpleNamespace(json=json_path, png=os.path.splitext(json_path)[0] + ".png",
+                                 tokens=MEASURE_TOKENS)
+    bench.write_report(state, results, args)
+    with open(json_path) as f:
+        print(comparison(json.load(f), table()))
+    if state.failed:
+        print("perf_model --measure: a cupy parity check FAILED; its figures are not reported")
+        return 2
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None, help="write the table (or, with --measure, the "
+                    "benchmark report) as JSON to this path")
+    ap.add_argument("--measure", action="store_true",
+                    help="time the runners on this GPU and compare with the model")
+    ap.add_argument("--iters", type=int, default=5, help="timed runs per figure (--measure)")
+    args = ap.parse_args(argv)
+    rows = table()
+    print(format_table(rows))
+    if args.measure:
+        return measure(args.json or os.path.join(ROOT, "out", "bench", "perf_model.json"),
+                       args.iters)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpus": [g._asdict() for g in GPUS], "targets": TARGETS,
+                       "designs": [d._asdict() for d in DESIGNS], "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
