@@ -1,38 +1,55 @@
 #!/usr/bin/env bash
-# GPU check: the GPU test suites and short benchmarks, in under 8 minutes.
+# GPU check of the CuPy backend, in under 8 minutes on one H100/H200, for a bare GPU machine
+# with this repository checked out (no network needed). One screen of verdict at the end.
 #
-#   scripts/gpu_check.sh            # every step; logs and JSON under $OUT when set, else
-#                                   # ./gpu_check_out
-#   scripts/gpu_check.sh --cupy     # steps 1 and 5 only (scripts/gpu_check_cupy.sh)
+#   scripts/gpu_check.sh            # the CuPy check below; verdict.txt, summary.json,
+#                                   # bench.json and logs.tar.gz (every step's log) under $OUT
+#                                   # when set, else ./gpu_check_out
+#   scripts/gpu_check.sh --cupy     # the same (scripts/gpu_check_cupy.sh)
+#   scripts/gpu_check.sh --numba    # the Numba suite instead: tests/numba, the other `gpu`
+#                                   # tests, scripts/bench_numba.py --quick
 #
-# Steps (each under its own timeout, so the whole run stays below 8 minutes):
-#   1. machine header (nvidia-smi, library versions)            -> machine.txt
-#   2. the Numba suite on the GPU (kernels at real sizes, graphs) -> numba_tests.{log,xml}
-#   3. every other test marked `gpu`                             -> gpu_tests.{log,xml}
-#   4. the Numba benchmark (parity-checked, CUDA events)         -> bench_numba.{log,json}
-#   5. the CuPy backend, when CuPy sees the GPU: kernel cache warm-up in parallel processes,
-#      tests/test_cupy_gpu.py (parity, determinism, graph capture), scripts/bench.py --quick
-#      (parity-gated)                                            -> cupy/{warm_cache,tests,bench}.*
-# summary.json lists each step's exit status and duration, and whether CuPy saw the GPU; the
-# exit status is 0 only if every step passed. Without a usable GPU the script says so, writes
-# summary.json with "gpu": false and exits 0.
-# Later issues append their steps below; keep the total under the limit.
+# Steps, each under its own timeout (a hang costs that step, not the run; limits add up to
+# 450 s):
+#   install     an editable install of the checkout (no download), and any wheels found in
+#               $WHEELS (default ./.whl: e.g. nvidia-cuda-sanitizer-api) into a private folder
+#   warm_cache  every kernel variant compiled for this GPU in parallel (CuPy's disk cache)
+#   sanitizer_{memcheck,racecheck,synccheck,initcheck}
+#               compute-sanitizer on one small case that runs every kernel once
+#               (tests/test_cupy_gpu.py::test_one_small_case_per_kernel)
+#   gpu_tests   tests/test_cupy_gpu.py: parity, determinism, graphs, streams, a multi-wave grid,
+#               rows past 2**31 elements, large magnitudes, the tensor-core and special-function
+#               model of the host emulation against this GPU
+#   bench       scripts/perf_model.py --measure: torch SDPA (flash, cuDNN), varlen_attn and
+#               compiled flex_attention against this backend at 8k and 16k tokens per sequence
+#               (bf16, D=128, 16 heads; parity-gated), with the measured bf16 matmul peak, each
+#               figure beside the performance model's prediction (docs/cupy_backend.md)
+# summary.json lists each step's exit status and duration; verdict.txt is the screen printed
+# last. Exit status 0 only if every step passed. Without a usable GPU the script says so,
+# writes summary.json with "gpu": false and exits 0.
 set -u
 
-ONLY_CUPY=false
+MODE=cupy
 case "${1:-}" in
-    --cupy) ONLY_CUPY=true ;;
-    "") ;;
-    *) echo "usage: $0 [--cupy]" >&2; exit 2 ;;
+    --cupy|"") ;;
+    --numba) MODE=numba ;;
+    *) echo "usage: $0 [--cupy | --numba]" >&2; exit 2 ;;
 esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$ROOT/gpu_check_out}"
-mkdir -p "$OUT_DIR/cupy"
+LOGS="$(mktemp -d "${TMPDIR:-/tmp}/varlen_gpu_check.XXXXXX")"      # packed at the end
+SITE="$LOGS/site"                                                 # carried wheels go here
+mkdir -p "$OUT_DIR"
 cd "$ROOT" || exit 1
 export PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/varlen_cupy_cache}"
-PY="${PYTHON:-python}"
+export CUPY_CACHE_IN_MEMORY=0       # the tests reuse the kernels warm_cache compiled
+PY="${PYTHON:-python3}"
+command -v "$PY" >/dev/null || PY=python
+WHEELS="${WHEELS:-$ROOT/.whl}"
+export PY WHEELS SITE
+T0=$(date +%s)
 
 STEPS=()
 record() {  # name rc seconds
@@ -45,19 +62,20 @@ run_step() {  # name timeout_s command...
     local t0 rc
     t0=$(date +%s)
     echo "== $name (limit ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
     rc=$?
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "TIMEOUT after ${limit}s" >>"$LOGS/$name.log"
     record "$name" "$rc" "$(( $(date +%s) - t0 ))"
-    tail -n 3 "$OUT_DIR/$name.log"
+    tail -n 3 "$LOGS/$name.log"
     echo "== $name: rc=$rc"
 }
 
-write_summary() {  # gpu(true|false) cupy(true|false)
+write_summary() {  # gpu(true|false)
     local joined
     joined=$(IFS=,; echo "${STEPS[*]:-}")
-    printf '{"gpu": %s, "cupy": %s, "steps": [%s]}\n' "$1" "$2" "$joined" \
-        >"$OUT_DIR/summary.json"
-    cat "$OUT_DIR/summary.json"
+    printf '{"gpu": %s, "mode": "%s", "seconds": %s, "steps": [%s]}\n' "$1" "$MODE" \
+        "$(( $(date +%s) - T0 ))" "$joined" >"$OUT_DIR/summary.json"
+    tar czf "$OUT_DIR/logs.tar.gz" -C "$LOGS" --exclude=./site . 2>/dev/null
 }
 
 {
@@ -72,7 +90,7 @@ for m in ("numpy", "numba", "numba_cuda", "cupy", "torch", "jax", "ml_dtypes"):
     except Exception as e:
         print(m, "unavailable:", type(e).__name__)
 EOF
-} >"$OUT_DIR/machine.txt" 2>&1
+} >"$LOGS/machine.txt" 2>&1
 
 if ! "$PY" - <<'EOF'
 import ctypes, sys
@@ -85,41 +103,109 @@ ok = lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.val
 sys.exit(0 if ok else 1)
 EOF
 then
-    echo "gpu_check: no usable CUDA GPU; nothing to run (the CPU suite covers the simulator)"
-    write_summary false false
+    echo "gpu_check: no usable CUDA GPU; nothing to run (the CPU suite covers the emulation)"
+    write_summary false
+    cat "$OUT_DIR/summary.json"
     exit 0
 fi
 
-# varlen.comm and varlen.kernels_cuda live at the top of the repository and are mapped into the
-# package by setup.cfg: a source checkout needs an editable install (local, no download).
-if ! "$PY" -c "import varlen.comm, varlen.kernels_cuda" >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/install.log" 2>&1 \
-        || { echo "gpu_check: editable install failed (see install.log)"; exit 1; }
-fi
+# ---- install: the checkout (varlen.comm and varlen.kernels_cuda are mapped into the package by
+# setup.cfg, so a source tree needs an editable install) and carried wheels, all offline.
+install_checkout() {
+    if ! "$PY" -c "import varlen.comm, varlen.kernels_cuda" >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-deps --no-build-isolation -e . || return 1
+    fi
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade \
+            --target "$SITE" "$WHEELS"/*.whl || return 1
+    fi
+    "$PY" -c "import varlen.comm, varlen.kernels_cuda; print('varlen importable')"
+}
+export -f install_checkout
+run_step install 30 bash -c install_checkout
+[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
-# Limits add up to 470 s, inside the 8-minute budget.
-if ! "$ONLY_CUPY"; then
+# compute-sanitizer: $COMPUTE_SANITIZER, the PATH, the CUDA toolkit, then the
+# nvidia-cuda-sanitizer-api wheel (nvidia/cu13/compute-sanitizer/ or, for CUDA 12,
+# nvidia/cuda_sanitizer_api/compute-sanitizer/ in site-packages or the carried wheels' folder).
+find_sanitizer() {
+    local c
+    for c in "${COMPUTE_SANITIZER:-}" "$(command -v compute-sanitizer 2>/dev/null)" \
+             "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" \
+             /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+        [ -n "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
+    done
+    "$PY" - "$SITE" <<'EOF'
+import glob, os, site, sys
+roots = [sys.argv[1], *site.getsitepackages(), site.getusersitepackages()]
+for root in roots:
+    for pattern in ("nvidia/*/compute-sanitizer/compute-sanitizer",
+                    "nvidia/*/bin/compute-sanitizer"):
+        for path in sorted(glob.glob(os.path.join(root, pattern))):
+            if os.access(path, os.X_OK):
+                print(path)
+                sys.exit(0)
+sys.exit(1)
+EOF
+}
+
+sanitize() {  # tool: the small case under compute-sanitizer; it must run, not skip
+    local log rc
+    log=$("$SANITIZER" --tool "$1" --error-exitcode 3 --print-limit 20 "$PY" -m pytest -q -x \
+        "tests/test_cupy_gpu.py::test_one_small_case_per_kernel" 2>&1)
+    rc=$?
+    echo "compute-sanitizer: $SANITIZER"
+    echo "$log"
+    [ "$rc" -eq 0 ] || return "$rc"
+    grep -q "1 passed" <<<"$log" || { echo "the case did not run"; return 4; }
+}
+export -f sanitize
+
+if [ "$MODE" = numba ]; then
+    # Limits add up to 260 s.
     run_step numba_tests 150 "$PY" -m pytest -q -rfEs tests/numba \
-        --junitxml="$OUT_DIR/numba_tests.xml"
+        --junitxml="$LOGS/numba_tests.xml"
     run_step gpu_tests 60 "$PY" -m pytest -q -rfEs -m gpu tests --ignore=tests/numba \
-        --ignore=tests/test_cupy_gpu.py --junitxml="$OUT_DIR/gpu_tests.xml"
-    run_step bench_numba 50 "$PY" scripts/bench_numba.py --quick --json "$OUT_DIR/bench_numba.json"
-fi
-CUPY=false
-if "$PY" -c "import cupy, sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 1)" \
-        >/dev/null 2>&1; then
-    CUPY=true
-    run_step cupy/warm_cache 60 "$PY" -m varlen.backends._cupy_kernels 12
-    run_step cupy/tests 90 "$PY" -m pytest -q -rfEs tests/test_cupy_gpu.py \
-        --junitxml="$OUT_DIR/cupy/tests.xml"
-    run_step cupy/bench 60 "$PY" scripts/bench.py --quick --tokens 8192 --iters 3 \
-        --runners cupy,sdpa-flash,sdpa-cudnn,varlen --json "$OUT_DIR/cupy/bench.json"
+        --ignore=tests/test_cupy_gpu.py --junitxml="$LOGS/gpu_tests.xml"
+    run_step bench_numba 50 "$PY" scripts/bench_numba.py --quick --json "$LOGS/bench_numba.json"
 else
-    echo "gpu_check: CuPy sees no GPU (or is not installed); CuPy steps skipped"
+    run_step warm_cache 60 "$PY" -m varlen.backends._cupy_kernels 16
+    SANITIZER="$(find_sanitizer)"
+    if [ -z "$SANITIZER" ]; then
+        echo "compute-sanitizer not found (PATH, CUDA_HOME, wheels)" >"$LOGS/sanitizer.log"
+        record sanitizer 1 0
+    else
+        export SANITIZER
+        for tool in memcheck racecheck synccheck initcheck; do
+            run_step "sanitizer_$tool" 35 bash -c 'sanitize "$0"' "$tool"
+        done
+    fi
+    run_step gpu_tests 120 "$PY" -m pytest -q -rfEs -s tests/test_cupy_gpu.py \
+        --junitxml="$LOGS/gpu_tests.xml"
+    grep -q "[0-9] passed" "$LOGS/gpu_tests.log" || record gpu_tests_ran 5 0
+    run_step bench 100 "$PY" scripts/perf_model.py --measure --json "$OUT_DIR/bench.json"
+    grep -q "^predicted vs measured" "$LOGS/bench.log" || record bench_ran 5 0
 fi
 
-write_summary true "$CUPY"
-for s in ${STEPS[@]+"${STEPS[@]}"}; do
-    case "$s" in *'"rc": 0,'*) ;; *) exit 1 ;; esac
-done
-exit 0
+# ---- verdict: one screen
+{
+    echo "================ gpu_check verdict ($MODE, $(( $(date +%s) - T0 )) s) ================"
+    grep -E "NVIDIA|Driver Version" "$LOGS/machine.txt" | head -n 2
+    printf '%-22s %5s %6s  %s\n' step rc seconds "last line"
+    for s in ${STEPS[@]+"${STEPS[@]}"}; do
+        name=$(echo "$s" | sed 's/.*"step": "\([^"]*\)".*/\1/')
+        rc=$(echo "$s" | sed 's/.*"rc": \([0-9]*\).*/\1/')
+        secs=$(echo "$s" | sed 's/.*"seconds": \([0-9]*\).*/\1/')
+        last=$(grep -v '^\s*$' "$LOGS/$name.log" 2>/dev/null | tail -n 1 | cut -c1-60)
+        printf '%-22s %5s %6s  %s\n' "$name" "$rc" "$secs" "$last"
+    done
+    [ -f "$LOGS/bench.log" ] && sed -n '/^predicted vs measured/,$p' "$LOGS/bench.log"
+    grep -ho "mma: .*\|ex2 max .*" "$LOGS/gpu_tests.log" 2>/dev/null
+    failed=0
+    for s in ${STEPS[@]+"${STEPS[@]}"}; do
+        case "$s" in *'"rc": 0,'*) ;; *) failed=$((failed + 1)) ;; esac
+    done
+    if [ "$failed" -eq 0 ]; then echo "VERDICT: PASS"; else echo "VERDICT: FAIL ($failed step(s))"; fi
+} | tee "$OUT_DIR/verdict.txt" "$LOGS/verdict.txt"
+write_summary true
+grep -q "^VERDICT: PASS" "$OUT_DIR/verdict.txt"

@@ -240,3 +240,190 @@ def test_runs_on_the_callers_stream():
         out, lse, grads = _run(b)
         host = _host(out), _host(lse), [_host(g) for g in grads]
     check_against_reference(b, *host[:2], host[2], label="side stream")
+
+
+# ---- what the GPU check (scripts/gpu_check.sh) adds: sanitizer case, scale, numerics ---------
+
+def test_one_small_case_per_kernel():
+    """Forward, atomic-dQ and deterministic backward of one small batch at the shipped default
+    (bf16, D=128, tiles (128, 64), 5 key tiles for the last query tile): every kernel once.
+    The GPU check runs this test under compute-sanitizer; CuPy's memory pool is off meanwhile,
+    so each array is its own allocation and an overrun is one the sanitizer sees."""
+    import cupy as cp
+    old = cp.get_default_memory_pool()
+    cp.cuda.set_allocator(None)
+    try:
+        rng = np.random.default_rng(17)
+        b = make_batch(rng, [300, 33], None, Hq=2, Hk=1, D=128, dtype="bfloat16",
+                       mask="causal", gaps=True)
+        for det in (False, True):
+            out, lse, grads = _run(b, deterministic=det)
+            check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
+                                    label=f"sanitizer case deterministic={det}")
+    finally:
+        cp.cuda.set_allocator(old.malloc)
+
+
+def test_more_ctas_than_sms():
+    """Grids of several waves (4 x 1024 causal tokens, 8 query and 4 key heads: 256 query-tile
+    CTAs and 256 key-tile CTAs against 132 SMs on an H100), many dK/dV blocks adding to the same
+    dQ rows, heaviest tiles last."""
+    import cupy as cp
+    rng = np.random.default_rng(23)
+    b = make_batch(rng, [1024] * 4, None, Hq=8, Hk=4, D=128, dtype="bfloat16", mask="causal")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    assert 4 * (1024 // 128) * 8 > sms, "the grid fits in one wave on this GPU"
+    for det in (False, True):
+        out, lse, grads = _run(b, deterministic=det)
+        check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
+                                label=f"multi-wave deterministic={det}")
+
+
+def _rows_scaled(b, name, factor):
+    """b.<name> with its sequence rows multiplied by `factor` (padding keeps its garbage)."""
+    a = getattr(b, name)
+    rows = covered_rows(b, "k" if name in ("k", "v") else "q")
+    x = a.astype(np.float64)
+    x[rows] *= factor
+    setattr(b, name, x.astype(a.dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("what", ["scores-1e2", "softcap-saturated", "dout-near-fp16-max"])
+def test_large_magnitudes(what, dtype):
+    """|scores| of 1e2 to 1e3 (a near one-hot softmax), a softcap far into saturation, and dO
+    near the float16 range; the tolerances are the usual ratio to a naive same-dtype error."""
+    rng = np.random.default_rng(zlib.crc32(f"{what}{dtype}".encode()))
+    b = make_batch(rng, [200, 77, 1], [260, 77, 5], Hq=4, Hk=2, D=128, dtype=dtype,
+                   mask="causal_bottom_right", gaps=True)
+    softcap = 0.0
+    if what in ("scores-1e2", "softcap-saturated"):
+        _rows_scaled(b, "q", 12.0)
+        _rows_scaled(b, "k", 12.0)                   # scores ~ 144 x N(0, 1) after 1/sqrt(D)
+        softcap = 20.0 if what == "softcap-saturated" else 0.0
+    else:
+        _rows_scaled(b, "dout", 1000.0)              # |dO| up to ~5e3, dP ~ 1e4 in fp32
+    for det in (False, True):
+        out, lse, grads = _run(b, softcap=softcap, deterministic=det)
+        grads = [_host(g) for g in grads]
+        assert all(np.isfinite(g.astype(np.float64)).all() for g in grads), "overflow"
+        check_against_reference(b, _host(out), _host(lse), grads, softcap=softcap,
+                                label=f"{what}/{dtype} deterministic={det}")
+
+
+def test_offsets_past_2_31_elements():
+    """A sequence at the end of packed arrays of 2**21 rows x 8 heads x 128 (2**31 elements
+    each, 4 GiB in bf16): every address of its rows needs 64 bits."""
+    import cupy as cp
+    T, H, D, L = 2 ** 21, 8, 128, 300
+    assert T * H * D >= 2 ** 31
+    rng = np.random.default_rng(29)
+    small = make_batch(rng, [L], None, Hq=H, Hk=H, D=D, dtype="bfloat16", mask="causal")
+    start = T - L - 3
+    garbage = int(np.array(1e4, small.q.dtype).view(np.uint16))    # as make_batch pads
+    dev = {}
+    for n in ("q", "k", "v", "dout"):
+        a = cp.full((T, H, D), garbage, dtype=cp.uint16)
+        a[start:start + L] = cp.asarray(getattr(small, n).view(np.uint16))
+        dev[n] = a.view(small.q.dtype)
+    cu = cp.asarray(np.array([0, L], np.int32))
+    off = cp.asarray(np.array([start, start + L], np.int32))
+    kw = dict(seq_offsets_q=off, seq_offsets_k=off, mask="causal", backend="cupy")
+    out, lse = varlen.attention_forward(dev["q"], dev["k"], dev["v"], cu, cu, **kw)
+    for det in (False, True):
+        grads = varlen.attention_backward(dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
+                                          cu, cu, deterministic=det, **kw)
+        rows = slice(start, start + L)
+        check_against_reference(small, _host(out[rows]), _host(lse[:, rows]),
+                                [_host(g[rows]) for g in grads],
+                                label=f"rows past 2**31 elements deterministic={det}")
+    del dev, out, lse, grads
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+MMA_KERNEL = r"""
+#include <cuda_bf16.h>
+// One warp per 16x8 tile: D = A B + C by mma.sync.m16n8k16 (bf16 in, f32 accumulate), fragments
+// as the PTX ISA lays them out; A [n][16][16] row-major, B [n][16][8] (k, n), C, D [n][16][8].
+extern "C" __global__ void mma_tiles(const __nv_bfloat16* A, const __nv_bfloat16* B,
+                                     const float* C, float* Dout) {
+    const int tile = blockIdx.x, lane = threadIdx.x, g = lane / 4, t = lane % 4;
+    const __nv_bfloat16* a = A + tile * 256;
+    const __nv_bfloat16* b = B + tile * 128;
+    auto pack = [](__nv_bfloat16 lo, __nv_bfloat16 hi) {
+        return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
+    };
+    unsigned ra[4], rb[2];
+    ra[0] = pack(a[g * 16 + 2 * t], a[g * 16 + 2 * t + 1]);
+    ra[1] = pack(a[(g + 8) * 16 + 2 * t], a[(g + 8) * 16 + 2 * t + 1]);
+    ra[2] = pack(a[g * 16 + 2 * t + 8], a[g * 16 + 2 * t + 9]);
+    ra[3] = pack(a[(g + 8) * 16 + 2 * t + 8], a[(g + 8) * 16 + 2 * t + 9]);
+    rb[0] = pack(b[(2 * t) * 8 + g], b[(2 * t + 1) * 8 + g]);
+    rb[1] = pack(b[(2 * t + 8) * 8 + g], b[(2 * t + 9) * 8 + g]);
+    const float* c = C + tile * 128;
+    float d[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                  c[(g + 8) * 8 + 2 * t + 1]};
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(ra[0]), "r"(ra[1]), "r"(ra[2]), "r"(ra[3]), "r"(rb[0]), "r"(rb[1]));
+    float* o = Dout + tile * 128;
+    o[g * 8 + 2 * t] = d[0]; o[g * 8 + 2 * t + 1] = d[1];
+    o[(g + 8) * 8 + 2 * t] = d[2]; o[(g + 8) * 8 + 2 * t + 1] = d[3];
+}
+extern "C" __global__ void special(const float* x, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { out[3 * i] = exp2f(x[i]); out[3 * i + 1] = log2f(x[i] + 200.f);
+                 out[3 * i + 2] = tanhf(x[i] / 16.f); }
+}
+"""
+
+
+def test_tensor_cores_and_special_functions_match_the_emulation_model(tmp_path_factory):
+    """The host emulation's arithmetic (kernels_cuda/host_emulation_math.cuh) against this GPU:
+    mma.m16n8k16 bf16 -> f32 bit for bit with the tensor-core model (blocks of 16 on sm_90,
+    8 on sm_80), and ex2/lg2/tanh under --use_fast_math within the PTX bounds the model uses."""
+    import cupy as cp
+    import test_emulation_math as em
+    from varlen.backends._cupy_spec import compile_options
+    major = cp.cuda.Device().compute_capability[0]
+    exe = em._build(tmp_path_factory, [f"VARLEN_EMU_MMA_BLOCK={16 if major >= 9 else 8}"])
+    mod = cp.RawModule(code=MMA_KERNEL, options=tuple(o for o in compile_options()
+                                                       if not o.startswith("-DVARLEN")))
+    rng = np.random.default_rng(31)
+    n = 512
+    A = em.bf16_values(rng.standard_normal((n, 16, 16)))
+    B = em.bf16_values(rng.standard_normal((n, 16, 8)))
+    A[: n // 2] *= np.exp2(rng.integers(-20, 20, (n // 2, 16, 16))).astype(np.float32)
+    C = (rng.standard_normal((n, 16, 8)) * 8).astype(np.float32)
+    to_bits = lambda x: cp.asarray((x.view(np.uint32) >> 16).astype(np.uint16))   # noqa: E731
+    out = cp.empty((n, 16, 8), cp.float32)
+    mod.get_function("mma_tiles")((n,), (32,), (to_bits(A), to_bits(B), cp.asarray(C), out))
+    gpu = cp.asnumpy(out)
+    rows = np.concatenate([C.reshape(n, 16, 8, 1),
+                           np.broadcast_to(A[:, :, None, :], (n, 16, 8, 16)),
+                           np.broadcast_to(B.transpose(0, 2, 1)[:, None], (n, 16, 8, 16))], -1)
+    model = em.run(exe, "mma", rows.reshape(-1, 33).ravel()).reshape(n, 16, 8)
+    same = np.mean(gpu.view(np.uint32) == model.view(np.uint32))
+    exact = (C.astype(np.float64) + np.einsum("nik,nkj->nij", A.astype(np.float64),
+                                              B.astype(np.float64)))
+    print(f"mma: {same:.4%} of elements bit-identical to the emulation's model; max |gpu - "
+          f"exact| {np.abs(gpu - exact).max():.3e}, max |model - exact| "
+          f"{np.abs(model - exact).max():.3e}")
+    assert same >= 0.99, f"the tensor-core model matches only {same:.2%} of this GPU's results"
+    x = rng.uniform(-100, 100, 100000).astype(np.float32)
+    res = cp.empty(3 * x.size, cp.float32)
+    mod.get_function("special")(((x.size + 255) // 256,), (256,), (cp.asarray(x), res,
+                                                                    np.int32(x.size)))
+    e2, l2, th = cp.asnumpy(res).reshape(-1, 3).T
+    x64 = x.astype(np.float64)
+    err_e2 = np.abs(e2 - np.exp2(x64)) / np.spacing(np.exp2(x64).astype(np.float32))
+    arg = (x + np.float32(200)).astype(np.float64)
+    err_l2 = np.abs(l2 - np.log2(arg)) / np.abs(np.log2(arg))
+    t = np.tanh((x / np.float32(16)).astype(np.float64))
+    err_th = np.abs(th - t) / np.maximum(np.abs(t), 1e-30)
+    print(f"ex2 max {err_e2.max():.2f} ulp, lg2 max rel {err_l2.max():.2e}, tanh max rel "
+          f"{err_th.max():.2e}")
+    assert err_e2.max() <= 2.5, f"ex2.approx {err_e2.max():.2f} ulp: over the modelled 2 ulp"
+    assert err_l2.max() <= 2.0 ** -22, "lg2.approx over the modelled 2^-22"
+    assert err_th.max() <= 2.0 ** -11, "tanh.approx over the modelled 2^-11"
