@@ -1,11 +1,22 @@
 """The batches the host emulation runs the CuPy kernels on (`python -m
-varlen.backends._cupy_emulation [--quick]`): each a dict of `run_case`'s arguments."""
+varlen.backends._cupy_emulation [--quick]`): each a dict of `run_case`'s arguments.
+
+`default_variant_cases()` are the shipped default variants (bfloat16, every head dim of
+`_cupy_spec.HEAD_DIMS`, the backend's default tiles (128, 64): BQ = 32 query chunks and the
+2-warp dQ phase at D > 64), forward and both backward modes; among them a batch with more CTAs
+than the SMs the emulation stands for (EMULATED_SM_COUNT, an H100 SXM) and blocks that visit
+three or more partner tiles. CI runs each in its own process (tests/test_emulation_variants.py).
+"""
 from __future__ import annotations
 
 import numpy as np
 
-
 from ..masks import Mask
+from .cupy_backend import DEFAULT_BLOCKS
+
+# The GPU the emulation stands for: an H100 SXM (sm_90, 132 SMs). A grid of more CTAs than this
+# runs in more than one wave there.
+EMULATED_SM_COUNT = 132
 
 
 def cases(quick: bool):
@@ -29,4 +40,51 @@ def cases(quick: bool):
                  block_m=128),
             dict(label="B3-mqa-causal_br-fp16-D128", lengths_q=[1, 97, 113],
                  lengths_k=[30, 3, 200], Hq=2, Hk=1, D=128, dtype="float16",
-                 mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64)]
+                 mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64),
+            *default_variant_cases()]
+
+
+def default_variant_cases():
+    """bfloat16 at every shipped head dim with the default tiles, forward and backward."""
+    bm = DEFAULT_BLOCKS[0]
+    base = dict(dtype="bfloat16", block_m=bm, softcap=0.0)
+    # 140 one-tile sequences of 1..14 rows: 140 query tiles, 140 key tiles, one head.
+    many = [1 + i % 14 for i in range(EMULATED_SM_COUNT + 8)]
+    return [
+        # 4 key tiles for the second query tile of the 200-row sequence; 4 query chunks
+        # (BQ = 32) per query tile in dK/dV; GQA 2:1; a sequence of keys only in the middle.
+        dict(label="B3-gqa-full-4tiles-bf16-D128-BM128", lengths_q=[200, 0, 40],
+             lengths_k=[200, 5, 40], Hq=2, Hk=1, D=128, mask="full", gaps=True, **base),
+        dict(label="B2-sliding-bf16-D96-BM128", lengths_q=[200, 45], lengths_k=None, Hq=1,
+             Hk=1, D=96, mask=Mask(window_left=150, window_right=0), gaps=False, **base),
+        # bottom-right causal with Lk > Lq: 5 key tiles for the last query tile; 3 query tiles
+        # (6 chunks of BQ = 64) for the first key tile in dK/dV.
+        dict(label="B2-mqa-causal_br-bf16-D64-BM128", lengths_q=[260, 3], lengths_k=[270, 40],
+             Hq=2, Hk=1, D=64, mask="causal_bottom_right", gaps=True, **base),
+        dict(label=f"B{len(many)}-multiwave-causal-bf16-D32-BM128", lengths_q=many,
+             lengths_k=None, Hq=1, Hk=1, D=32, mask="causal", gaps=False, **base),
+    ]
+
+
+def case(label: str) -> dict:
+    """The case of `label`, from the full list."""
+    for c in cases(False):
+        if c["label"] == label:
+            return c
+    raise KeyError(f"no emulation case {label!r}")
+
+
+def grid_figures(c: dict) -> dict:
+    """What case `c` asks of the kernels: CTAs of the forward/dQ grid (query tiles x Hq) and of
+    the dK/dV grid (key tiles x Hk), and the most partner tiles one block visits."""
+    import varlen
+    cu_q = np.concatenate([[0], np.cumsum(c["lengths_q"])]).astype(np.int32)
+    lk = c["lengths_k"] if c["lengths_k"] is not None else c["lengths_q"]
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    view = varlen.plan(cu_q, cu_k, mask=c["mask"], block_m=c["block_m"],
+                       block_n=DEFAULT_BLOCKS[1]).view()
+    q_sched, k_sched = np.asarray(view.q_sched), np.asarray(view.k_sched)
+    return {"q_ctas": int(view.num_q_tiles) * c["Hq"],
+            "k_ctas": int(view.num_k_tiles) * c["Hk"],
+            "max_key_tiles": int((q_sched[..., 3] - q_sched[..., 0]).sum(-1).max(initial=0)),
+            "max_query_tiles": int((k_sched[..., 3] - k_sched[..., 0]).sum(-1).max(initial=0))}
