@@ -69,6 +69,9 @@ def test_ctas_per_sm_from_registers_and_shared_memory():
     assert (dkdv["gpu"], dkdv["ctas_by_registers"], dkdv["ctas_by_shared"]) == ("A100", 2, 2)
     assert ctas_per_sm("sm_80", 128, 128, 87040)["ctas_by_shared"] == 1
     assert ctas_per_sm("sm_90", 128, 128, 87040)["ctas_by_shared"] == 2
+    assert ctas_per_sm("sm_90", 64, 128, 114 * 1024)["ctas_by_shared"] == 1   # + 1 KiB each
+    # 200 registers: 6400 per warp, 2 warps in each quarter's 16384 (not 10 in the SM's 65536)
+    assert ctas_per_sm("sm_90", 200, 64, 0)["ctas_by_registers"] == 4
     small = ctas_per_sm("sm_90", 16, 128, 0)
     assert small["ctas_by_threads"] == 16 and small["ctas_per_sm"] == 16, small
 
