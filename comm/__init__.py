@@ -15,14 +15,15 @@ them; under torchrun, `torch_group()` is the default torch.distributed group.
 from .attention import METHODS, attention_backward, attention_forward
 from .group import DEFAULT_TIMEOUT, Group, GroupAborted, LocalGroup, LocalGroups, P2P, local_group
 from .merge import merge_partial
-from .partition import SCHEMES, Partition, StepPlans, local_rows_bound, partition, plan
+from .partition import (CHUNK_SCHEMES, SCHEMES, Partition, StepPlans, local_rows_bound,
+                        partition, plan)
 from .torch_group import TorchGroup, torch_group
 
 __all__ = ["partition", "Partition", "local_rows_bound", "plan", "StepPlans", "init",
            "local_group", "torch_group", "TorchGroup", "Group", "LocalGroup", "LocalGroups", "P2P",
            "GroupAborted",
            "attention_forward", "attention_backward", "merge_partial", "METHODS", "SCHEMES",
-           "DEFAULT_TIMEOUT"]
+           "CHUNK_SCHEMES", "DEFAULT_TIMEOUT"]
 
 BACKENDS = ("mpi", "nccl")
 

@@ -45,13 +45,13 @@ from varlen._validate import (FLOAT_DTYPES, as_index_array, check_layout_values,
 from varlen.plan import Segments
 
 __all__ = ["Partition", "DocumentPartition", "partition", "document_work", "local_rows_bound",
-           "SCHEMES", "ALL_SCHEMES", "StepPlans", "plan", "step_plans", "check_step_plans",
+           "SCHEMES", "CHUNK_SCHEMES", "StepPlans", "plan", "step_plans", "check_step_plans",
            "mask_key"]
 
 # Chunk schemes: every sequence padded and cut into equal chunks, the same on every rank.
-SCHEMES = ("zigzag", "contiguous")
+CHUNK_SCHEMES = ("zigzag", "contiguous")
 # Every scheme `partition` takes: the chunk schemes and the document scheme.
-ALL_SCHEMES = SCHEMES + ("document",)
+SCHEMES = CHUNK_SCHEMES + ("document",)
 
 
 def _int_arg(name, value, minimum):
@@ -115,9 +115,9 @@ def partition(cu_seqlens, cp_size, scheme="zigzag", *, seq_offsets=None, num_row
     Returns a `Partition`. Its arrays live where `cu_seqlens` lives.
     """
     cp_size = _int_arg("cp_size", cp_size, 1)
-    if scheme not in ALL_SCHEMES:
+    if scheme not in SCHEMES:
         raise ValueError(f"scheme={scheme!r} is not a known scheme; expected one of "
-                         f"{', '.join(map(repr, ALL_SCHEMES))}")
+                         f"{', '.join(map(repr, SCHEMES))}")
     probe = to_working(cu_seqlens, "cu_seqlens")
     xp = array_module(probe)
     on_device = xp is not np
@@ -652,6 +652,19 @@ class DocumentPartition(Partition):
         """How many rows `ring_rows(src, dst)` holds (host)."""
         self.ring_rows(src, dst)
         return self._routes[(src, dst)][0]
+
+    def ring_route(self, step):
+        """Ring step `step` for every rank at once, as host arrays of one shape (for collectives
+        that move the same shape on every rank, such as JAX's `ppermute`): `(rows, counts)`.
+        Rank r sends `rows[r, :counts[r]]`, i.e. `ring_rows(r, (r + step) % cp)`, to rank
+        `(r + step) % cp`; `rows` is int64 `[cp, max(counts)]`, padded with `local_rows` (a row
+        past every shard)."""
+        cp = self.cp_size
+        counts = np.array([self.ring_count(r, (r + step) % cp) for r in range(cp)], np.int64)
+        rows = np.full((cp, int(counts.max(initial=0))), self.local_rows, np.int64)
+        for r in range(cp):
+            rows[r, :counts[r]] = host_copy(self.ring_rows(r, (r + step) % cp))
+        return rows, counts
 
     def ring_segments(self, src, dst) -> Segments:
         """Key segments of the compact buffer `k_src[ring_rows(src, dst)]`: `src`'s segments

@@ -192,6 +192,19 @@ def test_ring_rows_are_the_shared_documents_rows():
             assert rows.tolist() == want, (src, dst)
 
 
+def test_ring_route_is_every_ranks_ring_rows_in_one_table():
+    part = vc.partition(_cu([3, 50, 2, 4, 60]), 4, "document", max_doc_len=10)
+    for step in range(4):
+        rows, counts = part.ring_route(step)
+        assert rows.shape == (4, max(counts.max(), 0)) and rows.dtype == np.int64
+        for r in range(4):
+            dst = (r + step) % 4
+            assert counts[r] == part.ring_count(r, dst), (step, r)
+            assert rows[r, :counts[r]].tolist() == part.ring_rows(r, dst).tolist(), (step, r)
+            assert (rows[r, counts[r]:] == part.local_rows).all(), "padding: a row past the shard"
+    assert not part.ring_route(0)[1].any(), "step 0: a rank's own keys do not travel"
+
+
 def test_cross_attention_needs_the_same_placement():
     pq = vc.partition(_cu([3, 40]), 2, "document", max_doc_len=5)
     pk = vc.partition(_cu([40, 3]), 2, "document", max_doc_len=5)

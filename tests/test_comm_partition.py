@@ -1,4 +1,5 @@
-"""varlen.comm.partition: zigzag/contiguous layouts for any lengths, shard/unshard, segments."""
+"""varlen.comm.partition: every scheme's shards for any lengths (shard/unshard, pads), the chunk
+schemes' padded layouts and segments (the document scheme's own: tests/test_comm_document.py)."""
 import numpy as np
 import pytest
 
@@ -29,6 +30,13 @@ def test_seed000_zigzag_layout():
     assert s0.length.tolist() == [[2, 1]] and s0.seqlen.tolist() == [7]
 
 
+def test_schemes_name_every_scheme_partition_takes():
+    assert vc.SCHEMES == ("zigzag", "contiguous", "document")
+    assert vc.CHUNK_SCHEMES == ("zigzag", "contiguous")
+    with pytest.raises(ValueError, match="'zigzag', 'contiguous', 'document'"):
+        vc.partition(_cu([7]), 2, "striped")
+
+
 @pytest.mark.parametrize("scheme", vc.SCHEMES)
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "L" + "-".join(map(str, ls)))
@@ -44,6 +52,14 @@ def test_every_token_on_exactly_one_rank(lengths, cp, scheme):
         assert s.shape == (part.local_rows, 2)
         assert not s[~part.valid(r)].any(), "pad rows must be zero-filled"
     np.testing.assert_array_equal(part.unshard(shards), x)
+
+
+@pytest.mark.parametrize("scheme", vc.CHUNK_SCHEMES)
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "L" + "-".join(map(str, ls)))
+def test_chunk_schemes_pad_each_sequence_to_whole_chunks(lengths, cp, scheme):
+    T = int(sum(lengths))
+    part = vc.partition(_cu(lengths), cp, scheme)
     n = 2 * cp if scheme == "zigzag" else cp
     assert (part.padded_seqlens % n == 0).all()
     assert (part.padded_seqlens >= np.asarray(lengths)).all()
@@ -90,18 +106,22 @@ def test_offsets_with_gaps_keep_the_room():
     np.testing.assert_array_equal(part.unshard(shards), want)
 
 
-def test_unshard_takes_an_allgathered_stack():
-    part = vc.partition(_cu([5, 0, 9]), 3)
+@pytest.mark.parametrize("scheme", vc.SCHEMES)
+def test_unshard_takes_an_allgathered_stack(scheme):
+    part = vc.partition(_cu([5, 0, 9]), 3, scheme)
     x = np.arange(14.0 * 2).reshape(14, 2)
     stacked = vc.local_group(3).run(lambda g: g.allgather(part.shard(x, g.rank)))[0]
     np.testing.assert_array_equal(part.unshard(stacked), x)
 
 
-def test_lse_axis_and_fill():
-    part = vc.partition(_cu([7]), 2)
+@pytest.mark.parametrize("scheme", vc.SCHEMES)
+def test_lse_axis_and_fill(scheme):
+    part = vc.partition(_cu([7]), 2, scheme)
     lse = np.arange(14.0).reshape(2, 7)
-    s0 = part.shard(lse, 0, axis=1, fill=-np.inf)
-    assert s0.shape == (2, 4) and np.isneginf(s0[:, 3]).all()
+    for r in range(2):
+        s = part.shard(lse, r, axis=1, fill=-np.inf)
+        assert s.shape == (2, part.local_rows)
+        assert np.isneginf(s[:, ~part.valid(r)]).all() and np.isfinite(s[:, part.valid(r)]).all()
     back = part.unshard([part.shard(lse, r, axis=1) for r in range(2)], axis=1)
     np.testing.assert_array_equal(back, lse)
 
@@ -139,11 +159,12 @@ def test_float_cu_seqlens_is_a_type_error():
         vc.partition(np.array([0, 5.0]), 2)
 
 
-def test_a_host_partition_moves_to_the_data_module_once():
+@pytest.mark.parametrize("scheme", vc.SCHEMES)
+def test_a_host_partition_moves_to_the_data_module_once(scheme):
     import types
     fake = types.ModuleType("devicelike")          # stands in for CuPy: NumPy's functions
     fake.__dict__.update({k: getattr(np, k) for k in dir(np) if not k.startswith("__")})
-    part = vc.partition(_cu([7, 3]), 2, seq_offsets=np.array([0, 8, 12], np.int32))
+    part = vc.partition(_cu([7, 3]), 2, scheme, seq_offsets=np.array([0, 8, 12], np.int32))
     twin = part.on(fake)
     assert twin is part.on(fake) and twin is not part and part.on(np) is part
     assert (twin.num_rows, twin.local_rows) == (part.num_rows, part.local_rows)

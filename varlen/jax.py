@@ -366,6 +366,7 @@ class _CPStatic:
     softmax_scale: float
     softcap: float
     deterministic: bool
+    routes: tuple = ()          # ring over a document partition: a `_Route` per step
 
 
 def _acc(dtype):
@@ -390,15 +391,29 @@ def _kernel(static: _CPStatic, index: int, backward: bool, *args):
         if not steps.busy[index]:
             return tuple(np.full(s.shape, -np.inf if i and not backward else 0, s.dtype)
                          for i, s in enumerate(shapes))
+        plan = steps.plans[index]
+        # A compact ring buffer has the step's largest size on every rank; this rank's plan
+        # reads its first rows (a no-op for the other layouts).
+        i_k = 2 if backward else 1
+        arrays[i_k:i_k + 2] = (a[:plan.k.num_rows] for a in arrays[i_k:i_k + 2])
         kw = dict(softmax_scale=static.softmax_scale, softcap=static.softcap)
         if backward:
-            results = static.backend.backward(steps.plans[index], *arrays, **kw,
+            results = static.backend.backward(plan, *arrays, **kw,
                                               deterministic=static.deterministic)
         else:
-            results = static.backend.forward(steps.plans[index], *arrays, **kw)
-        return tuple(np.asarray(r, s.dtype) for r, s in zip(results, shapes))
+            results = static.backend.forward(plan, *arrays, **kw)
+        return tuple(_rows_to(np.asarray(r, s.dtype), s) for r, s in zip(results, shapes))
     results = _host_call(fn, shapes)(*args)
     return tuple(_vary(r, {static.axis_name}) for r in results)
+
+
+def _rows_to(x, shape):
+    """`x` with zero rows appended up to `shape` (gradients of a compact buffer's rows)."""
+    if x.shape[0] == shape.shape[0]:
+        return x
+    full = np.zeros(shape.shape, shape.dtype)
+    full[:x.shape[0]] = x
+    return full
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -448,6 +463,73 @@ def _ring_backward(static, dout, q, k, v, out, lse):
             dk, dv = _hop(static, dk, dv)
             if step + 1 < static.cp:
                 k, v = _hop(static, k, v)
+    return dq, dk, dv
+
+
+# Ring over a document partition: at step i rank r sends its rows of the documents it shares
+# with rank (r + i) % cp (`DocumentPartition.ring_route`: one static [cp, n] table, this rank's
+# row selected by `lax.axis_index`) and runs step i's plan on what it received from
+# (r - i) % cp. Only sharing ranks exchange; a step where no rank shares is skipped. Backward
+# sends each step's dK/dV of the received rows straight back, and the owner adds them in.
+
+@dataclass(frozen=True, eq=False)
+class _Route:
+    """One step of the document ring: `rows[r]`, rank r's send rows (padded past its shard),
+    and the `(sender, receiver)` pairs that exchange."""
+
+    rows: np.ndarray
+    pairs: tuple
+
+
+def _routes(part) -> tuple:
+    routes = []
+    for step in range(part.cp_size):
+        rows, counts = part.ring_route(step)
+        pairs = tuple((r, (r + step) % part.cp_size) for r in range(part.cp_size) if counts[r])
+        routes.append(_Route(rows, pairs))
+    return tuple(routes)
+
+
+def _my_rows(static, step):
+    return jnp.asarray(static.routes[step].rows, jnp.int32)[_rank(static)]
+
+
+def _doc_send(static, step, *xs):
+    """Step `step`'s compact buffers: my shared rows gathered, sent to rank + step; returns
+    what rank - step sent me (zeros where it sent nothing)."""
+    rows, pairs = _my_rows(static, step), list(static.routes[step].pairs)
+    return tuple(jax.lax.ppermute(jnp.take(x, rows, axis=0, mode="fill", fill_value=0),
+                                  static.axis_name, pairs) for x in xs)
+
+
+def _doc_ring_forward(static, q, k, v):
+    acc = _acc(q.dtype)
+    out, lse = _kernel(static, 0, False, q, k, v, _rank(static))
+    out = out.astype(acc)
+    for step in range(1, static.cp):
+        if static.routes[step].pairs:
+            o, l = _kernel(static, step, False, q, *_doc_send(static, step, k, v),
+                           _rank(static))
+            out, lse = _merge(out, lse, o.astype(acc), l)
+    return out, lse
+
+
+def _doc_ring_backward(static, dout, q, k, v, out, lse):
+    acc = _acc(q.dtype)
+    dq, dk, dv = (g.astype(acc) for g in _kernel(static, 0, True, dout, q, k, v, out, lse,
+                                                 _rank(static)))
+    for step in range(1, static.cp):
+        pairs = static.routes[step].pairs
+        if not pairs:
+            continue
+        k_in, v_in = _doc_send(static, step, k, v)
+        dq_s, dk_s, dv_s = _kernel(static, step, True, dout, q, k_in, v_in, out, lse,
+                                   _rank(static))
+        dq = dq + dq_s.astype(acc)
+        back = [(b, a) for a, b in pairs]            # the reverse route, to the rows' owner
+        rows = _my_rows(static, step)
+        dk, dv = (d.at[rows].add(jax.lax.ppermute(g.astype(acc), static.axis_name, back),
+                                 mode="drop") for d, g in ((dk, dk_s), (dv, dv_s)))
     return dq, dk, dv
 
 
@@ -516,7 +598,8 @@ _CP_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward,
 
 
 def _cp_forward(static, q, k, v):
-    out, lse = _CP_FORWARD[static.method](static, q, k, v)
+    forward = _doc_ring_forward if static.routes else _CP_FORWARD[static.method]
+    out, lse = forward(static, q, k, v)
     return out.astype(q.dtype), lse
 
 
@@ -533,7 +616,8 @@ def _cp_attention_fwd(static, q, k, v):
 def _cp_attention_bwd(static, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
-    grads = _CP_BACKWARD[static.method](static, dout, q, k, v, out, lse)
+    backward = _doc_ring_backward if static.routes else _CP_BACKWARD[static.method]
+    grads = backward(static, dout, q, k, v, out, lse)
     return tuple(_vary(g.astype(x.dtype), _varying_axes(x)) for g, x in zip(grads, (q, k, v)))
 
 
@@ -560,14 +644,16 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
         q: `[Tq_local, Hq, D]`, this device's shard (inside shard_map), float16, bfloat16,
             float32 (float64 with x64 enabled).
         k, v: `[Tk_local, Hk, D]` and `[Tk_local, Hk, Dv]` shards in q's dtype; `Hq % Hk == 0`.
-        part: a host `varlen.comm.partition(cu_seqlens, cp_size)` (zigzag or contiguous
-            scheme), a static argument.
+        part: a host `varlen.comm.partition(cu_seqlens, cp_size, scheme)`, any scheme
+            (zigzag, contiguous or document), a static argument.
         axis_name: the shard_map mesh axis of size `part.cp_size`.
         mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` whose
             per-sequence fields are ints or host `[B]` arrays (not traced); positions are global.
         softmax_scale: default `1/sqrt(D)`. softcap: as in `varlen_attention`.
         method: `"ring"` (K/V travel the ring with `lax.ppermute`, partial results merge
-            through their LSE; dK/dV travel one hop behind and reach their owners last),
+            through their LSE; dK/dV travel one hop behind and reach their owners last; on a
+            document partition only the rows of split documents travel, between the ranks
+            that share them, and their dK/dV go straight back),
             `"allgather"` (K/V `all_gather`ed once, dK/dV `psum_scatter`ed back) or
             `"ulysses"` (`all_to_all` from sequence to head shards and back; `Hq % cp_size
             == 0`, KV heads replicated when `Hk` does not divide by cp).
@@ -582,16 +668,17 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     Every rank's step plans come from the partition's cache (built once per partition, mask
     and tile size, reused by every layer, forward and backward); the kernels run on the host
     through `jax.pure_callback` (one call per ring step, one for the other methods), each
-    selecting its rank's plan by `lax.axis_index(axis_name)`.
+    selecting its rank's plan by `lax.axis_index(axis_name)`. A document ring's buffers have
+    one static shape per step on every rank (the step's largest send); a step where no two
+    ranks share a document has no collective and no kernel call.
     """
     import varlen.comm as vc
     from . import backends
 
     if method not in vc.METHODS:
         raise ValueError(f"method must be one of {', '.join(vc.METHODS)}, got {method!r}")
-    if not isinstance(part, vc.Partition) or part.scheme == "document":
-        raise TypeError(f"part must be a zigzag or contiguous varlen.comm.Partition, got "
-                        f"{part!r}")
+    if not isinstance(part, vc.Partition):
+        raise TypeError(f"part must be a varlen.comm.Partition, got {type(part).__name__}")
     if part.xp is not np:
         raise ValueError("part must be built from host cu_seqlens")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -624,8 +711,9 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     steps = tuple(vc.plan(part, r, dtype=dtype, head_dim=D, head_dim_v=Dv, mask=mask,
                           method=method, on_device=False) for r in range(part.cp_size))
     scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
+    routes = _routes(part) if method == "ring" and part.scheme == "document" else ()
     static = _CPStatic(axis_name, part.cp_size, method, steps, backends.get(steps[0].backend),
-                         scale, softcap, bool(deterministic))
+                       scale, softcap, bool(deterministic), routes)
     out, lse = _cp_attention(static, q, k, v)
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out
