@@ -33,12 +33,29 @@ class Spec:
     D: int = 8
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    # The document scheme when set: documents longer than `max_doc_len` are split, and each
+    # rank holds `ceil(slack * T / cp) + 1` rows when `slack` is given (trailing pad rows).
+    max_doc_len: int | None = None
+    slack: float | None = None
+
+    @property
+    def scheme(self):
+        return "zigzag" if self.max_doc_len is None else "document"
 
     @property
     def id(self):
         m = self.mask if isinstance(self.mask, str) else "mask"
         return (f"T{sum(self.lengths)}-B{len(self.lengths)}-Hq{self.Hq}-Hk{self.Hk}-{m}-"
-                f"{self.method}-{str(self.dtype)[6:]}")
+                f"{self.method}-{str(self.dtype)[6:]}-{self.scheme}")
+
+    def partition(self, cu, cp):
+        """The spec's partition of `cu` (host) over `cp` ranks."""
+        if self.max_doc_len is None:
+            return vc.partition(cu, cp)
+        rows = None if self.slack is None else int(np.ceil(self.slack * int(cu[-1]) / cp)) + 1
+        part = vc.partition(cu, cp, "document", max_doc_len=self.max_doc_len, local_rows=rows)
+        assert cp == 1 or any(len(g) > 1 for g in part.groups), part.groups
+        return part
 
 
 def mixed_mask(B):
@@ -84,7 +101,7 @@ def check_rank(group, spec: Spec, tol_scale=1.0):
     vc_group = vt._cp_group(group)
     rank, cp = vc_group.rank, vc_group.size
     b = global_batch(spec)
-    part = vc.partition(b["cu"].numpy(), cp)
+    part = spec.partition(b["cu"].numpy(), cp)
     q, k, v = (part.shard(b[n], rank).clone().requires_grad_() for n in "qkv")
     dout = part.shard(b["dout"], rank)
     out = vt.context_parallel_attention(q, k, v, part, group, mask=spec.mask,
@@ -108,6 +125,9 @@ SPECS = [
     Spec((7, 0, 13, 5), "ulysses", "causal"),
     Spec((9, 4, 11), "ring", None, Hk=1),            # mixed per-sequence mask, MQA
     Spec((9, 4, 11), "ulysses", None),
+    Spec((5, 0, 13, 1, 8, 31, 3), "ring", None, max_doc_len=6, slack=1.5),
+    Spec((5, 0, 13, 1, 8, 31, 3), "allgather", "causal", max_doc_len=6),
+    Spec((5, 0, 13, 1, 8, 31, 3), "ulysses", None, Hk=1, max_doc_len=6),
 ]
 
 
@@ -160,6 +180,7 @@ def check_bad_inputs(group):
 def _rank_main():
     import torch.distributed as dist
     dist.init_process_group("gloo")
+    varlen.set_nan_fill(True)
     try:
         for spec in SPECS:
             if spec.method == "ulysses" and spec.Hq % dist.get_world_size():
