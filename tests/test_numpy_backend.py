@@ -142,3 +142,24 @@ def test_padding_rows_are_never_read(garbage):
                    gaps=True, garbage=garbage)
     out, lse, grads = fwd_bwd(b)
     check_against_reference(b, out, lse, grads, label=f"garbage={garbage}")
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+def test_host_backends_answer_alike(name):
+    """Both host backends (one base class) decline device arrays and device plans, naming
+    themselves, and accept every float dtype on the host."""
+    from types import SimpleNamespace
+    from varlen import backends
+    from varlen.backends.base import Problem
+    if name == "cpu":
+        pytest.importorskip("numba")
+    be = backends.get(name)
+    on_device = Problem(dtype="float32", head_dim=64, head_dim_v=64, on_device=True)
+    assert be.supports(on_device) == (f"the {name} backend runs on the host; the arrays live "
+                                      "on a CUDA device")
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        assert be.supports(Problem(dtype, 64, 64, False)) is None, dtype
+    assert "int8" in be.supports(Problem("int8", 64, 64, False))
+    cu = np.array([0, 5, 9], np.int32)
+    assert be.check_plan(varlen.plan(cu, cu)) is None
+    assert "device" in be.check_plan(SimpleNamespace(on_host=False))

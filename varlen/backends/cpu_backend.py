@@ -24,11 +24,10 @@ import numpy as np
 
 from .._array import alloc
 from ..plan import Plan, TILE_ROWS, TILE_SEG, TILE_SEQ
-from .base import Backend
+from ._host import DTYPES, HostBackend, forward_buffers
 
 __all__ = ["CpuBackend", "BACKEND", "DTYPES"]
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
 LOG2E = 1.4426950408889634          # 1/ln(2)
 # Tile products of at least this many multiply-adds (M * N * K) go to BLAS; smaller ones (a
 # ragged edge, a length-1 sequence) to the kernels' loops, where a call would cost more.
@@ -145,16 +144,10 @@ def backward_items(plan: Plan, Hk: int):
 
 def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     K, th = _kernels(), _threads()
-    Tq, Hq, _ = q.shape
-    Hk, Dv = k.shape[1], v.shape[2]
+    Hq, Hk, Dv = q.shape[1], k.shape[1], v.shape[2]
     G = Hq // Hk
     wdt = _working_dtype(q.dtype)
-    out = alloc(np, (Tq, Hq, Dv), q.dtype)
-    lse = alloc(np, (Hq, Tq), wdt)
-    work_out = out if out.dtype == wdt else alloc(np, (Tq, Hq, Dv), wdt)
-    pad = ~plan.q.covered()
-    work_out[pad] = 0
-    lse[:, pad] = -np.inf
+    work_out, lse = forward_buffers(plan, q, Dv, out_dtype=wdt, lse_dtype=wdt)
     q_scale, c, cap = _scalars(softmax_scale, softcap)
     order, chunks = forward_items(plan, Hk, G)
     rows_max = int(chunks[:, 1].max(initial=1)) * plan.block_m * G
@@ -166,12 +159,13 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
         K.forward(_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
                   rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
                   BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
-    if work_out is not out:
-        out[...] = work_out
-    return out, lse
+    return (work_out if work_out.dtype == q.dtype else work_out.astype(q.dtype)), lse
 
 
-def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float):
+def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
+              deterministic: bool = False):
+    """`(dq, dk, dv)` in the input dtypes; always deterministic (`deterministic` changes
+    nothing)."""
     K, th = _kernels(), _threads()
     Tq, Hq, D = q.shape
     Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
@@ -195,9 +189,9 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
         dV = alloc(np, (Hk, Tk, Dv), wdt, fill=0)
         dq_nan = alloc(np, (Hk, Tq * G), np.bool_, fill=False)
         dk_nan = alloc(np, (Hk, Tk), np.bool_, fill=False)
-        K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), k_slots, Qw, dOw, Kw, Vw, delta, lse2,
-                   q_flag, k_flag, q_cum, k_cum, c, cap, float(softmax_scale),
-                   BLAS_MIN if use_blas else _NO_BLAS, dQ, dK, dV, dq_nan, dk_nan)
+        K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), k_slots,
+                   Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum, k_cum, c, cap,
+                   float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dK, dV, dq_nan, dk_nan)
         # dK accumulated dS^T (Q * q_scale)
         return (_unpack(dQ, dq_nan, q.shape, q.dtype),
                 _unpack(dK, dk_nan, k.shape, k.dtype, 1.0 / q_scale),
@@ -216,12 +210,14 @@ def blas_usable() -> bool:
     return _numba_missing() is None and _kernels().BLAS_BOUND and _threads().blas_controllable()
 
 
-class CpuBackend(Backend):
+class CpuBackend(HostBackend):
     """FlashAttention-2 tiles on the CPU: float32 arithmetic (float64 for float64 inputs),
     BLAS tile products, work items on Numba's threads. Always deterministic: results are
     bitwise identical for any thread count."""
 
     name = "cpu"
+    run_forward = staticmethod(_forward)
+    run_backward = staticmethod(_backward)
 
     @property
     def default_eligible(self) -> bool:
@@ -229,32 +225,12 @@ class CpuBackend(Backend):
         its own loops are slower than the numpy backend (it still runs when asked by name)."""
         return blas_usable()
 
-    def supports(self, call):
-        if call.on_device:
-            return "the cpu backend runs on the host; the arrays live on a CUDA device"
-        missing = _numba_missing()
-        if missing:
-            return missing
-        if call.dtype not in DTYPES:
-            return f"dtype {call.dtype} is not supported (expected one of {', '.join(DTYPES)})"
-        return None
+    def supports_host(self, call):
+        return _numba_missing()
 
     def default_blocks(self, dtype, head_dim):
         # 64 query rows: fine masking and work items; 128 keys: the backward's dK/dV products
         return 64, 128
-
-    def check_plan(self, plan: Plan):
-        if not plan.on_host:
-            return "its arrays live on a device; build it from host cu_seqlens for host data"
-        return None
-
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
-        return _forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
-
-    def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False):
-        return _backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                         softcap=softcap)
 
 
 BACKEND = CpuBackend()

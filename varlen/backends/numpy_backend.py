@@ -21,9 +21,9 @@ from .._array import alloc
 from .._nonfinite import reached, split_finite
 from ..masks import visible
 from ..plan import Plan, Segments, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEQ
-from .base import Backend
+from ._host import DTYPES, HostBackend, forward_buffers
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+__all__ = ["NumpyBackend", "BACKEND", "DTYPES"]
 
 # Scores (float64) in one batch of tiles: 2^21 = 16 MiB. A single tile may exceed it (a long
 # sequence's tile x Lk block); it then forms a batch of its own.
@@ -225,15 +225,9 @@ def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap):
 
 def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` (float64 for float64, else float32)."""
-    Tq, Hq, _ = q.shape
-    Hk, Dv = k.shape[1], v.shape[2]
-    lse_dtype = np.float64 if q.dtype == np.float64 else np.float32
-    out = alloc(np, (Tq, Hq, Dv), q.dtype)
-    lse = alloc(np, (Hq, Tq), lse_dtype)
-    # Rows outside every segment are padding: output 0, no visible key.
-    pad = ~plan.q.covered()
-    out[pad] = 0
-    lse[:, pad] = -np.inf
+    Hq, Hk, Dv = q.shape[1], k.shape[1], v.shape[2]
+    out, lse = forward_buffers(plan, q, Dv, out_dtype=q.dtype,
+                               lse_dtype=np.float64 if q.dtype == np.float64 else np.float32)
     for bt in _batches(plan, "q", Hq):
         n, I = bt.own.shape
         o, row_lse = _forward_batch(plan, bt, q, k, v, Hk, Hq // Hk, softmax_scale, softcap)
@@ -327,28 +321,12 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     return dq, dk, dv
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(HostBackend):
     """The host backend: float64 arithmetic over the plan's tile schedule."""
 
     name = "numpy"
-
-    def supports(self, call):
-        if call.on_device:
-            return "the numpy backend runs on the host; the arrays live on a CUDA device"
-        return None
-
-    def check_plan(self, plan: Plan):
-        if not plan.on_host:
-            return "its arrays live on a device; build it from host cu_seqlens for host data"
-        return None
-
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
-        return _forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
-
-    def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False):
-        return _backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                         softcap=softcap, deterministic=deterministic)
+    run_forward = staticmethod(_forward)
+    run_backward = staticmethod(_backward)
 
 
 BACKEND = NumpyBackend()
