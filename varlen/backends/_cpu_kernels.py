@@ -188,15 +188,21 @@ def mm_tn(a, b, c, beta, blas_min):
 # Small intrinsics: bit casts for exp2, an atomic counter for the work queue
 # --------------------------------------------------------------------------------------------
 
+# int type of a bit pattern -> (the float type of its width, that type in LLVM IR)
+_BIT_CASTS = {types.int32: (types.float32, ir.FloatType()),
+              types.int64: (types.float64, ir.DoubleType())}
+
+
 @intrinsic
 def _bits_to_float(typingctx, bits):
-    """The float32 whose bit pattern is the int32 `bits`."""
-    if bits != types.int32:
+    """The float whose bit pattern is `bits`: float32 for an int32, float64 for an int64."""
+    if bits not in _BIT_CASTS:
         return None
+    result, llvm_type = _BIT_CASTS[bits]
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(bits), codegen
+        return builder.bitcast(args[0], llvm_type)
+    return result(bits), codegen
 
 
 @intrinsic
@@ -263,17 +269,6 @@ def _exp2_impl(x):
     return None
 
 
-@intrinsic
-def _bits_to_double(typingctx, bits):
-    """The float64 whose bit pattern is the int64 `bits`."""
-    if bits != types.int64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-    return types.float64(bits), codegen
-
-
 # Taylor coefficients of (2^f - 1) / f = sum_k ln2^k f^(k-1) / k!, k = 1 .. 10
 _E1, _E2, _E3, _E4, _E5, _E6, _E7, _E8, _E9, _E10 = (
     LN2 ** k / math.factorial(k) for k in range(1, 11))
@@ -288,7 +283,7 @@ def _exp2m1_f64(x):
     f = x - n
     q = ((((((((_E10 * f + _E9) * f + _E8) * f + _E7) * f + _E6) * f + _E5) * f + _E4) * f
           + _E3) * f + _E2) * f + _E1
-    two_n = _bits_to_double((np.int64(n) + np.int64(1023)) << np.int64(52))
+    two_n = _bits_to_float((np.int64(n) + np.int64(1023)) << np.int64(52))
     return (two_n - 1.0) + two_n * (f * q)          # n = 0: exactly f q(f), no branch
 
 
@@ -553,6 +548,49 @@ def _forward_product(Qb, Kb, Vb, O, m, l, tmax, lo, hi, S_buf, c, cap, blas_min)
     mm_tn(S, Vb, O, 1.0, blas_min)
 
 
+@kernel
+def _reset_rows(O_buf, m, l, row_flag, R, Dv):
+    """Clear a forward item's running output, max, sum and flags for `R` stacked rows."""
+    fill(O_buf, 0, R * Dv, 0)
+    fill(m, 0, R, -np.inf)
+    fill(l, 0, R, 0)
+    fill(row_flag, 0, R, False)
+
+
+@kernel
+def _flag_keys(row_flag, k_cum, j0, jn, lo, hi):
+    """Flag the rows that see one of the keys `j0 .. j0 + jn` flagged non-finite (`k_cum`:
+    the key head's flag prefix; key j is visible to rows `lo[j] .. hi[j]` of `row_flag`)."""
+    if k_cum[j0 + jn] != k_cum[j0]:
+        for j in range(jn):
+            if k_cum[j0 + j + 1] != k_cum[j0 + j]:
+                fill(row_flag, lo[j], hi[j], True)
+
+
+@kernel(fastmath=FASTMATH)
+def _write_rows(out, lse, O, m, l, q_flag, row_flag, kh, t0, rows, G):
+    """Write a forward item's `rows` query rows from packed row `t0` (key head `kh`, `G` query
+    heads each) into `out [Tq, Hq, Dv]` and `lse [Hq, Tq]` (natural log): NaN where a
+    non-finite value reached the row, 0 and -inf where it saw no key, else `O / l`."""
+    Dv = out.shape[2]
+    for t in range(rows):
+        for g in range(G):
+            i = t * G + g
+            h = kh * G + g
+            seen = l[i] > 0
+            if (seen and q_flag[t0 * G + i]) or row_flag[i]:
+                fill(out[t0 + t, h], 0, Dv, np.nan)
+                lse[h, t0 + t] = np.nan
+            elif seen:
+                inv = 1.0 / l[i]
+                for e in range(Dv):
+                    out[t0 + t, h, e] = O[i, e] * inv
+                lse[h, t0 + t] = (np.float64(m[i]) + math.log2(np.float64(l[i]))) * LN2
+            else:
+                fill(out[t0 + t, h], 0, Dv, 0)
+                lse[h, t0 + t] = -np.inf
+
+
 @kernel(cache=True, fastmath=FASTMATH)
 def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse,
                  ws):
@@ -577,10 +615,7 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
     R = rows * G
     Qb = Qw[kh, t0 * G:(t0 + rows) * G]                      # [R, D]
     O = O_buf[:R * Dv].reshape(R, Dv)                       # [R, Dv]
-    fill(O_buf, 0, R * Dv, 0)
-    fill(m, 0, R, -np.inf)
-    fill(l, 0, R, 0)
-    fill(row_flag, 0, R, False)
+    _reset_rows(O_buf, m, l, row_flag, R, Dv)
     shift = shift_of(pv, b)
     left, right = pv.window_left[b], pv.window_right[b]
     for r in range(pv.mk):
@@ -600,26 +635,8 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
             jn = jz - ja
             _forward_product(Qb[ra:rz], Kw[kh, j0:j0 + jn], Vw[kh, j0:j0 + jn], O[ra:rz],
                              m[ra:rz], l[ra:rz], tmax[ra:rz], lo, hi, S_buf, c, cap, blas_min)
-            if k_cum[kh, j0 + jn] != k_cum[kh, j0]:
-                for j in range(jn):
-                    if k_cum[kh, j0 + j + 1] != k_cum[kh, j0 + j]:
-                        fill(row_flag, ra + lo[j], ra + hi[j], True)
-    for t in range(rows):
-        for g in range(G):
-            i = t * G + g
-            h = kh * G + g
-            seen = l[i] > 0
-            if (seen and q_flag[kh, t0 * G + i]) or row_flag[i]:
-                fill(out[t0 + t, h], 0, Dv, np.nan)
-                lse[h, t0 + t] = np.nan
-            elif seen:
-                inv = 1.0 / l[i]
-                for e in range(Dv):
-                    out[t0 + t, h, e] = O[i, e] * inv
-                lse[h, t0 + t] = (np.float64(m[i]) + math.log2(np.float64(l[i]))) * LN2
-            else:
-                fill(out[t0 + t, h], 0, Dv, 0)
-                lse[h, t0 + t] = -np.inf
+            _flag_keys(row_flag[ra:rz], k_cum[kh], j0, jn, lo, hi)
+    _write_rows(out, lse, O, m, l, q_flag[kh], row_flag, kh, t0, rows, G)
 
 
 @kernel(cache=True)
