@@ -1,5 +1,6 @@
 """The `cpu` backend (Numba CPU kernels, BLAS tile products, threads) against the float64
 reference, the NumPy backend on context-parallel plans, and itself across thread counts."""
+import contextlib
 import zlib
 
 import numpy as np
@@ -12,6 +13,7 @@ from varlen.plan import Segments, build_plan
 
 from helpers import (assert_close, check_against_reference, covered_rows, fwd_bwd, make_batch,
                      np_dtype)
+from test_numpy_backend import CASES as NUMPY_CASES
 
 pytest.importorskip("numba")
 
@@ -21,23 +23,9 @@ from varlen.backends import cpu_backend  # noqa: E402
 
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
 
-PER_SEQ = varlen.Mask(window_left=np.array([-1, 3, -1, 0, 5, -1, 2], np.int32),
-                      window_right=np.array([0, -1, -1, 0, 0, 2, -1], np.int32),
-                      bottom_right=np.array([0, 0, 1, 1, 0, 1, 1], np.int32))
-
-# (id, lengths_q, lengths_k, Hq, Hk, D, Dv, mask, gaps, softcap)
-CASES = [
-    ("B7-zero-first-mid-last-causal", [0, 5, 1, 0, 63, 17, 0], None, 4, 4, 16, 16,
-     "causal", False, 0.0),
-    ("B7-gqa4-perseq-gaps", [0, 9, 1, 70, 0, 33, 2], [4, 9, 3, 65, 1, 0, 2], 8, 2, 16, 8,
-     PER_SEQ, True, 0.0),
-    ("B3-T113-mqa-causal_br-cross", [1, 97, 15], [30, 3, 113], 4, 1, 8, 8,
-     "causal_bottom_right", True, 0.0),
-    ("B2-softcap-full", [40, 65], [70, 1], 2, 2, 16, 16, "full", False, 5.0),
-    ("B4-sliding-window-gaps", [64, 65, 127, 1], None, 2, 1, 8, 8,
-     varlen.Mask(window_left=16, window_right=0), True, 0.0),
-    ("B1-diagonal-only", [67], None, 2, 2, 8, 8, varlen.Mask(window_left=0, window_right=0),
-     False, 0.0),
+# (id, lengths_q, lengths_k, Hq, Hk, D, Dv, mask, gaps, softcap): the numpy backend's
+# adversarial batches, then longer ones (several tiles, BLAS-sized products, odd head dims)
+CASES = NUMPY_CASES + [
     ("B3-T1025-gqa2-D97-causal-softcap", [1025, 0, 63], None, 2, 1, 97, 33, "causal", True,
      3.0),
     ("B4-gqa8-D40-sliding-gaps", [300, 1, 0, 77], [290, 1, 5, 77], 8, 1, 40, 40,
@@ -226,16 +214,38 @@ def _run_bits(b, threads, softcap=0.0):
     return [np.asarray(a).view(np.uint8) for a in (out, lse, *grads)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bitwise_identical_for_any_thread_count(dtype):
+def _spy_workers(monkeypatch) -> list:
+    """The worker counts the backend's calls run on, recorded as they start."""
+    seen, scope = [], _cpu_threads.worker_scope
+
+    @contextlib.contextmanager
+    def spy(items):
+        with scope(items) as n:
+            seen.append(n)
+            yield n
+    monkeypatch.setattr(_cpu_threads, "worker_scope", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan-key-row"])
+def test_bitwise_identical_for_any_thread_count(dtype, nonfinite, monkeypatch):
+    """1 and 2 (or more) workers give the same bits, forward and backward, NaN rows included;
+    the second run really splits the work (the spy sees its workers)."""
     import numba
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one Numba thread on this machine (NUMBA_NUM_THREADS=1)")
     b = _many_items(dtype)
+    if nonfinite:
+        b.k[int(b.off_k[5]) + 7, 1, 3] = np.nan          # a row of the 1000-key sequence
+    workers = _spy_workers(monkeypatch)
     one = _run_bits(b, 1, softcap=2.0)
+    assert set(workers) == {1}, f"one thread ran on {workers} workers"
+    del workers[:]
     many = _run_bits(b, min(numba.config.NUMBA_NUM_THREADS, 4), softcap=2.0)
+    assert min(workers) >= 2, f"several threads ran on {workers} workers"
     for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), one, many):
-        assert np.array_equal(x, y), f"{name} differs between 1 and several threads"
+        assert np.array_equal(x, y), f"{dtype}: {name} differs between 1 and several threads"
 
 
 def test_repeated_calls_bitwise_identical():
