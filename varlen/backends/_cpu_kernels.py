@@ -371,13 +371,13 @@ def visible_pairs(pv, i, j, b):
 # Packing and unpacking run in the calling thread: they move O(T H D) values, a parallel launch
 # would cost more than it saves on small calls and little on large ones.
 
-@kernel(cache=True)
+@kernel(parallel=True, cache=True)
 def pack_rows(x, G, scale, out, flag):
     """`x [T, Hk * G, d] * scale` -> `out [Hk, T * G, d]` (working dtype) and
-    `flag [Hk, T * G]`."""
+    `flag [Hk, T * G]`. Rows in parallel: each writes only its own elements."""
     T, H, d = x.shape
     w = like(out, scale)
-    for t in range(T):
+    for t in prange(T):
         for h in range(H):
             kh, g = h // G, h % G
             r = t * G + g
@@ -390,13 +390,14 @@ def pack_rows(x, G, scale, out, flag):
             flag[kh, r] = bad
 
 
-@kernel(cache=True)
+@kernel(parallel=True, cache=True)
 def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, flag):
     """Backward query side: `dout_w [Hk, Tq * G, Dv]` as `pack_rows`, `delta = rowsum(dO * O)`,
     `lse2 = lse * log2(e)` (`+inf` where lse is not finite, so such a row's P is 0), and
-    `flag` raised where dout, out or lse of the row is not finite (OR-ed into `flag`)."""
+    `flag` raised where dout, out or lse of the row is not finite (OR-ed into `flag`). Rows in
+    parallel, each summed in a fixed order."""
     T, H, d = dout.shape
-    for t in range(T):
+    for t in prange(T):
         for h in range(H):
             kh, g = h // G, h % G
             r = t * G + g
@@ -785,14 +786,14 @@ def backward_scratch(dtype_probe, rows_max, block_n):
             np.zeros(block_n, np.int64), np.zeros(block_n, np.int64))
 
 
-@kernel(cache=True)
+@kernel(parallel=True, cache=True)
 def unpack_rows(acc, nan, scale, out):
     """`acc [Hk, T * G, d] * scale` -> `out [T, Hk * G, d]`, NaN on the rows `nan [Hk, T * G]`
-    flags."""
+    flags. Rows in parallel (a fresh `out` is first touched here, on every worker)."""
     T, H, d = out.shape
     G = H // acc.shape[0]
     w = like(acc, scale)
-    for t in range(T):
+    for t in prange(T):
         for h in range(H):
             kh, g = h // G, h % G
             r = t * G + g

@@ -184,9 +184,10 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
         K.pack_grad_rows(_as(dout, wdt), _as(out, wdt), _as(lse, wdt), G, dOw, delta, lse2,
                          q_flag)
         q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
-        dQ = alloc(np, (Hk, Tq * G, D), wdt, fill=0)
-        dK = alloc(np, (Hk, Tk, D), wdt, fill=0)
-        dV = alloc(np, (Hk, Tk, Dv), wdt, fill=0)
+        # zero pages from the OS: first touched by the parallel kernel, not by a serial fill
+        dQ = np.zeros((Hk, Tq * G, D), wdt)
+        dK = np.zeros((Hk, Tk, D), wdt)
+        dV = np.zeros((Hk, Tk, Dv), wdt)
         dq_nan = alloc(np, (Hk, Tq * G), np.bool_, fill=False)
         dk_nan = alloc(np, (Hk, Tk), np.bool_, fill=False)
         K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), k_slots,
