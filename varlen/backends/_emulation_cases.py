@@ -48,8 +48,12 @@ def default_variant_cases():
     """bfloat16 at every shipped head dim with the default tiles, forward and backward."""
     bm = DEFAULT_BLOCKS[0]
     base = dict(dtype="bfloat16", block_m=bm, softcap=0.0)
-    # 140 one-tile sequences of 1..14 rows: 140 query tiles, 140 key tiles, one head.
-    many = [1 + i % 14 for i in range(EMULATED_SM_COUNT + 8)]
+    # More query tiles and more key tiles than SMs: 140 one-row queries that see no key and
+    # 140 one-row keys that no query sees (blocks with nothing to visit: zero output, -inf lse,
+    # zero dK/dV), then 4 sequences of 70 whose blocks, past the first wave, do the work.
+    idle = EMULATED_SM_COUNT + 8
+    waves_q = [1] * idle + [0] * idle + [70] * 4
+    waves_k = [0] * idle + [1] * idle + [70] * 4
     return [
         # 4 key tiles for the second query tile of the 200-row sequence; 4 query chunks
         # (BQ = 32) per query tile in dK/dV; GQA 2:1; a sequence of keys only in the middle.
@@ -61,8 +65,8 @@ def default_variant_cases():
         # (6 chunks of BQ = 64) for the first key tile in dK/dV.
         dict(label="B2-mqa-causal_br-bf16-D64-BM128", lengths_q=[260, 3], lengths_k=[270, 40],
              Hq=2, Hk=1, D=64, mask="causal_bottom_right", gaps=True, **base),
-        dict(label=f"B{len(many)}-multiwave-causal-bf16-D32-BM128", lengths_q=many,
-             lengths_k=None, Hq=1, Hk=1, D=32, mask="causal", gaps=False, **base),
+        dict(label=f"B{len(waves_q)}-multiwave-causal-bf16-D32-BM128", lengths_q=waves_q,
+             lengths_k=waves_k, Hq=1, Hk=1, D=32, mask="causal", gaps=False, **base),
     ]
 
 
