@@ -1,30 +1,57 @@
-// Host emulation of the CUDA features the varlen kernels use, so their index arithmetic,
-// schedule walking, masking and softmax can be executed and tested on a CPU
-// (varlen/backends/_cupy_emulation.py compiles them with g++ -DVARLEN_HOST_EMULATION).
+// Host emulation of the CUDA features the varlen kernels use, so that the kernels themselves run
+// and are checked on a CPU (varlen/backends/_cupy_emulation.py compiles them with g++
+// -DVARLEN_HOST_EMULATION; docs/cupy_backend.md, "Host emulation: what it catches").
 //
-// One OS thread per CUDA thread, blocks one after the other, __syncthreads as a barrier.
-// Warp-collective PTX primitives (ldmatrix, mma.sync, shuffles) exchange operands through a
-// per-warp slot array between two warp barriers, and follow the fragment ownership of the
-// PTX ISA spelled out in mma.cuh: an independent statement of the same layouts, so an index
-// error in a kernel shows up as a wrong result. cp.async copies are deferred: they land only
-// when a cp.async.wait_group retires their committed group (the latest moment the PTX ISA
-// allows), so reading a stage before waiting for it reads the NaN bytes shared memory starts
-// with each block. Row addresses of ldmatrix and both addresses of cp.async are checked for
-// 16-byte alignment (misaligned ones abort). Not a GPU: it checks logic, not timing, races
-// between warps (a copy landing early into a buffer still being read) or register budgets.
+// One OS thread per CUDA thread, the blocks of a launch one after the other. Warp-collective
+// PTX primitives (ldmatrix, mma.sync, shuffles) exchange operands through a per-warp slot array
+// between two warp barriers and follow the fragment ownership of the PTX ISA spelled out in
+// mma.cuh: an independent statement of the same layouts, so an index error in a kernel shows up
+// as a wrong result. What is checked, as a GPU (or compute-sanitizer) would:
+//   * cp.async: the destination is poisoned (NaN bytes) at issue and the copy lands at issue, at
+//     the cp.async.wait_group that retires its group (the latest moment the PTX ISA allows), or
+//     at a seeded random synchronisation point of the issuing thread in between (emu_configure);
+//     reading a stage before its wait, or refilling one another warp still reads, shows up as
+//     NaN or as a data race. Copies still in flight when a thread exits land then.
+//   * Races: built with -fsanitize=thread, every shared- and global-memory access of the kernels
+//     is checked against the happens-before order of barriers, warp collectives and atomics;
+//     a report stops the run and names the kernel and block (the death callback below).
+//   * Schedules: with the turnstile on, one warp runs at a time between two __syncthreads, in a
+//     seeded permuted order drawn anew at every barrier.
+//   * Shared memory: each block gets exactly its requested dynamic size, ending at a PROT_NONE
+//     guard page (an overrun faults and is reported with its offset); the bytes before it are a
+//     canary checked after the block; it starts as NaN bytes.
+//   * Collectives: all 32 lanes must meet at the same ldmatrix / mma / shfl call site, as the
+//     same dynamic instance (per-lane count), with no lane exited; otherwise the run aborts.
+//   * Alignment: ldmatrix row addresses and both cp.async addresses must be 16-byte aligned.
+//   * Bank conflicts: each 8-address phase of an ldmatrix must hit 8 distinct 16-byte bank
+//     groups (the padding invariant of common.cuh: a conflict aborts); the 16-byte cp.async
+//     writes of each quarter-warp are counted the same way (reported; fatal when strict).
+// Not a GPU: no timing, no register budget, no hardware rounding (host_emulation_math.cuh).
 #pragma once
 #include <atomic>
-#include <barrier>
 #include <cmath>
+#include <condition_variable>
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <algorithm>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 #include <functional>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #define __global__
 #define __device__
@@ -48,27 +75,234 @@ inline float __int_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retur
 
 #include "host_emulation_math.cuh"
 
-// ---- block and warp synchronisation ---------------------------------------------------
-struct WarpX {
-    std::barrier<> bar{32};
+// ---- configuration and the block being run --------------------------------------------
+namespace hostemu {
+
+enum Landing : int { LAND_AT_WAIT = 0, LAND_AT_ISSUE = 1, LAND_RANDOM = 2 };
+
+struct Config {
+    int landing = LAND_AT_WAIT;
+    bool turnstile = false;          // one warp at a time between barriers, permuted order
+    uint64_t seed = 0;
+    bool strict_copy_banks = false;  // a cp.async bank conflict aborts too
+};
+inline Config g_config;
+
+// Bank-conflict counts since the library was loaded: phases checked and extra wavefronts.
+struct BankCounts { uint64_t ldsm_phases, ldsm_conflicts, copy_phases, copy_conflicts; };
+inline BankCounts g_banks{};
+
+struct Block {
+    const char* kernel = "";
+    unsigned char* smem = nullptr;   // the requested bytes end at guard
+    size_t smem_bytes = 0;
+    unsigned char* map = nullptr;    // whole mapping: canary, smem, guard page
+    size_t map_bytes = 0;
+    unsigned char* guard = nullptr;
+};
+inline Block g_block;
+
+[[noreturn]] inline void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+inline void fail(const char* fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    std::fprintf(stderr, "host emulation: kernel %s, block (%u, %u), thread %u: %s\n",
+                 g_block.kernel, blockIdx.x, blockIdx.y, threadIdx.x, msg);
+    std::fflush(stderr);
+    std::abort();
+}
+
+inline uint64_t splitmix(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// Offset of p from the block's shared memory, for messages.
+inline long smem_offset(const void* p) { return (const unsigned char*)p - g_block.smem; }
+
+// ---- warps -----------------------------------------------------------------------------
+enum Kind : int { K_NONE, K_LDSM, K_LDSM_T, K_MMA, K_SHFL, K_EXITED };
+inline const char* kind_name(int k) {
+    static const char* names[] = {"-", "ldmatrix", "ldmatrix.trans", "mma.sync", "shfl.sync",
+                                  "(exited)"};
+    return names[k];
+}
+
+// A barrier that sleeps (a mutex and a condition variable) instead of spinning: hundreds of
+// emulated threads share a few cores. arrive_and_drop: this thread leaves for good.
+class Barrier {
+    std::mutex m_;
+    std::condition_variable cv_;
+    int expected_, arrived_ = 0;
+    uint64_t phase_ = 0;
+
+    void complete() { arrived_ = 0; ++phase_; cv_.notify_all(); }
+
+public:
+    explicit Barrier(int expected) : expected_(expected) {}
+    void arrive_and_wait() {
+        std::unique_lock lk(m_);
+        const uint64_t ph = phase_;
+        if (++arrived_ == expected_) complete();
+        else cv_.wait(lk, [&] { return phase_ != ph; });
+    }
+    void arrive_and_drop() {
+        std::unique_lock lk(m_);
+        if (--expected_ > 0 && arrived_ == expected_) complete();
+    }
+};
+
+// Where a lane is: the collective's kind, its call site and how many collectives it has met.
+struct Tag { int kind; const void* site; uint64_t count; };
+
+struct Warp {
+    Barrier bar{32};
+    Tag tag[32];
     const void* ptr[32];
     uint32_t a[32][4];
     uint32_t b[32][2];
-    float c[32][4];
     float f[32];
+    uint64_t ldsm_phases = 0, ldsm_conflicts = 0;
 };
-inline std::barrier<>* g_block_bar = nullptr;
-inline WarpX* g_warps = nullptr;
 
-inline WarpX& my_warp() { return g_warps[threadIdx.x / 32]; }
+// One warp at a time between two __syncthreads, the order drawn anew (seeded) at each.
+struct Turnstile {
+    std::mutex m;
+    std::condition_variable cv;
+    int num_warps;
+    std::vector<int> order, live, arrived;
+    int turn = 0;
+    unsigned phase = 0;
+    std::mt19937_64 rng;
+
+    Turnstile(int warps, uint64_t seed)
+        : num_warps(warps), order(warps), live(warps, 32), arrived(warps, 0), rng(seed) {
+        shuffle();
+    }
+    void shuffle() {
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng);
+        turn = 0;
+        skip_dead();
+    }
+    void skip_dead() { while (turn < num_warps && live[order[turn]] == 0) ++turn; }
+    void wait_turn(std::unique_lock<std::mutex>& lk, int w, unsigned ph) {
+        cv.wait(lk, [&] { return phase == ph && turn < num_warps && order[turn] == w; });
+    }
+    void start(int w) { std::unique_lock lk(m); wait_turn(lk, w, 0); }
+    // This lane is done with the current phase: at a barrier, or exiting.
+    void done(int w, bool exiting) {
+        std::unique_lock lk(m);
+        const unsigned ph = phase;
+        if (exiting) --live[w]; else ++arrived[w];
+        if (arrived[w] == live[w]) {
+            ++turn;
+            skip_dead();
+            if (turn >= num_warps) {
+                ++phase;
+                std::fill(arrived.begin(), arrived.end(), 0);
+                shuffle();
+            }
+            cv.notify_all();
+        }
+        if (!exiting) wait_turn(lk, w, ph + 1);
+    }
+};
+
+// One 16-byte cp.async write to shared memory, for the bank-conflict count.
+struct CopyRecord { const void* site; uint32_t ordinal; uint32_t thread; long offset; };
+
+struct BlockSync {
+    std::unique_ptr<Barrier> bar;
+    std::unique_ptr<Warp[]> warps;
+    std::unique_ptr<Turnstile> turnstile;
+    std::vector<std::vector<CopyRecord>> copies;     // per thread
+};
+inline BlockSync g_sync;
+
+inline Warp& my_warp() { return g_sync.warps[threadIdx.x / 32]; }
 inline int my_lane() { return threadIdx.x % 32; }
 
-inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
-inline void __syncwarp() { my_warp().bar.arrive_and_wait(); }
+// This thread's cp.async copies since its last commit, and its committed groups, oldest first.
+struct AsyncCopy { void* dst; const void* src; bool valid; bool landed; };
+struct ThreadState {
+    std::vector<AsyncCopy> open;
+    std::deque<std::vector<AsyncCopy>> committed;
+    uint64_t rng = 0;
+    uint64_t collectives = 0;
+    std::vector<std::pair<const void*, uint32_t>> copy_sites;    // ordinal per call site
+    std::vector<CopyRecord> copies;
+};
+inline thread_local ThreadState t_state;
 
-inline float __shfl_xor_sync(unsigned, float x, int m) {
-    WarpX& w = my_warp(); int l = my_lane();
-    w.f[l] = x; w.bar.arrive_and_wait();
+inline void land(AsyncCopy& c) {
+    if (c.landed) return;
+    if (c.valid) std::memcpy(c.dst, c.src, 16); else std::memset(c.dst, 0, 16);
+    c.landed = true;
+}
+
+// A synchronisation point of this thread: with random landing, each copy in flight lands here
+// with probability 1/2.
+inline void sync_point() {
+    if (g_config.landing != LAND_RANDOM) return;
+    ThreadState& s = t_state;
+    auto maybe = [&](AsyncCopy& c) {
+        s.rng = splitmix(s.rng);
+        if (s.rng & 1) land(c);
+    };
+    for (auto& g : s.committed) for (AsyncCopy& c : g) maybe(c);
+    for (AsyncCopy& c : s.open) maybe(c);
+}
+
+// Every lane of the warp must be at the same collective (kind, call site, count); lane l
+// compares itself with lane l + 1, so an exited lane is seen by its neighbour.
+inline void check_collective(const Warp& w, int l) {
+    const Tag& me = w.tag[l];
+    const Tag& next = w.tag[(l + 1) % 32];
+    if (me.kind != next.kind || me.site != next.site || me.count != next.count) {
+        fail("warp %u: lanes %d and %d disagree at a warp collective: lane %d at %s #%llu "
+             "(call site %p), lane %d at %s #%llu (call site %p)",
+             threadIdx.x / 32, l, (l + 1) % 32, l, kind_name(me.kind),
+             (unsigned long long)me.count, me.site, (l + 1) % 32, kind_name(next.kind),
+             (unsigned long long)next.count, next.site);
+    }
+}
+
+// Prologue of a warp collective: publish where this lane is, wait for the warp, check.
+inline void meet(Warp& w, int l, int kind, const void* site) {
+    sync_point();
+    w.tag[l] = Tag{kind, site, ++t_state.collectives};
+    w.bar.arrive_and_wait();
+    check_collective(w, l);
+}
+
+// Extra wavefronts of n 16-byte accesses served together: the most that fall into one 16-byte
+// bank group (of the 128-byte bank row), minus one.
+inline int extra_wavefronts(const long* offsets, int n) {
+    int count[8] = {0};
+    int worst = 0;
+    for (int i = 0; i < n; ++i) worst = std::max(worst, ++count[(offsets[i] >> 4) & 7]);
+    return worst - 1;
+}
+
+}  // namespace hostemu
+
+inline void __syncthreads() {
+    hostemu::sync_point();
+    if (hostemu::g_sync.turnstile) hostemu::g_sync.turnstile->done(threadIdx.x / 32, false);
+    else hostemu::g_sync.bar->arrive_and_wait();
+}
+inline void __syncwarp() { hostemu::sync_point(); hostemu::my_warp().bar.arrive_and_wait(); }
+
+__attribute__((noinline)) inline float __shfl_xor_sync(unsigned, float x, int m) {
+    hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
+    w.f[l] = x;
+    hostemu::meet(w, l, hostemu::K_SHFL, __builtin_return_address(0));
     float r = w.f[l ^ m]; w.bar.arrive_and_wait();
     return r;
 }
@@ -78,6 +312,13 @@ inline float atomicAdd(float* p, float v) {
     return ref.fetch_add(v);
 }
 
+// The kernels' `extern __shared__ unsigned char smem_raw[]` becomes a block-scope declaration
+// of this function, and each use of smem_raw its result: the block's shared memory.
+inline unsigned char (*varlen_emu_smem())[] {
+    return reinterpret_cast<unsigned char (*)[]>(hostemu::g_block.smem);
+}
+#define smem_raw (*varlen_emu_smem())
+
 // ---- PTX primitives, emulated from the PTX ISA description ---------------------------
 namespace varlen {
 
@@ -85,18 +326,36 @@ inline uint16_t ld16(const void* p, int elem) { uint16_t v; std::memcpy(&v, (con
 
 // ldmatrix row addresses and cp.async 16-byte copies must be 16-byte aligned on the GPU.
 inline void check_aligned16(const void* p, const char* what) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-        std::fprintf(stderr, "host emulation: %s address %p is not 16-byte aligned\n", what, p);
-        std::abort();
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) hostemu::fail("%s address %p is not 16-byte aligned", what, p);
+}
+
+// The four 8-address phases of an x4 ldmatrix (lanes 8i .. 8i+7 address matrix i): each must
+// hit 8 distinct 16-byte bank groups. Lane 0 counts, for the warp.
+inline void count_ldmatrix_banks(hostemu::Warp& w, int l) {
+    if (l != 0) return;
+    for (int i = 0; i < 4; ++i) {
+        long off[8];
+        for (int j = 0; j < 8; ++j) off[j] = hostemu::smem_offset(w.ptr[8 * i + j]);
+        const int extra = hostemu::extra_wavefronts(off, 8);
+        ++w.ldsm_phases;
+        if (extra > 0) {
+            w.ldsm_conflicts += extra;
+            hostemu::fail("warp %u: ldmatrix matrix %d has a %d-way bank conflict: row offsets "
+                      "%ld %ld %ld %ld %ld %ld %ld %ld (16-byte bank groups must differ)",
+                      threadIdx.x / 32, i, extra + 1, off[0], off[1], off[2], off[3], off[4],
+                      off[5], off[6], off[7]);
+        }
     }
 }
 
 // ldmatrix.m8n8.x4: lanes 8i..8i+7 address the rows of matrix i; lane l gets, in register
 // i, M_i[l/4][2(l%4)] (low 16 bits) and M_i[l/4][2(l%4)+1] (high 16 bits).
-inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-    WarpX& w = my_warp(); int l = my_lane();
+__attribute__((noinline)) inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
     check_aligned16(p, "ldmatrix row");
-    w.ptr[l] = p; w.bar.arrive_and_wait();
+    w.ptr[l] = p;
+    hostemu::meet(w, l, hostemu::K_LDSM, __builtin_return_address(0));
+    count_ldmatrix_banks(w, l);
     for (int i = 0; i < 4; ++i) {
         const void* row = w.ptr[8 * i + l / 4];
         r[i] = ld16(row, 2 * (l % 4)) | ((uint32_t)ld16(row, 2 * (l % 4) + 1) << 16);
@@ -105,10 +364,12 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 }
 
 // .trans: lane l gets M_i[2(l%4)][l/4] (low) and M_i[2(l%4)+1][l/4] (high).
-inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-    WarpX& w = my_warp(); int l = my_lane();
+__attribute__((noinline)) inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+    hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
     check_aligned16(p, "ldmatrix.trans row");
-    w.ptr[l] = p; w.bar.arrive_and_wait();
+    w.ptr[l] = p;
+    hostemu::meet(w, l, hostemu::K_LDSM_T, __builtin_return_address(0));
+    count_ldmatrix_banks(w, l);
     for (int i = 0; i < 4; ++i) {
         const void* r0 = w.ptr[8 * i + 2 * (l % 4)];
         const void* r1 = w.ptr[8 * i + 2 * (l % 4) + 1];
@@ -126,79 +387,235 @@ template <> inline float to_f<__nv_bfloat16>(uint16_t bits) { return __bfloat162
 //   B[k][n]: lane 4 n + (k % 8) / 2, register (k >= 8), half k % 2
 //   C[r][n]: lane 4 (r % 8) + (n % 8) / 2, element 2 (r >= 8) + n % 2
 template <typename T>
-inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    WarpX& w = my_warp(); int l = my_lane();
-    for (int i = 0; i < 4; ++i) { w.a[l][i] = a[i]; w.c[l][i] = d[i]; }
+__attribute__((noinline)) void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
+    for (int i = 0; i < 4; ++i) w.a[l][i] = a[i];
     w.b[l][0] = b0; w.b[l][1] = b1;
-    w.bar.arrive_and_wait();
-    auto A = [&](int r, int k) {
-        uint32_t reg = w.a[4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
-        return to_f<T>((uint16_t)(k % 2 ? reg >> 16 : reg & 0xffff));
-    };
-    auto B = [&](int k, int n) {
-        uint32_t reg = w.b[4 * n + (k % 8) / 2][k >= 8];
-        return to_f<T>((uint16_t)(k % 2 ? reg >> 16 : reg & 0xffff));
-    };
+    hostemu::meet(w, l, hostemu::K_MMA, __builtin_return_address(0));
     const int g = l / 4, t = l % 4;
-    float out[4];
-    for (int e = 0; e < 4; ++e) {
-        const int r = g + 8 * (e >= 2), n = 2 * t + (e % 2);
-        float a_row[16], b_col[16];
-        for (int k = 0; k < 16; ++k) { a_row[k] = A(r, k); b_col[k] = B(k, n); }
-        out[e] = mma_dot16(w.c[l][e], a_row, b_col);
+    auto half = [](uint32_t reg, int k) {
+        return to_f<T>((uint16_t)(k % 2 ? reg >> 16 : reg & 0xffff));
+    };
+    // This lane's rows g, g + 8 of A and columns 2t, 2t + 1 of B, gathered from their owners.
+    float a_row[2][16], b_col[2][16];
+    for (int k = 0; k < 16; ++k) {
+        for (int h = 0; h < 2; ++h) {
+            a_row[h][k] = half(w.a[4 * g + (k % 8) / 2][h + 2 * (k >= 8)], k);
+            b_col[h][k] = half(w.b[4 * (2 * t + h) + (k % 8) / 2][k >= 8], k);
+        }
     }
     w.bar.arrive_and_wait();
-    for (int e = 0; e < 4; ++e) d[e] = out[e];
+    for (int e = 0; e < 4; ++e) d[e] = mma_dot16(d[e], a_row[e / 2], b_col[e % 2]);
 }
 
-// cp.async: this thread's copies since its last commit, and its committed groups, oldest
-// first. A copy lands (global read, shared write) when wait_group retires its group.
-struct AsyncCopy { void* dst; const void* src; bool valid; };
-inline thread_local std::vector<AsyncCopy> t_open_group;
-inline thread_local std::deque<std::vector<AsyncCopy>> t_committed;
-
-inline void cp_async_16(void* dst, const void* src, bool valid) {
+// cp.async.cg 16 bytes: the destination is poisoned at issue; the copy lands (global read,
+// shared write) at issue, at the wait that retires its group, or at random in between.
+__attribute__((noinline)) inline void cp_async_16(void* dst, const void* src, bool valid) {
     check_aligned16(dst, "cp.async shared");
     check_aligned16(src, "cp.async global");
-    t_open_group.push_back(AsyncCopy{dst, src, valid});
+    hostemu::ThreadState& s = hostemu::t_state;
+    const void* site = __builtin_return_address(0);
+    auto it = std::find_if(s.copy_sites.begin(), s.copy_sites.end(),
+                           [&](const auto& x) { return x.first == site; });
+    if (it == s.copy_sites.end()) it = s.copy_sites.insert(it, {site, 0u});
+    s.copies.push_back(hostemu::CopyRecord{site, it->second++, threadIdx.x, hostemu::smem_offset(dst)});
+    std::memset(dst, 0xff, 16);
+    s.open.push_back(hostemu::AsyncCopy{dst, src, valid, false});
+    if (hostemu::g_config.landing == hostemu::LAND_AT_ISSUE) hostemu::land(s.open.back());
 }
 inline void cp_async_commit() {
-    t_committed.push_back(std::move(t_open_group));
-    t_open_group.clear();
+    hostemu::sync_point();
+    hostemu::t_state.committed.push_back(std::move(hostemu::t_state.open));
+    hostemu::t_state.open.clear();
 }
 template <int N> inline void cp_async_wait() {
-    while (t_committed.size() > static_cast<size_t>(N)) {
-        for (const AsyncCopy& c : t_committed.front()) {
-            if (c.valid) std::memcpy(c.dst, c.src, 16); else std::memset(c.dst, 0, 16);
-        }
-        t_committed.pop_front();
+    hostemu::sync_point();
+    auto& committed = hostemu::t_state.committed;
+    while (committed.size() > static_cast<size_t>(N)) {
+        for (hostemu::AsyncCopy& c : committed.front()) hostemu::land(c);
+        committed.pop_front();
     }
 }
 
 }  // namespace varlen
 
 // ---- launching -----------------------------------------------------------------------
-alignas(16) inline unsigned char smem_raw[256 * 1024];
+namespace hostemu {
 
-template <typename F>
-void launch(unsigned gx, unsigned gy, unsigned threads, F&& body) {
-    gridDim = dim3e{gx, gy, 1};
-    for (unsigned by = 0; by < gy; ++by) {
-        for (unsigned bx = 0; bx < gx; ++bx) {
-            std::memset(smem_raw, 0xff, sizeof(smem_raw));    // garbage (NaN) shared memory
-            std::barrier<> bar((std::ptrdiff_t)threads);
-            std::vector<WarpX> warps(threads / 32);
-            g_block_bar = &bar;
-            g_warps = warps.data();
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < threads; ++t) {
-                ts.emplace_back([&, t, bx, by] {
-                    threadIdx = dim3e{t, 0, 0};
-                    blockIdx = dim3e{bx, by, 0};
-                    body();
-                });
-            }
-            for (auto& th : ts) th.join();
+inline void on_segv(int sig, siginfo_t* info, void*) {
+    const unsigned char* a = static_cast<const unsigned char*>(info->si_addr);
+    const long page = sysconf(_SC_PAGESIZE);
+    if (g_block.guard && a >= g_block.guard && a < g_block.guard + page) {
+        char msg[512];
+        const int n = std::snprintf(msg, sizeof(msg),
+            "host emulation: kernel %s, block (%u, %u), thread %u: shared-memory access at "
+            "byte %ld, past the %zu bytes the launch requested\n", g_block.kernel, blockIdx.x,
+            blockIdx.y, threadIdx.x, (long)(a - g_block.smem), g_block.smem_bytes);
+        if (write(2, msg, n) < 0) {}
+        _exit(134);
+    }
+    signal(sig, SIG_DFL);        // any other fault: the default action, at the same access
+}
+
+inline void install_segv_handler() {
+    static bool done = false;
+    if (done) return;
+    done = true;
+    struct sigaction sa {};
+    sa.sa_sigaction = on_segv;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigaction(SIGSEGV, &sa, nullptr);
+}
+
+#if defined(__SANITIZE_THREAD__)
+inline void on_sanitizer_death() {
+    std::fprintf(stderr, "host emulation: ThreadSanitizer report (above) in kernel %s, block "
+                 "(%u, %u)\n", g_block.kernel, blockIdx.x, blockIdx.y);
+}
+#endif
+
+constexpr unsigned char CANARY = 0xa5;
+
+// The block's shared memory: exactly `bytes` (rounded up to 16), ending at a PROT_NONE page,
+// NaN bytes; the rest of the first page before it is a canary.
+inline void map_smem(size_t bytes) {
+    const size_t page = sysconf(_SC_PAGESIZE);
+    const size_t size = (bytes + 15) / 16 * 16;
+    const size_t data = (size + page - 1) / page * page;
+    void* m = mmap(nullptr, data + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) { std::perror("host emulation: mmap"); std::abort(); }
+    g_block.map = static_cast<unsigned char*>(m);
+    g_block.map_bytes = data + page;
+    g_block.guard = g_block.map + data;
+    mprotect(g_block.guard, page, PROT_NONE);
+    g_block.smem = g_block.guard - size;
+    g_block.smem_bytes = bytes;
+    std::memset(g_block.map, CANARY, g_block.smem - g_block.map);
+    std::memset(g_block.smem, 0xff, size);         // garbage (NaN) shared memory
+}
+
+inline void unmap_smem() {
+    for (const unsigned char* p = g_block.map; p < g_block.smem; ++p) {
+        if (*p != CANARY) {
+            fail("shared memory written at byte %ld, before its start",
+                 (long)(p - g_block.smem));
         }
     }
+    munmap(g_block.map, g_block.map_bytes);
+    g_block.map = g_block.smem = g_block.guard = nullptr;
+}
+
+// The cp.async writes of each quarter-warp (8 consecutive lanes) issued by one instruction (call
+// site and per-thread ordinal) must hit distinct 16-byte bank groups.
+inline void count_copy_banks() {
+    std::vector<CopyRecord> all;
+    for (auto& v : g_sync.copies) all.insert(all.end(), v.begin(), v.end());
+    auto key = [](const CopyRecord& r) {
+        return std::make_tuple(r.site, r.ordinal, r.thread / 8);
+    };
+    std::sort(all.begin(), all.end(), [&](const CopyRecord& x, const CopyRecord& y) {
+        return std::make_tuple(key(x), x.thread) < std::make_tuple(key(y), y.thread);
+    });
+    for (size_t i = 0; i < all.size();) {
+        size_t j = i;
+        long off[8];
+        int n = 0;
+        while (j < all.size() && key(all[j]) == key(all[i])) {
+            if (n < 8) off[n++] = all[j].offset;
+            ++j;
+        }
+        const int extra = extra_wavefronts(off, n);
+        ++g_banks.copy_phases;
+        g_banks.copy_conflicts += extra;
+        if (extra > 0 && g_config.strict_copy_banks) {
+            fail("cp.async writes of threads %u..%u have a %d-way bank conflict (offsets %ld "
+                 "%ld ...)", all[i].thread / 8 * 8, all[i].thread / 8 * 8 + 7, extra + 1,
+                 off[0], n > 1 ? off[1] : 0L);
+        }
+        i = j;
+    }
+}
+
+// What a thread leaves when its kernel body returns: copies in flight land, its lanes leave
+// the warp's and block's barriers.
+inline void thread_exit() {
+    ThreadState& s = t_state;
+    for (auto& g : s.committed) for (AsyncCopy& c : g) land(c);
+    for (AsyncCopy& c : s.open) land(c);
+    s.committed.clear();
+    s.open.clear();
+    Warp& w = my_warp();
+    w.tag[my_lane()] = Tag{K_EXITED, nullptr, 0};
+    w.bar.arrive_and_drop();
+    if (g_sync.turnstile) g_sync.turnstile->done(threadIdx.x / 32, true);
+    else g_sync.bar->arrive_and_drop();
+    g_sync.copies[threadIdx.x] = std::move(s.copies);
+}
+
+inline void thread_start(unsigned t, unsigned bx, unsigned by) {
+    threadIdx = dim3e{t, 0, 0};
+    blockIdx = dim3e{bx, by, 0};
+    ThreadState& s = t_state;
+    s.collectives = 0;
+    s.copy_sites.clear();
+    s.copies.clear();
+    s.rng = splitmix(g_config.seed ^ splitmix(((uint64_t)by << 40) ^ ((uint64_t)bx << 16) ^ t));
+    if (g_sync.turnstile) g_sync.turnstile->start(t / 32);
+}
+
+}  // namespace hostemu
+
+// Runs `body` as kernel `kernel` on a (gx, gy) grid of `threads`-thread blocks with
+// `smem_bytes` of dynamic shared memory: one pool of `threads` OS threads, block after block.
+template <typename F>
+void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size_t smem_bytes,
+            F&& body) {
+    using namespace hostemu;
+    install_segv_handler();
+#if defined(__SANITIZE_THREAD__)
+    __sanitizer_set_death_callback(on_sanitizer_death);
+#endif
+    gridDim = dim3e{gx, gy, 1};
+    g_block.kernel = kernel;
+    Barrier start((int)threads + 1), end((int)threads + 1);
+    unsigned bx = 0, by = 0;
+    bool done = false;
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t) {
+        pool.emplace_back([&, t] {
+            for (;;) {
+                start.arrive_and_wait();
+                if (done) return;
+                thread_start(t, bx, by);
+                body();
+                thread_exit();
+                end.arrive_and_wait();
+            }
+        });
+    }
+    for (by = 0; by < gy; ++by) {
+        for (bx = 0; bx < gx; ++bx) {
+            map_smem(smem_bytes);
+            g_sync.bar = std::make_unique<Barrier>((int)threads);
+            g_sync.warps = std::make_unique<Warp[]>((threads + 31) / 32);
+            g_sync.turnstile.reset();
+            if (g_config.turnstile) {
+                g_sync.turnstile = std::make_unique<Turnstile>(
+                    (threads + 31) / 32, splitmix(g_config.seed ^ (((uint64_t)by << 32) | bx)));
+            }
+            g_sync.copies.assign(threads, {});
+            start.arrive_and_wait();
+            end.arrive_and_wait();
+            for (unsigned w = 0; w < (threads + 31) / 32; ++w) {
+                g_banks.ldsm_phases += g_sync.warps[w].ldsm_phases;
+                g_banks.ldsm_conflicts += g_sync.warps[w].ldsm_conflicts;
+            }
+            count_copy_banks();
+            unmap_smem();
+        }
+    }
+    done = true;
+    start.arrive_and_wait();
+    for (auto& th : pool) th.join();
 }

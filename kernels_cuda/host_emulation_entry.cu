@@ -35,8 +35,9 @@ struct Entry<void (*)(P...), KERNEL> {
         KERNEL(*static_cast<std::remove_cv_t<P>*>(args[I])...);
     }
 
-    static void run(unsigned gx, unsigned gy, unsigned threads, void** args) {
-        launch(gx, gy, threads, [&] { call(args, std::index_sequence_for<P...>{}); });
+    static void run(const char* key, unsigned gx, unsigned gy, unsigned threads, size_t smem,
+                    void** args) {
+        launch(key, gx, gy, threads, smem, [&] { call(args, std::index_sequence_for<P...>{}); });
     }
 };
 
@@ -47,7 +48,7 @@ struct Entry<void (*)(P...), KERNEL> {
 struct Kernel {
     const char* key;
     int (*param_sizes)(size_t*);
-    void (*run)(unsigned, unsigned, unsigned, void**);
+    void (*run)(const char*, unsigned, unsigned, unsigned, size_t, void**);
 };
 
 const Kernel KERNELS[] = {
@@ -75,11 +76,28 @@ extern "C" int emu_param_sizes(const char* key, size_t* sizes) {
     return k ? k->param_sizes(sizes) : -1;
 }
 
-// Runs kernel `key` on a (gx, gy) grid of `threads`-thread blocks; 0, or -1 for an unknown one.
+// Runs kernel `key` on a (gx, gy) grid of `threads`-thread blocks with `smem` bytes of dynamic
+// shared memory each; 0, or -1 for an unknown one.
 extern "C" int emu_launch(const char* key, unsigned gx, unsigned gy, unsigned threads,
-                          void** args) {
+                          size_t smem, void** args) {
     const Kernel* k = find(key);
     if (!k) return -1;
-    k->run(gx, gy, threads, args);
+    k->run(k->key, gx, gy, threads, smem, args);
     return 0;
+}
+
+// Sets how copies land (hostemu::Landing), the turnstile, the seed and whether a cp.async bank
+// conflict is fatal, for the launches that follow.
+extern "C" void emu_configure(int landing, int turnstile, unsigned long long seed,
+                              int strict_copy_banks) {
+    hostemu::g_config = hostemu::Config{landing, turnstile != 0, seed, strict_copy_banks != 0};
+}
+
+// Bank-conflict counts of every launch so far: ldmatrix phases, their extra wavefronts,
+// cp.async quarter-warp writes, their extra wavefronts.
+extern "C" void emu_bank_counts(unsigned long long* out) {
+    const hostemu::BankCounts& b = hostemu::g_banks;
+    const unsigned long long v[] = {b.ldsm_phases, b.ldsm_conflicts, b.copy_phases,
+                                    b.copy_conflicts};
+    std::memcpy(out, v, sizeof(v));
 }

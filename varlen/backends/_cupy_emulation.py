@@ -1,6 +1,7 @@
 """Run the CuPy backend's CUDA kernels on a CPU, through a host emulation, for testing.
 
-    python -m varlen.backends._cupy_emulation [--quick]
+    python -m varlen.backends._cupy_emulation [--quick | --strict] [--race]
+                                              [--schedule wait|issue|random] [--seeds 0,1,2]
 
 The kernel sources are compiled with g++ (`-DVARLEN_HOST_EMULATION`, see
 `kernels_cuda/host_emulation.cuh`): one OS thread per CUDA thread, warp-collective PTX
@@ -13,10 +14,30 @@ argument order, struct layouts, scalar types, grids, shared-memory sizes (and th
 opt-in) are exercised too. Fresh buffers are NaN-filled; results are compared with the
 float64 reference (`varlen.testing`, STYLE.md tolerances).
 
-This checks the kernels' logic (fragment indexing, schedule walking, masks, online softmax,
-backward algebra, pad rows), not timing, races or register budgets; it is slow (seconds per
-block) and only for small batches. It replaces `sys.modules["cupy"]`, so run it in its own
-process (the CI test does).
+Besides the kernels' logic (fragment indexing, schedule walking, masks, online softmax,
+backward algebra, pad rows), every run checks what a GPU would trip over: shared memory of
+exactly the launch's size ending at a guard page (an overrun faults), all 32 lanes at the same
+ldmatrix/mma/shfl call site, 16-byte alignment, ldmatrix bank conflicts (the padding
+invariant; cp.async conflicts are counted and printed), and cp.async destinations poisoned
+with NaN at issue. Opt-in modes (also as environment variables, which the launched kernels of
+any process read):
+
+* `--race` (`VARLEN_EMULATION_RACE=1`): built with ThreadSanitizer; a data race between
+  emulated threads (a missing `__syncthreads`, a prefetch into a stage still being read) stops
+  the run with a report naming the kernel and block. The process re-executes itself with the
+  TSan runtime preloaded. Copies land at random points unless `--schedule` says otherwise.
+* `--schedule wait|issue|random` (`VARLEN_EMULATION_SCHEDULE`): when cp.async copies land (at
+  the retiring wait, at issue, or at a seeded random synchronisation point in between); without
+  `--race` the warps of a block also run one at a time between barriers, in a seeded permuted
+  order. `--seeds` (`VARLEN_EMULATION_SEED`) lists the seeds each case runs with.
+* `--strict`: the cases made for these modes (every kernel reaches three partner chunks per
+  block, a query tile without keys); `VARLEN_EMULATION_STRICT_BANKS=1` makes a cp.async bank
+  conflict fatal; `VARLEN_EMULATION_SOURCE_DIR` compiles kernel sources from another directory
+  (scripts/emulation_mutations.py).
+
+Not timing, register budgets or hardware rounding; it is slow (seconds per block, about four
+times that under TSan) and only for small batches. It replaces `sys.modules["cupy"]`, so run it in
+its own process (the CI tests do).
 """
 from __future__ import annotations
 
@@ -37,32 +58,88 @@ from .._array import set_nan_fill
 from ..kernels_cuda import SOURCE_DIR
 from . import _cupy_spec
 
-ENTRY = os.path.join(SOURCE_DIR, "host_emulation_entry.cu")
 BUILD_DIR = os.environ.get("VARLEN_EMULATION_DIR",
                            os.path.join(tempfile.gettempdir(), "varlen_host_emulation"))
 STATIC_SMEM_LIMIT = _cupy_spec.STATIC_SMEM_LIMIT
-EMULATED_SMEM = 256 * 1024          # size of the emulation's shared-memory buffer
+OPTIN_SMEM = 227 * 1024             # the emulated sm_90's opt-in shared memory per block
+LANDING = {"wait": 0, "issue": 1, "random": 2}     # hostemu::Landing
+TSAN_FLAGS = ("-fsanitize=thread", "-fno-builtin")
+TSAN_OPTIONS = "halt_on_error=1 exitcode=66 history_size=7 report_signal_unsafe=0"
 
 _libs: dict = {}
 
 
+def _mode():
+    """The emulation mode of this process, from the environment: (race, schedule, seed,
+    strict cp.async banks, source directory)."""
+    env = os.environ.get
+    schedule = env("VARLEN_EMULATION_SCHEDULE", "")
+    assert schedule in ("", *LANDING), f"VARLEN_EMULATION_SCHEDULE={schedule!r}: one of {LANDING}"
+    return (env("VARLEN_EMULATION_RACE", "0") == "1", schedule,
+            int(env("VARLEN_EMULATION_SEED", "0")),
+            env("VARLEN_EMULATION_STRICT_BANKS", "0") == "1",
+            env("VARLEN_EMULATION_SOURCE_DIR", SOURCE_DIR))
+
+
+def tsan_runtime() -> str:
+    """Path of the compiler's ThreadSanitizer runtime (preloaded by race mode)."""
+    out = subprocess.run([os.environ.get("CXX", "g++"), "-print-file-name=libtsan.so"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return os.path.realpath(out)
+
+
+def tsan_loaded() -> bool:
+    with open("/proc/self/maps") as f:
+        return "libtsan" in f.read()
+
+
+def _sources_hash(source_dir):
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(source_dir)):
+        if name.endswith((".cuh", ".cu")):
+            with open(os.path.join(source_dir, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()[:16]
+
+
 def _build(T, D, BM, BN, BQ, SC):
-    key = (T, D, BM, BN, BQ, SC)
-    if key in _libs:
-        return _libs[key]
-    os.makedirs(BUILD_DIR, exist_ok=True)
-    tag = hashlib.sha256(f"{key}{_cupy_spec.source_hash()}".encode()).hexdigest()[:16]
-    path = os.path.join(BUILD_DIR, f"varlen_emu_{tag}.so")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        cmd = [os.environ.get("CXX", "g++"), "-x", "c++", "-std=c++20", "-O1", "-pthread",
-               "-shared", "-fPIC", "-DVARLEN_HOST_EMULATION", f"-I{SOURCE_DIR}",
-               f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
-               f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}", ENTRY, "-o", tmp]
-        subprocess.run(cmd, check=True)
-        os.replace(tmp, path)
-    lib = _libs[key] = ctypes.CDLL(path)
+    race, schedule, seed, strict_banks, source_dir = _mode()
+    key = (T, D, BM, BN, BQ, SC, race, source_dir)
+    if key not in _libs:
+        if race and not tsan_loaded():
+            raise RuntimeError("VARLEN_EMULATION_RACE=1 needs the ThreadSanitizer runtime "
+                               f"preloaded: LD_PRELOAD={tsan_runtime()} (or use --race)")
+        os.makedirs(BUILD_DIR, exist_ok=True)
+        flags = TSAN_FLAGS if race else ()
+        tag = hashlib.sha256(f"{key[:6]}{flags}{_sources_hash(source_dir)}".encode())
+        path = os.path.join(BUILD_DIR, f"varlen_emu_{tag.hexdigest()[:16]}.so")
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            cmd = [os.environ.get("CXX", "g++"), "-x", "c++", "-std=c++20", "-O1", "-pthread",
+                   "-shared", "-fPIC", *flags, "-DVARLEN_HOST_EMULATION", f"-I{source_dir}",
+                   f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
+                   f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}",
+                   os.path.join(source_dir, "host_emulation_entry.cu"), "-o", tmp]
+            subprocess.run(cmd, check=True)
+            os.replace(tmp, path)
+        _libs[key] = ctypes.CDLL(path)
+    lib = _libs[key]
+    # Race mode keeps the threads free-running (a turnstile would order every access for TSan).
+    lib.emu_configure(ctypes.c_int(LANDING[schedule or ("random" if race else "wait")]),
+                      ctypes.c_int(bool(schedule) and not race), ctypes.c_ulonglong(seed),
+                      ctypes.c_int(strict_banks))
     return lib
+
+
+def bank_counts():
+    """Summed over the kernels run so far: ldmatrix phases, their extra wavefronts (bank
+    conflicts), cp.async quarter-warp writes, their extra wavefronts."""
+    total = np.zeros(4, np.uint64)
+    for lib in _libs.values():
+        out = (ctypes.c_ulonglong * 4)()
+        lib.emu_bank_counts(out)
+        total += np.array(out[:], np.uint64)
+    return [int(x) for x in total]
 
 
 class _Kernel:
@@ -101,7 +178,7 @@ class _Kernel:
         self.param_sizes = list(sizes[:n])
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        assert shared_mem <= EMULATED_SMEM, f"{self.name}: {shared_mem} B of shared memory"
+        assert shared_mem <= OPTIN_SMEM, f"{self.name}: {shared_mem} B of shared memory"
         if shared_mem > STATIC_SMEM_LIMIT:
             assert self.max_dynamic_shared_size_bytes >= shared_mem, (
                 f"{self.name}: {shared_mem} B dynamic shared memory without the opt-in")
@@ -113,7 +190,7 @@ class _Kernel:
         params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
         grid = tuple(grid) + (1,) * (2 - len(grid))
         self.lib.emu_launch(self.key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-                            ctypes.c_uint(block[0]), params)
+                            ctypes.c_uint(block[0]), ctypes.c_size_t(shared_mem), params)
 
     def _bytes_of(self, i, a, size):
         """Argument i as the bytes CuPy would pass, in a buffer aligned for any parameter."""
@@ -153,10 +230,10 @@ def _host_data(a):
 
 class _Device:
     """The emulated GPU as `cupy.cuda.Device` describes it: sm_90 with 227 KiB of opt-in shared
-    memory per block (the emulation's buffer holds EMULATED_SMEM)."""
+    memory per block; each emulated block gets exactly the size its launch asks for)."""
 
     compute_capability = "90"
-    attributes = {"MaxSharedMemoryPerBlockOptin": 227 * 1024}
+    attributes = {"MaxSharedMemoryPerBlockOptin": OPTIN_SMEM}
 
     def __init__(self, device=None):
         self.id = 0
@@ -255,21 +332,76 @@ def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
         assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-2, f"{label} rank {rank}: lse"
 
 
+def strict_cases():
+    """Batches for the race, schedule and mutation runs: every kernel's blocks meet at least three
+    partner chunks (the barrier that ends a loop step only matters from the third: the prefetch
+    issued in step two refills the stage of step one), partially masked and ragged chunks, GQA
+    (the dK/dV blocks loop over two query heads, with atomic dQ), and a query tile without a
+    visible key (its own tile's copies are drained after an empty loop)."""
+    return [dict(label="B2-strict-3chunks-causal_br-fp16-D64", lengths_q=[80, 20],
+                 lengths_k=[200, 0], Hq=2, Hk=1, D=64, dtype="float16",
+                 mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64)]
+
+
+def _parse(argv):
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m varlen.backends._cupy_emulation")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="the CI case only")
+    which.add_argument("--strict", action="store_true", help="the race/schedule cases")
+    p.add_argument("--race", action="store_true", help="ThreadSanitizer build")
+    p.add_argument("--schedule", choices=tuple(LANDING), help="when cp.async copies land; "
+                   "warps one at a time in a seeded order (without --race)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds, each case once per seed")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failing case")
+    return p.parse_args(argv)
+
+
+def _reexec_with_tsan(argv):
+    """Runs this module again with the TSan runtime preloaded (it must be loaded first)."""
+    env = dict(os.environ, LD_PRELOAD=tsan_runtime(), VARLEN_EMULATION_RACE="1",
+               TSAN_OPTIONS=os.environ.get("TSAN_OPTIONS", TSAN_OPTIONS))
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "varlen.backends._cupy_emulation", *argv],
+              env)
+
+
 def main(argv=None) -> int:
-    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    if args.race and not tsan_loaded():
+        _reexec_with_tsan(argv)
+    if args.race:
+        os.environ["VARLEN_EMULATION_RACE"] = "1"
+    if args.schedule:
+        os.environ["VARLEN_EMULATION_SCHEDULE"] = args.schedule
+    seeds = ([int(x) for x in args.seeds.split(",")] if args.seeds is not None
+             else [int(os.environ.get("VARLEN_EMULATION_SEED", "0"))])
     ok = True
     from ._emulation_cases import cases
-    todo = [(c["label"], run_case, c) for c in cases(quick)]
-    if not quick:
+    todo = [(c["label"], run_case, c)
+            for c in (strict_cases() if args.strict else cases(args.quick))]
+    if not (args.quick or args.strict):
         todo.append(("CP2-zigzag-segments-fp16-D64", run_cp_case, {}))
-    for label, fn, case in todo:
-        t0 = time.time()
-        try:
-            fn(**case)
-            print(f"ok      {label} ({time.time() - t0:.0f} s)", flush=True)
-        except AssertionError as e:
-            ok = False
-            print(f"FAILED  {label}: {e}", flush=True)
+    race, schedule, _, _, _ = _mode()
+    mode = " ".join(x for x in ("race" if race else "", f"schedule={schedule}" if schedule
+                                else "") if x)
+    for seed in seeds:
+        os.environ["VARLEN_EMULATION_SEED"] = str(seed)
+        for label, fn, case in todo:
+            t0 = time.time()
+            name = f"{label} [{mode} seed={seed}]" if mode else label
+            try:
+                fn(**case)
+                print(f"ok      {name} ({time.time() - t0:.0f} s)", flush=True)
+            except AssertionError as e:
+                ok = False
+                print(f"FAILED  {name}: {e}", flush=True)
+                if args.fail_fast:
+                    return 1
+    ldsm, ldsm_x, copies, copies_x = bank_counts()
+    print(f"bank conflicts: ldmatrix {ldsm_x} extra wavefronts in {ldsm} phases, cp.async "
+          f"{copies_x} in {copies} quarter-warp writes", flush=True)
     return 0 if ok else 1
 
 
