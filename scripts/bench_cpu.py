@@ -40,7 +40,8 @@ the best sample of the run is the peak, and figures are given as % of it. At one
 figures by CPU time are given too (GFLOP/s over the CPU time the process got, against the
 GEMM's by CPU time): on a shared machine they show what the core did while it ran this
 process. Peak memory is the extra resident memory of the warm-up call (peak RSS, reset before
-it, minus RSS before it), run with glibc mapping every allocation of 64 KiB or more on its own
+it, minus RSS before it; ours' working arrays kept between calls are released before it, so
+they count), run with glibc mapping every allocation of 64 KiB or more on its own
 so that freed buffers leave the process; the timed runs use the heap as glibc's dynamic
 threshold would after a warm-up (32 MiB). cpu/wall is the CPU time the process got per second
 of wall time: below n, other load shared the CPUs.
@@ -207,6 +208,7 @@ def _malloc_mode(tracked: bool) -> None:
 def _tracked_run(fn) -> tuple:
     """`(seconds, extra peak MiB or None)` of one call in the tracked allocation mode."""
     _malloc_mode(True)
+    getattr(fn, "release", lambda: None)()      # what a runner keeps between calls counts
     tracked = _reset_peak_rss()
     base = _status("VmRSS")
     t0 = time.perf_counter()
@@ -273,6 +275,7 @@ def gemm_peak(n_threads: int, repeat: int = 5) -> dict:
 def run_ours(d: Data):
     import varlen
     from varlen.backends import get
+    from varlen.backends.cpu_backend import release_workspace
     mask = d.mask()
     bm, bn = get("cpu").default_blocks("float32", d.D)
     plan = varlen.plan(d.cu, d.cu, mask=mask, block_m=bm, block_n=bn)
@@ -284,6 +287,7 @@ def run_ours(d: Data):
     def fwd_bwd():
         out, lse = fwd()
         return out, varlen.attention_backward(d.dout, d.q, d.k, d.v, out, lse, d.cu, d.cu, **kw)
+    fwd.release = fwd_bwd.release = release_workspace
     out, grads = fwd_bwd()
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}, {"out": out, "grads": grads}
 

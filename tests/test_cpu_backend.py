@@ -260,6 +260,38 @@ def test_repeated_calls_bitwise_identical():
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
+def test_workspace_reused_and_never_returned():
+    """The packed working arrays are kept for the next call of the same sizes (the same
+    buffers, not new ones), never alias a returned array, and a second call leaves the first
+    call's results as they were; a call on a kept workspace gives the bits of a fresh one."""
+    ws = cpu_backend._workspace
+    first_batch, second_batch = _many_items(), _many_items()
+    rng = np.random.default_rng(7)
+    for x in (second_batch.q, second_batch.k, second_batch.v, second_batch.dout):
+        x[...] = rng.standard_normal(x.shape).astype(x.dtype)
+    second_batch.k[int(second_batch.off_k[5]) + 7, 1, 3] = np.nan    # flags differ too
+    cpu_backend.release_workspace()
+    first = fwd_bwd(first_batch, backend="cpu")
+    first = [np.asarray(a) for a in (*first[:2], *first[2])]
+    kept = dict(ws.buffers)
+    assert {"q", "k", "v", "q_flag", "dout", "delta", "lse2"} <= set(kept), sorted(kept)
+    for name, buf in kept.items():
+        for i, x in enumerate(first):
+            assert not np.shares_memory(buf, x), f"result {i} aliases workspace {name!r}"
+    saved = [x.copy() for x in first]
+    second = fwd_bwd(second_batch, backend="cpu")
+    second = [np.asarray(a) for a in (*second[:2], *second[2])]
+    for name, buf in kept.items():
+        assert ws.buffers[name] is buf, f"workspace {name!r} was allocated again"
+    for i, (x, y) in enumerate(zip(first, saved)):
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"result {i} changed"
+    cpu_backend.release_workspace()
+    fresh = fwd_bwd(second_batch, backend="cpu")
+    fresh = [np.asarray(a) for a in (*fresh[:2], *fresh[2])]
+    for i, (x, y) in enumerate(zip(second, fresh)):
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"result {i}: kept != fresh"
+
+
 def test_predicate_mirrors_masks():
     """The kernels' predicate (and the stacked-row band built on it) is masks.visible."""
     rng = np.random.default_rng(0)

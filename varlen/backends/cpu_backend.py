@@ -19,6 +19,7 @@ Numba is imported on first use, so this module loads without it.
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from .._array import alloc
 from ..plan import Plan, TILE_ROWS, TILE_SEG, TILE_SEQ
 from ._host import DTYPES, HostBackend, forward_buffers
 
-__all__ = ["CpuBackend", "BACKEND", "DTYPES"]
+__all__ = ["CpuBackend", "BACKEND", "DTYPES", "release_workspace"]
 
 LOG2E = 1.4426950408889634          # 1/ln(2)
 # Tile products of at least this many multiply-adds (M * N * K) go to BLAS; smaller ones (a
@@ -66,13 +67,43 @@ def _view(plan: Plan):
     return plan.view().map_arrays(lambda a: np.ascontiguousarray(a, dtype=np.int32))
 
 
-def _pack(x, G: int, wdt, scale: float = 1.0):
+class _Workspace(threading.local):
+    """The working arrays a call writes in full before it reads them (packed inputs and their
+    flags), kept per calling thread for the next call: a fresh buffer of tens of MiB costs a
+    page fault per 4 KiB page on its first write, every call, and the faults do not scale with
+    threads. One buffer per name, replaced when a call needs another shape or dtype. Never an
+    array a call returns: outputs, lse and gradients are fresh and belong to the caller."""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def get(self, name: str, shape, dtype):
+        shape, dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            self.buffers.pop(name, None)          # free the old one before the new is made
+            buf = self.buffers[name] = alloc(np, shape, dtype)
+        return buf
+
+    def clear(self):
+        self.buffers.clear()
+
+
+_workspace = _Workspace()
+
+
+def release_workspace():
+    """Free the calling thread's kept working arrays (the next call allocates them again)."""
+    _workspace.clear()
+
+
+def _pack(x, G: int, wdt, scale: float = 1.0, *, name: str):
     """`x [T, Hk * G, d] * scale` -> (`[Hk, T * G, d]` in `wdt`, bool `[Hk, T * G]` non-finite
-    rows)."""
+    rows), both workspace arrays `name` (every element is written)."""
     T, H, d = x.shape
     Hk = H // G
-    w = alloc(np, (Hk, T * G, d), wdt)
-    flag = alloc(np, (Hk, T * G), np.bool_, fill=False)
+    w = _workspace.get(name, (Hk, T * G, d), wdt)
+    flag = _workspace.get(name + "_flag", (Hk, T * G), np.bool_)
     _kernels().pack_rows(_as(x, wdt), G, float(scale), w, flag)
     return w, flag
 
@@ -152,9 +183,9 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     order, chunks = forward_items(plan, Hk, G)
     rows_max = int(chunks[:, 1].max(initial=1)) * plan.block_m * G
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
-        Qw, q_flag = _pack(q, G, wdt, q_scale)
-        Kw, k_flag = _pack(k, 1, wdt)
-        Vw, v_flag = _pack(v, 1, wdt)
+        Qw, q_flag = _pack(q, G, wdt, q_scale, name="q")
+        Kw, k_flag = _pack(k, 1, wdt, name="k")
+        Vw, v_flag = _pack(v, 1, wdt, name="v")
         k_cum = K.flag_prefix(k_flag | v_flag)
         K.forward(_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
                   rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
@@ -174,13 +205,13 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     q_scale, c, cap = _scalars(softmax_scale, softcap)
     order, k_slots = backward_items(plan, Hk)
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
-        Qw, q_flag = _pack(q, G, wdt, q_scale)
-        Kw, k_flag = _pack(k, 1, wdt)
-        Vw, v_flag = _pack(v, 1, wdt)
+        Qw, q_flag = _pack(q, G, wdt, q_scale, name="q")
+        Kw, k_flag = _pack(k, 1, wdt, name="k")
+        Vw, v_flag = _pack(v, 1, wdt, name="v")
         k_flag |= v_flag
-        dOw = alloc(np, (Hk, Tq * G, Dv), wdt)
-        delta = alloc(np, (Hk, Tq * G), wdt)
-        lse2 = alloc(np, (Hk, Tq * G), wdt)
+        dOw = _workspace.get("dout", (Hk, Tq * G, Dv), wdt)
+        delta = _workspace.get("delta", (Hk, Tq * G), wdt)
+        lse2 = _workspace.get("lse2", (Hk, Tq * G), wdt)
         K.pack_grad_rows(_as(dout, wdt), _as(out, wdt), _as(lse, wdt), G, dOw, delta, lse2,
                          q_flag)
         q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
