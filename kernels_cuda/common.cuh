@@ -116,7 +116,7 @@ __device__ __forceinline__ HeadRows<T> head_rows(T* base, int num_heads, int hea
     return HeadRows<T>{base + static_cast<int64_t>(head) * D, static_cast<int64_t>(num_heads) * D};
 }
 
-// This thread's lane and warp in a block whose warps own WARP_ROWS rows of the tile each.
+// This thread's lane and warp in a block whose warps own WARP_M rows of the tile each.
 struct WarpSlot {
     int lane;
     int warp;
@@ -125,10 +125,11 @@ struct WarpSlot {
 
 // Divided as unsigned (threadIdx.x is): the compiler then knows lane and warp are small and
 // non-negative, which keeps the fragment address arithmetic short.
+template <int WARP_M = WARP_ROWS>
 __device__ __forceinline__ WarpSlot warp_slot() {
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
-    return WarpSlot{lane, warp, warp * WARP_ROWS};
+    return WarpSlot{lane, warp, warp * WARP_M};
 }
 
 // Reductions over the 4 lanes of a quad (lanes 4g .. 4g+3 hold one row of a C fragment).

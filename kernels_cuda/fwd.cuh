@@ -1,7 +1,12 @@
 // Forward kernel: FlashAttention-2 (Alg. 1) over the plan's query tiles.
 //
-// Grid (num_q_tiles, Hq); block BM / 16 warps, warp w owns query rows 16w .. 16w + 15 of the
-// tile. Shared memory: Q [BM][D+8], then two stages of K [BN][D+8] and V [BN][D+8] (pipeline.cuh).
+// Grid (num_q_tiles, Hq); block of 4 warps, warp w owns query rows WARP_M w .. WARP_M w +
+// WARP_M - 1 of the tile, MT = WARP_M / 16 m16 tiles (2 for BM = 128: every K or V fragment
+// read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP). Q's
+// fragments stay in registers where the budget allows (FwdConfig::Q_IN_REGS), else they are
+// read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
+// [KN][D+8] and V [KN][D+8] (KN = BN, or BN / 2 at D = 128, BM = 128); K and V wait
+// separately (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
 // and lse; hidden keys never reach it (mask_scores, KvStages::zero_nonfinite).
@@ -16,24 +21,93 @@
 
 namespace varlen {
 
-template <int D, int BM, int BN>
-using FwdConfig = QueryTileConfig<D, BM, BN, 1>;
+template <int D_, int BM, int BN>
+struct FwdConfig {
+    static constexpr int D = D_;
+    static constexpr int NUM_WARPS = 4;
+    static constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
+    static constexpr int WARP_M = BM / NUM_WARPS;      // query rows per warp
+    static constexpr int MT = WARP_M / WARP_ROWS;       // m16 tiles per warp
+    static constexpr int STRIDE = smem_stride<D>();
+    // Keys per chunk: a plan tile, or half of one where the fp32 accumulators O and S of a
+    // whole tile (registers per lane) would leave too few for the rest (D = 128, BM = 128).
+    static constexpr int KN = MT * (D + BN) / 2 > 160 ? BN / 2 : BN;
+    // Registers per lane of Q's fragments and of the accumulators: Q stays in registers when
+    // both leave ~60 for addresses, softmax state and the cursor.
+    static constexpr int Q_REGS = MT * D / 4;
+    static constexpr int ACC_REGS = MT * (D + KN) / 2;
+    static constexpr bool Q_IN_REGS = Q_REGS + ACC_REGS <= 192;
+    // Three K/V stages where two blocks of them still fit an A100 SM (164 KiB, 1 KiB reserved
+    // per block), else two: a third stage never costs a block per SM.
+    __host__ __device__ static constexpr int smem_elems(int stages) {
+        return (BM + 2 * stages * KN) * STRIDE;
+    }
+    static constexpr int STAGES = 2 * (2 * smem_elems(3) + 1024) <= 164 * 1024 ? 3 : 2;
+    static constexpr int SMEM_ELEMS = smem_elems(STAGES);
+    // Blocks per SM the registers must allow: two (128 threads x 2 leave ptxas every register
+    // up to 255) with two m16 tiles per warp; three (168 registers) with one, up to D = 96.
+    // (D = 32 with two tiles under 168 registers spills on sm_80 with a softcap.)
+    static constexpr int MIN_BLOCKS = MT == 1 && D <= 96 ? 3 : 2;
+    static_assert(BM % (NUM_WARPS * WARP_ROWS) == 0, "each warp owns whole m16 tiles");
+    static_assert(KN % 16 == 0, "P V consumes key chunks in k-steps of 16");
+    static_assert(D % 16 == 0, "Q K^T consumes the head dim in k-steps of 16");
+};
+
+// The A operand of S = Q K^T for a warp's MT m16 tiles: fragments held in registers
+// (IN_REGS, loaded once per block) or read from the Q tile per k-step.
+template <typename T, int D, int MT, bool IN_REGS>
+struct QOperand {
+    static constexpr int STRIDE = smem_stride<D>();
+    const T* s_q;
+    int row0;
+    uint32_t frag[IN_REGS ? MT : 1][IN_REGS ? D / 16 : 1][4];
+
+    // Call once the Q tile is in shared memory and published.
+    __device__ __forceinline__ void load(int lane) {
+        if constexpr (IN_REGS) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                #pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    ldmatrix_block<STRIDE, X4::ROWS_FIRST, false>(frag[mt][kk], s_q,
+                                                                  row0 + WARP_ROWS * mt, kk * 16,
+                                                                  lane);
+                }
+            }
+        }
+    }
+
+    __device__ __forceinline__ void step(uint32_t (&a)[4], int mt, int kk, int lane) const {
+        if constexpr (IN_REGS) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = frag[mt][kk][i];
+        } else {
+            ldmatrix_block<STRIDE, X4::ROWS_FIRST, false>(a, s_q, row0 + WARP_ROWS * mt, kk * 16,
+                                                          lane);
+        }
+    }
+};
 
 // O / l of this warp's rows, through its rows of the Q buffer, and their natural-log lse (one
 // lane per quad writes it), both NaN for a row that saw a NaN or inf; rows past the tile are
 // not written.
-template <typename T, int D, int STRIDE>
-__device__ __forceinline__ void store_output(const float (&acc_o)[D / 8][4],
-                                             const OnlineSoftmax& softmax, T* s_stage,
+template <typename T, int D, int STRIDE, int MT>
+__device__ __forceinline__ void store_output(const float (&acc_o)[MT][D / 8][4],
+                                             const OnlineSoftmax (&softmax)[MT], T* s_stage,
                                              const HeadRows<T>& out, float* p_lse,
                                              const TileInfo& tile, const WarpSlot& w) {
-    float inv_l[2], row_lse[2];
-    softmax.finish(acc_o, inv_l, row_lse);
-    store_rows<T, D / 8, STRIDE>(acc_o, inv_l, s_stage, w.row0, out, tile.row, tile.rows, w.lane);
-    const int r = w.row0 + w.lane / 4;
-    if (w.lane % 4 == 0) {
-        if (r < tile.rows) p_lse[tile.row + r] = row_lse[0];
-        if (r + 8 < tile.rows) p_lse[tile.row + r + 8] = row_lse[1];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float inv_l[2], row_lse[2];
+        softmax[mt].finish(acc_o[mt], inv_l, row_lse);
+        const int row0 = w.row0 + WARP_ROWS * mt;
+        store_rows<T, D / 8, STRIDE>(acc_o[mt], inv_l, s_stage, row0, out, tile.row, tile.rows,
+                                     w.lane);
+        const int r = row0 + w.lane / 4;
+        if (w.lane % 4 == 0) {
+            if (r < tile.rows) p_lse[tile.row + r] = row_lse[0];
+            if (r + 8 < tile.rows) p_lse[tile.row + r + 8] = row_lse[1];
+        }
     }
 }
 
@@ -43,7 +117,8 @@ __device__ __forceinline__ void store_output(const float (&acc_o)[D / 8][4],
 using namespace varlen;
 
 template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP>
-__global__ void __launch_bounds__(FwdConfig<D, BM, BN>::NUM_THREADS)
+__global__ void __launch_bounds__(FwdConfig<D, BM, BN>::NUM_THREADS,
+                                  FwdConfig<D, BM, BN>::MIN_BLOCKS)
 varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
            const T* __restrict__ k,           // [Tk, Hk, D]
            const T* __restrict__ v,           // [Tk, Hk, D]
@@ -51,34 +126,62 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
            float* __restrict__ lse,           // [Hq, Tq]
            const PlanView plan, const CallParams call) {
     using Cfg = FwdConfig<D, BM, BN>;
-    const TileBlock<false> b(plan, call);
+    constexpr int MT = Cfg::MT;
+    const TileBlock<false, Cfg::WARP_M> b(plan, call);
     if (b.tile.seq < 0) return;
     const WarpSlot& w = b.w;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* s_q = reinterpret_cast<T*>(smem_raw);                          // [BM][STRIDE]
-    const KvStages<T, D, BN, Cfg::NUM_THREADS> kv(s_q + BM * Cfg::STRIDE, k, v, call.Hk,
-                                                  b.i_khead);
-    b.load_rows<BM, D, Cfg::NUM_THREADS>(s_q, q, call.Hq);
+    constexpr int KN = Cfg::KN;
+    const KvStages<T, D, KN, Cfg::NUM_THREADS, Cfg::STAGES> kv(s_q + BM * Cfg::STRIDE, k, v,
+                                                               call.Hk, b.i_khead);
+    b.template load_rows<BM, D, Cfg::NUM_THREADS>(s_q, q, call.Hq);
+    cp_async_commit();
+    PartnerCursor<KN> keys = key_cursor<BN, KN>(plan, b.tile, b.i_tile);
+    using Pipeline = KvPipeline<Cfg::STAGES, KN>;
+    Pipeline pipe;
+    pipe.start(keys, kv);
+    QOperand<T, D, MT, Cfg::Q_IN_REGS> q_op{s_q, w.row0};
+    if constexpr (Cfg::Q_IN_REGS) {
+        cp_async_wait<Pipeline::PROLOGUE_GROUPS>();   // Q, older than every K/V group
+        __syncthreads();
+        q_op.load(w.lane);
+    }
     const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
-    PartnerCursor<BN> keys = key_cursor<BN>(plan, b.tile, b.i_tile);
 
-    // [16, D] output accumulator of this warp
-    float acc_o[D / 8][4];
-    zero_acc(acc_o);
-    OnlineSoftmax softmax;
-    softmax.init();
-    for_each_chunk(keys, [&](const Chunk& c, int stage) { kv.load(c, stage); },
-                   [&](const Chunk& c, int stage) {
-        if (!c.full) kv.template zero_nonfinite<true>(c, stage);
+    // [MT][16, D] output accumulators and [MT][16, KN] scores, then probabilities, of this
+    // warp's rows
+    float acc_o[MT][D / 8][4];
+    float acc_s[MT][KN / 8][4];
+    OnlineSoftmax softmax[MT];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        zero_acc(acc_o[mt]);
+        softmax[mt].init();
+    }
+    pipe.run(keys, kv, [&](const Chunk& c, int stage) {
+        kv.template zero_nonfinite<true>(c, stage);
     }, [&](const Chunk& c, int stage) {
-        // [16, BN] scores of this warp's rows
-        float acc_s[BN / 8][4];
-        gemm_abt<T, D>(acc_s, s_q, w.row0, kv.k_at(stage), w.lane);
-        mask_scores<HAS_SOFTCAP>(acc_s, query_rows_mask(pol, b.tile.pos, w, c), call, w.lane);
-        softmax.update(acc_s, acc_o);
-        gemm_pb<T, D / 8, BN / 8, Cfg::STRIDE>(acc_o, acc_s, kv.v_at(stage), w.lane);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) zero_acc(acc_s[mt]);
+        gemm_mt<T, MT, KN / 8, D / 16, Cfg::STRIDE, true>(acc_s, [&](uint32_t (&a)[4], int mt,
+                                                                     int kk) {
+            q_op.step(a, mt, kk, w.lane);
+        }, kv.k_at(stage), 0, w.lane);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            mask_scores<HAS_SOFTCAP>(acc_s[mt], query_rows_mask(pol, b.tile.pos, w, c, mt), call,
+                                     w.lane);
+            softmax[mt].update(acc_s[mt], acc_o[mt]);
+        }
+    }, [&](const Chunk&, int stage) {
+        gemm_mt<T, MT, D / 8, KN / 16, Cfg::STRIDE, false>(acc_o, [&](uint32_t (&a)[4], int mt,
+                                                                      int kk) {
+            c_to_a<T>(a, acc_s[mt], kk);
+        }, kv.v_at(stage), 0, w.lane);
     });
     store_output<T, D, Cfg::STRIDE>(acc_o, softmax, s_q, head_rows<D>(out, call.Hq, b.i_head),
-                                    lse + static_cast<int64_t>(b.i_head) * plan.rows_q, b.tile, w);
+                                    lse + static_cast<int64_t>(b.i_head) * plan.rows_q, b.tile,
+                                    w);
 }

@@ -83,12 +83,14 @@ struct TileMask {
     }
 };
 
-// Rows are the queries of a tile at position q_pos0 + row0 on (forward, dQ); `keys` the chunk.
-// Query rows past the tile need no mask: nothing of them is written.
+// Rows are the queries of a tile at position q_pos0 + row0 on (forward, dQ), in m16 tile
+// `m_tile` of the warp's rows; `keys` the chunk. Query rows past the tile need no mask: nothing
+// of them is written.
 __device__ __forceinline__ TileMask<false> query_rows_mask(const SeqPolicy& pol, int q_pos0,
-                                                           const WarpSlot& w, const Chunk& keys) {
-    return TileMask<false>{pol, q_pos0 + w.row0 + w.lane / 4, WARP_ROWS, keys.pos, keys.rows,
-                           !keys.full};
+                                                           const WarpSlot& w, const Chunk& keys,
+                                                           int m_tile = 0) {
+    return TileMask<false>{pol, q_pos0 + w.row0 + WARP_ROWS * m_tile + w.lane / 4, WARP_ROWS,
+                           keys.pos, keys.rows, !keys.full};
 }
 
 // Rows are the keys of a tile of BN rows (dK/dV); `queries` the chunk. A ragged key tile is

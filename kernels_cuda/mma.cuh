@@ -184,17 +184,19 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NB][4]
     a[3] = ElemTraits<T>::pack(c[2 * j + 1][2], c[2 * j + 1][3]);
 }
 
-// acc[16, 8 NB] += A[16, 16 KSTEPS] B[16 KSTEPS, 8 NB], B = columns n0.. of X^T (B_IS_XT: X
-// stored [n][k]) or of X (X stored [k][n]) in shared memory, two n-blocks per ldmatrix.
-// `load_a_step(a, kk)` fills the A fragment of k-step kk.
-template <typename T, int NB, int KSTEPS, int STRIDE_B, bool B_IS_XT, typename LoadA>
-__device__ __forceinline__ void gemm_16(float (&acc)[NB][4], LoadA&& load_a_step, const T* s_b,
-                                        int n0, int lane) {
+// acc[MT][16, 8 NB] += A_mt[16, 16 KSTEPS] B[16 KSTEPS, 8 NB] for MT m16 tiles sharing B,
+// B = columns n0.. of X^T (B_IS_XT: X stored [n][k]) or of X (X stored [k][n]) in shared
+// memory, two n-blocks per ldmatrix: each B fragment read from shared memory feeds MT tiles.
+// `load_a_step(a, mt, kk)` fills the A fragment of tile mt, k-step kk.
+template <typename T, int MT, int NB, int KSTEPS, int STRIDE_B, bool B_IS_XT, typename LoadA>
+__device__ __forceinline__ void gemm_mt(float (&acc)[MT][NB][4], LoadA&& load_a_step,
+                                        const T* s_b, int n0, int lane) {
     static_assert(NB % 2 == 0, "B fragments are loaded two n-blocks at a time");
     #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
-        uint32_t a[4];
-        load_a_step(a, kk);
+        uint32_t a[MT][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_a_step(a[mt], mt, kk);
         #pragma unroll
         for (int nb = 0; nb < NB; nb += 2) {
             uint32_t b[4];
@@ -203,10 +205,22 @@ __device__ __forceinline__ void gemm_16(float (&acc)[NB][4], LoadA&& load_a_step
             } else {
                 ldmatrix_block<STRIDE_B, X4::ROWS_FIRST, true>(b, s_b, kk * 16, n0 + nb * 8, lane);
             }
-            mma_16816<T>(acc[nb], a, b[0], b[1]);
-            mma_16816<T>(acc[nb + 1], a, b[2], b[3]);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(acc[mt][nb], a[mt], b[0], b[1]);
+                mma_16816<T>(acc[mt][nb + 1], a[mt], b[2], b[3]);
+            }
         }
     }
+}
+
+// gemm_mt on one m16 tile: acc[16, 8 NB] += A B, `load_a_step(a, kk)` filling A.
+template <typename T, int NB, int KSTEPS, int STRIDE_B, bool B_IS_XT, typename LoadA>
+__device__ __forceinline__ void gemm_16(float (&acc)[NB][4], LoadA&& load_a_step, const T* s_b,
+                                        int n0, int lane) {
+    gemm_mt<T, 1, NB, KSTEPS, STRIDE_B, B_IS_XT>(
+        reinterpret_cast<float (&)[1][NB][4]>(acc),
+        [&](uint32_t (&a)[4], int, int kk) { load_a_step(a, kk); }, s_b, n0, lane);
 }
 
 template <int NB>

@@ -42,6 +42,81 @@ __device__ __forceinline__ void for_each_chunk(PartnerCursor<CHUNK>& cursor, Loa
     __syncthreads();
 }
 
+// The forward's main loop: like for_each_chunk, but K and V of a chunk travel in separate
+// cp.async groups, STAGES - 1 chunks ahead, and the scores (Q K^T, softmax) start once K has
+// landed while V is still in flight. Per chunk:
+//     wait K (and V on a partial chunk), barrier, prefetch into the stage freed one chunk ago,
+//     scores(chunk, stage), wait V, barrier (skipped on a partial chunk), values(chunk, stage).
+// The first barrier both publishes K and releases the stage read one iteration ago: every warp
+// has finished that chunk's values before it arrives. `own` runs on partial chunks only, once
+// this thread's K and V copies of the chunk have landed (zero_nonfinite).
+template <int STAGES, int CHUNK>
+struct KvPipeline {
+    static_assert(STAGES >= 2, "at least one chunk in flight while one is computed");
+    // Groups committed by start(): a K and a V group per prefetched chunk.
+    static constexpr int PROLOGUE_GROUPS = 2 * (STAGES - 1);
+
+    Chunk ahead[STAGES - 1];    // issued, not yet computed; rows == 0: none
+    int stage;                  // the stage of ahead[0]
+
+    // Issues the first STAGES - 1 chunks of `cursor`. Copies issued before (the block's own
+    // tile) must be committed in a group of their own.
+    template <typename Kv>
+    __device__ __forceinline__ void start(PartnerCursor<CHUNK>& cursor, const Kv& kv) {
+        #pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) ahead[s] = fetch(cursor, kv, s);
+        stage = 0;
+    }
+
+    // Runs scores(chunk, stage) then values(chunk, stage) on every chunk; on return every copy
+    // has landed and every thread is past its last read of the stages.
+    template <typename Kv, typename Own, typename Scores, typename Values>
+    __device__ __forceinline__ void run(PartnerCursor<CHUNK>& cursor, const Kv& kv, Own&& own,
+                                        Scores&& scores, Values&& values) {
+        while (ahead[0].rows > 0) {
+            const Chunk cur = ahead[0];
+            #pragma unroll
+            for (int s = 0; s + 1 < STAGES - 1; ++s) ahead[s] = ahead[s + 1];
+            if (cur.full) {
+                cp_async_wait<2 * STAGES - 3>();     // all but V and the chunks ahead: K
+            } else {
+                cp_async_wait<2 * STAGES - 4>();     // K and V
+                own(cur, stage);
+            }
+            __syncthreads();
+            ahead[STAGES - 2] = fetch(cursor, kv, stage == 0 ? STAGES - 1 : stage - 1);
+            scores(cur, stage);
+            if (cur.full) {
+                cp_async_wait<2 * STAGES - 2>();     // all but the chunks ahead: V
+                __syncthreads();
+            }
+            values(cur, stage);
+            stage = stage + 1 == STAGES ? 0 : stage + 1;
+        }
+        // Without any chunk the block's own copies may still be in flight: drain them.
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+
+  private:
+    // The next chunk of `cursor` into `into`: a K group and a V group, both committed (empty
+    // past the last chunk, so that every thread counts groups alike).
+    template <typename Kv>
+    __device__ __forceinline__ static Chunk fetch(PartnerCursor<CHUNK>& cursor, const Kv& kv,
+                                                  int into) {
+        Chunk c{0, 0, 0, 0, false};
+        if (cursor.valid()) {
+            c = cursor.chunk();
+            cursor.advance();
+            kv.load_k(c, into);
+        }
+        cp_async_commit();
+        if (c.rows > 0) kv.load_v(c, into);
+        cp_async_commit();
+        return c;
+    }
+};
+
 // A kernel over query tiles of BM rows (forward, dQ): RESIDENT shared tiles [BM][D + 8] of the
 // query tile (Q; Q and dO), then STAGES stages of K and V chunks [BN][D + 8].
 template <int D, int BM, int BN, int RESIDENT>
@@ -58,8 +133,8 @@ struct QueryTileConfig {
 
 // A block over one tile of the plan and one head: grid (num_q_tiles, Hq) over query tiles
 // (forward, dQ), or (num_k_tiles, Hk) over key tiles (dK/dV), which visit the G = Hq / Hk query
-// heads of their key head.
-template <bool KEY_TILES>
+// heads of their key head. Each warp owns WARP_M rows of the tile.
+template <bool KEY_TILES, int WARP_M = WARP_ROWS>
 struct TileBlock {
     int i_tile;
     int i_head;        // a query head over query tiles, a key head over key tiles
@@ -71,7 +146,7 @@ struct TileBlock {
     __device__ __forceinline__ TileBlock(const PlanView& plan, const CallParams& call)
         : i_tile(blockIdx.x), i_head(blockIdx.y), group(call.Hq / call.Hk),
           i_khead(KEY_TILES ? i_head : i_head / group),
-          tile(load_tile(KEY_TILES ? plan.k_tiles : plan.q_tiles, i_tile)), w(warp_slot()) {}
+          tile(load_tile(KEY_TILES ? plan.k_tiles : plan.q_tiles, i_tile)), w(warp_slot<WARP_M>()) {}
 
     // Issues the copies of head i_head's rows of the tile, from a packed [T, H, D] array, into
     // s_dst [ROWS][D + 8].
@@ -82,8 +157,8 @@ struct TileBlock {
     }
 };
 
-// The K and V chunks of one key head, through shared stages [STAGES][BN][D + 8] each.
-template <typename T, int D, int BN, int NUM_THREADS>
+// The K and V chunks of one key head, through shared stages [NUM_STAGES][BN][D + 8] each.
+template <typename T, int D, int BN, int NUM_THREADS, int NUM_STAGES = STAGES>
 struct KvStages {
     static constexpr int STAGE_ELEMS = BN * smem_stride<D>();
     T* s_k;
@@ -94,12 +169,20 @@ struct KvStages {
     // Stages from s_base on; k and v are packed [Tk, Hk, D] arrays.
     __device__ __forceinline__ KvStages(T* s_base, const T* k_base, const T* v_base, int Hk,
                                         int i_khead)
-        : s_k(s_base), s_v(s_base + STAGES * STAGE_ELEMS), k(head_rows<D>(k_base, Hk, i_khead)),
+        : s_k(s_base), s_v(s_base + NUM_STAGES * STAGE_ELEMS), k(head_rows<D>(k_base, Hk, i_khead)),
           v(head_rows<D>(v_base, Hk, i_khead)) {}
 
-    __device__ __forceinline__ void load(const Chunk& c, int stage) const {
+    __device__ __forceinline__ void load_k(const Chunk& c, int stage) const {
         load_tile_async<BN, D, NUM_THREADS>(s_k + stage * STAGE_ELEMS, k, c.row, c.rows);
+    }
+
+    __device__ __forceinline__ void load_v(const Chunk& c, int stage) const {
         load_tile_async<BN, D, NUM_THREADS>(s_v + stage * STAGE_ELEMS, v, c.row, c.rows);
+    }
+
+    __device__ __forceinline__ void load(const Chunk& c, int stage) const {
+        load_k(c, stage);
+        load_v(c, stage);
     }
 
     // On a partially masked chunk, where hidden pairs have P = 0 (or dS = 0): a NaN or inf in

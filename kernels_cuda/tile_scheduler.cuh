@@ -107,13 +107,14 @@ struct PartnerCursor {
     }
 };
 
-// The key chunks of query tile i_tile (forward, dQ). A chunk is a whole plan tile: the host
-// compiles BN = plan.block_n (KernelSpec).
-template <int BN>
-__device__ __forceinline__ PartnerCursor<BN> key_cursor(const PlanView& plan, const TileInfo& tile,
+// The key chunks of KN rows of query tile i_tile (forward, dQ): the host compiles BN =
+// plan.block_n (KernelSpec), and a plan tile is BN / KN chunks.
+template <int BN, int KN = BN>
+__device__ __forceinline__ PartnerCursor<KN> key_cursor(const PlanView& plan, const TileInfo& tile,
                                                         int i_tile) {
-    return PartnerCursor<BN>(plan.q_sched + static_cast<int64_t>(i_tile) * plan.mk * SCHED_FIELDS,
-                             plan.k_row, plan.k_len, plan.k_pos, tile.seq, plan.mk, 1, 1);
+    static_assert(BN % KN == 0, "a plan tile of keys is a whole number of chunks");
+    return PartnerCursor<KN>(plan.q_sched + static_cast<int64_t>(i_tile) * plan.mk * SCHED_FIELDS,
+                             plan.k_row, plan.k_len, plan.k_pos, tile.seq, plan.mk, 1, BN / KN);
 }
 
 // The query chunks of key tile i_tile (dK/dV) for each of `heads` query heads; a plan tile of

@@ -327,10 +327,11 @@ A6000 = DeviceInfo((8, 6), 99 * KIB, "NVIDIA RTX A6000")
 L40S = DeviceInfo((8, 9), 99 * KIB, "NVIDIA L40S")
 H100 = DeviceInfo((9, 0), 227 * KIB, "NVIDIA H100")
 T4 = DeviceInfo((7, 5), 64 * KIB, "Tesla T4")
-# The tiles the backend's plans get, by head dim: 99 KiB cannot hold the (128, 64) forward at
-# D = 128 (104448 B) nor the (128, 64) dQ kernel at D = 96 (106496 B).
+# The tiles the backend's plans get, by head dim: 99 KiB cannot hold the (128, 64) dQ kernel at
+# D = 96 (106496 B); at D = 128 no dQ kernel fits (139264 and 104448 B), and the forward and
+# atomic-dQ backward fit with (128, 64) tiles (69632 and 75264 B).
 BIG_TILES = {D: (128, 64) for D in _cupy_spec.HEAD_DIMS}
-SMALL_SMEM_TILES = {32: (128, 64), 64: (128, 64), 96: (64, 64), 128: (64, 64)}
+SMALL_SMEM_TILES = {32: (128, 64), 64: (128, 64), 96: (64, 64), 128: (128, 64)}
 
 
 def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
@@ -369,15 +370,17 @@ def test_small_shared_memory_refuses_the_deterministic_backward_and_says_why():
     from varlen.backends.cupy_backend import BACKEND
     with BACKEND.stand_in_device(A6000):
         with pytest.raises(ValueError, match=r"deterministic=True .* varlen_bwd_dq<__half, 128, "
-                                             r"64, 64, false> needs 104448 B .* NVIDIA RTX A6000 "
+                                             r"128, 64, false> needs 139264 B .* NVIDIA RTX A6000 "
                                              r"\(sm_86\) allows at most 101376 B \(99 KiB\)"):
             varlen.backends.select("cupy", _call("float16", 128, backward=True,
                                                  deterministic=True))
         # a plan built elsewhere with tiles the GPU cannot hold is refused before any launch
-        plan = types.SimpleNamespace(block_m=128, block_n=64)
+        plan = types.SimpleNamespace(block_m=64, block_n=64)
         q = np.zeros((1, 1, 128), np.float16)
-        with pytest.raises(ValueError, match=r"tiles \(128, 64\) .* 104448 B .* 101376 B"):
-            BACKEND.forward(plan, q, q, q, softmax_scale=1.0, softcap=0.0)
+        lse = np.zeros((1, 1), np.float32)
+        with pytest.raises(ValueError, match=r"tiles \(64, 64\) .* 104448 B .* 101376 B"):
+            BACKEND.backward(plan, q, q, q, q, q, lse, softmax_scale=1.0, softcap=0.0,
+                             deterministic=True)
 
 
 def test_old_gpus_are_refused():

@@ -36,7 +36,12 @@ ELEM_BYTES = 2
 STATIC_SMEM_LIMIT = 48 * 1024     # above this the kernel attribute must be raised
 PREPROCESS_WARPS = 4              # kernels_cuda/bwd_preprocess.cuh
 CONVERT_THREADS = 256
-STAGES = 2
+STAGES = 2                        # K/V (Q/dO) stages of the backward kernels
+FWD_WARPS = 4                     # kernels_cuda/fwd.cuh FwdConfig
+# An A100 SM's shared memory and what the driver reserves per block: the forward takes a third
+# K/V stage only where two blocks of it still fit there (FwdConfig::STAGES).
+SM_SMEM_A100 = 164 * 1024
+SMEM_PER_BLOCK_RESERVED = 1024
 
 # Largest dynamic shared memory per block (opt-in) by architecture: A100 163 KiB,
 # H100/H200 227 KiB (CUDA C++ Programming Guide, "Compute capabilities" table). The compile
@@ -115,7 +120,24 @@ class KernelSpec:
 
     @property
     def fwd_threads(self) -> int:
-        return self.block_m // WARP_ROWS * WARP_SIZE
+        return FWD_WARPS * WARP_SIZE
+
+    @property
+    def fwd_chunk(self) -> int:
+        """Keys per step of the forward: a plan tile, or half of one where the fp32
+        accumulators of a whole one would take over 160 registers per lane (FwdConfig::KN)."""
+        warp_tiles = self.block_m // (FWD_WARPS * WARP_ROWS)
+        acc_regs = warp_tiles * (self.head_dim + self.block_n) // 2
+        return self.block_n // 2 if acc_regs > 160 else self.block_n
+
+    def _fwd_smem_bytes(self, stages: int) -> int:
+        return (self.block_m + 2 * stages * self.fwd_chunk) * self.stride * ELEM_BYTES
+
+    @property
+    def fwd_stages(self) -> int:
+        """K/V stages of the forward: 3 where two blocks of them fit an A100 SM, else 2."""
+        fits = 2 * (self._fwd_smem_bytes(3) + SMEM_PER_BLOCK_RESERVED) <= SM_SMEM_A100
+        return 3 if fits else 2
 
     @property
     def dq_threads(self) -> int:
@@ -126,8 +148,8 @@ class KernelSpec:
         return self.block_n // WARP_ROWS * WARP_SIZE
 
     def fwd_smem(self) -> int:
-        """Q [BM] + 2 stages of K and V [BN], rows of D + 8 elements."""
-        return (self.block_m + 2 * STAGES * self.block_n) * self.stride * ELEM_BYTES
+        """Q [BM] + fwd_stages stages of K and V [fwd_chunk], rows of D + 8 elements."""
+        return self._fwd_smem_bytes(self.fwd_stages)
 
     def dq_smem(self) -> int:
         """Q, dO [BM] + 2 stages of K and V [BN]."""
