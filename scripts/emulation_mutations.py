@@ -121,8 +121,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sites", nargs="*", help="only sites whose file:line:call contains one of these")
     p.add_argument("--list", action="store_true", help="list the sites and exit")
+    p.add_argument("--runs", nargs="*", help="only the runs whose label contains one of these "
+                   f"(labels: {', '.join(r[0] for r in RUNS)})")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     args = p.parse_args(argv)
+    runs = [r for r in RUNS if not args.runs or any(x in r[0] for x in args.runs)]
     todo = [s for s in sites()
             if not args.sites or any(x in site_id(s) for x in args.sites)]
     if args.list:
@@ -130,7 +133,7 @@ def main(argv=None):
         return 0
     missed = 0
     for site in todo:
-        by, seconds = check(site, timeout=args.timeout)
+        by, seconds = check(site, runs, timeout=args.timeout)
         missed += by is None
         print(f"{'caught' if by else 'MISSED'}  {site_id(site)}: {by or 'no run failed'} "
               f"({seconds:.0f} s)", flush=True)
