@@ -11,12 +11,21 @@
 
 namespace varlen {
 
+// tanh(y) = 1 - 2 / (2^(2 y LOG2E) + 1), from ex2.approx and one approximate division: about
+// 2^-21 absolute error. tanhf under --use_fast_math is tanh.approx.f32, 2^-11 relative, which
+// moves a soft-capped score by up to softcap * 2^-11 and the row's lse with it (1e-3 at a
+// softcap of 5: past the lse tolerance). y = +inf gives 2 / inf = 0 and tanh 1, y = -inf gives
+// exp2 = 0 and tanh -1; a NaN stays NaN.
+__device__ __forceinline__ float tanh_accurate(float y) {
+    return 1.f - __fdividef(2.f, exp2f(2.f * LOG2E * y) + 1.f);
+}
+
 // Scaled (and soft-capped) score in base-2 units; also the tanh for the softcap gradient.
 template <bool HAS_SOFTCAP>
 __device__ __forceinline__ float score_log2(float qk, float softmax_scale, float softcap,
                                             float* tanh_out = nullptr) {
     if constexpr (HAS_SOFTCAP) {
-        const float th = tanhf(qk * softmax_scale / softcap);
+        const float th = tanh_accurate(__fdividef(qk * softmax_scale, softcap));
         if (tanh_out) *tanh_out = th;
         return softcap * th * LOG2E;
     } else {
@@ -107,7 +116,7 @@ struct OnlineSoftmax {
             bad = quad_max(bad ? 1.f : 0.f) > 0.f;       // any lane of the row's quad
             const float l_row = quad_sum(l[half]);
             const bool seen = l_row > 0.f;
-            inv_l[half] = bad ? nan_f() : (seen ? 1.f / l_row : 0.f);
+            inv_l[half] = bad ? nan_f() : (seen ? __fdividef(1.f, l_row) : 0.f);
             lse[half] = bad ? nan_f() : (seen ? (m[half] + log2f(l_row)) * LN2 : neg_inf());
         }
     }
