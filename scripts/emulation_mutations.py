@@ -31,7 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_DIR = os.path.join(ROOT, "kernels_cuda")
-SITE = re.compile(r"\b(__syncthreads\(\)|__syncwarp\(\)|cp_async_wait<\d+>\(\));")
+SITE = re.compile(r"\b(__syncthreads\(\)|__syncwarp\(\)|cp_async_wait<[^<>;]+>\(\));")
 EMULATION = [sys.executable, "-m", "varlen.backends._cupy_emulation", "--strict", "--fail-fast"]
 EDGE_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_cupy_edges.py"),
              "nonfinite-backward", "q"]
