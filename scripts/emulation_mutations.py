@@ -10,8 +10,10 @@ the sources in a temporary directory, which the emulation then compiles
 
 1. `--strict --schedule random`: copies land at seeded random points after their poisoning,
    warps run one at a time in a seeded order (numerical detection, two seeds);
-2. `--strict --race`: the ThreadSanitizer build (a data race report);
-3. the non-finite backward case of tests/test_cupy_edges.py (NaN in q) under both modes above:
+2. `--strict --schedule wait`: copies land only at their wait (random landing lands a copy
+   issued chunks ahead long before it is read, hiding a missing wait for it);
+3. `--strict --race`: the ThreadSanitizer build (a data race report);
+4. the non-finite backward case of tests/test_cupy_edges.py (NaN in q) under both modes above:
    the barrier that orders the first chunk's delta stores before a NaN flag only matters there.
 
 A mutation no run catches is a gap of the emulation (exit status 1). The strict cases reach three
@@ -37,6 +39,7 @@ EDGE_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_cupy_edges.py"),
              "nonfinite-backward", "q"]
 # (label, command, extra environment); the race runs re-execute under the TSan runtime.
 RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {}),
+        ("wait-landing", [*EMULATION, "--schedule", "wait", "--seeds", "0"], {}),
         ("race", [*EMULATION, "--race"], {}),
         ("schedule, NaN case", EDGE_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"}),
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
