@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import numpy as np  # noqa: E402
 
-from varlen._cli import ArgumentParser, positive_int  # noqa: E402
+from varlen._cli import ArgumentParser, name_list, positive_int  # noqa: E402
 
 L2_FLUSH_BYTES = 256 << 20
 WARMUP = 3
@@ -380,16 +380,6 @@ def plot(results, peak, path):
 # the run: arguments, one workload at a time, report
 # ---------------------------------------------------------------------------------------
 
-def runner_list(text: str) -> list:
-    """An argparse type: comma-separated names from RUNNERS."""
-    names = [r for r in text.split(",") if r]
-    unknown = [r for r in names if r not in RUNNERS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown runner(s) {','.join(unknown) or text!r}; "
-                                         f"choose from {','.join(RUNNERS)}")
-    return names
-
-
 def parse_args(argv):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few workloads (for the GPU check)")
@@ -403,7 +393,7 @@ def parse_args(argv):
     ap.add_argument("--head-dim", type=positive_int, default=128, help="head dim D (128)")
     ap.add_argument("--iters", type=positive_int, default=None,
                     help="timed runs per figure (default 10; 5 with --quick)")
-    ap.add_argument("--runners", type=runner_list, default=list(RUNNERS),
+    ap.add_argument("--runners", type=name_list(RUNNERS), default=list(RUNNERS),
                     help=f"comma-separated runners (default: {','.join(RUNNERS)})")
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (16384 if args.quick else 32768)

@@ -72,7 +72,7 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from varlen._cli import ArgumentParser, positive_int  # noqa: E402
+from varlen._cli import ArgumentParser, name_list, positive_int  # noqa: E402
 
 RUNNERS = ("ours", "sdpa-loop", "sdpa-padded", "flex", "jax")
 PEERS = RUNNERS[1:]
@@ -735,17 +735,6 @@ def parse_config(text: str):
     if min(hq, hk, d) < 1 or hq % hk:
         raise argparse.ArgumentTypeError(f"{text!r}: need positive sizes with Hq % Hk == 0")
     return hq, hk, d
-
-
-def name_list(choices):
-    def parse(text: str) -> list:
-        names = [x for x in text.split(",") if x]
-        bad = [x for x in names if x not in choices]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"unknown {','.join(bad) or text!r}; choose from "
-                                             f"{','.join(choices)}")
-        return names
-    return parse
 
 
 def parse_args(argv):

@@ -4,7 +4,7 @@ status 2, no traceback.
 """
 import argparse
 
-__all__ = ["ArgumentParser", "positive_int"]
+__all__ = ["ArgumentParser", "positive_int", "name_list"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -23,3 +23,15 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def name_list(choices):
+    """An argparse type: comma-separated names, each one of `choices`."""
+    def parse(text: str) -> list:
+        names = [x for x in text.split(",") if x]
+        bad = [x for x in names if x not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {','.join(bad) or text!r}; choose from "
+                                             f"{','.join(choices)}")
+        return names
+    return parse
