@@ -68,6 +68,7 @@ using std::max;
 struct dim3e { unsigned x = 0, y = 0, z = 0; };
 inline thread_local dim3e threadIdx, blockIdx;
 inline dim3e gridDim;
+inline dim3e blockDim;
 
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 
@@ -577,6 +578,7 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
     __sanitizer_set_death_callback(on_sanitizer_death);
 #endif
     gridDim = dim3e{gx, gy, 1};
+    blockDim = dim3e{threads, 1, 1};
     g_block.kernel = kernel;
     Barrier start((int)threads + 1), end((int)threads + 1);
     unsigned bx = 0, by = 0;

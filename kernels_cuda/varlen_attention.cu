@@ -4,5 +4,6 @@
 #include "bwd_preprocess.cuh"
 #include "bwd_dkdv.cuh"
 #include "bwd_dq.cuh"
+#include "plan_build.cuh"
 
 

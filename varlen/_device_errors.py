@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["record", "check_device_errors"]
+__all__ = ["record", "accumulator", "check_device_errors"]
 
 # (device id, message) -> 0-d bool device array, or-ed into by every plan built there
 _FLAGS: dict = {}
@@ -23,11 +23,19 @@ def record(xp, flag, message: str):
         if bool(flag):
             raise ValueError(message)
         return
+    acc = accumulator(xp, message)
+    xp.logical_or(acc, flag, out=acc)
+
+
+def accumulator(xp, message: str):
+    """The 0-d bool device array `record` ors `message`'s flags into on the current device
+    (zero when first made). A kernel may set it to 1 itself: the same as `record` with a set
+    flag, without a launch (the fused plan builder, `varlen.backends._cupy_plan`)."""
     key = (xp.cuda.Device().id, message)
     acc = _FLAGS.get(key)
     if acc is None:
         acc = _FLAGS[key] = xp.zeros((), dtype=bool)
-    xp.logical_or(acc, flag, out=acc)
+    return acc
 
 
 def check_device_errors():

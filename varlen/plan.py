@@ -17,6 +17,7 @@ in `docs/plan.md`; in short:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,8 +26,8 @@ import numpy as np
 from ._device_errors import record
 from .masks import Mask, as_mask, key_band, query_band
 
-__all__ = ["Segments", "Plan", "KernelView", "build_plan", "segments_from_cu_seqlens",
-           "tile_bound", "TILE_FIELDS", "SCHED_FIELDS"]
+__all__ = ["Segments", "Plan", "KernelView", "build_plan", "plan_from_cu_seqlens",
+           "segments_from_cu_seqlens", "tile_bound", "TILE_FIELDS", "SCHED_FIELDS"]
 
 # Columns of the tile tables `q_tiles` / `k_tiles` (int32 [num_tiles, 5]).
 TILE_FIELDS = ("seq", "seg", "row", "rows", "pos")
@@ -40,6 +41,34 @@ def _xp(a):
         return np
     import cupy
     return cupy
+
+
+# Plans of CuPy arrays are built by two fused kernels (`backends/_cupy_plan.py`); with this
+# variable set to "arrays", by the CuPy array code below (150-250 launches; for comparison).
+PLAN_BUILDER_ENV = "VARLEN_PLAN_BUILDER"
+PLAN_BUILDERS = ("kernels", "arrays")
+
+
+def _fused_kernels(xp) -> bool:
+    """Whether a plan of module `xp` is built by the fused device kernels."""
+    if xp is np:
+        return False
+    builder = os.environ.get(PLAN_BUILDER_ENV, PLAN_BUILDERS[0])
+    if builder not in PLAN_BUILDERS:
+        raise ValueError(f"{PLAN_BUILDER_ENV}={builder!r}; expected one of {PLAN_BUILDERS}")
+    return builder == "kernels"
+
+
+def outside_message(side: str, num_rows: int) -> str:
+    """The device error of a sequence that runs past its buffer."""
+    return (f"a sequence of cu_seqlens_{side}/seq_offsets_{side} lies outside the {num_rows} "
+            f"rows of its buffer (its rows were not computed)")
+
+
+def overflow_message(side: str, num_slots: int, block: int) -> str:
+    """The device error of more tiles than the table's slots (a length past max_seqlen)."""
+    return (f"a sequence is longer than max_seqlen_{side}: the tile table has {num_slots} slots "
+            f"of {block} rows (rows past them were not computed)")
 
 
 def _to_numpy(a):
@@ -113,8 +142,7 @@ def segments_from_cu_seqlens(cu_seqlens, seq_offsets, num_rows: int, side: str =
     fits = xp.clip(xp.minimum(length, num_rows - xp.clip(row, 0, num_rows)), 0, None)
     if B:
         record(xp, ((fits < length) | ((row < 0) & (length > 0))).any(),
-               f"a sequence of cu_seqlens_{side}/seq_offsets_{side} lies outside the "
-               f"{num_rows} rows of its buffer (its rows were not computed)")
+               outside_message(side, num_rows))
     row = xp.clip(row, 0, num_rows)
     length = fits
     return Segments(row=row.astype(np.int32).reshape(B, 1),
@@ -259,8 +287,7 @@ def _tile_table(xp, seg: Segments, block: int, num_slots: int, side: str = ""):
     length = seg.length.reshape(-1).astype(np.int64)
     ntiles = (length + block - 1) // block                            # [S]
     ends = xp.cumsum(ntiles)                                          # inclusive prefix
-    record(xp, ends[-1] > num_slots, f"a sequence is longer than max_seqlen_{side}: the tile "
-           f"table has {num_slots} slots of {block} rows (rows past them were not computed)")
+    record(xp, ends[-1] > num_slots, overflow_message(side, num_slots, block))
     t = xp.arange(num_slots, dtype=np.int64)
     s = xp.searchsorted(ends, t, side="right")                        # segment of slot t
     used = s < S
@@ -356,7 +383,8 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
                max_seqlen_q=None, max_seqlen_k=None) -> Plan:
     """Build a plan from query and key segments (the general form, used by context parallelism).
 
-    `mask` fields must already be working arrays of the segments' module (or scalars).
+    `mask` fields must already be working arrays of the segments' module (or scalars). CuPy
+    segments: two fused kernels build it (`PLAN_BUILDER_ENV`).
     """
     if block_m <= 0 or block_n <= 0:
         raise ValueError(f"block sizes must be positive, got {block_m=} and {block_n=}")
@@ -365,6 +393,10 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
                          f"{k.batch}; expected the same batch")
     xp = _xp(q.row)
     mask = as_mask(mask)
+    if _fused_kernels(xp):
+        from .backends import _cupy_plan
+        return _cupy_plan.build_plan(q, k, mask, block_m=int(block_m), block_n=int(block_n),
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     pol = _policy_arrays(xp, mask, q.batch)
     nq = tile_bound(q.num_rows, q.batch * q.per_seq, block_m, max_seqlen_q)
     nk = tile_bound(k.num_rows, k.batch * k.per_seq, block_n, max_seqlen_k)
@@ -376,3 +408,25 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
                 block_m=int(block_m), block_n=int(block_n), q_tiles=q_tiles, q_sched=q_sched,
                 k_tiles=k_tiles, k_sched=k_sched)
 
+
+def plan_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
+                         num_rows_q: int, num_rows_k: int, mask, *, block_m: int = 64,
+                         block_n: int = 64, max_seqlen_q=None, max_seqlen_k=None) -> Plan:
+    """`build_plan` over one segment per sequence of each side (`segments_from_cu_seqlens`).
+
+    int32 `[B+1]` layout arrays of one module; `mask` fields scalars or int32 `[B]` arrays of
+    it. CuPy arrays: segments, mask policy, tile tables and schedules in two fused kernels
+    (`backends/_cupy_plan.py`), unless `PLAN_BUILDER_ENV` says "arrays".
+    """
+    if _fused_kernels(_xp(cu_seqlens_q)):
+        if block_m <= 0 or block_n <= 0:
+            raise ValueError(f"block sizes must be positive, got {block_m=} and {block_n=}")
+        from .backends import _cupy_plan
+        return _cupy_plan.plan_from_cu_seqlens(
+            cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, num_rows_q, num_rows_k,
+            as_mask(mask), block_m=int(block_m), block_n=int(block_n),
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return build_plan(segments_from_cu_seqlens(cu_seqlens_q, seq_offsets_q, num_rows_q, "q"),
+                      segments_from_cu_seqlens(cu_seqlens_k, seq_offsets_k, num_rows_k, "k"),
+                      mask, block_m=block_m, block_n=block_n, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k)

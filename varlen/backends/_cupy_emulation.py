@@ -41,6 +41,7 @@ its own process (the CI tests do).
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import math
@@ -67,6 +68,11 @@ TSAN_FLAGS = ("-fsanitize=thread", "-fno-builtin")
 TSAN_OPTIONS = "halt_on_error=1 exitcode=66 history_size=7 report_signal_unsafe=0"
 
 _libs: dict = {}
+# Kernel launches of this process, by kernel name (tests count the launches of a step).
+launches: collections.Counter = collections.Counter()
+# The plan kernels (kernels_cuda/plan_build.cuh) have no template arguments: every variant's
+# library holds them, so they run in that of this variant.
+PLAN_KERNEL_VARIANT = ("__half", 64, 64, 64, 64, "false")
 
 
 def _mode():
@@ -157,6 +163,10 @@ class _Kernel:
     def __init__(self, name: str, block_m: int):
         self.name = name
         self.max_dynamic_shared_size_bytes = 0
+        from ._cupy_plan import KERNELS as PLAN_KERNELS
+        if name in PLAN_KERNELS:
+            self._bind(name, *PLAN_KERNEL_VARIANT)
+            return
         kind, args = re.fullmatch(r"(\w+)<(.*)>", name).groups()
         a = [x.strip() for x in args.split(",")]
         T, D, BM, BN, SC = a[0], 64, block_m, 64, "false"
@@ -170,6 +180,11 @@ class _Kernel:
         elif kind != "varlen_bwd_dq_convert":
             raise AssertionError(f"unknown kernel {name}")
         bq = int(a[3]) if kind.startswith("varlen_bwd_dkdv") else (32 if D > 64 else 64)
+        self._bind(kind, T, D, BM, BN, bq, SC)
+
+    def _bind(self, kind, T, D, BM, BN, bq, SC):
+        """The entry point `kind` of the library of variant (T, D, BM, BN, bq, SC)."""
+        name = self.name
         self.lib = _build(T, D, BM, BN, bq, SC)
         self.key = kind.encode()
         sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
@@ -178,6 +193,7 @@ class _Kernel:
         self.param_sizes = list(sizes[:n])
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        launches[self.name] += 1
         assert shared_mem <= OPTIN_SMEM, f"{self.name}: {shared_mem} B of shared memory"
         if shared_mem > STATIC_SMEM_LIMIT:
             assert self.max_dynamic_shared_size_bytes >= shared_mem, (
@@ -262,6 +278,9 @@ def install_fake_cupy(block_m: int):
     _cupy_kernels._modules.clear()
     _cupy_kernels._data = _host_data                 # host arrays have no device pointer
     _cupy_kernels._address = lambda a: a.ctypes.data
+    from . import _cupy_plan
+    _cupy_plan._modules.clear()
+    _cupy_plan._address = lambda a: 0 if a is None else a.ctypes.data
     set_nan_fill(True)                               # an unwritten output element shows
     return fake
 
