@@ -20,7 +20,7 @@ from ._validate import (as_index_array, as_policy_array, check_backward_inputs, 
                         check_layout_specs, check_layout_values, check_qkv, dtype_name,
                         scale_and_softcap, validation_enabled)
 from .masks import MASK_FIELDS, Mask, as_mask
-from .plan import Plan, build_plan, segments_from_cu_seqlens
+from .plan import Plan, plan_from_cu_seqlens
 
 __all__ = ["Call", "Layout", "setup", "make_plan", "working_mask", "static_scalars"]
 
@@ -82,11 +82,12 @@ class Call:
         """The backend's tile sizes for this call's dtype and head dim."""
         return self.backend.default_blocks(self.dtype, self.head_dim)
 
-    def make_plan(self, q_seg, k_seg, *, max_seqlen_q=None, max_seqlen_k=None) -> Plan:
-        """A plan over these segments with this call's mask, built by its backend."""
+    def make_plan(self, lay: Layout) -> Plan:
+        """A plan of this layout with this call's mask, built by its backend."""
         bm, bn = self.blocks()
-        return self.backend.make_plan(q_seg, k_seg, self.mask, block_m=bm, block_n=bn,
-                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return self.backend.plan_from_cu_seqlens(
+            lay.cu_q, lay.cu_k, lay.off_q, lay.off_k, self.rows_q, self.rows_k, self.mask,
+            block_m=bm, block_n=bn, max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,11 +142,6 @@ def _check_layout(lay: Layout, rows_q: int, rows_k: int, *, rows_names=(None, No
                         rows_name=rows_names[1])
 
 
-def _segments(lay: Layout, rows_q: int, rows_k: int):
-    return (segments_from_cu_seqlens(lay.cu_q, lay.off_q, rows_q, "q"),
-            segments_from_cu_seqlens(lay.cu_k, lay.off_k, rows_k, "k"))
-
-
 def _fingerprint(lay: Layout, rows_q: int, rows_k: int, mask: Mask) -> tuple:
     """What a plan describes, cheap to compare: sizes, and a digest of every host array among
     the layout and the mask (a device array contributes its shape only: no host read)."""
@@ -194,9 +190,9 @@ def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=N
     if validation_enabled(on_device):
         _check_layout(lay, *rows)
     wmask = working_mask(mask, lay.batch, xp)
-    plan = build_plan(*_segments(lay, *rows), wmask, block_m=int(block_m),
-                      block_n=int(block_n), max_seqlen_q=lay.max_seqlen_q,
-                      max_seqlen_k=lay.max_seqlen_k)
+    plan = plan_from_cu_seqlens(lay.cu_q, lay.cu_k, lay.off_q, lay.off_k, *rows, wmask,
+                                block_m=int(block_m), block_n=int(block_n),
+                                max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
     return replace(plan, fingerprint=_fingerprint(lay, *rows, wmask))
 
 
@@ -271,8 +267,7 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
     if call.validate:
         _check_layout(lay, call.rows_q, call.rows_k)
     if plan is None:
-        plan = call.make_plan(*_segments(lay, call.rows_q, call.rows_k),
-                              max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
+        plan = call.make_plan(lay)
     else:
         _check_plan(plan, call, lay)
     return replace(call, plan=plan)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from ..plan import Plan, Segments, build_plan
+from ..plan import Plan, Segments, build_plan, segments_from_cu_seqlens
 
 __all__ = ["Backend", "Problem"]
 
@@ -54,6 +54,17 @@ class Backend(abc.ABC):
         a backend may build it with its own kernels)."""
         return build_plan(q, k, mask, block_m=block_m, block_n=block_n,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+    def plan_from_cu_seqlens(self, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
+                             num_rows_q: int, num_rows_k: int, mask, *, block_m: int,
+                             block_n: int, max_seqlen_q=None, max_seqlen_k=None) -> Plan:
+        """A plan of a single-process layout: one segment per sequence of each side
+        (`segments_from_cu_seqlens`), then `make_plan`. A backend may build both at once."""
+        return self.make_plan(
+            segments_from_cu_seqlens(cu_seqlens_q, seq_offsets_q, num_rows_q, "q"),
+            segments_from_cu_seqlens(cu_seqlens_k, seq_offsets_k, num_rows_k, "k"), mask,
+            block_m=block_m, block_n=block_n, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k)
 
     def check_plan(self, plan: Plan) -> str | None:
         """None when this backend can run `plan` (its tiles, where its arrays live)."""

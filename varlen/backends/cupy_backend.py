@@ -11,7 +11,7 @@ import contextlib
 import functools
 
 from .._validate import dtype_name
-from ..plan import Plan
+from ..plan import Plan, plan_from_cu_seqlens
 from .base import Backend
 from ._cupy_spec import (BLOCKS, DTYPES, HEAD_DIMS, ROLES, DeviceInfo, KernelSpec, choose_blocks,
                          smem_refusal, unsupported_device)
@@ -114,6 +114,13 @@ class CupyBackend(Backend):
         if device is None or dtype not in DTYPES or head_dim not in HEAD_DIMS:
             return DEFAULT_BLOCKS
         return choose_blocks(device, dtype, head_dim, DEFAULT_BLOCKS) or DEFAULT_BLOCKS
+
+    def plan_from_cu_seqlens(self, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
+                             num_rows_q, num_rows_k, mask, **tiles) -> Plan:
+        """Segments, mask policy, tile tables and schedules of device arrays in two fused
+        kernels (`_cupy_plan.py`; `varlen.plan.plan_from_cu_seqlens`)."""
+        return plan_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
+                                    num_rows_q, num_rows_k, mask, **tiles)
 
     def check_plan(self, plan: Plan):
         if (plan.block_m, plan.block_n) not in BLOCKS:
