@@ -354,6 +354,8 @@ def _schedule(xp, tiles, q: Segments, k: Segments, pol, block, band, partner: Se
     Query tiles (partner: key segments, `band = key_band`) drive forward and dQ; key tiles
     (partner: query segments, `band = query_band`) drive dK/dV.
     """
+    if q.batch == 0:            # every slot unused, every range empty (no policy to read)
+        return xp.zeros((tiles.shape[0], partner.per_seq, 4), dtype=np.int32)
     used = tiles[:, TILE_SEQ] >= 0
     b = xp.maximum(tiles[:, TILE_SEQ], 0).astype(np.int64)
     p0 = tiles[:, TILE_POS].astype(np.int64)
