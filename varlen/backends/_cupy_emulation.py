@@ -424,5 +424,28 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+def build_harness(path, *, race=False):
+    """Compile a test harness through the kernels' emulation build and load it: a `.cu` file
+    that includes kernel headers (found in the kernel source directory) and whose `extern "C"`
+    entry points launch its kernels with `launch` (host_emulation.cuh). Same compiler and flags
+    as the kernels (`race`: ThreadSanitizer, which needs the runtime preloaded); cached by the
+    harness's and the kernel sources' contents. Returns the `ctypes.CDLL`."""
+    source_dir = _mode()[4]
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    flags = TSAN_FLAGS if race else ()
+    with open(path, "rb") as f:
+        tag = hashlib.sha256(f.read() + f"{flags}{_sources_hash(source_dir)}".encode())
+    stem = os.path.splitext(os.path.basename(path))[0]
+    out = os.path.join(BUILD_DIR, f"{stem}_{tag.hexdigest()[:16]}.so")
+    if not os.path.exists(out):
+        tmp = f"{out}.{os.getpid()}.tmp"
+        cmd = [os.environ.get("CXX", "g++"), "-x", "c++", "-std=c++20", "-O1", "-pthread",
+               "-shared", "-fPIC", *flags, "-DVARLEN_HOST_EMULATION", f"-I{source_dir}",
+               os.path.abspath(path), "-o", tmp]
+        subprocess.run(cmd, check=True)
+        os.replace(tmp, out)
+    return ctypes.CDLL(out)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,797 @@
+// Host emulation of the Hopper primitives of sm90.cuh (included by it under
+// VARLEN_HOST_EMULATION, after host_emulation.cuh). docs/hopper.md says what is modelled.
+//
+//   * mbarrier: each initialised barrier (keyed by its shared-memory offset; its 8 bytes hold a
+//     tag that every operation checks, so a store over a live barrier is caught) has an expected
+//     arrival count, pending arrivals, a transaction count and a phase; a phase completes when
+//     pending arrivals and transaction count are both 0. A wait that has not completed after
+//     VARLEN_EMULATION_TIMEOUT seconds (default 60) aborts with the barrier's state.
+//   * TMA and bulk copies: the destination is poisoned (NaN bytes) at issue; the copy (global
+//     read, zero fill outside the tensor, swizzle) and its complete_tx land at issue, at the wait
+//     that needs them (once every expected arrival is in: the latest moment), or at random
+//     try_waits in between, following the cp.async landing mode (hostemu::Config::landing).
+//   * wgmma: a warpgroup collective (all 128 threads at the same call site, same dynamic instance,
+//     same descriptors and flags); accumulators are poisoned (NaN) at issue and written when
+//     wgmma.wait_group retires their group; shared-memory operands are read at issue or at
+//     retirement (landing mode); products follow mma.sync's model (mma_dot16). An mma_async that
+//     does not continue a pending one on the same accumulators needs a wgmma.fence since this
+//     thread's last wgmma.wait_group.
+//   * setmaxnreg: a warpgroup collective, otherwise nothing.
+//   * stmatrix: a warp collective, the inverse of ldmatrix.
+// Warpgroup collectives and mbarrier waits need the free-running schedule: under the turnstile
+// (one warp at a time between __syncthreads) they abort with a message.
+#pragma once
+#include <chrono>
+#include <map>
+
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
+
+namespace hostemu {
+namespace sm90 {
+
+using Clock = std::chrono::steady_clock;
+
+inline double timeout_s() {
+    static const double t = [] {
+        const char* e = std::getenv("VARLEN_EMULATION_TIMEOUT");
+        return e && *e ? std::atof(e) : 60.0;
+    }();
+    return t;
+}
+
+inline double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The kinds of warpgroup collective.
+enum WgKind : int { WG_FENCE = 1, WG_COMMIT, WG_WAIT, WG_MMA, WG_SETMAXNREG, WG_STMATRIX };
+inline const char* wg_kind_name(int k) {
+    static const char* names[] = {"-", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group",
+                                  "wgmma.mma_async", "setmaxnreg", "stmatrix"};
+    return k >= 0 && k <= WG_STMATRIX ? names[k] : "?";
+}
+
+// A barrier of n threads whose waiters look around every 20 ms (tick(seconds waited)).
+class TimedBarrier {
+    std::mutex m_;
+    std::condition_variable cv_;
+    int expected_, arrived_ = 0;
+    uint64_t phase_ = 0;
+
+public:
+    explicit TimedBarrier(int n) : expected_(n) {}
+    template <typename Tick>
+    void arrive_and_wait(Tick&& tick) {
+        std::unique_lock lk(m_);
+        const uint64_t ph = phase_;
+        if (++arrived_ == expected_) {
+            arrived_ = 0;
+            ++phase_;
+            cv_.notify_all();
+            return;
+        }
+        const auto t0 = Clock::now();
+        while (!cv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return phase_ != ph; })) {
+            lk.unlock();
+            tick(seconds_since(t0));
+            lk.lock();
+        }
+    }
+};
+
+// What one thread brings to a collective: where it is and the values that must agree.
+struct Slot {
+    int kind;
+    const void* site;
+    uint64_t count;
+    uint64_t x[4];
+    uint32_t a[4];
+    const void* ptr;
+};
+
+struct Group {
+    explicit Group(int n) : bar(n) {}
+    TimedBarrier bar;
+    Slot slot[128];
+};
+
+// A copy in flight towards an mbarrier: lands (writes shared memory) when called.
+struct Copy {
+    std::function<void()> land;
+    uint32_t bytes;
+};
+
+struct Mbar {
+    uint32_t expected = 0;
+    int64_t pending = 0;     // arrivals still missing in the current phase
+    int64_t tx = 0;          // transaction bytes still expected in the current phase
+    uint64_t phase = 0;      // completed phases
+    std::vector<Copy> inflight;
+};
+
+// The sm_90 state of the block being run, made afresh for each block (keyed by its barrier).
+struct BlockState {
+    const void* key = nullptr;
+    std::mutex m;
+    std::condition_variable cv;
+    std::map<long, Mbar> bars;
+    std::map<int, std::unique_ptr<Group>> warpgroups, warps;
+};
+
+inline std::mutex g_state_m;
+inline std::unique_ptr<BlockState> g_state;
+
+inline BlockState& block() {
+    std::lock_guard lk(g_state_m);
+    const void* key = g_sync.bar.get();
+    if (!g_state || g_state->key != key) {
+        g_state = std::make_unique<BlockState>();
+        g_state->key = key;
+    }
+    return *g_state;
+}
+
+// One wgmma.mma_async in flight: its operands (read at issue or at retirement) and result.
+struct WgmmaOp {
+    float* d;
+    int n;                    // N
+    bool bf16, a_in_regs, trans_a, trans_b, scale_d, have_operands = false;
+    uint64_t desc_a, desc_b;
+    std::shared_ptr<WgmmaOp> prev;       // the pending op whose result is this one's input
+    std::vector<float> d_in, result;     // N / 2 each
+    float a_rows[2][16];                 // rows 16 w + g and + 8 of A
+    std::vector<float> b_cols;           // [N / 4][16]: this thread's columns of B
+};
+using OpPtr = std::shared_ptr<WgmmaOp>;
+
+struct ThreadState {
+    const void* key = nullptr;
+    uint64_t wg_count = 0, warp_count = 0;   // warpgroup and warp collectives met
+    std::vector<OpPtr> open;             // issued since the last commit
+    std::deque<std::vector<OpPtr>> groups;
+    bool fenced = false;
+    long wait_bar = -1;                  // the barrier and parity this thread is waiting on
+    uint32_t wait_parity = 0;
+    Clock::time_point wait_start;
+    uint64_t rng = 0;
+};
+inline thread_local ThreadState t_state;
+
+inline ThreadState& me() {
+    ThreadState& t = t_state;
+    if (t.key != g_sync.bar.get()) {
+        t = ThreadState{};
+        t.key = g_sync.bar.get();
+        t.rng = splitmix(g_config.seed ^ 0x5eed90ull ^ splitmix(((uint64_t)blockIdx.y << 40) ^
+                                                                 ((uint64_t)blockIdx.x << 16) ^
+                                                                 threadIdx.x));
+    }
+    return t;
+}
+
+inline bool coin(ThreadState& t) {
+    t.rng = splitmix(t.rng);
+    return t.rng & 1;
+}
+
+inline size_t block_threads() { return g_sync.copies.size(); }
+
+// Shared-memory offset of p, which must lie in the block's shared memory with `bytes` after it.
+inline long smem_check(const void* p, size_t bytes, const char* what) {
+    const long off = smem_offset(p);
+    if (off < 0 || static_cast<size_t>(off) + bytes > g_block.smem_bytes) {
+        fail("%s: shared-memory bytes [%ld, %ld) outside the block's %zu bytes", what, off,
+             off + (long)bytes, g_block.smem_bytes);
+    }
+    return off;
+}
+
+// ---- collectives -----------------------------------------------------------------------
+// Whether thread t of the block has left its kernel (read only where TSan does not watch: the
+// exit writes the tag unsynchronised).
+inline bool exited(unsigned t) {
+    return g_sync.warps[t / 32].tag[t % 32].kind == K_EXITED;
+}
+
+// Prologue of a collective of `n` threads (128: warpgroup; 32: warp) starting at thread
+// `first`: publish this thread's slot, wait for all, compare with the next thread's slot.
+// The caller reads the slots, then calls leave().
+inline Group& enter(int n, Slot s) {
+    const unsigned first = threadIdx.x / n * n;
+    const char* what = wg_kind_name(s.kind);
+    if (n == 128 && g_sync.turnstile) {
+        fail("%s under the one-warp-at-a-time schedule: warpgroup collectives and mbarrier "
+             "waits need the free-running one (no VARLEN_EMULATION_SCHEDULE without --race)", what);
+    }
+    if (first + n > block_threads()) {
+        fail("%s needs threads %u..%u, the block has %zu", what, first, first + n - 1,
+             block_threads());
+    }
+    sync_point();
+    BlockState& b = block();
+    Group* g;
+    {
+        std::lock_guard lk(b.m);
+        auto& map = n == 128 ? b.warpgroups : b.warps;
+        auto& p = map[first / n];
+        if (!p) p = std::make_unique<Group>(n);
+        g = p.get();
+    }
+    ThreadState& t = me();
+    s.count = n == 128 ? ++t.wg_count : ++t.warp_count;
+    const unsigned i = threadIdx.x - first;
+    g->slot[i] = s;
+    g->bar.arrive_and_wait([&](double waited) {
+#if !defined(__SANITIZE_THREAD__)
+        for (unsigned u = first; u < first + n; ++u) {
+            if (exited(u)) fail("%s: thread %u of the %s has exited", what, u,
+                                n == 128 ? "warpgroup" : "warp");
+        }
+#endif
+        if (waited > timeout_s()) {
+            fail("%s (call site %p): not all %d threads of the %s starting at thread %u arrived "
+                 "within %.0f s", what, s.site, n, n == 128 ? "warpgroup" : "warp", first,
+                 timeout_s());
+        }
+    });
+    const Slot& o = g->slot[(i + 1) % n];
+    if (o.kind != s.kind || o.site != s.site || o.count != s.count) {
+        fail("threads %u and %u disagree at a %s collective: thread %u at %s #%llu (call site "
+             "%p), thread %u at %s #%llu (call site %p)", threadIdx.x, first + (i + 1) % n,
+             n == 128 ? "warpgroup" : "warp", threadIdx.x, what, (unsigned long long)s.count,
+             s.site, first + (i + 1) % n, wg_kind_name(o.kind), (unsigned long long)o.count,
+             o.site);
+    }
+    for (int k = 0; k < 4; ++k) {
+        if (o.x[k] != s.x[k]) {
+            fail("%s: threads %u and %u pass different operands (#%d: 0x%llx and 0x%llx); they "
+                 "must be uniform over the %s", what, threadIdx.x, first + (i + 1) % n, k,
+                 (unsigned long long)s.x[k], (unsigned long long)o.x[k],
+                 n == 128 ? "warpgroup" : "warp");
+        }
+    }
+    return *g;
+}
+
+inline void leave(Group& g) {
+    g.bar.arrive_and_wait([&](double waited) {
+        if (waited > timeout_s()) fail("collective epilogue: a thread did not arrive");
+    });
+}
+
+// ---- mbarrier ----------------------------------------------------------------------------
+constexpr uint64_t MBAR_TAG = 0x6d62617232303930ull;     // marks a live barrier's 8 bytes
+
+inline Mbar& mbar_of(BlockState& b, const void* bar, const char* what) {
+    const long off = smem_check(bar, 8, what);
+    if (off % 8 != 0) fail("%s: mbarrier at shared offset %ld is not 8-byte aligned", what, off);
+    auto it = b.bars.find(off);
+    if (it == b.bars.end()) fail("%s: no mbarrier initialised at shared offset %ld", what, off);
+    uint64_t tag;
+    std::memcpy(&tag, bar, 8);
+    if (tag != (MBAR_TAG ^ (uint64_t)off)) {
+        fail("%s: the mbarrier at shared offset %ld was overwritten (its 8 bytes hold 0x%llx)",
+             what, off, (unsigned long long)tag);
+    }
+    return it->second;
+}
+
+// Completes the current phase once nothing is pending (b.m held).
+inline void maybe_complete(BlockState& b, Mbar& m) {
+    if (m.pending == 0 && m.tx == 0) {
+        ++m.phase;
+        m.pending = m.expected;
+        b.cv.notify_all();
+    }
+}
+
+inline void complete_tx(BlockState& b, Mbar& m, uint32_t bytes) {
+    m.tx -= bytes;
+    maybe_complete(b, m);
+}
+
+inline void arrive(BlockState& b, Mbar& m, long off, const char* what) {
+    if (m.pending == 0) {
+        fail("%s: mbarrier at shared offset %ld has no arrival pending (all %u arrived; the "
+             "phase waits for %lld transaction bytes)", what, off, m.expected, (long long)m.tx);
+    }
+    --m.pending;
+    maybe_complete(b, m);
+}
+
+// Lands the copies in flight towards m: all of them, or each with probability 1/2.
+inline void land_copies(BlockState& b, Mbar& m, bool all, ThreadState& t) {
+    std::vector<Copy> keep;
+    std::vector<Copy> todo = std::move(m.inflight);
+    m.inflight.clear();
+    for (Copy& c : todo) {
+        if (all || coin(t)) {
+            c.land();
+            complete_tx(b, m, c.bytes);
+        } else {
+            keep.push_back(std::move(c));
+        }
+    }
+    for (Copy& c : keep) m.inflight.push_back(std::move(c));
+}
+
+// A copy towards barrier `bar`: poisons [dst, dst + poison_bytes), then lands it now or later.
+inline void issue_copy(void* bar, unsigned char* dst, size_t poison_bytes, Copy c,
+                       const char* what) {
+    BlockState& b = block();
+    ThreadState& t = me();
+    std::lock_guard lk(b.m);
+    Mbar& m = mbar_of(b, bar, what);
+    const int mode = g_config.landing;
+    if (mode == LAND_AT_ISSUE || (mode == LAND_RANDOM && coin(t))) {
+        c.land();
+        complete_tx(b, m, c.bytes);
+    } else {
+        std::memset(dst, 0xff, poison_bytes);
+        m.inflight.push_back(std::move(c));
+    }
+}
+
+// ---- wgmma operands ------------------------------------------------------------------------
+// Shared-memory offset of element (mn, k) of the 16-bit operand a descriptor describes,
+// MN-major or K-major (layouts: sm90.cuh).
+inline long desc_element(uint64_t desc, bool mn_major, int mn, int k) {
+    const long start = (long)(desc & 0x3FFF) << 4;
+    const long lbo = (long)((desc >> 16) & 0x3FFF) << 4;
+    const long sbo = (long)((desc >> 32) & 0x3FFF) << 4;
+    const int field = (int)(desc >> 62);
+    const long S = field == 0 ? 0 : 256 >> field;       // 1: 128, 2: 64, 3: 32 bytes
+    long a;
+    if (!mn_major && S == 0) {
+        a = start + 16 * (mn % 8) + sbo * (mn / 8) + lbo * (k / 8) + 2 * (k % 8);
+    } else if (!mn_major) {
+        a = start + S * (mn % 8) + sbo * (mn / 8) + 2 * k;
+    } else if (S == 0) {
+        a = start + 2 * (mn % 8) + sbo * (mn / 8) + 16 * (k % 8) + lbo * (k / 8);
+    } else {
+        a = start + 2 * (mn % (S / 2)) + lbo * (mn / (S / 2)) + S * (k % 8) + sbo * (k / 8);
+    }
+    if (S != 0) {
+        const int bits = S == 128 ? 3 : S == 64 ? 2 : 1;
+        a ^= ((a >> 7) & ((1 << bits) - 1)) << 4;
+    }
+    return a;
+}
+
+inline void check_desc(uint64_t desc, const char* which) {
+    if ((desc >> 49) & 7) {
+        fail("wgmma: descriptor of %s 0x%016llx has a nonzero base offset (not modelled: start "
+             "swizzled tiles on the pattern's repeat, 1024/512/256 bytes)", which,
+             (unsigned long long)desc);
+    }
+}
+
+inline float smem_half(long off, bool bf16, const char* which) {
+    if (off < 0 || static_cast<size_t>(off) + 2 > g_block.smem_bytes) {
+        fail("wgmma: %s element at shared offset %ld, outside the block's %zu bytes", which, off,
+             g_block.smem_bytes);
+    }
+    uint16_t bits;
+    std::memcpy(&bits, g_block.smem + off, 2);
+    return bf16 ? varlen::to_f<__nv_bfloat16>(bits) : varlen::to_f<__half>(bits);
+}
+
+// This thread's rows of A (from shared memory) and columns of B: read at issue or retirement.
+inline void read_operands(WgmmaOp& op) {
+    const unsigned t = threadIdx.x % 128, w = t / 32, l = t % 32, g = l / 4, q = l % 4;
+    if (!op.a_in_regs) {
+        for (int h = 0; h < 2; ++h) {
+            for (int k = 0; k < 16; ++k) {
+                op.a_rows[h][k] = smem_half(desc_element(op.desc_a, op.trans_a,
+                                                         16 * w + g + 8 * h, k), op.bf16, "A");
+            }
+        }
+    }
+    op.b_cols.resize((size_t)op.n / 4 * 16);
+    for (int c = 0; c < op.n / 4; ++c) {
+        const int col = 8 * (c / 2) + 2 * q + c % 2;
+        for (int k = 0; k < 16; ++k) {
+            op.b_cols[(size_t)c * 16 + k] = smem_half(desc_element(op.desc_b, op.trans_b, col, k),
+                                                      op.bf16, "B");
+        }
+    }
+    op.have_operands = true;
+}
+
+// Computes a retiring op and writes its accumulators (in issue order: prev is done).
+inline void retire(WgmmaOp& op) {
+    if (!op.have_operands) read_operands(op);
+    const std::vector<float>& in = op.prev ? op.prev->result : op.d_in;
+    op.result.resize((size_t)op.n / 2);
+    for (int i = 0; i < op.n / 2; ++i) {
+        const float c = op.scale_d ? in[i] : 0.f;
+        const int row = (i / 2) % 2, col = 2 * (i / 4) + i % 2;
+        float b[16];
+        std::memcpy(b, &op.b_cols[(size_t)col * 16], sizeof(b));
+        op.result[i] = varlen::mma_dot16(c, op.a_rows[row], b);
+    }
+    std::memcpy(op.d, op.result.data(), sizeof(float) * op.n / 2);
+}
+
+constexpr uint32_t ACC_POISON = 0x7fc0deadu;    // a NaN: accumulators of a wgmma in flight
+
+inline void issue_wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t desc_a,
+                        bool trans_a, uint64_t desc_b, bool trans_b, bool scale_d,
+                        const void* site) {
+    ThreadState& t = me();
+    if (!a) check_desc(desc_a, "A");
+    check_desc(desc_b, "B");
+    Slot s{WG_MMA, site, 0, {desc_a, desc_b, (uint64_t)(n | bf16 << 10 | trans_a << 11 |
+                                                        trans_b << 12 | scale_d << 13 |
+                                                        (a != nullptr) << 14), 0}, {}, d};
+    if (a) std::memcpy(s.a, a, sizeof(s.a));
+    Group& g = enter(128, s);
+    auto op = std::make_shared<WgmmaOp>();
+    *op = WgmmaOp{d, n, bf16, a != nullptr, trans_a, trans_b, scale_d, false, desc_a, desc_b,
+                  nullptr, {}, {}, {}, {}};
+    if (a) {
+        // Rows 16 w + g (+ 8) of A from the fragments of this warp's lanes 4 g .. 4 g + 3.
+        const unsigned tw = threadIdx.x % 128 / 32 * 32, gq = threadIdx.x % 32 / 4;
+        for (int h = 0; h < 2; ++h) {
+            for (int k = 0; k < 16; ++k) {
+                const uint32_t reg = g.slot[tw + 4 * gq + (k % 8) / 2].a[h + 2 * (k / 8)];
+                const uint16_t bits = (uint16_t)(k % 2 ? reg >> 16 : reg & 0xffff);
+                op->a_rows[h][k] = bf16 ? varlen::to_f<__nv_bfloat16>(bits)
+                                        : varlen::to_f<__half>(bits);
+            }
+        }
+    }
+    leave(g);
+    // Accumulators of a pending op on the same registers: this op continues it.
+    for (auto it = t.open.rbegin(); it != t.open.rend() && !op->prev; ++it) {
+        if ((*it)->d == d) op->prev = *it;
+    }
+    for (auto it = t.groups.rbegin(); it != t.groups.rend() && !op->prev; ++it) {
+        for (auto jt = it->rbegin(); jt != it->rend() && !op->prev; ++jt) {
+            if ((*jt)->d == d) op->prev = *jt;
+        }
+    }
+    if (op->prev && op->prev->n != n) {
+        fail("wgmma.mma_async: accumulators in flight for an N=%d op reused by an N=%d op",
+             op->prev->n, n);
+    }
+    if (!op->prev) {
+        if (!t.fenced) {
+            fail("wgmma.mma_async (call site %p) without a wgmma.fence since this thread's last "
+                 "wgmma.wait_group: its accumulators or A fragment were accessed by the thread",
+                 site);
+        }
+        op->d_in.assign(d, d + n / 2);
+    }
+    const int mode = g_config.landing;
+    if (mode == LAND_AT_ISSUE || (mode == LAND_RANDOM && coin(t))) read_operands(*op);
+    const float poison = __int_as_float(ACC_POISON);
+    for (int i = 0; i < n / 2; ++i) d[i] = poison;
+    t.open.push_back(std::move(op));
+}
+
+}  // namespace sm90
+}  // namespace hostemu
+
+// ---- the primitives, as sm90.cuh declares them --------------------------------------------
+namespace varlen {
+namespace sm90 {
+
+// The emulated tensor map (CUtensorMap's 128 bytes): what cuTensorMapEncodeTiled is given.
+struct alignas(64) TensorMap {
+    uint64_t tag;             // TENSOR_MAP_TAG when made by make_tensor_map
+    const void* global;       // element (0, 0, 0)
+    uint64_t dims[3];         // elements, innermost first (unused dimensions 1)
+    uint64_t strides[2];      // bytes between consecutive indices of dimensions 1 and 2
+    uint32_t box[3];          // box elements per dimension (unused dimensions 1)
+    uint32_t rank;            // 2 or 3
+    uint32_t elem_bytes;      // 1, 2, 4 or 8
+    uint32_t swizzle;         // Swizzle
+    uint32_t nan_fill;        // out-of-bounds elements NaN (FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA)
+    unsigned char reserved[44];
+};
+static_assert(sizeof(TensorMap) == 128, "a tensor map is CUtensorMap's 128 bytes");
+constexpr uint64_t TENSOR_MAP_TAG = 0x746d61703930ull;
+
+// A tensor map as cuTensorMapEncodeTiled would make it (elementStrides 1, no interleave);
+// aborts on a map the driver would refuse or the emulation does not model.
+inline TensorMap make_tensor_map(const void* global, int rank, int elem_bytes,
+                                 const uint64_t* dims, const uint64_t* strides,
+                                 const uint32_t* box, Swizzle swizzle, bool nan_fill = false) {
+    auto bad = [](const char* why) {
+        std::fprintf(stderr, "host emulation: make_tensor_map: %s\n", why);
+        std::abort();
+    };
+    if (rank < 2 || rank > 3) bad("rank must be 2 or 3");
+    if (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4 && elem_bytes != 8) bad("element size");
+    if (reinterpret_cast<uintptr_t>(global) % 16) bad("global address not 16-byte aligned");
+    TensorMap m{};
+    m.tag = TENSOR_MAP_TAG;
+    m.global = global;
+    m.rank = rank;
+    m.elem_bytes = elem_bytes;
+    m.swizzle = static_cast<uint32_t>(swizzle);
+    m.nan_fill = nan_fill;
+    for (int i = 0; i < 3; ++i) {
+        m.dims[i] = i < rank ? dims[i] : 1;
+        m.box[i] = i < rank ? box[i] : 1;
+        if (m.box[i] < 1 || m.box[i] > 256) bad("box dimensions must be 1..256");
+    }
+    for (int i = 0; i < 2; ++i) {
+        m.strides[i] = i + 1 < rank ? strides[i] : m.strides[0] * m.dims[1];
+        if (i + 1 < rank && strides[i] % 16) bad("global strides must be multiples of 16 bytes");
+    }
+    const uint32_t row = m.box[0] * elem_bytes;
+    if (row % 16) bad("the box's inner dimension must be a multiple of 16 bytes");
+    if (swizzle != Swizzle::NONE && row != swizzle_bytes(swizzle)) {
+        bad("a swizzled box's inner dimension must span exactly the swizzle width (other "
+            "widths are not modelled)");
+    }
+    return m;
+}
+
+inline uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(hostemu::sm90::smem_check(p, 0, "shared address"));
+}
+
+// ---- mbarrier --------------------------------------------------------------------------
+inline void mbar_init(u64* bar, uint32_t count) {
+    using namespace hostemu::sm90;
+    hostemu::sync_point();
+    BlockState& b = block();
+    std::lock_guard lk(b.m);
+    const long off = smem_check(bar, 8, "mbarrier.init");
+    if (off % 8) hostemu::fail("mbarrier.init: shared offset %ld is not 8-byte aligned", off);
+    if (count < 1 || count > (1u << 20) - 1) hostemu::fail("mbarrier.init: count %u", count);
+    b.bars[off] = Mbar{count, count, 0, 0, {}};
+    const uint64_t tag = MBAR_TAG ^ (uint64_t)off;
+    std::memcpy(bar, &tag, 8);
+}
+
+inline void mbar_inval(u64* bar) {
+    using namespace hostemu::sm90;
+    BlockState& b = block();
+    std::lock_guard lk(b.m);
+    Mbar& m = mbar_of(b, bar, "mbarrier.inval");
+    if (!m.inflight.empty()) hostemu::fail("mbarrier.inval with copies in flight towards it");
+    b.bars.erase(hostemu::smem_offset(bar));
+    std::memset(bar, 0, 8);
+}
+
+inline void mbar_arrive(u64* bar) {
+    using namespace hostemu::sm90;
+    hostemu::sync_point();
+    BlockState& b = block();
+    std::lock_guard lk(b.m);
+    arrive(b, mbar_of(b, bar, "mbarrier.arrive"), hostemu::smem_offset(bar), "mbarrier.arrive");
+}
+
+inline void mbar_arrive_expect_tx(u64* bar, uint32_t bytes) {
+    using namespace hostemu::sm90;
+    hostemu::sync_point();
+    BlockState& b = block();
+    std::lock_guard lk(b.m);
+    Mbar& m = mbar_of(b, bar, "mbarrier.arrive.expect_tx");
+    if (bytes > (1u << 20) - 1) hostemu::fail("mbarrier.expect_tx: %u bytes", bytes);
+    m.tx += bytes;
+    arrive(b, m, hostemu::smem_offset(bar), "mbarrier.arrive.expect_tx");
+}
+
+inline bool mbar_try_wait(u64* bar, uint32_t parity) {
+    using namespace hostemu::sm90;
+    hostemu::sync_point();
+    BlockState& b = block();
+    ThreadState& t = me();
+    const long off = hostemu::smem_offset(bar);
+    std::unique_lock lk(b.m);
+    auto done = [&] {
+        Mbar& m = mbar_of(b, bar, "mbarrier.try_wait");
+        // Every expected arrival is in: the copies must land now (the latest moment); before
+        // that, with random landing, each lands with probability 1/2.
+        if (m.pending == 0) land_copies(b, m, true, t);
+        else if (hostemu::g_config.landing == hostemu::LAND_RANDOM) land_copies(b, m, false, t);
+        return (m.phase & 1) != (parity & 1);
+    };
+    if (done()) {
+        t.wait_bar = -1;
+        return true;
+    }
+    if (hostemu::g_sync.turnstile) {
+        hostemu::fail("mbarrier.try_wait would block under the one-warp-at-a-time schedule "
+                      "(mbarrier waits need the free-running one)");
+    }
+    // The hardware suspends the thread a while before answering false.
+    b.cv.wait_for(lk, std::chrono::milliseconds(2));
+    if (done()) {
+        t.wait_bar = -1;
+        return true;
+    }
+    if (t.wait_bar != off || t.wait_parity != parity) {
+        t.wait_bar = off;
+        t.wait_parity = parity;
+        t.wait_start = Clock::now();
+    } else if (seconds_since(t.wait_start) > timeout_s()) {
+        const Mbar& m = b.bars[off];
+        hostemu::fail("mbarrier at shared offset %ld: the phase of parity %u has not completed "
+                      "within %.0f s (a deadlock?): %llu phases completed, %lld of %u arrivals "
+                      "pending, %lld transaction bytes expected, %zu copies in flight", off,
+                      parity & 1, timeout_s(), (unsigned long long)m.phase,
+                      (long long)m.pending, m.expected, (long long)m.tx, m.inflight.size());
+    }
+    return false;
+}
+
+inline void fence_barrier_init() { hostemu::sync_point(); }
+inline void fence_proxy_async() { hostemu::sync_point(); }
+
+// ---- TMA and bulk copies ---------------------------------------------------------------
+inline void tma_load(void* dst, const TensorMap* map, u64* bar, int rank, const int (&c)[3],
+                     const void* site) {
+    using namespace hostemu::sm90;
+    (void)site;
+    hostemu::sync_point();
+    if (map->tag != TENSOR_MAP_TAG) hostemu::fail("TMA load: not a tensor map (tag 0x%llx)",
+                                                  (unsigned long long)map->tag);
+    if ((int)map->rank != rank) hostemu::fail("TMA load: %dd copy of a rank-%u map", rank, map->rank);
+    const uint32_t S = swizzle_bytes(static_cast<Swizzle>(map->swizzle));
+    const size_t bytes = (size_t)map->box[0] * map->box[1] * map->box[2] * map->elem_bytes;
+    const long off = smem_check(dst, bytes, "TMA load destination");
+    const long align = S == 0 ? 128 : 8 * S;
+    if (off % align) {
+        hostemu::fail("TMA load: destination at shared offset %ld is not %ld-byte aligned%s", off,
+                      align, S ? " (the swizzle pattern's repeat)" : "");
+    }
+    const TensorMap m = *map;
+    unsigned char* base = hostemu::g_block.smem;
+    Copy copy{[m, c, off, base, S] {
+        const uint32_t eb = m.elem_bytes;
+        const uint32_t row = m.box[0] * eb;
+        for (uint32_t z = 0; z < m.box[2]; ++z) {
+            for (uint32_t y = 0; y < m.box[1]; ++y) {
+                for (uint32_t x = 0; x < m.box[0]; ++x) {
+                    const int64_t g0 = (int64_t)c[0] + x, g1 = (int64_t)c[1] + y,
+                                  g2 = (int64_t)c[2] + z;
+                    long a = off + (long)((z * m.box[1] + y) * row + x * eb);
+                    if (S) {
+                        const int bits = S == 128 ? 3 : S == 64 ? 2 : 1;
+                        a ^= ((a >> 7) & ((1 << bits) - 1)) << 4;
+                    }
+                    unsigned char* p = base + a;
+                    const bool in = g0 >= 0 && g0 < (int64_t)m.dims[0] && g1 >= 0 &&
+                                    g1 < (int64_t)m.dims[1] && g2 >= 0 && g2 < (int64_t)m.dims[2];
+                    if (in) {
+                        const unsigned char* src = static_cast<const unsigned char*>(m.global) +
+                            g0 * eb + g1 * (int64_t)m.strides[0] + g2 * (int64_t)m.strides[1];
+                        std::memcpy(p, src, eb);
+                    } else {
+                        std::memset(p, m.nan_fill ? 0xff : 0, eb);
+                    }
+                }
+            }
+        }
+    }, (uint32_t)bytes};
+    issue_copy(bar, base + off, bytes, std::move(copy), "TMA load");
+}
+
+__attribute__((noinline)) inline void tma_load_2d(void* dst, const TensorMap* map, u64* bar,
+                                                  int c0, int c1) {
+    tma_load(dst, map, bar, 2, {c0, c1, 0}, __builtin_return_address(0));
+}
+
+__attribute__((noinline)) inline void tma_load_3d(void* dst, const TensorMap* map, u64* bar,
+                                                  int c0, int c1, int c2) {
+    tma_load(dst, map, bar, 3, {c0, c1, c2}, __builtin_return_address(0));
+}
+
+inline void bulk_load(void* dst, const void* src, uint32_t bytes, u64* bar) {
+    using namespace hostemu::sm90;
+    hostemu::sync_point();
+    const long off = smem_check(dst, bytes, "bulk copy destination");
+    if (off % 16 || reinterpret_cast<uintptr_t>(src) % 16 || bytes % 16) {
+        hostemu::fail("bulk copy: addresses (shared %ld) and size (%u) must be multiples of 16",
+                      off, bytes);
+    }
+    unsigned char* p = static_cast<unsigned char*>(dst);
+    issue_copy(bar, p, bytes, Copy{[p, src, bytes] { std::memcpy(p, src, bytes); }, bytes},
+               "bulk copy");
+}
+
+// ---- wgmma -------------------------------------------------------------------------------
+__attribute__((noinline)) inline void wgmma_fence() {
+    using namespace hostemu::sm90;
+    Group& g = enter(128, Slot{WG_FENCE, __builtin_return_address(0), 0, {}, {}, nullptr});
+    leave(g);
+    me().fenced = true;
+}
+
+__attribute__((noinline)) inline void wgmma_commit() {
+    using namespace hostemu::sm90;
+    Group& g = enter(128, Slot{WG_COMMIT, __builtin_return_address(0), 0, {}, {}, nullptr});
+    leave(g);
+    ThreadState& t = me();
+    t.groups.push_back(std::move(t.open));
+    t.open.clear();
+}
+
+__attribute__((noinline)) inline void wgmma_wait_n(int n, const void* site) {
+    using namespace hostemu::sm90;
+    Group& g = enter(128, Slot{WG_WAIT, site, 0, {(uint64_t)n}, {}, nullptr});
+    leave(g);
+    ThreadState& t = me();
+    if (!t.open.empty()) {
+        hostemu::fail("wgmma.wait_group with %zu wgmma.mma_async not committed (a missing "
+                      "wgmma.commit_group)", t.open.size());
+    }
+    while (t.groups.size() > static_cast<size_t>(n)) {
+        for (OpPtr& op : t.groups.front()) retire(*op);
+        t.groups.pop_front();
+    }
+    t.fenced = false;
+}
+
+template <int N>
+__attribute__((noinline)) void wgmma_wait() {
+    wgmma_wait_n(N, __builtin_return_address(0));
+}
+
+template <int R>
+inline void wgmma_fence_operand(float (&)[R]) {}
+
+template <typename T, int N, bool TRANS_A, bool TRANS_B>
+__attribute__((noinline)) void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b,
+                                        bool scale_d) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma m64nNk16: N of 64, 128 or 256");
+    hostemu::sm90::issue_wgmma(d, N, ElemTraits<T>::IS_BF16, nullptr, desc_a, TRANS_A, desc_b,
+                               TRANS_B, scale_d, __builtin_return_address(0));
+}
+
+template <typename T, int N, bool TRANS_B>
+__attribute__((noinline)) void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], u64 desc_b,
+                                        bool scale_d) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma m64nNk16: N of 64, 128 or 256");
+    hostemu::sm90::issue_wgmma(d, N, ElemTraits<T>::IS_BF16, a, 0, false, desc_b, TRANS_B,
+                               scale_d, __builtin_return_address(0));
+}
+
+// ---- setmaxnreg and stmatrix -------------------------------------------------------------
+template <int REGS, bool INC>
+__attribute__((noinline)) void setmaxnreg() {
+    static_assert(REGS >= 24 && REGS <= 256 && REGS % 8 == 0, "setmaxnreg: 24..256, step 8");
+    using namespace hostemu::sm90;
+    Group& g = enter(128, Slot{WG_SETMAXNREG, __builtin_return_address(0), 0,
+                               {(uint64_t)REGS, INC}, {}, nullptr});
+    leave(g);
+}
+
+inline void stmatrix(void* p, const uint32_t (&r)[4], bool trans, const void* site) {
+    using namespace hostemu::sm90;
+    check_aligned16(p, "stmatrix row");
+    smem_check(p, 16, "stmatrix row");
+    Slot s{WG_STMATRIX, site, 0, {trans}, {r[0], r[1], r[2], r[3]}, p};
+    Group& g = enter(32, s);
+    // Lane l writes row l % 8 of matrix l / 8: 8 halves, from lanes 4 j + c / 2 (no .trans:
+    // row j = l % 8, column c) or 4 c + j / 2 (.trans), register l / 8, half c % 2 (j % 2).
+    const int l = threadIdx.x % 32, i = l / 8, j = l % 8;
+    uint16_t row[8];
+    for (int c = 0; c < 8; ++c) {
+        const int src = trans ? 4 * c + j / 2 : 4 * j + c / 2;
+        const int h = trans ? j % 2 : c % 2;
+        const uint32_t reg = g.slot[src].a[i];
+        row[c] = (uint16_t)(h ? reg >> 16 : reg & 0xffff);
+    }
+    leave(g);
+    std::memcpy(p, row, 16);
+}
+
+__attribute__((noinline)) inline void stmatrix_x4(void* p, const uint32_t (&r)[4]) {
+    stmatrix(p, r, false, __builtin_return_address(0));
+}
+
+__attribute__((noinline)) inline void stmatrix_x4_trans(void* p, const uint32_t (&r)[4]) {
+    stmatrix(p, r, true, __builtin_return_address(0));
+}
+
+}  // namespace sm90
+}  // namespace varlen

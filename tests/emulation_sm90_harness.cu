@@ -1,0 +1,248 @@
+// Kernels that exercise the primitives of kernels_cuda/sm90.cuh one at a time, for
+// tests/test_emulation_sm90.py. Compiled with g++ through the host emulation (the extern "C"
+// entry points at the end launch them) and with NVRTC for sm_90a (the inline PTX assembles).
+// Layout expectations live in the test, written from the PTX ISA; here only data moves.
+#include "sm90.cuh"
+
+using varlen::sm90::u64;
+namespace sm90 = varlen::sm90;
+
+constexpr int WG_THREADS = 128;
+
+// Box of `map` at (c0, c1, c2) into shared memory at 0 (barrier at bar_off), out = its bytes.
+extern "C" __global__ void sm90_tma_box(const __grid_constant__ sm90::TensorMap map, int rank,
+                                        int c0, int c1, int c2, unsigned box_bytes,
+                                        unsigned bar_off, unsigned char* out) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    u64* bar = reinterpret_cast<u64*>(smem_raw + bar_off);
+    if (threadIdx.x == 0) {
+        sm90::mbar_init(bar, 1);
+        sm90::fence_barrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        sm90::mbar_arrive_expect_tx(bar, box_bytes);
+        if (rank == 2) sm90::tma_load_2d(smem_raw, &map, bar, c0, c1);
+        else sm90::tma_load_3d(smem_raw, &map, bar, c0, c1, c2);
+    }
+    sm90::mbar_wait(bar, 0);
+    for (unsigned i = threadIdx.x; i < box_bytes; i += WG_THREADS) out[i] = smem_raw[i];
+}
+
+// Phases and transaction counts of one barrier of count 32 (warp 1 arrives), observed by
+// thread 0 between block barriers: out[0..5] = try_wait results, out[6] = the waits passed;
+// then out_bytes = the 64 bytes bulk-copied from src. 64 threads.
+extern "C" __global__ void sm90_mbar_phases(const unsigned char* src, int* out,
+                                            unsigned char* out_bytes) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    u64* bar = reinterpret_cast<u64*>(smem_raw + 128);
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        sm90::mbar_init(bar, 32);
+        sm90::fence_barrier_init();
+    }
+    __syncthreads();
+    if (tid == 0) out[0] = sm90::mbar_try_wait(bar, 0);          // no arrival yet
+    __syncthreads();
+    if (tid >= 32) sm90::mbar_arrive(bar);                        // phase 0 completes
+    __syncthreads();
+    if (tid == 0) {
+        out[1] = sm90::mbar_try_wait(bar, 0);                     // phase 0 done
+        out[2] = sm90::mbar_try_wait(bar, 1);                     // phase 1 not yet
+    }
+    __syncthreads();
+    if (tid == 32) sm90::mbar_arrive_expect_tx(bar, 64);
+    else if (tid > 32) sm90::mbar_arrive(bar);                    // all arrived, 64 bytes due
+    __syncthreads();
+    if (tid == 0) out[3] = sm90::mbar_try_wait(bar, 1);          // still waiting for bytes
+    __syncthreads();
+    if (tid == 32) sm90::bulk_load(smem_raw, src, 64, bar);
+    sm90::mbar_wait(bar, 1);
+    if (tid == 0) {
+        out[4] = sm90::mbar_try_wait(bar, 1);
+        out[5] = sm90::mbar_try_wait(bar, 0);                     // phase 2 (parity 0) open
+        out[6] = 1;
+    }
+    if (tid < 64) out_bytes[tid] = smem_raw[tid];
+}
+
+// Misuses of an mbarrier, each of which the emulation must report (never hang):
+// 1: expect 128 bytes that no copy brings, then wait; 2: store over the barrier, then arrive.
+extern "C" __global__ void sm90_mbar_misuse(int what) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    u64* bar = reinterpret_cast<u64*>(smem_raw);
+    if (threadIdx.x == 0) {
+        sm90::mbar_init(bar, 1);
+        sm90::fence_barrier_init();
+    }
+    __syncthreads();
+    if (what == 1) {
+        if (threadIdx.x == 0) sm90::mbar_arrive_expect_tx(bar, 128);
+        sm90::mbar_wait(bar, 0);
+    } else if (what == 2) {
+        if (threadIdx.x == 0) {
+            *bar = 0;
+            sm90::mbar_arrive(bar);
+        }
+    }
+}
+
+// Bits of `flags` of sm90_wgmma.
+constexpr int WG_ACCUMULATE = 1;      // the first product adds to d = init instead of replacing
+constexpr int WG_PEEK = 2;            // probe[t] = d[0] between commit and wait
+constexpr int WG_NO_FENCE = 4;        // skip the wgmma.fence
+constexpr int WG_CLOBBER = 8;         // zero the operands' shared memory between commit and wait
+constexpr int WG_WARP3_SKIPS = 16;    // warp 3 skips the mma_async
+constexpr int WG_SETMAXNREG = 32;     // setmaxnreg.dec / .inc around the product
+
+// Operand modes: A K-major or M-major in shared memory, or in registers; B K- or N-major.
+enum WgMode { SS_KK = 0, SS_KN = 1, RS_K = 2, RS_N = 3, SS_MK = 4 };
+
+// d[64, N] = sum over ksteps of A_k B_k (+ init), one warpgroup: shared memory = smem_in's
+// bytes; step k uses desc_a0 / desc_b0 advanced by k a_step / b_step bytes, or A fragments
+// a_regs[k][thread][4]; out[thread][N / 2] = d.
+template <typename T, int N, int MODE>
+__global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint32_t* a_regs,
+                           u64 desc_a0, u64 desc_b0, unsigned a_step, unsigned b_step,
+                           int ksteps, const float* init, float* out, float* probe, int flags) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    constexpr bool RS = MODE == RS_K || MODE == RS_N;
+    constexpr bool TRANS_A = MODE == SS_MK;
+    constexpr bool TRANS_B = MODE == SS_KN || MODE == RS_N;
+    const int tid = threadIdx.x;
+    uint4* s = reinterpret_cast<uint4*>(smem_raw);
+    for (unsigned i = tid; i < smem_bytes / 16; i += WG_THREADS) s[i] = smem_in[i];
+    __syncthreads();
+    sm90::fence_proxy_async();
+    if (flags & WG_SETMAXNREG) sm90::setmaxnreg<240, true>();
+    // [64, N] accumulators, this thread's N / 2
+    float d[N / 2];
+    for (int i = 0; i < N / 2; ++i) d[i] = (flags & WG_ACCUMULATE) ? init[tid * (N / 2) + i] : 0.f;
+    sm90::wgmma_fence_operand(d);
+    if (!(flags & WG_NO_FENCE)) sm90::wgmma_fence();
+    if (!((flags & WG_WARP3_SKIPS) && tid / 32 == 3)) {
+        for (int k = 0; k < ksteps; ++k) {
+            const bool scale_d = k > 0 || (flags & WG_ACCUMULATE);
+            const u64 desc_b = sm90::desc_advance(desc_b0, k * b_step);
+            if constexpr (RS) {
+                uint32_t a[4];
+                for (int r = 0; r < 4; ++r) a[r] = a_regs[(k * WG_THREADS + tid) * 4 + r];
+                sm90::wgmma_rs<T, N, TRANS_B>(d, a, desc_b, scale_d);
+            } else {
+                const u64 desc_a = sm90::desc_advance(desc_a0, k * a_step);
+                sm90::wgmma_ss<T, N, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+            }
+        }
+    }
+    sm90::wgmma_commit();
+    if (flags & WG_PEEK) probe[tid] = d[0];
+    if (flags & WG_CLOBBER) {
+        __syncthreads();
+        for (unsigned i = tid; i < smem_bytes / 16; i += WG_THREADS) s[i] = uint4{0, 0, 0, 0};
+        __syncthreads();
+    }
+    sm90::wgmma_wait<0>();
+    sm90::wgmma_fence_operand(d);
+    if (flags & WG_SETMAXNREG) sm90::setmaxnreg<24, false>();
+    for (int i = 0; i < N / 2; ++i) out[tid * (N / 2) + i] = d[i];
+}
+
+// stmatrix.x4 (.trans) of regs[lane][4] to rows at (8 i + j) row_stride bytes; out = 512 B.
+extern "C" __global__ void sm90_stmatrix(const uint32_t* regs, unsigned row_stride, int trans,
+                                         unsigned char* out) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const int l = threadIdx.x;
+    uint32_t r[4];
+    for (int i = 0; i < 4; ++i) r[i] = regs[l * 4 + i];
+    unsigned char* row = smem_raw + l * row_stride;
+    if (trans) sm90::stmatrix_x4_trans(row, r);
+    else sm90::stmatrix_x4(row, r);
+    __syncwarp();
+    for (unsigned i = l; i < 32 * row_stride; i += 32) out[i] = smem_raw[i];
+}
+
+#ifdef VARLEN_HOST_EMULATION
+namespace {
+
+using WgKernel = void (*)(const uint4*, unsigned, const uint32_t*, u64, u64, unsigned, unsigned,
+                          int, const float*, float*, float*, int);
+
+template <typename T, int N>
+WgKernel wg_kernel(int mode) {
+    switch (mode) {
+        case SS_KK: return sm90_wgmma<T, N, SS_KK>;
+        case SS_KN: return sm90_wgmma<T, N, SS_KN>;
+        case RS_K: return sm90_wgmma<T, N, RS_K>;
+        case RS_N: return sm90_wgmma<T, N, RS_N>;
+        case SS_MK: return sm90_wgmma<T, N, SS_MK>;
+    }
+    return nullptr;
+}
+
+template <typename T>
+WgKernel wg_kernel(int n, int mode) {
+    return n == 64 ? wg_kernel<T, 64>(mode) : n == 128 ? wg_kernel<T, 128>(mode)
+         : n == 256 ? wg_kernel<T, 256>(mode) : nullptr;
+}
+
+}  // namespace
+
+// Landing of copies and schedule of wgmma operand reads (hostemu::Landing), seed.
+extern "C" void sm90_configure(int landing, unsigned long long seed) {
+    hostemu::g_config = hostemu::Config{landing, false, seed, false};
+}
+
+extern "C" unsigned long long sm90_make_desc(unsigned addr, unsigned lbo, unsigned sbo,
+                                             unsigned swizzle) {
+    return sm90::make_smem_desc(addr, lbo, sbo, static_cast<sm90::Swizzle>(swizzle));
+}
+
+// dims, strides (bytes, dimensions 1..), box: rank entries each (rank - 1 strides).
+extern "C" void sm90_run_tma(const void* global, int rank, int elem_bytes,
+                             const unsigned long long* dims, const unsigned long long* strides,
+                             const unsigned* box, int swizzle, int nan_fill, const int* coords,
+                             unsigned char* out) {
+    uint64_t d[3], s[2] = {0, 0};
+    for (int i = 0; i < rank; ++i) d[i] = dims[i];
+    for (int i = 0; i + 1 < rank; ++i) s[i] = strides[i];
+    const sm90::TensorMap map = sm90::make_tensor_map(global, rank, elem_bytes, d, s, box,
+                                                      static_cast<sm90::Swizzle>(swizzle),
+                                                      nan_fill != 0);
+    unsigned bytes = elem_bytes;
+    for (int i = 0; i < rank; ++i) bytes *= box[i];
+    const unsigned bar_off = (bytes + 1023) / 1024 * 1024;
+    launch("sm90_tma_box", 1, 1, WG_THREADS, bar_off + 16, [&] {
+        sm90_tma_box(map, rank, coords[0], coords[1], rank > 2 ? coords[2] : 0, bytes, bar_off,
+                     out);
+    });
+}
+
+extern "C" void sm90_run_mbar_phases(const unsigned char* src, int* out, unsigned char* bytes) {
+    launch("sm90_mbar_phases", 1, 1, 64, 256, [&] { sm90_mbar_phases(src, out, bytes); });
+}
+
+extern "C" void sm90_run_mbar_misuse(int what) {
+    launch("sm90_mbar_misuse", 1, 1, 32, 64, [&] { sm90_mbar_misuse(what); });
+}
+
+// 0, or -1 for an unsupported (bf16, n, mode).
+extern "C" int sm90_run_wgmma(int bf16, int n, int mode, const void* smem_in,
+                              unsigned smem_bytes, const uint32_t* a_regs, u64 desc_a,
+                              u64 desc_b, unsigned a_step, unsigned b_step, int ksteps,
+                              const float* init, float* out, float* probe, int flags) {
+    const WgKernel k = bf16 ? wg_kernel<__nv_bfloat16>(n, mode) : wg_kernel<__half>(n, mode);
+    if (!k) return -1;
+    launch("sm90_wgmma", 1, 1, WG_THREADS, smem_bytes, [&] {
+        k(static_cast<const uint4*>(smem_in), smem_bytes, a_regs, desc_a, desc_b, a_step, b_step,
+          ksteps, init, out, probe, flags);
+    });
+    return 0;
+}
+
+extern "C" void sm90_run_stmatrix(const uint32_t* regs, unsigned row_stride, int trans,
+                                  unsigned char* out) {
+    launch("sm90_stmatrix", 1, 1, 32, 32 * row_stride, [&] {
+        sm90_stmatrix(regs, row_stride, trans, out);
+    });
+}
+#endif  // VARLEN_HOST_EMULATION
