@@ -49,22 +49,22 @@ PLAN_BUILD_DTYPE = np.dtype([("q", PLAN_SIDE_DTYPE), ("k", PLAN_SIDE_DTYPE),
                              ("mask_out", _U64, (3,)), ("batch", _I32)], align=True)
 
 _lock = threading.Lock()
+# "module": the RawModule of SOURCE; (kernel name, device id): its kernel on that device.
 _modules: dict = {}
 
 
 def _function(name: str):
-    """Kernel `name` of the plan module for the current device (compiled once)."""
+    """Kernel `name` of the plan module on the current device (compiled on first use)."""
     import cupy
     from ._cupy_spec import compile_options
     key = (name, cupy.cuda.Device().id)
     fn = _modules.get(key)
     if fn is None:
         with _lock:
-            raw = _modules.get("raw")
-            if raw is None:
-                raw = _modules["raw"] = cupy.RawModule(code=SOURCE, options=compile_options(),
-                                                       name_expressions=list(KERNELS))
-            fn = _modules[key] = raw.get_function(name)
+            if "module" not in _modules:
+                _modules["module"] = cupy.RawModule(code=SOURCE, options=compile_options(),
+                                                    name_expressions=list(KERNELS))
+            fn = _modules[key] = _modules["module"].get_function(name)
     return fn
 
 
@@ -86,10 +86,10 @@ def _on_host(a) -> bool:
 class _Side:
     """The arrays of one side of the plan being built."""
 
-    def __init__(self, name, batch, m, num_rows, block, slots, partner_m, *, cu=None, off=None,
+    def __init__(self, batch, m, num_rows, block, slots, partner_m, *, cu=None, off=None,
                  segments=None):
         import cupy
-        self.name, self.num_rows, self.m, self.block, self.slots = name, num_rows, m, block, slots
+        self.num_rows, self.m, self.block, self.slots = num_rows, m, block, slots
         self.cu = None if cu is None else _index(cu)
         self.off = self.cu if off is None or cu is None else _index(off)
         if segments is None:
@@ -105,7 +105,8 @@ class _Side:
     def segments(self) -> Segments:
         return Segments(*self.seg_arrays, num_rows=int(self.num_rows))
 
-    def fill(self, rec, outside, overflow):
+    def write_struct(self, rec, outside, overflow):
+        """This side's `PlanSide` fields into `rec` (flag addresses given)."""
         for field, a in zip(("cu", "off", "row", "len", "pos", "seqlen", "ends", "tiles",
                              "sched"), (self.cu, self.off, *self.seg_arrays, self.ends,
                                         self.tiles, self.sched)):
@@ -133,8 +134,8 @@ def _build(q: _Side, k: _Side, mask: Mask, batch: int, *, host: bool, block_m, b
     addresses, host_flags = _flags(host, messages)
     params = alloc(np, (), PLAN_BUILD_DTYPE, fill=0)
     built_from_cu = q.cu is not None
-    q.fill(params["q"], addresses[0] if built_from_cu else 0, addresses[2])
-    k.fill(params["k"], addresses[1] if built_from_cu else 0, addresses[3])
+    q.write_struct(params["q"], addresses[0] if built_from_cu else 0, addresses[2])
+    k.write_struct(params["k"], addresses[1] if built_from_cu else 0, addresses[3])
     policy, keep = [], []
     for f, value in enumerate(mask.fields()):
         if np.ndim(value) == 0:
@@ -175,8 +176,8 @@ def plan_from_cu_seqlens(cu_q, cu_k, off_q, off_k, num_rows_q: int, num_rows_k: 
                          f"{cu_k.shape[0]}; both must be [B+1] for the same B")
     nq = tile_bound(num_rows_q, batch, block_m, max_seqlen_q)
     nk = tile_bound(num_rows_k, batch, block_n, max_seqlen_k)
-    q = _Side("q", batch, 1, num_rows_q, block_m, nq, 1, cu=cu_q, off=off_q)
-    k = _Side("k", batch, 1, num_rows_k, block_n, nk, 1, cu=cu_k, off=off_k)
+    q = _Side(batch, 1, num_rows_q, block_m, nq, 1, cu=cu_q, off=off_q)
+    k = _Side(batch, 1, num_rows_k, block_n, nk, 1, cu=cu_k, off=off_k)
     return _build(q, k, mask, batch, host=_on_host(cu_q), block_m=block_m, block_n=block_n)
 
 
@@ -187,8 +188,8 @@ def build_plan(q: Segments, k: Segments, mask: Mask, *, block_m: int, block_n: i
     batch = q.batch
     nq = tile_bound(q.num_rows, batch * q.per_seq, block_m, max_seqlen_q)
     nk = tile_bound(k.num_rows, batch * k.per_seq, block_n, max_seqlen_k)
-    qs = _Side("q", batch, q.per_seq, q.num_rows, block_m, nq, k.per_seq, segments=q)
-    ks = _Side("k", batch, k.per_seq, k.num_rows, block_n, nk, q.per_seq, segments=k)
+    qs = _Side(batch, q.per_seq, q.num_rows, block_m, nq, k.per_seq, segments=q)
+    ks = _Side(batch, k.per_seq, k.num_rows, block_n, nk, q.per_seq, segments=k)
     plan = _build(qs, ks, mask, batch, host=_on_host(q.row), block_m=block_m, block_n=block_n)
     return Plan(q=q, k=k, window_left=plan.window_left, window_right=plan.window_right,
                 bottom_right=plan.bottom_right, block_m=block_m, block_n=block_n,
