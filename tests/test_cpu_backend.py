@@ -248,6 +248,69 @@ def test_bitwise_identical_for_any_thread_count(dtype, nonfinite, monkeypatch):
         assert np.array_equal(x, y), f"{dtype}: {name} differs between 1 and several threads"
 
 
+def _plan_of(b, block_m=64, block_n=128):
+    return varlen.plan(b.cu_q, b.cu_k, **b.layout, num_rows_q=b.q.shape[0],
+                       num_rows_k=b.k.shape[0], block_m=block_m, block_n=block_n)
+
+
+@pytest.mark.parametrize("mask", ["causal", "full", "bottom-right"])
+def test_backward_parts_cover_every_slot_and_row(mask):
+    """A sequence holding most of the work is cut into parts (one key head: one item per part
+    instead of one in all); the parts of each sequence cover its key slots once, in order; one
+    part per sequence adds into dQ, and each other one gets its own rows of the partials, at
+    least the query rows its slots reach."""
+    m = varlen.Mask(window_right=0, bottom_right=True) if mask == "bottom-right" else mask
+    b = make_batch(np.random.default_rng(3), [2000, 5, 0, 300], [2100, 5, 3, 300], Hq=4, Hk=1,
+                   D=16, dtype="float32", mask=m, gaps=True)
+    plan = _plan_of(b)
+    G, BM = 4, plan.block_m
+    items, parts = cpu_backend.backward_items(plan, 1, G)
+    seq = parts[:, 0]
+    assert (seq == 0).sum() == cpu_backend.MAX_PARTS          # 2000 x 2100 holds most work
+    assert items.size == parts.shape[0]
+    used = np.flatnonzero(plan.k_tiles[:, 0] >= 0)
+    assert np.array_equal(np.concatenate([np.arange(a, z) for a, z in parts[:, 1:3]]), used)
+    for s in np.unique(seq):
+        assert (parts[seq == s, 3] == 0).sum() == 1           # one part adds into dQ
+    partial = parts[parts[:, 3] == 1]
+    rows = partial[:, 6] - partial[:, 5]
+    starts = partial[:, 5] + partial[:, 4]
+    assert np.array_equal(starts, np.cumsum(rows) - rows)     # disjoint blocks, in order
+    for sq, a, z, _, _, r0, r1 in parts:
+        for slot in range(a, z):
+            for r in range(plan.q.per_seq):
+                begin, _, _, end = plan.k_sched[slot, r]
+                if end > begin:
+                    row = int(plan.q.row[sq, r])
+                    lo, hi = row + begin * BM, row + min(end * BM, int(plan.q.length[sq, r]))
+                    assert r0 <= lo * G and hi * G <= r1
+
+
+def test_split_backward_matches_unsplit_and_reference(monkeypatch):
+    """One long causal document of one key head: its backward items are parts of its key
+    tiles with dQ partials reduced afterwards. Against the float64 reference, against the
+    same call with splitting off (one part per sequence), and bitwise across thread counts."""
+    import numba
+    b = make_batch(np.random.default_rng(5), [1500, 7], Hq=4, Hk=1, D=32, dtype="float32",
+                   mask="causal", gaps=True)
+    _, parts = cpu_backend.backward_items(_plan_of(b), 1, 4)
+    assert (parts[:, 3] == 1).any()
+    out, lse, grads = fwd_bwd(b, backend="cpu")
+    _check_grads(b, grads, 0.0, "split")
+    monkeypatch.setattr(cpu_backend, "MAX_PARTS", 1)
+    _, whole = cpu_backend.backward_items(_plan_of(b), 1, 4)
+    assert not (whole[:, 3] == 1).any()
+    unsplit = fwd_bwd(b, backend="cpu")[2]
+    for name, x, y in zip(("dq", "dk", "dv"), grads, unsplit):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert np.array_equal(grads[1], unsplit[1]) and np.array_equal(grads[2], unsplit[2])
+    monkeypatch.undo()
+    if numba.config.NUMBA_NUM_THREADS >= 2:
+        one, two = _run_bits(b, 1), _run_bits(b, 2)
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), one, two):
+            assert np.array_equal(x, y), f"{name} differs between 1 and 2 threads"
+
+
 def test_repeated_calls_bitwise_identical():
     b = _many_items()
     first = fwd_bwd(b, backend="cpu")

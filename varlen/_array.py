@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import weakref
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Origin", "to_working", "array_module", "alloc", "digest", "set_nan_fill", "nan_fill_enabled", "bfloat16_dtype",
-           "is_device_array"]
+__all__ = ["Origin", "to_working", "array_module", "alloc", "HostBlocks", "host_blocks", "digest",
+           "set_nan_fill", "nan_fill_enabled", "bfloat16_dtype", "is_device_array"]
 
 # DLPack device types (dlpack.h)
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
@@ -70,14 +72,26 @@ def nan_fill_enabled() -> bool:
     return _NAN_FILL
 
 
-def alloc(xp, shape, dtype, fill=None):
+def alloc(xp, shape, dtype, fill=None, *, cached: bool = False):
     """The one allocator of the library's buffers (NumPy or CuPy, outputs and workspaces).
 
     `fill=None` gives an uninitialised buffer, NaN-filled in test mode so that an unwritten
     element shows; otherwise every element is `fill`. float16/bfloat16 zeros are written as
     their (identical) all-zero bit pattern, so no fill kernel depends on the element type.
+    `cached=True` (NumPy only) takes the memory from `host_blocks`: a block of an earlier
+    array that is gone, its pages already mapped (see `HostBlocks`).
     """
     dtype = np.dtype(dtype)
+    if cached and xp is np:
+        out = host_blocks.empty(shape, dtype)
+        if fill is None:
+            if _NAN_FILL and (dtype.kind == "f" or _is_bf16(dtype)):
+                out[...] = np.nan
+        elif fill == 0 and dtype.itemsize == 2 and dtype.kind not in "iub":
+            out.view(np.uint16)[...] = 0
+        else:
+            out[...] = fill
+        return out
     if fill is None:
         if _NAN_FILL and (dtype.kind == "f" or _is_bf16(dtype)):
             return xp.full(shape, np.nan, dtype=dtype)
@@ -85,6 +99,73 @@ def alloc(xp, shape, dtype, fill=None):
     if fill == 0 and dtype.itemsize == 2 and dtype.kind not in "iub":
         return xp.zeros(shape, dtype=np.uint16).view(dtype)
     return xp.full(shape, fill, dtype=dtype)
+
+
+class _Anchor:
+    """The owner a cached host array's memory is reached through: the base of the bytes the
+    array views, reached from the array and every view of it, so it lives exactly as long as
+    any of them."""
+
+    __slots__ = ("__array_interface__", "block", "__weakref__")
+
+    def __init__(self, block: np.ndarray):
+        self.block = block
+        self.__array_interface__ = {"shape": block.shape, "typestr": "|u1",
+                                    "data": (block.ctypes.data, False), "version": 3}
+
+
+class HostBlocks:
+    """Host memory for arrays a call returns, reused once every array viewing it is gone.
+
+    A fresh buffer of tens of MiB costs a page fault per page on its first write, every call,
+    and faults taken by several threads of one process contend (they also scale worse than
+    the arithmetic). Arrays of at least `min_bytes` are therefore views of a block whose
+    `_Anchor` is their base: when the last array or view reaching it dies, the block (its
+    pages still mapped) goes back to a free list of its size, for the next call that asks
+    for that many bytes. At most `keep` free blocks per size and `limit` bytes in all are
+    kept; `clear()` drops them. Blocks are never handed out while any array reaches them."""
+
+    def __init__(self, min_bytes: int = 1 << 20, keep: int = 2, limit: int = 4 << 30):
+        self.min_bytes, self.keep, self.limit = min_bytes, keep, limit
+        self._free = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = tuple(int(n) for n in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < self.min_bytes or dtype.hasobject:
+            return np.empty(shape, dtype)
+        with self._lock:
+            blocks = self._free.get(nbytes)
+            block = blocks.pop() if blocks else None
+            if block is not None:
+                self._free_bytes -= nbytes
+        if block is None:
+            block = np.empty(nbytes, np.uint8)
+        anchor = _Anchor(block)
+        weakref.finalize(anchor, self._give_back, block).atexit = False
+        return np.asarray(anchor).view(dtype).reshape(shape)
+
+    def _give_back(self, block: np.ndarray):
+        with self._lock:
+            blocks = self._free.setdefault(block.nbytes, [])
+            if len(blocks) < self.keep and self._free_bytes + block.nbytes <= self.limit:
+                blocks.append(block)
+                self._free_bytes += block.nbytes
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self._free_bytes
+
+    def clear(self):
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0
+
+
+host_blocks = HostBlocks()
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ calling thread) when they are large enough, else to plain loops; which one depen
 tile's sizes, so results are the same for any thread count.
 
 Work items run on `nw` workers that take items longest first from a shared atomic counter; an
-item writes only rows it owns (forward: one query tile of one key head; backward: one
-sequence of one key head, so dQ, dK and dV accumulate in a fixed order without atomics).
+item writes only rows it owns (forward: one query tile of one key head; backward: a range of
+one sequence's key tiles of one key head, with dQ in a partial of its own when the sequence
+is cut into several ranges), so everything accumulates in a fixed order without atomics.
 """
 from __future__ import annotations
 
@@ -421,6 +422,16 @@ def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, flag):
                 flag[kh, r] = True
 
 
+@kernel(parallel=True, cache=True)
+def zero_rows(a, b, c):
+    """Zero three `[H, rows, d]` arrays, rows in parallel."""
+    for t in prange(a.shape[0] * a.shape[1]):
+        fill(a[t // a.shape[1], t % a.shape[1]], 0, a.shape[2], 0)
+    for t in prange(b.shape[0] * b.shape[1]):
+        fill(b[t // b.shape[1], t % b.shape[1]], 0, b.shape[2], 0)
+        fill(c[t // c.shape[1], t % c.shape[1]], 0, c.shape[2], 0)
+
+
 @kernel(cache=True)
 def flag_prefix(flag):
     """`[Hk, n + 1]` running count of raised flags: a tile's flags in O(1)."""
@@ -666,8 +677,12 @@ def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c
 
 
 # --------------------------------------------------------------------------------------------
-# Backward: one sequence of one key head, every visible (key tile, query tile) pair once
+# Backward: key tiles of one sequence (all or a part) of one key head, every visible (key
+# tile, query tile) pair once
 # --------------------------------------------------------------------------------------------
+
+# Stacked dQ rows per parallel block of `reduce_partials`.
+REDUCE_ROWS = 256
 
 @kernel(fastmath=FASTMATH)
 def _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale):
@@ -714,21 +729,30 @@ def _backward_product(Qb, dOb, Kb, Vb, lse2, delta, dQ, dK, dV, lo, hi, S_buf, P
 
 
 @kernel(cache=True, fastmath=FASTMATH)
-def backward_item(pv, item, qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum,
-                  k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan, ws):
-    """Sequence `item // Hk`, key head `item % Hk`: for each of its key tiles (slots
-    `k_slots[b] .. k_slots[b + 1]`) and the query tiles of its transposed schedule, `qstep`
-    at a time, cut to the keys and rows that hold a visible pair (`trim`), one pass gives the
-    pair's dV, dK and dQ contributions, accumulated in place (the item owns these rows, so the
-    order is fixed)."""
+def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum,
+                  k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan, ws):
+    """Part `item // Hk` (`parts` row: sequence, key tile slots `[s0, s1)`, partial, shift,
+    stacked rows `[r0, r1)`), key head `item % Hk`: for each of its key tiles and the query
+    tiles of its transposed schedule, `qstep` at a time, cut to the keys and rows that hold a
+    visible pair (`trim`), one pass gives the pair's dV, dK and dQ contributions, accumulated
+    in place in a fixed order: the part owns its dK/dV rows, and its dQ rows too (in dQ, or
+    for a partial part in `dq_part` at `row + shift`, zeroed here first)."""
     S_buf, P_buf, lo, hi = ws
     Hk = Kw.shape[0]
     G = dQ.shape[1] // max(pv.rows_q, 1)
     BM = pv.block_m
-    b, kh = item // Hk, item % Hk
-    shift = shift_of(pv, b)
+    p, kh = item // Hk, item % Hk
+    b, s0, s1 = parts[p, 0], parts[p, 1], parts[p, 2]
+    shift = parts[p, 4]
+    if parts[p, 3]:
+        acc = dq_part[kh]
+        for i in range(parts[p, 5] + shift, parts[p, 6] + shift):
+            fill(acc[i], 0, acc.shape[1], 0)
+    else:
+        acc = dQ[kh]
+    shift_k = shift_of(pv, b)
     left, right = pv.window_left[b], pv.window_right[b]
-    for s in range(k_slots[b], k_slots[b + 1]):
+    for s in range(s0, s1):
         j0, n, jpos0 = pv.k_tiles[s, T_ROW], pv.k_tiles[s, T_ROWS], pv.k_tiles[s, T_POS]
         for r in range(pv.mq):
             begin, fbegin = pv.k_sched[s, r, S_BEGIN], pv.k_sched[s, r, S_FULL_BEGIN]
@@ -744,38 +768,63 @@ def backward_item(pv, item, qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag
                     if full:
                         lo[j], hi[j] = 0, rows * G
                     else:
-                        lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift, left,
+                        lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift_k, left,
                                                     right)
                 ja, jz, ra, rz = trim(lo, hi, n)
                 if jz <= ja:
                     continue
                 i0, i1, k0, k1 = t0 * G + ra, t0 * G + rz, j0 + ja, j0 + jz
                 _backward_product(Qw[kh, i0:i1], dOw[kh, i0:i1], Kw[kh, k0:k1], Vw[kh, k0:k1],
-                                  lse2[kh, i0:i1], delta[kh, i0:i1], dQ[kh, i0:i1],
+                                  lse2[kh, i0:i1], delta[kh, i0:i1], acc[i0 + shift:i1 + shift],
                                   dK[kh, k0:k1], dV[kh, k0:k1], lo, hi, S_buf, P_buf, c, cap,
                                   scale, blas_min)
                 if k_cum[kh, k1] != k_cum[kh, k0] or q_cum[kh, i1] != q_cum[kh, i0]:
                     for j in range(k1 - k0):
                         for i in range(lo[j], hi[j]):
                             if k_flag[kh, k0 + j] or q_flag[kh, i0 + i]:
-                                dq_nan[kh, i0 + i] = True
+                                dq_nan[kh, i0 + i] = True      # the same value from any part
                                 dk_nan[kh, k0 + j] = True
 
 
 @kernel(parallel=True, cache=True)
-def backward(pv, order, nw, qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum,
-             k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan, dk_nan):
-    """Every item of `order` (longest first) on `nw` workers: see `backward_item`."""
+def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum,
+             k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan):
+    """Every item of `order` (longest first) on `nw` workers: see `backward_item` (the
+    launcher then adds the dQ partials, `reduce_partials`)."""
     counter = np.zeros(1, np.int64)
     rows_max = qstep * pv.block_m * (dQ.shape[1] // max(pv.rows_q, 1))
     for _ in prange(nw):
         ws = backward_scratch(Qw, rows_max, pv.block_n)
         t = fetch_add(counter, 0, 1)
         while t < order.size:
-            backward_item(pv, order[t], qstep, k_slots, Qw, dOw, Kw, Vw, delta, lse2, q_flag,
-                          k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dK, dV, dq_nan,
-                          dk_nan, ws)
+            backward_item(pv, order[t], qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag,
+                          k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV,
+                          dq_nan, dk_nan, ws)
             t = fetch_add(counter, 0, 1)
+
+
+@kernel(parallel=True, cache=True, fastmath=FASTMATH)
+def reduce_partials(parts, dQ, dq_part):
+    """`dQ[kh, i] += dq_part[kh, i + shift]` for every partial part (rows `[r0, r1)`), in
+    part order for each row: blocks of REDUCE_ROWS rows of each key head in parallel."""
+    Hk, rows = dQ.shape[0], dQ.shape[1]
+    blocks = (rows + REDUCE_ROWS - 1) // REDUCE_ROWS
+    any_partial = False
+    for p in range(parts.shape[0]):
+        any_partial = any_partial or parts[p, 3] != 0
+    if not any_partial:
+        return
+    for t in prange(Hk * blocks):
+        kh, a = t // blocks, (t % blocks) * REDUCE_ROWS
+        z = min(a + REDUCE_ROWS, rows)
+        for p in range(parts.shape[0]):
+            if parts[p, 3] == 0:
+                continue
+            shift = parts[p, 4]
+            for i in range(max(a, parts[p, 5]), min(z, parts[p, 6])):
+                d, x = dQ[kh, i], dq_part[kh, i + shift]
+                for e in range(d.size):
+                    d[e] += x[e]
 
 
 @kernel(cache=True)

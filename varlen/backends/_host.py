@@ -57,8 +57,8 @@ def forward_buffers(plan: Plan, q, Dv: int, *, out_dtype, lse_dtype):
     """`(out [Tq, Hq, Dv] in out_dtype, lse [Hq, Tq] in lse_dtype)`, fresh, with the rows
     outside every segment (padding) already written: output 0, lse -inf (no visible key)."""
     Tq, Hq, _ = q.shape
-    out = alloc(np, (Tq, Hq, Dv), out_dtype)
-    lse = alloc(np, (Hq, Tq), lse_dtype)
+    out = alloc(np, (Tq, Hq, Dv), out_dtype, cached=True)
+    lse = alloc(np, (Hq, Tq), lse_dtype, cached=True)
     pad = ~plan.q.covered()
     out[pad] = 0
     lse[:, pad] = -np.inf

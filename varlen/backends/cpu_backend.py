@@ -6,8 +6,9 @@ threading are described in docs/cpu_backend.md):
 
 1. pack: inputs to the working dtype (float32 for float16/bfloat16/float32, float64 for
    float64) in head-group-major layouts, non-finite values replaced by 0 and flagged per row;
-2. work list: forward items are (chunk of query tiles, key head), backward items (sequence,
-   key head), sorted longest first by the work the schedule says they hold;
+2. work list: forward items are (chunk of query tiles, key head), backward items (range of
+   one sequence's key tiles, key head), sorted longest first by the work the schedule says
+   they hold;
 3. run on `_cpu_threads.num_threads()` workers, BLAS held single-threaded;
 4. unpack into buffers from `varlen._array.alloc`: rows a non-finite value reached are NaN,
    pad rows 0 (lse -inf).
@@ -23,7 +24,7 @@ import threading
 
 import numpy as np
 
-from .._array import alloc
+from .._array import alloc, host_blocks
 from ..plan import Plan, TILE_ROWS, TILE_SEG, TILE_SEQ
 from ._host import DTYPES, HostBackend, forward_buffers
 
@@ -41,6 +42,11 @@ PRODUCT_KEYS = 256
 PRODUCT_ROWS = 128
 # Stacked query rows (rows x heads of a GQA group) of a forward product.
 FORWARD_ROWS = 256
+# Backward: a sequence holding more than 1 / BACKWARD_SPLIT of a call's work is cut into up
+# to MAX_PARTS ranges of key tiles (items of their own; `backward_items`). Each part but one
+# takes a dQ partial of the rows it reaches: at most MAX_PARTS - 1 times the sequence's dQ.
+BACKWARD_SPLIT = 8
+MAX_PARTS = 4
 
 
 def _kernels():
@@ -69,10 +75,12 @@ def _view(plan: Plan):
 
 class _Workspace(threading.local):
     """The working arrays a call writes in full before it reads them (packed inputs and their
-    flags), kept per calling thread for the next call: a fresh buffer of tens of MiB costs a
-    page fault per 4 KiB page on its first write, every call, and the faults do not scale with
-    threads. One buffer per name, replaced when a call needs another shape or dtype. Never an
-    array a call returns: outputs, lse and gradients are fresh and belong to the caller."""
+    flags, the gradient accumulators, zeroed first), kept per calling thread for the next
+    call: a fresh buffer of tens of MiB costs a page fault per 4 KiB page on its first write,
+    every call, and the faults do not scale with threads. One buffer per name, replaced when a
+    call needs another shape or dtype. Never an array a call returns: outputs, lse and
+    gradients are new arrays that belong to the caller (their memory may be a block of an
+    earlier, dead output: `varlen._array.HostBlocks`)."""
 
     def __init__(self):
         self.buffers = {}
@@ -93,8 +101,10 @@ _workspace = _Workspace()
 
 
 def release_workspace():
-    """Free the calling thread's kept working arrays (the next call allocates them again)."""
+    """Free the calling thread's kept working arrays and the free blocks of dead outputs
+    (the next call allocates them again)."""
     _workspace.clear()
+    host_blocks.clear()
 
 
 def _pack(x, G: int, wdt, scale: float = 1.0, *, name: str):
@@ -111,9 +121,9 @@ def _pack(x, G: int, wdt, scale: float = 1.0, *, name: str):
 def _unpack(acc, nan, shape, dtype, scale: float = 1.0):
     """Accumulators `[Hk, T * G, d] * scale` -> a fresh `[T, H, d]` array (`shape`) of
     `dtype`, NaN on flagged rows."""
-    out = alloc(np, shape, dtype)
+    out = alloc(np, shape, dtype, cached=True)
     wdt = acc.dtype
-    target = out if out.dtype == wdt else alloc(np, shape, wdt)
+    target = out if out.dtype == wdt else alloc(np, shape, wdt, cached=True)
     _kernels().unpack_rows(acc, nan, float(scale), target)
     if target is not out:
         out[...] = target
@@ -156,21 +166,66 @@ def forward_items(plan: Plan, Hk: int, G: int):
     return _longest_first(items, np.repeat(cost, Hk)), chunks
 
 
-def backward_items(plan: Plan, Hk: int):
-    """Backward work items `sequence * Hk + key head` and `k_slots [B + 1]` (the key tile
-    slots of sequence b are `k_slots[b] .. k_slots[b + 1]`), longest first."""
+def backward_items(plan: Plan, Hk: int, G: int):
+    """Backward work: `(items, parts)`, items `part * Hk + key head` longest first.
+
+    A part is a range of one sequence's key tile slots. `parts [P, 7]` holds (sequence, first
+    slot, end slot, partial, row shift, first row, end row): a sequence is cut into parts of
+    about equal work when it alone holds more than 1 / BACKWARD_SPLIT of the call's work, so
+    one long document (or few key heads) still gives enough items for the threads. Its parts
+    own disjoint dK/dV rows; their dQ rows overlap, so one part (the one touching the most
+    query rows) adds into dQ and each other part into its own zeroed partial block, rows
+    `[first row, end row)` of the stacked `[Tq * G]` layout at `row + shift` of the partials
+    array, added to dQ afterwards in part order (`reduce_partials`). The cut depends only on
+    the plan and the head counts, so results stay bitwise identical for any thread count."""
     tiles = plan.k_tiles
-    B = plan.batch
-    used = np.flatnonzero(tiles[:, TILE_SEQ] >= 0)
+    BM = plan.block_m
+    used = np.flatnonzero(tiles[:, TILE_SEQ] >= 0)       # a prefix, in sequence order
     seq = tiles[used, TILE_SEQ].astype(np.int64)
-    k_slots = np.zeros(B + 1, np.int64)
-    np.cumsum(np.bincount(seq, minlength=B), out=k_slots[1:])
     sched = plan.k_sched[used].astype(np.int64)
-    pairs = (sched[..., 3] - sched[..., 0]).sum(axis=1) * plan.block_m
-    work = np.bincount(seq, weights=(pairs + 1) * tiles[used, TILE_ROWS], minlength=B)
-    has = np.flatnonzero(np.bincount(seq, minlength=B) > 0)
-    items = (has[:, None] * Hk + np.arange(Hk)).reshape(-1)
-    return _longest_first(items, np.repeat(work[has], Hk)), k_slots
+    begin, end = sched[..., 0], sched[..., 3]
+    work = ((end - begin).sum(axis=1) * BM + 1) * tiles[used, TILE_ROWS]
+    # query rows each slot reaches, as one range over its query segments
+    q_row = np.asarray(plan.q.row, np.int64)[seq]
+    q_len = np.asarray(plan.q.length, np.int64)[seq]
+    some = end > begin
+    big = np.iinfo(np.int64).max
+    lo = np.where(some, q_row + begin * BM, big).min(axis=1, initial=big)
+    hi = np.where(some, q_row + np.minimum(end * BM, q_len), -1).max(axis=1, initial=-1)
+    lo = np.where(hi > lo, lo, 0)
+    hi = np.maximum(hi, lo)
+    # parts: slot t of a sequence with work W joins part floor(work before t * n / W)
+    per_seq = np.bincount(seq, weights=work, minlength=plan.batch)
+    slots = np.bincount(seq, minlength=plan.batch)
+    target = max(per_seq.sum() * Hk / BACKWARD_SPLIT, 1.0)
+    n = np.clip(np.ceil(per_seq / target), 1, np.minimum(MAX_PARTS, np.maximum(slots, 1)))
+    before = np.cumsum(work) - work - np.repeat(np.cumsum(per_seq) - per_seq, slots)
+    part = np.minimum((before * n[seq] // np.maximum(per_seq[seq], 1)).astype(np.int64),
+                      n[seq].astype(np.int64) - 1)
+    starts = np.ones(used.size, bool)
+    starts[1:] = (seq[1:] != seq[:-1]) | (part[1:] != part[:-1])
+    s0 = np.flatnonzero(starts)
+    s1 = np.append(s0[1:], used.size)
+    p_seq = seq[s0]
+    p_lo = np.minimum.reduceat(lo, s0) if s0.size else lo
+    p_hi = np.maximum.reduceat(hi, s0) if s0.size else hi
+    span = p_hi - p_lo
+    p_work = np.add.reduceat(work, s0) if s0.size else work
+    # the part of each sequence touching the most rows adds into dQ directly
+    direct = np.zeros(s0.size, bool)
+    order = np.lexsort((-span, p_seq))
+    firsts = np.ones(order.size, bool)
+    firsts[1:] = p_seq[order][1:] != p_seq[order][:-1]
+    direct[order[firsts]] = True
+    partial = ~direct
+    size = np.where(partial, span * G, 0)
+    off = np.cumsum(size) - size
+    shift = np.where(partial, off - p_lo * G, 0)
+    parts = np.stack([p_seq, used[s0], used[s1 - 1] + 1, partial, shift, p_lo * G, p_hi * G],
+                     axis=1) if s0.size else np.zeros((0, 7), np.int64)
+    items = (np.arange(s0.size)[:, None] * Hk + np.arange(Hk)).reshape(-1)
+    return (_longest_first(items, np.repeat(p_work, Hk)),
+            np.ascontiguousarray(parts, dtype=np.int64))
 
 
 def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
@@ -203,7 +258,7 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     G = Hq // Hk
     wdt = _working_dtype(q.dtype)
     q_scale, c, cap = _scalars(softmax_scale, softcap)
-    order, k_slots = backward_items(plan, Hk)
+    order, parts = backward_items(plan, Hk, G)
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
         Qw, q_flag = _pack(q, G, wdt, q_scale, name="q")
         Kw, k_flag = _pack(k, 1, wdt, name="k")
@@ -215,15 +270,21 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
         K.pack_grad_rows(_as(dout, wdt), _as(out, wdt), _as(lse, wdt), G, dOw, delta, lse2,
                          q_flag)
         q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
-        # zero pages from the OS: first touched by the parallel kernel, not by a serial fill
-        dQ = np.zeros((Hk, Tq * G, D), wdt)
-        dK = np.zeros((Hk, Tk, D), wdt)
-        dV = np.zeros((Hk, Tk, Dv), wdt)
+        dQ = _workspace.get("dq", (Hk, Tq * G, D), wdt)
+        dK = _workspace.get("dk", (Hk, Tk, D), wdt)
+        dV = _workspace.get("dv", (Hk, Tk, Dv), wdt)
+        K.zero_rows(dQ, dK, dV)
         dq_nan = alloc(np, (Hk, Tq * G), np.bool_, fill=False)
         dk_nan = alloc(np, (Hk, Tk), np.bool_, fill=False)
-        K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), k_slots,
-                   Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum, k_cum, c, cap,
-                   float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dK, dV, dq_nan, dk_nan)
+        # dQ partials of split sequences: zeroed by the part that owns them
+        partial = parts[:, 3] != 0
+        dq_part = _workspace.get("dq_part", (Hk, int((parts[partial, 6] - parts[partial, 5])
+                                                     .sum()), D), wdt)
+        K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), parts, Qw,
+                   dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum, k_cum, c, cap,
+                   float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dq_part, dK,
+                   dV, dq_nan, dk_nan)
+        K.reduce_partials(parts, dQ, dq_part)
         # dK accumulated dS^T (Q * q_scale)
         return (_unpack(dQ, dq_nan, q.shape, q.dtype),
                 _unpack(dK, dk_nan, k.shape, k.dtype, 1.0 / q_scale),
