@@ -25,11 +25,13 @@ Runners:
                [B, H, Lmax, Lmax] scores, so the batch is padded in sub-batches (longest first)
                that keep them under --jax-memory-gib, and a sequence alone over it is skipped
 
-Method: for each thread count n, the whole process is pinned to n CPUs (sched_setaffinity of
-every thread), torch, Numba and the BLAS (threadpoolctl) use n threads; at n above one only the
---scaling-runners are timed (default: ours and the SDPA loop, for the scaling figure). Every
-runner is warmed up once, then timed in --repeat rounds that run each runner once in turn (a
-change of load on a shared machine hits them alike); a figure is the best wall-clock time of
+Method: a call at n threads first pins the whole process to n CPUs (sched_setaffinity of
+every thread) and sets torch, Numba and the BLAS (threadpoolctl) to n threads; at n above one
+only the --scaling-runners are timed (default: ours and the SDPA loop, for the scaling
+figure). Every runner is warmed up once at each thread count, then timed in --repeat rounds
+that run each runner at each thread count once in turn (a change of load or of the machine's
+speed hits runners and thread counts alike, so the scaling figure compares calls made
+minutes apart at most seconds apart); a figure is the best wall-clock time of
 its runs (a call whose warm-up took over 4 s is timed once), for the forward alone and for
 forward + backward (gradients of sum(out * dout)). JAX is compiled ahead of time and timed
 once (it is an order of magnitude behind the others). GFLOP/s count only visible query-key
@@ -69,6 +71,11 @@ import traceback
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+# Idle OpenMP threads (Numba's and torch's) sleep instead of spinning, for every runner alike:
+# a spinning idle thread keeps the CPU a call is pinned to busy, and after a switch from one
+# to two CPUs the first calls ran at half speed until the pool settled (seen here: 56 ms
+# against 15 for a sliding-window forward).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
@@ -580,7 +587,8 @@ def parity(outputs: dict, ref: dict) -> dict:
 
 def machine() -> dict:
     info = dict(python=platform.python_version(), numpy=np.__version__,
-                cpus_allowed=len(_ALL_CPUS), load_average=list(os.getloadavg()))
+                cpus_allowed=len(_ALL_CPUS), load_average=list(os.getloadavg()),
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = re.search(r"model name\s*:\s*(.*)", f.read()).group(1)
@@ -811,15 +819,29 @@ def check_runner(runner: str, d: Data, ref: dict):
         return None, {"error": f"{type(e).__name__}: {e}"}
 
 
-def time_runners(rec: dict, prepared: dict, n: int, repeat: int, tick) -> None:
-    """Figures of the runners that passed parity, at `n` threads, into `rec["runners"]`."""
-    calls = {f"{rec['label']}: {runner} {phase}, {n} thread(s)": (runner, phase, fn)
-             for runner, phases in prepared.items() for phase, fn in phases.items()}
-    timed = measure({k: fn for k, (_, _, fn) in calls.items()}, repeat, tick)
-    for runner in prepared:
-        rec["runners"][runner] = dict.fromkeys(PHASES)
-    for key, (runner, phase, _) in calls.items():
-        rec["runners"][runner][phase] = timed[key]
+def _pinned(fn, n: int):
+    """`fn` run with the process pinned to `n` CPUs (what it keeps, `release`, comes along)."""
+    def call():
+        pin(n)
+        return fn()
+    call.release = getattr(fn, "release", lambda: None)
+    return call
+
+
+def time_runners(records: dict, prepared: dict, args, tick) -> None:
+    """Figures of the runners that passed parity, at every thread count of `records`, into
+    each record's `runners`: one `measure` over every (runner, phase, thread count), so the
+    rounds alternate thread counts as they alternate runners."""
+    calls = {}
+    for n, rec in records.items():
+        for runner in (r for r in runners_at(args, n) if r in prepared):
+            rec["runners"][runner] = dict.fromkeys(PHASES)
+            for phase, fn in prepared[runner].items():
+                key = f"{rec['label']}: {runner} {phase}, {n} thread(s)"
+                calls[key] = (n, runner, phase, _pinned(fn, n))
+    timed = measure({k: c[3] for k, c in calls.items()}, args.repeat, tick)
+    for key, (n, runner, phase, _) in calls.items():
+        records[n]["runners"][runner][phase] = timed[key]
 
 
 def time_jax(rec: dict, d: Data, ref: dict, n: int, cpus: list, limit_gib: float) -> None:
@@ -872,11 +894,12 @@ def run_case(args, workload, config, peaks, tick, failed) -> list:
             if runner in runners_at(args, n):
                 rec["parity"][runner] = status
     for n in args.threads:
-        cpus = pin(n)
+        pin(n)
         peaks[str(n)].append(gemm_peak(n))           # sampled per case: the machine may be shared
-        here = {r: p for r, p in prepared.items() if r in runners_at(args, n)}
-        time_runners(records[n], here, n, args.repeat, tick)
+    time_runners(records, prepared, args, tick)
+    for n in args.threads:
         if "jax" in runners_at(args, n):
+            cpus = pin(n)
             tick(f"{label}: jax, {n} thread(s)")
             time_jax(records[n], d, ref, n, cpus, args.jax_memory_gib)
     return list(records.values())
