@@ -81,10 +81,20 @@ public:
     }
 };
 
-// What one thread brings to a collective: where it is and the values that must agree.
+// What one thread brings to a collective: where it is (the call's source line: the compiler may
+// duplicate a call into branches, which a return address would tell apart) and the values
+// that must agree.
+struct Site {
+    const char* file;
+    int line;
+    bool operator==(const Site& o) const {
+        return line == o.line && (file == o.file || std::strcmp(file, o.file) == 0);
+    }
+};
+
 struct Slot {
     int kind;
-    const void* site;
+    Site site;
     uint64_t count;
     uint64_t x[4];
     uint32_t a[4];
@@ -231,18 +241,18 @@ inline Group& enter(int n, Slot s) {
         }
 #endif
         if (waited > timeout_s()) {
-            fail("%s (call site %p): not all %d threads of the %s starting at thread %u arrived "
-                 "within %.0f s", what, s.site, n, n == 128 ? "warpgroup" : "warp", first,
-                 timeout_s());
+            fail("%s (%s:%d): not all %d threads of the %s starting at thread %u arrived "
+                 "within %.0f s", what, s.site.file, s.site.line, n,
+                 n == 128 ? "warpgroup" : "warp", first, timeout_s());
         }
     });
     const Slot& o = g->slot[(i + 1) % n];
-    if (o.kind != s.kind || o.site != s.site || o.count != s.count) {
-        fail("threads %u and %u disagree at a %s collective: thread %u at %s #%llu (call site "
-             "%p), thread %u at %s #%llu (call site %p)", threadIdx.x, first + (i + 1) % n,
+    if (o.kind != s.kind || !(o.site == s.site) || o.count != s.count) {
+        fail("threads %u and %u disagree at a %s collective: thread %u at %s #%llu (%s:%d), "
+             "thread %u at %s #%llu (%s:%d)", threadIdx.x, first + (i + 1) % n,
              n == 128 ? "warpgroup" : "warp", threadIdx.x, what, (unsigned long long)s.count,
-             s.site, first + (i + 1) % n, wg_kind_name(o.kind), (unsigned long long)o.count,
-             o.site);
+             s.site.file, s.site.line, first + (i + 1) % n, wg_kind_name(o.kind),
+             (unsigned long long)o.count, o.site.file, o.site.line);
     }
     for (int k = 0; k < 4; ++k) {
         if (o.x[k] != s.x[k]) {
@@ -418,8 +428,7 @@ inline void retire(WgmmaOp& op) {
 constexpr uint32_t ACC_POISON = 0x7fc0deadu;    // a NaN: accumulators of a wgmma in flight
 
 inline void issue_wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t desc_a,
-                        bool trans_a, uint64_t desc_b, bool trans_b, bool scale_d,
-                        const void* site) {
+                        bool trans_a, uint64_t desc_b, bool trans_b, bool scale_d, Site site) {
     ThreadState& t = me();
     if (!a) check_desc(desc_a, "A");
     check_desc(desc_b, "B");
@@ -459,9 +468,9 @@ inline void issue_wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t 
     }
     if (!op->prev) {
         if (!t.fenced) {
-            fail("wgmma.mma_async (call site %p) without a wgmma.fence since this thread's last "
+            fail("wgmma.mma_async (%s:%d) without a wgmma.fence since this thread's last "
                  "wgmma.wait_group: its accumulators or A fragment were accessed by the thread",
-                 site);
+                 site.file, site.line);
         }
         op->d_in.assign(d, d + n / 2);
     }
@@ -480,6 +489,8 @@ namespace varlen {
 namespace sm90 {
 
 // The emulated tensor map (CUtensorMap's 128 bytes): what cuTensorMapEncodeTiled is given.
+// Passed by value; GCC notes that 64-byte aligned parameters changed ABI in GCC 4.6.
+#pragma GCC diagnostic ignored "-Wpsabi"
 struct alignas(64) TensorMap {
     uint64_t tag;             // TENSOR_MAP_TAG when made by make_tensor_map
     const void* global;       // element (0, 0, 0)
@@ -627,10 +638,8 @@ inline void fence_barrier_init() { hostemu::sync_point(); }
 inline void fence_proxy_async() { hostemu::sync_point(); }
 
 // ---- TMA and bulk copies ---------------------------------------------------------------
-inline void tma_load(void* dst, const TensorMap* map, u64* bar, int rank, const int (&c)[3],
-                     const void* site) {
+inline void tma_load(void* dst, const TensorMap* map, u64* bar, int rank, const int (&c)[3]) {
     using namespace hostemu::sm90;
-    (void)site;
     hostemu::sync_point();
     if (map->tag != TENSOR_MAP_TAG) hostemu::fail("TMA load: not a tensor map (tag 0x%llx)",
                                                   (unsigned long long)map->tag);
@@ -675,14 +684,12 @@ inline void tma_load(void* dst, const TensorMap* map, u64* bar, int rank, const 
     issue_copy(bar, base + off, bytes, std::move(copy), "TMA load");
 }
 
-__attribute__((noinline)) inline void tma_load_2d(void* dst, const TensorMap* map, u64* bar,
-                                                  int c0, int c1) {
-    tma_load(dst, map, bar, 2, {c0, c1, 0}, __builtin_return_address(0));
+inline void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {
+    tma_load(dst, map, bar, 2, {c0, c1, 0});
 }
 
-__attribute__((noinline)) inline void tma_load_3d(void* dst, const TensorMap* map, u64* bar,
-                                                  int c0, int c1, int c2) {
-    tma_load(dst, map, bar, 3, {c0, c1, c2}, __builtin_return_address(0));
+inline void tma_load_3d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
+    tma_load(dst, map, bar, 3, {c0, c1, c2});
 }
 
 inline void bulk_load(void* dst, const void* src, uint32_t bytes, u64* bar) {
@@ -699,23 +706,25 @@ inline void bulk_load(void* dst, const void* src, uint32_t bytes, u64* bar) {
 }
 
 // ---- wgmma -------------------------------------------------------------------------------
-__attribute__((noinline)) inline void wgmma_fence() {
+#define VARLEN_EMU_SITE const char* file = __builtin_FILE(), int line = __builtin_LINE()
+
+inline void wgmma_fence(VARLEN_EMU_SITE) {
     using namespace hostemu::sm90;
-    Group& g = enter(128, Slot{WG_FENCE, __builtin_return_address(0), 0, {}, {}, nullptr});
+    Group& g = enter(128, Slot{WG_FENCE, {file, line}, 0, {}, {}, nullptr});
     leave(g);
     me().fenced = true;
 }
 
-__attribute__((noinline)) inline void wgmma_commit() {
+inline void wgmma_commit(VARLEN_EMU_SITE) {
     using namespace hostemu::sm90;
-    Group& g = enter(128, Slot{WG_COMMIT, __builtin_return_address(0), 0, {}, {}, nullptr});
+    Group& g = enter(128, Slot{WG_COMMIT, {file, line}, 0, {}, {}, nullptr});
     leave(g);
     ThreadState& t = me();
     t.groups.push_back(std::move(t.open));
     t.open.clear();
 }
 
-__attribute__((noinline)) inline void wgmma_wait_n(int n, const void* site) {
+inline void wgmma_wait_n(int n, hostemu::sm90::Site site) {
     using namespace hostemu::sm90;
     Group& g = enter(128, Slot{WG_WAIT, site, 0, {(uint64_t)n}, {}, nullptr});
     leave(g);
@@ -732,40 +741,39 @@ __attribute__((noinline)) inline void wgmma_wait_n(int n, const void* site) {
 }
 
 template <int N>
-__attribute__((noinline)) void wgmma_wait() {
-    wgmma_wait_n(N, __builtin_return_address(0));
+void wgmma_wait(VARLEN_EMU_SITE) {
+    wgmma_wait_n(N, {file, line});
 }
 
 template <int R>
 inline void wgmma_fence_operand(float (&)[R]) {}
 
 template <typename T, int N, bool TRANS_A, bool TRANS_B>
-__attribute__((noinline)) void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b,
-                                        bool scale_d) {
+void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool scale_d, VARLEN_EMU_SITE) {
     static_assert(N == 64 || N == 128 || N == 256, "wgmma m64nNk16: N of 64, 128 or 256");
     hostemu::sm90::issue_wgmma(d, N, ElemTraits<T>::IS_BF16, nullptr, desc_a, TRANS_A, desc_b,
-                               TRANS_B, scale_d, __builtin_return_address(0));
+                               TRANS_B, scale_d, {file, line});
 }
 
 template <typename T, int N, bool TRANS_B>
-__attribute__((noinline)) void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], u64 desc_b,
-                                        bool scale_d) {
+void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], u64 desc_b, bool scale_d,
+              VARLEN_EMU_SITE) {
     static_assert(N == 64 || N == 128 || N == 256, "wgmma m64nNk16: N of 64, 128 or 256");
     hostemu::sm90::issue_wgmma(d, N, ElemTraits<T>::IS_BF16, a, 0, false, desc_b, TRANS_B,
-                               scale_d, __builtin_return_address(0));
+                               scale_d, {file, line});
 }
 
 // ---- setmaxnreg and stmatrix -------------------------------------------------------------
 template <int REGS, bool INC>
-__attribute__((noinline)) void setmaxnreg() {
+void setmaxnreg(VARLEN_EMU_SITE) {
     static_assert(REGS >= 24 && REGS <= 256 && REGS % 8 == 0, "setmaxnreg: 24..256, step 8");
     using namespace hostemu::sm90;
-    Group& g = enter(128, Slot{WG_SETMAXNREG, __builtin_return_address(0), 0,
+    Group& g = enter(128, Slot{WG_SETMAXNREG, {file, line}, 0,
                                {(uint64_t)REGS, INC}, {}, nullptr});
     leave(g);
 }
 
-inline void stmatrix(void* p, const uint32_t (&r)[4], bool trans, const void* site) {
+inline void stmatrix(void* p, const uint32_t (&r)[4], bool trans, hostemu::sm90::Site site) {
     using namespace hostemu::sm90;
     check_aligned16(p, "stmatrix row");
     smem_check(p, 16, "stmatrix row");
@@ -785,13 +793,15 @@ inline void stmatrix(void* p, const uint32_t (&r)[4], bool trans, const void* si
     std::memcpy(p, row, 16);
 }
 
-__attribute__((noinline)) inline void stmatrix_x4(void* p, const uint32_t (&r)[4]) {
-    stmatrix(p, r, false, __builtin_return_address(0));
+inline void stmatrix_x4(void* p, const uint32_t (&r)[4], VARLEN_EMU_SITE) {
+    stmatrix(p, r, false, {file, line});
 }
 
-__attribute__((noinline)) inline void stmatrix_x4_trans(void* p, const uint32_t (&r)[4]) {
-    stmatrix(p, r, true, __builtin_return_address(0));
+inline void stmatrix_x4_trans(void* p, const uint32_t (&r)[4], VARLEN_EMU_SITE) {
+    stmatrix(p, r, true, {file, line});
 }
+
+#undef VARLEN_EMU_SITE
 
 }  // namespace sm90
 }  // namespace varlen

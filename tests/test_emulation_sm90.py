@@ -43,6 +43,7 @@ def lib():
                                    I32]
     lib.sm90_run_wgmma.restype = I32
     lib.sm90_run_stmatrix.argtypes = [P, U32, I32, P]
+    lib.sm90_run_pipeline.argtypes = [P, P, I32, P]
     lib.sm90_configure(LANDING["wait"], 0)
     return lib
 
@@ -426,6 +427,57 @@ def test_stmatrix_layout(lib, trans):
                 assert row[c] == halves[lane, i, h], f"matrix {i} element ({r}, {c})"
 
 
+# ---- a warp-specialised TMA + mbarrier + wgmma pipeline -------------------------------------------
+
+PIPELINE_KTILES = 5          # more tiles than the 2 stages: every stage is refilled
+
+
+def pipeline_operands(seed):
+    rng = np.random.default_rng(seed)
+    a16, a = exact_values(rng, (64, 64 * PIPELINE_KTILES), "float16")
+    b16, b = exact_values(rng, (64, 64 * PIPELINE_KTILES), "float16")   # [n][k]: K-major B
+    return a16, b16, a @ b.T
+
+
+@pytest.mark.parametrize("landing", ["wait", "issue", "random"])
+def test_warp_specialised_pipeline(lib, landing):
+    a16, b16, expected = pipeline_operands(11)
+    out = np.full((128, 32), np.nan, np.float32)
+    lib.sm90_configure(LANDING[landing], 5)
+    try:
+        lib.sm90_run_pipeline(ptr(a16), ptr(b16), PIPELINE_KTILES, ptr(out))
+    finally:
+        lib.sm90_configure(LANDING["wait"], 0)
+    assert np.array_equal(to_matrix(out, 64), expected), f"pipeline, landing {landing}"
+
+
+def test_warp_specialised_pipeline_under_thread_sanitizer():
+    """The same pipeline built with ThreadSanitizer: the mbarrier protocol orders every shared-
+    memory access of producer, copies and consumers (a race would stop the run)."""
+    code = f"""
+import ctypes, sys
+import numpy as np
+sys.path.insert(0, {HERE!r})
+from test_emulation_sm90 import pipeline_operands, to_matrix, PIPELINE_KTILES, HARNESS
+from varlen.backends import _cupy_emulation as e
+lib = e.build_harness(HARNESS, race=True)
+lib.sm90_configure(2, 7)
+a16, b16, expected = pipeline_operands(12)
+out = np.full((128, 32), np.nan, np.float32)
+lib.sm90_run_pipeline(a16.ctypes.data_as(ctypes.c_void_p), b16.ctypes.data_as(ctypes.c_void_p),
+                      PIPELINE_KTILES, out.ctypes.data_as(ctypes.c_void_p))
+assert np.array_equal(to_matrix(out, 64), expected), "pipeline under TSan"
+print("pipeline ok")
+"""
+    # One BLAS thread: OpenBLAS's own threads (NumPy's reference product) are not under test.
+    env = dict(os.environ, LD_PRELOAD=_cupy_emulation.tsan_runtime(),
+               TSAN_OPTIONS=_cupy_emulation.TSAN_OPTIONS, OPENBLAS_NUM_THREADS="1",
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0 and "pipeline ok" in proc.stdout, proc.stderr[-4000:]
+
+
 # ---- the device side assembles ----------------------------------------------------------------
 
 def test_device_side_assembles_for_sm90a():
@@ -451,6 +503,7 @@ def test_device_side_assembles_for_sm90a():
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     assert cubin_size > 0, "no cubin: ptxas did not run"
-    for kernel in ("sm90_tma_box", "sm90_mbar_phases", "sm90_stmatrix", "sm90_wgmma"):
+    for kernel in ("sm90_tma_box", "sm90_mbar_phases", "sm90_stmatrix", "sm90_wgmma",
+                   "sm90_pipeline"):
         assert f"Compiling entry function '{kernel}" in log or kernel in log, f"{kernel} missing"
     assert not re.search(r"[1-9]\d* bytes spill", log), f"register spills:\n{log}"
