@@ -23,8 +23,10 @@
 //     unless TRANS_A (M-major); B is K-major unless TRANS_B (N-major). For attention: K in
 //     S = Q K^T is B K-major (K stored [keys][d]); V in O = P V is B N-major (V stored [keys][d]).
 //   * TMA writes a box densely, innermost dimension first, into shared memory with the same
-//     address swizzle; a swizzled box has rows of exactly S bytes, so a [rows][S bytes] box is
-//     the K-major swizzled operand with SBO = 8 S (and the MN-major one with SBO = 8 S).
+//     address swizzle; a swizzled box has rows of exactly S bytes. A [mn rows][S bytes] box is
+//     the K-major swizzled operand (SBO = 8 S, k16 steps +32 bytes); a [k rows][S bytes] box
+//     the MN-major one (SBO = 8 S, k16 steps +16 S bytes, the next S / 2 columns at LBO).
+//   docs/hopper.md has the API, these layouts, and what the emulation models.
 #pragma once
 
 #include "common.cuh"
