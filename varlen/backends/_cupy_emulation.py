@@ -262,6 +262,17 @@ def install_fake_cupy(block_m: int):
               "ascontiguousarray", "ndarray"):
         setattr(fake, n, getattr(np, n))
 
+    # Counted as CuPy runs them: zeros, and full with 0, are a cudaMemsetAsync; full with any
+    # other value is CuPy's fill kernel.
+    def zeros(shape, dtype=float):
+        launches["memset"] += 1
+        return np.zeros(shape, dtype)
+
+    def full(shape, fill_value, dtype=None):
+        launches["memset" if np.ndim(fill_value) == 0 and fill_value == 0 else "fill"] += 1
+        return np.full(shape, fill_value, dtype)
+    fake.zeros, fake.full = zeros, full
+
     class RawModule:
         def __init__(self, code=None, options=(), name_expressions=()):
             self.names = list(name_expressions)
