@@ -225,6 +225,48 @@ extern "C" __global__ void sm90_pipeline(const __grid_constant__ sm90::TensorMap
     for (int i = 0; i < 32; ++i) out[t * 32 + i] = d[i];
 }
 
+// The attention tile: S[64, 64] = Q K^T (wgmma, Q and K K-major in shared memory), P = S
+// rounded to T in registers (the D fragment of S read as A fragments: k-step j is registers
+// 8 j .. 8 j + 7), O[64, 64] = P V (V N-major). Shared memory: Q at 0, K at 8 KiB, V at 16 KiB,
+// 128B swizzle; out[thread][32] = O.
+template <typename T>
+__global__ void sm90_attention_tile(const uint4* smem_in, float* out) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    constexpr unsigned TILE = 64 * 64 * 2;
+    const int tid = threadIdx.x;
+    uint4* s_all = reinterpret_cast<uint4*>(smem_raw);
+    for (unsigned i = tid; i < 3 * TILE / 16; i += WG_THREADS) s_all[i] = smem_in[i];
+    __syncthreads();
+    sm90::fence_proxy_async();
+    const u64 desc_q = sm90::smem_desc(smem_raw, 0, 1024, sm90::Swizzle::B128);
+    const u64 desc_k = sm90::smem_desc(smem_raw + TILE, 0, 1024, sm90::Swizzle::B128);
+    const u64 desc_v = sm90::smem_desc(smem_raw + 2 * TILE, TILE, 1024, sm90::Swizzle::B128);
+    // [64, 64] scores, this thread's 32
+    float s[32];
+    sm90::wgmma_fence();
+    for (int k = 0; k < 4; ++k) {
+        sm90::wgmma_ss<T, 64, false, false>(s, sm90::desc_advance(desc_q, 32 * k),
+                                            sm90::desc_advance(desc_k, 32 * k), k > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::wgmma_fence_operand(s);
+    // [64, 64] output, this thread's 32
+    float o[32];
+    sm90::wgmma_fence();
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t a[4] = {varlen::ElemTraits<T>::pack(s[8 * j], s[8 * j + 1]),
+                               varlen::ElemTraits<T>::pack(s[8 * j + 2], s[8 * j + 3]),
+                               varlen::ElemTraits<T>::pack(s[8 * j + 4], s[8 * j + 5]),
+                               varlen::ElemTraits<T>::pack(s[8 * j + 6], s[8 * j + 7])};
+        sm90::wgmma_rs<T, 64, true>(o, a, sm90::desc_advance(desc_v, 2048 * j), j > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::wgmma_fence_operand(o);
+    for (int i = 0; i < 32; ++i) out[tid * 32 + i] = o[i];
+}
+
 #ifdef VARLEN_HOST_EMULATION
 namespace {
 
@@ -320,6 +362,12 @@ extern "C" void sm90_run_pipeline(const void* a, const void* b, int ktiles, floa
                                                         sm90::Swizzle::B128);
     launch("sm90_pipeline", 1, 1, 2 * WG_THREADS, PIPE_SMEM, [&] {
         sm90_pipeline(map_a, map_b, ktiles, out);
+    });
+}
+extern "C" void sm90_run_attention_tile(int bf16, const void* smem_in, float* out) {
+    launch("sm90_attention_tile", 1, 1, WG_THREADS, 3 * 64 * 64 * 2, [&] {
+        if (bf16) sm90_attention_tile<__nv_bfloat16>(static_cast<const uint4*>(smem_in), out);
+        else sm90_attention_tile<__half>(static_cast<const uint4*>(smem_in), out);
     });
 }
 #endif  // VARLEN_HOST_EMULATION

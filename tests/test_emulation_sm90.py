@@ -44,6 +44,7 @@ def lib():
     lib.sm90_run_wgmma.restype = I32
     lib.sm90_run_stmatrix.argtypes = [P, U32, I32, P]
     lib.sm90_run_pipeline.argtypes = [P, P, I32, P]
+    lib.sm90_run_attention_tile.argtypes = [I32, P, P]
     lib.sm90_configure(LANDING["wait"], 0)
     return lib
 
@@ -408,6 +409,37 @@ def test_wgmma_warp_missing_from_warpgroup_is_reported(lib):
     assert "disagree at a warpgroup collective" in err, err[-2000:]
 
 
+def round_to(x, dtype):
+    """float64 -> nearest fp16 / bf16 (ties to even), as float64."""
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float64)
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_attention_tile_scores_to_registers_to_pv(lib, dtype):
+    """O = round(Q K^T) V with the scores' D fragment reused as the A fragment of P V (the
+    FlashAttention register path), K as B K-major and V as B N-major."""
+    rng = np.random.default_rng(3)
+    q16, q = exact_values(rng, (64, 64), dtype)
+    k16, k = exact_values(rng, (64, 64), dtype)          # [keys][d]
+    v16, v = exact_values(rng, (64, 64), dtype)          # [keys][d]
+    buf = np.zeros(3 * 8192, np.uint8)
+    place(buf, 0, q16, "K", "128B", 0, 1024)
+    place(buf, 8192, k16, "K", "128B", 0, 1024)          # B[k = d][n = key] = K[key][d]
+    place(buf, 16384, np.ascontiguousarray(v16.T), "MN", "128B", 8192, 1024)   # B = V, N-major
+    out = np.full((128, 32), np.nan, np.float32)
+    lib.sm90_run_attention_tile(int(dtype == "bfloat16"), ptr(buf), ptr(out))
+    p = round_to(q @ k.T, dtype)                         # exact scores, rounded once
+    expected = p @ v
+    got = to_matrix(out, 64)
+    bound = 1e-6 * (np.abs(p) @ np.abs(v)).max()
+    err = np.abs(got - expected).max()
+    assert err <= bound, f"{dtype}: max error {err:.3e} > {bound:.3e}"
+
+
 # ---- stmatrix ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
@@ -488,6 +520,7 @@ def test_device_side_assembles_for_sm90a():
     err, prog = nvrtc.nvrtcCreateProgram(src, b"emulation_sm90_harness.cu", 0, [], [])
     names = [f"sm90_wgmma<{t}, {n}, {m}>" for t in ("__half", "__nv_bfloat16")
              for n in (64, 128, 256) for m in MODES.values()]
+    names += ["sm90_attention_tile<__half>", "sm90_attention_tile<__nv_bfloat16>"]
     try:
         for name in names:
             nvrtc.nvrtcAddNameExpression(prog, name.encode())
@@ -504,6 +537,6 @@ def test_device_side_assembles_for_sm90a():
         nvrtc.nvrtcDestroyProgram(prog)
     assert cubin_size > 0, "no cubin: ptxas did not run"
     for kernel in ("sm90_tma_box", "sm90_mbar_phases", "sm90_stmatrix", "sm90_wgmma",
-                   "sm90_pipeline"):
+                   "sm90_pipeline", "sm90_attention_tile"):
         assert f"Compiling entry function '{kernel}" in log or kernel in log, f"{kernel} missing"
     assert not re.search(r"[1-9]\d* bytes spill", log), f"register spills:\n{log}"
