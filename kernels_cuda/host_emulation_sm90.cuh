@@ -737,6 +737,11 @@ inline void wgmma_wait_n(int n, hostemu::sm90::Site site) {
         for (OpPtr& op : t.groups.front()) retire(*op);
         t.groups.pop_front();
     }
+    // Accumulators a still-pending op continues are still in flight: poison them again.
+    const float poison = __int_as_float(ACC_POISON);
+    for (auto& group : t.groups) {
+        for (OpPtr& op : group) std::fill(op->d, op->d + op->n / 2, poison);
+    }
     t.fenced = false;
 }
 

@@ -94,6 +94,7 @@ constexpr int WG_NO_FENCE = 4;        // skip the wgmma.fence
 constexpr int WG_CLOBBER = 8;         // zero the operands' shared memory between commit and wait
 constexpr int WG_WARP3_SKIPS = 16;    // warp 3 skips the mma_async
 constexpr int WG_SETMAXNREG = 32;     // setmaxnreg.dec / .inc around the product
+constexpr int WG_GROUP_PER_STEP = 64; // commit each k-step; probe[t] = d[0] after wait_group 1
 
 // Operand modes: A K-major or M-major in shared memory, or in registers; B K- or N-major.
 enum WgMode { SS_KK = 0, SS_KN = 1, RS_K = 2, RS_N = 3, SS_MK = 4 };
@@ -132,9 +133,15 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
                 const u64 desc_a = sm90::desc_advance(desc_a0, k * a_step);
                 sm90::wgmma_ss<T, N, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
             }
+            if (flags & WG_GROUP_PER_STEP) sm90::wgmma_commit();
         }
     }
-    sm90::wgmma_commit();
+    if (flags & WG_GROUP_PER_STEP) {
+        sm90::wgmma_wait<1>();
+        probe[tid] = d[0];
+    } else {
+        sm90::wgmma_commit();
+    }
     if (flags & WG_PEEK) probe[tid] = d[0];
     if (flags & WG_CLOBBER) {
         __syncthreads();

@@ -26,6 +26,7 @@ SWIZZLE = {"none": 0, "32B": 1, "64B": 2, "128B": 3}        # CUtensorMapSwizzle
 SWIZZLE_BYTES = {"none": 0, "32B": 32, "64B": 64, "128B": 128}
 MODES = {"SS_KK": 0, "SS_KN": 1, "RS_K": 2, "RS_N": 3, "SS_MK": 4}
 F_ACCUMULATE, F_PEEK, F_NO_FENCE, F_CLOBBER, F_WARP3_SKIPS, F_SETMAXNREG = 1, 2, 4, 8, 16, 32
+F_GROUP_PER_STEP = 64
 
 P = ctypes.c_void_p
 U32, U64, I32 = ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_int
@@ -374,6 +375,15 @@ def test_wgmma_accumulators_in_flight_read_as_nan(lib):
     out, probe = run_wgmma(lib, 64, "SS_KK", "float16", case, 1, F_PEEK)
     assert np.isnan(probe).all(), "an accumulator read between commit and wait must be poison"
     assert np.array_equal(to_matrix(out, 64), case["a"] @ case["b"])
+
+
+def test_wgmma_groups_retire_in_order(lib):
+    """One group per k-step, chained on the same accumulators: wait_group 1 retires the first,
+    and the accumulators stay poison while the second is pending; wait_group 0 gives the sum."""
+    case = wgmma_case(128, "SS_KN", "128B", 3, "float16", np.random.default_rng(2))
+    out, probe = run_wgmma(lib, 128, "SS_KN", "float16", case, 3, F_GROUP_PER_STEP)
+    assert np.isnan(probe).all(), "accumulators of a pending group readable after wait_group 1"
+    assert np.array_equal(to_matrix(out, 128), case["a"] @ case["b"])
 
 
 @pytest.mark.parametrize("landing", ["issue", "wait"])
