@@ -114,6 +114,8 @@ struct Copy {
 };
 
 struct Mbar {
+    unsigned init_thread = 0;  // the thread that initialised it
+    bool init_fenced = false;  // that thread has since run fence.mbarrier_init
     uint32_t expected = 0;
     int64_t pending = 0;     // arrivals still missing in the current phase
     int64_t tx = 0;          // transaction bytes still expected in the current phase
@@ -334,6 +336,11 @@ inline void issue_copy(void* bar, unsigned char* dst, size_t poison_bytes, Copy 
     ThreadState& t = me();
     std::lock_guard lk(b.m);
     Mbar& m = mbar_of(b, bar, what);
+    if (!m.init_fenced) {
+        fail("%s completes on the mbarrier at shared offset %ld, whose mbarrier.init was not "
+             "followed by fence.mbarrier_init (the async proxy may not see it)", what,
+             smem_offset(bar));
+    }
     const int mode = g_config.landing;
     if (mode == LAND_AT_ISSUE || (mode == LAND_RANDOM && coin(t))) {
         c.land();
@@ -556,7 +563,7 @@ inline void mbar_init(u64* bar, uint32_t count) {
     const long off = smem_check(bar, 8, "mbarrier.init");
     if (off % 8) hostemu::fail("mbarrier.init: shared offset %ld is not 8-byte aligned", off);
     if (count < 1 || count > (1u << 20) - 1) hostemu::fail("mbarrier.init: count %u", count);
-    b.bars[off] = Mbar{count, count, 0, 0, {}};
+    b.bars[off] = Mbar{threadIdx.x, false, count, count, 0, 0, {}};
     const uint64_t tag = MBAR_TAG ^ (uint64_t)off;
     std::memcpy(bar, &tag, 8);
 }
@@ -634,7 +641,16 @@ inline bool mbar_try_wait(u64* bar, uint32_t parity) {
     return false;
 }
 
-inline void fence_barrier_init() { hostemu::sync_point(); }
+// Publishes this thread's initialised barriers (to the async proxy: TMA may complete on them).
+inline void fence_barrier_init() {
+    using namespace hostemu::sm90;
+    hostemu::sync_point();
+    BlockState& b = block();
+    std::lock_guard lk(b.m);
+    for (auto& [off, m] : b.bars) {
+        if (m.init_thread == threadIdx.x) m.init_fenced = true;
+    }
+}
 inline void fence_proxy_async() { hostemu::sync_point(); }
 
 // ---- TMA and bulk copies ---------------------------------------------------------------

@@ -67,15 +67,20 @@ extern "C" __global__ void sm90_mbar_phases(const unsigned char* src, int* out,
 }
 
 // Misuses of an mbarrier, each of which the emulation must report (never hang):
-// 1: expect 128 bytes that no copy brings, then wait; 2: store over the barrier, then arrive.
-extern "C" __global__ void sm90_mbar_misuse(int what) {
+// 1: expect 128 bytes that no copy brings, then wait; 2: store over the barrier, then arrive;
+// 3: a bulk copy completing on a barrier whose init was not fenced.
+extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u64* bar = reinterpret_cast<u64*>(smem_raw);
     if (threadIdx.x == 0) {
         sm90::mbar_init(bar, 1);
-        sm90::fence_barrier_init();
+        if (what != 3) sm90::fence_barrier_init();
     }
     __syncthreads();
+    if (what == 3 && threadIdx.x == 0) {
+        sm90::mbar_arrive_expect_tx(bar, 16);
+        sm90::bulk_load(smem_raw + 16, src, 16, bar);
+    }
     if (what == 1) {
         if (threadIdx.x == 0) sm90::mbar_arrive_expect_tx(bar, 128);
         sm90::mbar_wait(bar, 0);
@@ -335,7 +340,8 @@ extern "C" void sm90_run_mbar_phases(const unsigned char* src, int* out, unsigne
 }
 
 extern "C" void sm90_run_mbar_misuse(int what) {
-    launch("sm90_mbar_misuse", 1, 1, 32, 64, [&] { sm90_mbar_misuse(what); });
+    alignas(16) static const unsigned char src[16] = {};
+    launch("sm90_mbar_misuse", 1, 1, 32, 64, [&] { sm90_mbar_misuse(what, src); });
 }
 
 // 0, or -1 for an unsupported (bf16, n, mode).

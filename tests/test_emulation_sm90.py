@@ -245,6 +245,11 @@ def test_mbarrier_overwrite_is_reported(lib):
     assert "was overwritten" in err, err[-2000:]
 
 
+def test_mbarrier_init_without_fence_is_reported(lib):
+    err = run_isolated("sm90_run_mbar_misuse(3)")
+    assert "not followed by fence.mbarrier_init" in err, err[-2000:]
+
+
 # ---- wgmma ---------------------------------------------------------------------------------------
 
 def wgmma_case(n, mode, swz, ksteps, dtype, rng):
