@@ -44,7 +44,8 @@ def _xp(a):
 
 
 # Plans of CuPy arrays are built by two fused kernels (`backends/_cupy_plan.py`); with this
-# variable set to "arrays", by the CuPy array code below (150-250 launches; for comparison).
+# variable set to "arrays", by the CuPy array code below (about 260 array operations, each
+# one or more kernels; for comparison).
 PLAN_BUILDER_ENV = "VARLEN_PLAN_BUILDER"
 PLAN_BUILDERS = ("kernels", "arrays")
 
