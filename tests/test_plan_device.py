@@ -19,6 +19,8 @@ in its own process (the emulation replaces `cupy`), run by this file's __main__.
   counted, its memsets listed apart).
 * The kernels compile with NVRTC for sm_80 and sm_90 without spills, and the launcher's struct
   dtype has the C layout of `PlanBuildParams`.
+* On a GPU (marker `gpu`): the same batches against the CuPy array code and the NumPy plan, and
+  the errors through `check_device_errors()`.
 """
 from __future__ import annotations
 
@@ -454,6 +456,54 @@ def test_plan_kernels_compile_without_spills(arch):
     _, usage = _cupy_compile.compile_names(KERNELS, arch)
     for name in KERNELS:
         assert usage[name]["spill_stores"] + usage[name]["spill_loads"] == 0, (name, usage)
+
+
+# --------------------------------------------------------------------------------------------
+# On a GPU
+# --------------------------------------------------------------------------------------------
+
+def _on_device(cupy, args, mask):
+    dev = [None if a is None or not isinstance(a, np.ndarray) else cupy.asarray(a)
+           for a in args]
+    from varlen.masks import Mask
+    return dev, Mask(*(f if np.ndim(f) == 0 else cupy.asarray(f) for f in mask.fields()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", list(CASES))
+def test_fused_plan_on_gpu_equals_array_code(label, monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    P = _plan_module()
+    cu_q, cu_k, off_q, off_k, rows_q, rows_k, mask, (bm, bn), mq, mk, _ = _layout(label)
+    (dq, dk, doq, dok), dmask = _on_device(cupy, (cu_q, cu_k, off_q, off_k), mask)
+    kw = dict(block_m=bm, block_n=bn, max_seqlen_q=mq, max_seqlen_k=mk)
+    got = P.plan_from_cu_seqlens(dq, dk, doq, dok, rows_q, rows_k, dmask, **kw)
+    assert isinstance(got.q_tiles, cupy.ndarray)
+    monkeypatch.setenv(P.PLAN_BUILDER_ENV, "arrays")
+    arrays = P.plan_from_cu_seqlens(dq, dk, doq, dok, rows_q, rows_k, dmask, **kw)
+    host = P.plan_from_cu_seqlens(cu_q, cu_k, off_q, off_k, rows_q, rows_k, mask, **kw)
+    _assert_same_plan(f"{label} (CuPy array code)", got.to_host(), arrays.to_host())
+    _assert_same_plan(f"{label} (NumPy)", got.to_host(), host)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ERROR_CASES)
+def test_fused_plan_on_gpu_defers_errors(label):
+    cupy = pytest.importorskip("cupy")
+    from varlen import check_device_errors
+    from varlen._setup import working_mask
+    P = _plan_module()
+    cu_q, cu_k, off_q, off_k, rows_q, rows_k, mq, mk = _error_layout(label)
+    kw = dict(block_m=16, block_n=16, max_seqlen_q=mq, max_seqlen_k=mk)
+    mask = working_mask("causal", 4, np)
+    with pytest.raises(ValueError) as want:
+        P.plan_from_cu_seqlens(cu_q, cu_k, off_q, off_k, rows_q, rows_k, mask, **kw)
+    (dq, dk, doq, dok), dmask = _on_device(cupy, (cu_q, cu_k, off_q, off_k), mask)
+    check_device_errors()
+    P.plan_from_cu_seqlens(dq, dk, doq, dok, rows_q, rows_k, dmask, **kw)
+    with pytest.raises(ValueError) as got:
+        check_device_errors()
+    assert str(got.value) == f"device metadata was invalid: {want.value}"
 
 
 # --------------------------------------------------------------------------------------------
