@@ -174,27 +174,32 @@ extern "C" __global__ void sm90_stmatrix(const uint32_t* regs, unsigned row_stri
 }
 
 // A warp-specialised pipeline as FlashAttention-3 runs one: thread 0 of the producer
-// warpgroup (threads 0..127) streams [64, 64] fp16 tiles A_kt, B_kt (B K-major, 128B swizzle)
-// through STAGES stages with TMA (full barriers: one arrival plus the bytes), the consumer
-// warpgroup (threads 128..255) waits, runs four k16 wgmmas per tile and releases the stage
-// (empty barriers: 128 arrivals). out[thread][32] = D[64, 64] = sum_kt A_kt B_kt.
+// warpgroup (threads 0..127) streams fp16 tiles A_kt [64 C, 64] and B_kt [64, 64] (B K-major,
+// 128B swizzle) through PIPE_STAGES stages with TMA (full barriers: one arrival plus the bytes);
+// each of the C consumer warpgroups (threads 128 (1 + c) ..) waits, runs four k16 wgmmas on its
+// 64 rows of A_kt and releases the stage (empty barriers: 128 C arrivals).
+// out[c][thread][32] = D_c[64, 64] = sum_kt A_kt[64 c .., :] B_kt.
 constexpr int PIPE_STAGES = 2;
 constexpr unsigned PIPE_TILE = 64 * 64 * 2;
-constexpr unsigned PIPE_SMEM = 2 * PIPE_STAGES * PIPE_TILE + 2 * PIPE_STAGES * 8;
+
+__host__ __device__ constexpr unsigned pipe_smem(int consumers) {
+    return PIPE_STAGES * (consumers + 1) * PIPE_TILE + 2 * PIPE_STAGES * 8;
+}
 
 extern "C" __global__ void sm90_pipeline(const __grid_constant__ sm90::TensorMap map_a,
                                          const __grid_constant__ sm90::TensorMap map_b,
-                                         int ktiles, float* out) {
+                                         int ktiles, int consumers, float* out) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned a_tile = consumers * PIPE_TILE;
     unsigned char* s_a = smem_raw;
-    unsigned char* s_b = smem_raw + PIPE_STAGES * PIPE_TILE;
-    u64* full = reinterpret_cast<u64*>(smem_raw + 2 * PIPE_STAGES * PIPE_TILE);
+    unsigned char* s_b = smem_raw + PIPE_STAGES * a_tile;
+    u64* full = reinterpret_cast<u64*>(smem_raw + PIPE_STAGES * (a_tile + PIPE_TILE));
     u64* empty = full + PIPE_STAGES;
     const int tid = threadIdx.x;
     if (tid == 0) {
         for (int s = 0; s < PIPE_STAGES; ++s) {
             sm90::mbar_init(&full[s], 1);
-            sm90::mbar_init(&empty[s], WG_THREADS);
+            sm90::mbar_init(&empty[s], consumers * WG_THREADS);
         }
         sm90::fence_barrier_init();
     }
@@ -206,22 +211,23 @@ extern "C" __global__ void sm90_pipeline(const __grid_constant__ sm90::TensorMap
                 const int s = kt % PIPE_STAGES;
                 const uint32_t phase = (kt / PIPE_STAGES) & 1;
                 sm90::mbar_wait(&empty[s], phase ^ 1);      // the first round passes at once
-                sm90::mbar_arrive_expect_tx(&full[s], 2 * PIPE_TILE);
-                sm90::tma_load_2d(s_a + s * PIPE_TILE, &map_a, &full[s], kt * 64, 0);
+                sm90::mbar_arrive_expect_tx(&full[s], a_tile + PIPE_TILE);
+                sm90::tma_load_2d(s_a + s * a_tile, &map_a, &full[s], kt * 64, 0);
                 sm90::tma_load_2d(s_b + s * PIPE_TILE, &map_b, &full[s], kt * 64, 0);
             }
         }
         return;
     }
     sm90::setmaxnreg<240, true>();
-    const int t = tid - WG_THREADS;
+    const int c = tid / WG_THREADS - 1, t = tid % WG_THREADS;
     // [64, 64] accumulators, this thread's 32
     float d[32];
     for (int i = 0; i < 32; ++i) d[i] = 0.f;
     for (int kt = 0; kt < ktiles; ++kt) {
         const int s = kt % PIPE_STAGES;
         sm90::mbar_wait(&full[s], (kt / PIPE_STAGES) & 1);
-        const u64 desc_a = sm90::smem_desc(s_a + s * PIPE_TILE, 0, 1024, sm90::Swizzle::B128);
+        const u64 desc_a = sm90::smem_desc(s_a + s * a_tile + c * PIPE_TILE, 0, 1024,
+                                           sm90::Swizzle::B128);
         const u64 desc_b = sm90::smem_desc(s_b + s * PIPE_TILE, 0, 1024, sm90::Swizzle::B128);
         sm90::wgmma_fence_operand(d);
         sm90::wgmma_fence();
@@ -234,7 +240,7 @@ extern "C" __global__ void sm90_pipeline(const __grid_constant__ sm90::TensorMap
         sm90::wgmma_fence_operand(d);
         sm90::mbar_arrive(&empty[s]);
     }
-    for (int i = 0; i < 32; ++i) out[t * 32 + i] = d[i];
+    for (int i = 0; i < 32; ++i) out[(c * WG_THREADS + t) * 32 + i] = d[i];
 }
 
 // The attention tile: S[64, 64] = Q K^T (wgmma, Q and K K-major in shared memory), P = S
@@ -364,17 +370,20 @@ extern "C" void sm90_run_stmatrix(const uint32_t* regs, unsigned row_stride, int
         sm90_stmatrix(regs, row_stride, trans, out);
     });
 }
-// a, b: [64][64 ktiles] fp16, row-major (K innermost).
-extern "C" void sm90_run_pipeline(const void* a, const void* b, int ktiles, float* out) {
-    const uint64_t dims[2] = {64ull * ktiles, 64};
+// a: [64 consumers][64 ktiles], b: [64][64 ktiles] fp16, row-major (K innermost).
+extern "C" void sm90_run_pipeline(const void* a, const void* b, int ktiles, int consumers,
+                                  float* out) {
+    const uint64_t dims_a[2] = {64ull * ktiles, 64ull * consumers};
+    const uint64_t dims_b[2] = {64ull * ktiles, 64};
     const uint64_t strides[1] = {128ull * ktiles};
-    const uint32_t box[2] = {64, 64};
-    const sm90::TensorMap map_a = sm90::make_tensor_map(a, 2, 2, dims, strides, box,
+    const uint32_t box_a[2] = {64, 64u * consumers};
+    const uint32_t box_b[2] = {64, 64};
+    const sm90::TensorMap map_a = sm90::make_tensor_map(a, 2, 2, dims_a, strides, box_a,
                                                         sm90::Swizzle::B128);
-    const sm90::TensorMap map_b = sm90::make_tensor_map(b, 2, 2, dims, strides, box,
+    const sm90::TensorMap map_b = sm90::make_tensor_map(b, 2, 2, dims_b, strides, box_b,
                                                         sm90::Swizzle::B128);
-    launch("sm90_pipeline", 1, 1, 2 * WG_THREADS, PIPE_SMEM, [&] {
-        sm90_pipeline(map_a, map_b, ktiles, out);
+    launch("sm90_pipeline", 1, 1, (1 + consumers) * WG_THREADS, pipe_smem(consumers), [&] {
+        sm90_pipeline(map_a, map_b, ktiles, consumers, out);
     });
 }
 extern "C" void sm90_run_attention_tile(int bf16, const void* smem_in, float* out) {

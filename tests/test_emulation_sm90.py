@@ -44,7 +44,7 @@ def lib():
                                    I32]
     lib.sm90_run_wgmma.restype = I32
     lib.sm90_run_stmatrix.argtypes = [P, U32, I32, P]
-    lib.sm90_run_pipeline.argtypes = [P, P, I32, P]
+    lib.sm90_run_pipeline.argtypes = [P, P, I32, I32, P]
     lib.sm90_run_attention_tile.argtypes = [I32, P, P]
     lib.sm90_configure(LANDING["wait"], 0)
     return lib
@@ -479,23 +479,30 @@ def test_stmatrix_layout(lib, trans):
 PIPELINE_KTILES = 5          # more tiles than the 2 stages: every stage is refilled
 
 
-def pipeline_operands(seed):
+def pipeline_operands(seed, consumers=1):
     rng = np.random.default_rng(seed)
-    a16, a = exact_values(rng, (64, 64 * PIPELINE_KTILES), "float16")
+    a16, a = exact_values(rng, (64 * consumers, 64 * PIPELINE_KTILES), "float16")
     b16, b = exact_values(rng, (64, 64 * PIPELINE_KTILES), "float16")   # [n][k]: K-major B
     return a16, b16, a @ b.T
 
 
-@pytest.mark.parametrize("landing", ["wait", "issue", "random"])
-def test_warp_specialised_pipeline(lib, landing):
-    a16, b16, expected = pipeline_operands(11)
-    out = np.full((128, 32), np.nan, np.float32)
+def pipeline_result(out, consumers):
+    """[64 consumers, 64] from out[consumer][thread][32]."""
+    return np.concatenate([to_matrix(out[c], 64) for c in range(consumers)])
+
+
+@pytest.mark.parametrize("landing,consumers", [("wait", 1), ("issue", 1), ("random", 1),
+                                               ("wait", 2), ("random", 2)])
+def test_warp_specialised_pipeline(lib, landing, consumers):
+    a16, b16, expected = pipeline_operands(11, consumers)
+    out = np.full((consumers, 128, 32), np.nan, np.float32)
     lib.sm90_configure(LANDING[landing], 5)
     try:
-        lib.sm90_run_pipeline(ptr(a16), ptr(b16), PIPELINE_KTILES, ptr(out))
+        lib.sm90_run_pipeline(ptr(a16), ptr(b16), PIPELINE_KTILES, consumers, ptr(out))
     finally:
         lib.sm90_configure(LANDING["wait"], 0)
-    assert np.array_equal(to_matrix(out, 64), expected), f"pipeline, landing {landing}"
+    got = pipeline_result(out, consumers)
+    assert np.array_equal(got, expected), f"pipeline, landing {landing}, {consumers} consumers"
 
 
 def test_warp_specialised_pipeline_under_thread_sanitizer():
@@ -505,15 +512,15 @@ def test_warp_specialised_pipeline_under_thread_sanitizer():
 import ctypes, sys
 import numpy as np
 sys.path.insert(0, {HERE!r})
-from test_emulation_sm90 import pipeline_operands, to_matrix, PIPELINE_KTILES, HARNESS
+from test_emulation_sm90 import pipeline_operands, pipeline_result, PIPELINE_KTILES, HARNESS
 from varlen.backends import _cupy_emulation as e
 lib = e.build_harness(HARNESS, race=True)
 lib.sm90_configure(2, 7)
-a16, b16, expected = pipeline_operands(12)
-out = np.full((128, 32), np.nan, np.float32)
+a16, b16, expected = pipeline_operands(12, 2)
+out = np.full((2, 128, 32), np.nan, np.float32)
 lib.sm90_run_pipeline(a16.ctypes.data_as(ctypes.c_void_p), b16.ctypes.data_as(ctypes.c_void_p),
-                      PIPELINE_KTILES, out.ctypes.data_as(ctypes.c_void_p))
-assert np.array_equal(to_matrix(out, 64), expected), "pipeline under TSan"
+                      PIPELINE_KTILES, 2, out.ctypes.data_as(ctypes.c_void_p))
+assert np.array_equal(pipeline_result(out, 2), expected), "pipeline under TSan"
 print("pipeline ok")
 """
     # One BLAS thread: OpenBLAS's own threads (NumPy's reference product) are not under test.
