@@ -5,17 +5,18 @@
 //     tag that every operation checks, so a store over a live barrier is caught) has an expected
 //     arrival count, pending arrivals, a transaction count and a phase; a phase completes when
 //     pending arrivals and transaction count are both 0. A wait that has not completed after
-//     VARLEN_EMULATION_TIMEOUT seconds (default 60) aborts with the barrier's state.
+//     VARLEN_EMULATION_TIMEOUT seconds (default 60) aborts with the barrier's state. Copies may
+//     complete on a barrier only once its initialising thread ran fence.mbarrier_init.
 //   * TMA and bulk copies: the destination is poisoned (NaN bytes) at issue; the copy (global
 //     read, zero fill outside the tensor, swizzle) and its complete_tx land at issue, at the wait
 //     that needs them (once every expected arrival is in: the latest moment), or at random
 //     try_waits in between, following the cp.async landing mode (hostemu::Config::landing).
-//   * wgmma: a warpgroup collective (all 128 threads at the same call site, same dynamic instance,
-//     same descriptors and flags); accumulators are poisoned (NaN) at issue and written when
-//     wgmma.wait_group retires their group; shared-memory operands are read at issue or at
-//     retirement (landing mode); products follow mma.sync's model (mma_dot16). An mma_async that
-//     does not continue a pending one on the same accumulators needs a wgmma.fence since this
-//     thread's last wgmma.wait_group.
+//   * wgmma: a warpgroup collective (all 128 threads at the same source line, same dynamic
+//     instance, same descriptors and flags); accumulators are poisoned (NaN) at issue and
+//     written when wgmma.wait_group retires their group; shared-memory operands are read at
+//     issue or at retirement (landing mode); products follow mma.sync's model (mma_dot16). An
+//     mma_async that does not continue a pending one on the same accumulators needs a
+//     wgmma.fence since this thread's last wgmma.wait_group.
 //   * setmaxnreg: a warpgroup collective, otherwise nothing.
 //   * stmatrix: a warp collective, the inverse of ldmatrix.
 // Warpgroup collectives and mbarrier waits need the free-running schedule: under the turnstile
@@ -523,7 +524,9 @@ inline TensorMap make_tensor_map(const void* global, int rank, int elem_bytes,
         std::abort();
     };
     if (rank < 2 || rank > 3) bad("rank must be 2 or 3");
-    if (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4 && elem_bytes != 8) bad("element size");
+    if (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4 && elem_bytes != 8) {
+        bad("element size must be 1, 2, 4 or 8 bytes");
+    }
     if (reinterpret_cast<uintptr_t>(global) % 16) bad("global address not 16-byte aligned");
     TensorMap m{};
     m.tag = TENSOR_MAP_TAG;
@@ -659,7 +662,9 @@ inline void tma_load(void* dst, const TensorMap* map, u64* bar, int rank, const 
     hostemu::sync_point();
     if (map->tag != TENSOR_MAP_TAG) hostemu::fail("TMA load: not a tensor map (tag 0x%llx)",
                                                   (unsigned long long)map->tag);
-    if ((int)map->rank != rank) hostemu::fail("TMA load: %dd copy of a rank-%u map", rank, map->rank);
+    if ((int)map->rank != rank) {
+        hostemu::fail("TMA load: %dd copy of a rank-%u map", rank, map->rank);
+    }
     const uint32_t S = swizzle_bytes(static_cast<Swizzle>(map->swizzle));
     const size_t bytes = (size_t)map->box[0] * map->box[1] * map->box[2] * map->elem_bytes;
     const long off = smem_check(dst, bytes, "TMA load destination");

@@ -161,7 +161,8 @@ def run_tma(lib, g, box, coords, swz, nan_fill=False):
 
 
 @pytest.mark.parametrize("swz", ["none", "32B", "64B", "128B"])
-@pytest.mark.parametrize("coords", [(8, 30), (32, -3)], ids=["rows-past-end", "cols-past-end-rows-before-start"])
+@pytest.mark.parametrize("coords", [(8, 30), (32, -3)],
+                         ids=["rows-past-end", "cols-past-end-rows-before-start"])
 def test_tma_2d_box_swizzle_and_out_of_bounds(lib, swz, coords):
     S = SWIZZLE_BYTES[swz] or 64
     box = (S // 2, 16)                                  # (columns, rows) of fp16: rows of S bytes
@@ -469,12 +470,13 @@ def test_stmatrix_layout(lib, trans):
         for r in range(8):
             row = out[(8 * i + r) * row_stride:(8 * i + r) * row_stride + 16].view(np.uint16)
             for c in range(8):
-                # ISA: register i of lane l holds M_i[l/4][2(l%4) + h] (.trans: M_i[2(l%4) + h][l/4])
+                # ISA: register i of lane l holds M_i[l/4][2(l%4) + h]
+                # (.trans: M_i[2(l%4) + h][l/4])
                 lane, h = (4 * c + r // 2, r % 2) if trans else (4 * r + c // 2, c % 2)
                 assert row[c] == halves[lane, i, h], f"matrix {i} element ({r}, {c})"
 
 
-# ---- a warp-specialised TMA + mbarrier + wgmma pipeline -------------------------------------------
+# ---- a warp-specialised TMA + mbarrier + wgmma pipeline ---------------------------------------
 
 PIPELINE_KTILES = 5          # more tiles than the 2 stages: every stage is refilled
 
