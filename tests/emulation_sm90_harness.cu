@@ -341,6 +341,20 @@ extern "C" void sm90_run_tma(const void* global, int rank, int elem_bytes,
     });
 }
 
+// The 128 bytes sm90_run_tma's map would have.
+extern "C" void sm90_tensor_map_bytes(const void* global, int rank, int elem_bytes,
+                                      const unsigned long long* dims,
+                                      const unsigned long long* strides, const unsigned* box,
+                                      int swizzle, int nan_fill, unsigned char* out) {
+    uint64_t d[3], s[2] = {0, 0};
+    for (int i = 0; i < rank; ++i) d[i] = dims[i];
+    for (int i = 0; i + 1 < rank; ++i) s[i] = strides[i];
+    const sm90::TensorMap map = sm90::make_tensor_map(global, rank, elem_bytes, d, s, box,
+                                                      static_cast<sm90::Swizzle>(swizzle),
+                                                      nan_fill != 0);
+    std::memcpy(out, &map, sizeof(map));
+}
+
 extern "C" void sm90_run_mbar_phases(const unsigned char* src, int* out, unsigned char* bytes) {
     launch("sm90_mbar_phases", 1, 1, 64, 256, [&] { sm90_mbar_phases(src, out, bytes); });
 }

@@ -39,6 +39,7 @@ def lib():
     lib.sm90_make_desc.argtypes = [U32, U32, U32, U32]
     lib.sm90_make_desc.restype = U64
     lib.sm90_run_tma.argtypes = [P, I32, I32, P, P, P, I32, I32, P, P]
+    lib.sm90_tensor_map_bytes.argtypes = [P, I32, I32, P, P, P, I32, I32, P]
     lib.sm90_run_mbar_phases.argtypes = [P, P, P]
     lib.sm90_run_wgmma.argtypes = [I32, I32, I32, P, U32, P, U64, U64, U32, U32, I32, P, P, P,
                                    I32]
@@ -202,6 +203,26 @@ def test_tma_3d_box_out_of_bounds_and_nan_fill(lib):
                         assert np.isnan(got), f"out-of-bounds ({z}, {y}, {x}) not NaN-filled"
                     else:
                         assert got == 0.0, f"out-of-bounds ({z}, {y}, {x}) not zero-filled"
+
+
+@pytest.mark.parametrize("shape,box,swz,nan_fill", [((40, 88), (64, 16), "128B", False),
+                                                    ((3, 5, 24), (8, 4, 2), "none", True)],
+                         ids=["2d-128B", "3d-nan-fill"])
+def test_python_tensor_map_matches_the_emulation(lib, shape, box, swz, nan_fill):
+    """_cupy_emulation.tensor_map (the launchers' map under the emulation) has the bytes of
+    sm90::make_tensor_map."""
+    g = np.zeros(shape, np.float16 if len(shape) == 2 else np.float32)
+    m = _cupy_emulation.tensor_map(g, box, SWIZZLE[swz], nan_fill)
+    rank = g.ndim
+    dims = np.array(g.shape[::-1], np.uint64)
+    strides = np.array([g.strides[rank - 2 - i] for i in range(rank - 1)], np.uint64)
+    c_bytes = np.zeros(128, np.uint8)
+    lib.sm90_tensor_map_bytes(ptr(g), rank, g.itemsize, ptr(dims), ptr(strides),
+                              ptr(np.array(box, np.uint32)), SWIZZLE[swz], int(nan_fill),
+                              ptr(c_bytes))
+    assert m.tobytes() == c_bytes.tobytes(), (m.tobytes().hex(), c_bytes.tobytes().hex())
+    with pytest.raises(ValueError, match="swizzle"):
+        _cupy_emulation.tensor_map(g, (box[0] // 2,) + tuple(box[1:]), SWIZZLE["128B"])
 
 
 # ---- mbarrier ------------------------------------------------------------------------------------

@@ -458,5 +458,51 @@ def build_harness(path, *, race=False):
     return ctypes.CDLL(out)
 
 
+# sm90::TensorMap of the emulation (kernels_cuda/host_emulation_sm90.cuh): CUtensorMap's 128 bytes.
+TENSOR_MAP_TAG = 0x746D61703930
+TENSOR_MAP_DTYPE = np.dtype({
+    "names": ["tag", "global_address", "dims", "strides", "box", "rank", "elem_bytes",
+              "swizzle", "nan_fill"],
+    "formats": ["<u8", "<u8", ("<u8", 3), ("<u8", 2), ("<u4", 3), "<u4", "<u4", "<u4", "<u4"],
+    "offsets": [0, 8, 16, 40, 56, 68, 72, 76, 80], "itemsize": 128})
+SWIZZLE_BYTES = {0: 0, 1: 32, 2: 64, 3: 128}        # CUtensorMapSwizzle -> bytes
+
+
+def tensor_map(array, box, swizzle=0, nan_fill=False):
+    """The emulation's tensor map of a host array, as `cuTensorMapEncodeTiled` describes one on
+    a GPU (element strides 1, no interleave): a NumPy struct array of size one, which the
+    stand-in RawKernel passes by value like the 128-byte CUtensorMap.
+
+    array: 2 or 3 dimensions, the last contiguous, 16-byte aligned, the other strides multiples
+        of 16 bytes. box: elements per dimension, innermost (last axis) first, each 1..256.
+    swizzle: CUtensorMapSwizzle (0 none, 1 32B, 2 64B, 3 128B); a swizzled box's inner
+        dimension must span exactly the swizzle width. nan_fill: out-of-bounds elements NaN
+        (CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA) instead of zero.
+    """
+    a = np.asarray(array)
+    rank, size = a.ndim, a.itemsize
+    if rank not in (2, 3) or len(box) != rank:
+        raise ValueError(f"{a.shape=} and {box=}: 2 or 3 dimensions, one box size each")
+    if a.strides[-1] != size or a.ctypes.data % 16 or any(s % 16 for s in a.strides[:-1]):
+        raise ValueError(f"{a.strides=} at address {a.ctypes.data:#x}: the last axis must be "
+                         "contiguous, the address and other strides multiples of 16 bytes")
+    if any(not 1 <= b <= 256 for b in box) or box[0] * size % 16:
+        raise ValueError(f"{box=}: sizes 1..256, the inner one a multiple of 16 bytes")
+    if swizzle not in SWIZZLE_BYTES or (swizzle and box[0] * size != SWIZZLE_BYTES[swizzle]):
+        raise ValueError(f"{swizzle=} with an inner box of {box[0] * size} bytes: a swizzled "
+                         "box's rows must be exactly the swizzle width")
+    dims = list(a.shape[::-1]) + [1] * (3 - rank)
+    strides = list(a.strides[::-1][1:])
+    if rank == 2:
+        strides.append(strides[0] * dims[1])
+    m = np.zeros(1, TENSOR_MAP_DTYPE)
+    m["tag"], m["global_address"], m["rank"], m["elem_bytes"] = TENSOR_MAP_TAG, a.ctypes.data, \
+        rank, size
+    m["dims"], m["strides"] = dims, strides
+    m["box"] = list(box) + [1] * (3 - rank)
+    m["swizzle"], m["nan_fill"] = swizzle, int(nan_fill)
+    return m
+
+
 if __name__ == "__main__":
     sys.exit(main())
