@@ -118,7 +118,8 @@ __device__ __forceinline__ void fence_barrier_init() {
 }
 
 // Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones
-// (wgmma operand reads, TMA stores): after writing an operand with st.shared / stmatrix.
+// (wgmma operand reads, TMA stores): each writer of an operand (st.shared, stmatrix), after its
+// writes and before the barrier that hands them to the warpgroup issuing the wgmma.
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

@@ -118,8 +118,8 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
     const int tid = threadIdx.x;
     uint4* s = reinterpret_cast<uint4*>(smem_raw);
     for (unsigned i = tid; i < smem_bytes / 16; i += WG_THREADS) s[i] = smem_in[i];
+    sm90::fence_proxy_async();      // these generic writes, before the async proxy reads them
     __syncthreads();
-    sm90::fence_proxy_async();
     if (flags & WG_SETMAXNREG) sm90::setmaxnreg<240, true>();
     // [64, N] accumulators, this thread's N / 2
     float d[N / 2];
@@ -254,8 +254,8 @@ __global__ void sm90_attention_tile(const uint4* smem_in, float* out) {
     const int tid = threadIdx.x;
     uint4* s_all = reinterpret_cast<uint4*>(smem_raw);
     for (unsigned i = tid; i < 3 * TILE / 16; i += WG_THREADS) s_all[i] = smem_in[i];
+    sm90::fence_proxy_async();      // these generic writes, before the async proxy reads them
     __syncthreads();
-    sm90::fence_proxy_async();
     const u64 desc_q = sm90::smem_desc(smem_raw, 0, 1024, sm90::Swizzle::B128);
     const u64 desc_k = sm90::smem_desc(smem_raw + TILE, 0, 1024, sm90::Swizzle::B128);
     const u64 desc_v = sm90::smem_desc(smem_raw + 2 * TILE, TILE, 1024, sm90::Swizzle::B128);
