@@ -103,3 +103,40 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
                                     b.copy_conflicts};
     std::memcpy(out, v, sizeof(v));
 }
+
+// The sm_90a forward (fwd_sm90.cuh), in variants it supports (D a multiple of 64, BM of 64 or
+// 128), and the tensor maps its launcher passes (varlen/backends/_cupy_sm90.py): entry points of
+// their own, so that the table above stays that of the mma.sync kernels.
+#if EMU_D % 64 == 0 && (EMU_BM == 64 || EMU_BM == 128)
+namespace {
+const Kernel SM90_KERNELS[] = {
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC>),
+};
+}  // namespace
+
+extern "C" int emu_sm90_param_sizes(const char* key, size_t* sizes) {
+    for (const Kernel& k : SM90_KERNELS) {
+        if (std::strcmp(k.key, key) == 0) return k.param_sizes(sizes);
+    }
+    return -1;
+}
+
+extern "C" int emu_sm90_launch(const char* key, unsigned gx, unsigned gy, unsigned threads,
+                               size_t smem, void** args) {
+    for (const Kernel& k : SM90_KERNELS) {
+        if (std::strcmp(k.key, key) != 0) continue;
+        k.run(k.key, gx, gy, threads, smem, args);
+        return 0;
+    }
+    return -1;
+}
+
+// cuTensorMapEncodeTiled's emulated counterpart: the 128 bytes of the map into `out`.
+extern "C" void emu_sm90_tensor_map(const void* global, int rank, int elem_bytes,
+                                    const uint64_t* dims, const uint64_t* strides,
+                                    const uint32_t* box, int swizzle, void* out) {
+    const varlen::sm90::TensorMap m = varlen::sm90::make_tensor_map(
+        global, rank, elem_bytes, dims, strides, box, static_cast<varlen::sm90::Swizzle>(swizzle));
+    std::memcpy(out, &m, sizeof(m));
+}
+#endif

@@ -6,4 +6,8 @@
 #include "bwd_dq.cuh"
 #include "plan_build.cuh"
 
-
+// The sm_90a forward (wgmma, TMA, setmaxnreg): only where those instructions exist, so that
+// the sm_80 and sm_90 builds of the kernels above are unchanged.
+#if defined(VARLEN_HOST_EMULATION) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "fwd_sm90.cuh"
+#endif

@@ -1,0 +1,143 @@
+"""The sm_90a forward kernel (kernels_cuda/fwd_sm90.cuh): its NVRTC build for sm_90a (registers,
+spills, shared memory) and its runs through the host emulation against the float64 reference on
+small adversarial packed batches, one process per case (the emulation replaces `cupy`)."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+# label -> case. Lengths keep the grids to a few CTAs: the emulation runs one OS thread per CUDA
+# thread (256 or 384 per block here).
+CASES = {
+    # zero-length sequences (the last one too), length 1, lengths off the tile, a pad gap with
+    # NaN in it, causal
+    "B4-fp16-D64-BM64-causal-gaps-nan": dict(
+        lengths_q=[0, 1, 70, 0], lengths_k=[0, 1, 70, 0], Hq=2, Hk=1, D=64, dtype="float16",
+        mask="causal", gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
+    # per-sequence masks (full, causal, sliding window bottom-right), GQA 4:2, bf16
+    "B3-bf16-D64-BM64-mixed-masks-gqa": dict(
+        lengths_q=[5, 33, 17], lengths_k=[9, 33, 80], Hq=4, Hk=2, D=64, dtype="bfloat16",
+        mask=("mixed",), gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
+    # two consumer warpgroups, D = 128, three key tiles for one query tile (the ring wraps)
+    "B2-bf16-D128-BM128-full-3tiles": dict(
+        lengths_q=[3, 100], lengths_k=[150, 2], Hq=1, Hk=1, D=128, dtype="bfloat16",
+        mask="full", gaps=True, softcap=0.0, block_m=128, nan_in_pad=True),
+    # a NaN in a visible key of one sequence only, softcap, fp16 D = 128
+    "B2-fp16-D128-BM64-softcap-nan-visible": dict(
+        lengths_q=[20, 9], lengths_k=[65, 9], Hq=1, Hk=1, D=128, dtype="float16",
+        mask="causal_bottom_right", gaps=False, softcap=5.0, block_m=64, nan_in_pad=False,
+        nan_in_key=True),
+}
+QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan"]
+
+
+def _mask(spec, B):
+    import varlen
+    if spec != ("mixed",):
+        return spec
+    left = np.array([-1, -1, 7] * B, np.int32)[:B]
+    right = np.array([-1, 0, 0] * B, np.int32)[:B]
+    bottom = np.array([0, 0, 1] * B, np.int32)[:B]
+    return varlen.Mask(window_left=left, window_right=right, bottom_right=bottom)
+
+
+def run_case(label: str) -> float:
+    """Runs one case through the emulated sm_90a kernel; raises AssertionError on a mismatch.
+    Returns the seconds the kernel took."""
+    import varlen
+    from varlen.backends import _cupy_emulation, _cupy_sm90
+    from varlen.testing import assert_close, assert_lse, make_batch, naive_same_dtype
+    c = dict(CASES[label])
+    nan_in_pad, nan_in_key = c.pop("nan_in_pad"), c.pop("nan_in_key", False)
+    block_m = c["block_m"]
+    _cupy_emulation.install_fake_cupy(block_m)
+    _cupy_sm90.use_runtime(_cupy_sm90.EmulatedRuntime())
+    rng = np.random.default_rng(0)
+    mask = _mask(c["mask"], len(c["lengths_q"]))
+    b = make_batch(rng, c["lengths_q"], c["lengths_k"], Hq=c["Hq"], Hk=c["Hk"], D=c["D"],
+                   dtype=c["dtype"], mask=mask, gaps=c["gaps"])
+    if nan_in_pad:
+        # every row outside a sequence (pad gaps, rows past the last one) holds NaN: a TMA box
+        # that reads them must not let them reach a visible score or a P V product
+        from varlen.testing import covered_rows
+        rows_k = covered_rows(b, "k")
+        b.k[~rows_k] = np.nan
+        b.v[~rows_k] = np.nan
+        b.q[~covered_rows(b, "q")] = np.nan
+    if nan_in_key:
+        # the last key of sequence 1: only its queries that see it turn NaN
+        last = int(b.cu_k[2]) - 1
+        b.v[last, 0, 3] = np.nan
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
+                       block_m=block_m, block_n=64)
+    scale = 1.0 / math.sqrt(c["D"])
+    t0 = time.perf_counter()
+    out, lse = _cupy_sm90.forward(plan, b.q, b.k, b.v, softmax_scale=scale,
+                                  softcap=c["softcap"])
+    seconds = time.perf_counter() - t0
+    want_out, want_lse = b.ref_forward(softmax_scale=scale, softcap=c["softcap"])
+    want_out, want_lse = np.asarray(want_out), np.asarray(want_lse)
+    got_out = np.asarray(out).astype(np.float64)
+    got_lse = np.asarray(lse).astype(np.float64)
+    # rows whose expected value is NaN must be NaN, the rest compared with the tolerances
+    bad_out = np.isnan(want_out)
+    bad_lse = np.isnan(want_lse)
+    assert np.array_equal(np.isnan(got_out), bad_out), (
+        f"{label}: NaN pattern of out differs: {int(np.isnan(got_out).sum())} NaN, "
+        f"{int(bad_out.sum())} expected")
+    assert np.array_equal(np.isnan(got_lse), bad_lse), (
+        f"{label}: NaN pattern of lse differs: {int(np.isnan(got_lse).sum())} NaN, "
+        f"{int(bad_lse.sum())} expected")
+    naive_out = naive_same_dtype(b, softmax_scale=scale, softcap=c["softcap"])
+    # (the naive computation lets a NaN value row reach the rows that hide it: 0 x NaN)
+    naive_ok = np.isfinite(naive_out) & ~bad_out
+    naive_err = float(np.max(np.abs(naive_out - want_out)[naive_ok], initial=0.0))
+    assert_close(f"{label} out", np.where(bad_out, 0.0, got_out), np.where(bad_out, 0.0, want_out),
+                 dtype=c["dtype"], naive_err=naive_err)
+    assert_lse(f"{label} lse", np.where(bad_lse, 0.0, got_lse), np.where(bad_lse, 0.0, want_lse),
+               dtype=c["dtype"])
+    return seconds
+
+
+RUNNER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_sm90_forward import run_case
+print("ok", sys.argv[1], f"{{run_case(sys.argv[1]):.1f}} s")
+"""
+
+
+def _run(label, env=None):
+    proc = subprocess.run([sys.executable, "-c", RUNNER.format(tests=os.path.dirname(
+        os.path.abspath(__file__))), label], capture_output=True, text=True, timeout=1800,
+        cwd=ROOT, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, (f"{label} (host emulation):\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                               reason="needs a C++20 compiler")
+
+
+@needs_cxx
+@pytest.mark.parametrize("label", QUICK)
+def test_sm90_forward_on_host_emulation_quick(label):
+    _run(label)
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("label", [k for k in CASES if k not in QUICK])
+def test_sm90_forward_on_host_emulation(label):
+    _run(label)

@@ -1,0 +1,262 @@
+"""Launcher of the sm_90a forward kernel (`kernels_cuda/fwd_sm90.cuh`): wgmma, TMA, mbarriers.
+
+Opt-in only: the mma.sync kernels of `_cupy_kernels.py` stay the default everywhere. With
+`VARLEN_CUPY_PATH=sm90a` in the environment, `forward_if_selected` runs this kernel instead of
+`_cupy_kernels.forward` (the CuPy backend's forward calls it first; see docs/hopper.md, "The
+sm_90a forward"). Backward passes are unaffected.
+
+The kernel reads the same `PlanView` and `CallParams` as `varlen_fwd` and three CUDA tensor maps
+over the packed q, k, v (3D: (D, H, T) innermost first, boxes of 64 head-dim columns x 1 head x
+BM or BN rows, 128B swizzle, zero fill past row T). It is compiled by NVRTC for `sm_90a` (CuPy
+would pick the architecture from the device, without the `a` suffix that wgmma and setmaxnreg
+need) and loaded as a cubin; the tensor maps come from the driver's `cuTensorMapEncodeTiled`.
+A `Runtime` does both; `EmulatedRuntime` runs the kernel through the host emulation instead
+(tests/test_sm90_forward.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._array import alloc
+from . import _cupy_spec
+
+ENV_PATH = "VARLEN_CUPY_PATH"
+ARCH = "sm_90a"
+WG_THREADS = 128              # a warpgroup
+WG_ROWS = 64                  # query rows per consumer warpgroup (wgmma M)
+BOX_COLS = 64                 # head-dim columns per TMA box: 128 bytes, the 128B swizzle width
+STAGES = 2                    # K/V ring (FwdSm90Config::STAGES)
+NUM_BARRIERS = 1 + 4 * STAGES
+SWIZZLE_128B = 3              # CU_TENSOR_MAP_SWIZZLE_128B
+OPTIN_SMEM = 227 * 1024
+TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, 16)])      # CUtensorMap, 128 bytes
+
+
+def selected() -> bool:
+    """Whether the environment asks for the sm_90a forward (`VARLEN_CUPY_PATH=sm90a`)."""
+    return os.environ.get(ENV_PATH, "") == "sm90a"
+
+
+@dataclass(frozen=True)
+class Sm90Spec:
+    """One variant of `varlen_fwd_sm90`: element type, head dim, plan tile sizes, softcap."""
+
+    dtype: str          # "float16" | "bfloat16"
+    head_dim: int
+    block_m: int
+    block_n: int
+    softcap: bool
+
+    def __post_init__(self):
+        if self.dtype not in _cupy_spec.DTYPES:
+            raise ValueError(f"{self.dtype=}: the sm_90a forward takes float16 or bfloat16")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"{self.head_dim=}: the sm_90a forward takes D = 64 or 128")
+        if self.block_m not in (64, 128):
+            raise ValueError(f"{self.block_m=}: one or two consumer warpgroups of 64 rows")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"{self.block_n=}: key chunks of 64 or 128 rows (wgmma N)")
+        if self.smem > OPTIN_SMEM:
+            raise ValueError(f"{self}: {self.smem} B of shared memory exceed {OPTIN_SMEM}")
+
+    @property
+    def ctype(self) -> str:
+        return _cupy_spec.DTYPES[self.dtype]
+
+    @property
+    def threads(self) -> int:
+        """A producer warpgroup and one consumer warpgroup per 64 query rows."""
+        return WG_THREADS * (1 + self.block_m // WG_ROWS)
+
+    @property
+    def smem(self) -> int:
+        """Q [BM][D], STAGES x (K, V) [BN][D], the output stage [BM][D + 8], the mbarriers
+        (FwdSm90Config's layout)."""
+        e = _cupy_spec.ELEM_BYTES
+        data = (self.block_m + 2 * STAGES * self.block_n) * self.head_dim * e
+        data += self.block_m * (self.head_dim + _cupy_spec.SMEM_PAD) * e
+        return -(-data // 8) * 8 + 8 * NUM_BARRIERS
+
+    @property
+    def name(self) -> str:
+        return (f"varlen_fwd_sm90<{self.ctype}, {self.head_dim}, {self.block_m}, "
+                f"{self.block_n}, {'true' if self.softcap else 'false'}>")
+
+
+def spec_for(plan, q, softcap: float) -> Sm90Spec:
+    return Sm90Spec(str(q.dtype), int(q.shape[2]), int(plan.block_m), int(plan.block_n),
+                    bool(softcap > 0))
+
+
+def map_layout(a, box_rows: int):
+    """The tensor map of a packed [T, H, D] array as (dims, byte strides of dims 1 and 2, box),
+    innermost first."""
+    T, H, D = a.shape
+    e = a.dtype.itemsize
+    return (D, H, T), (D * e, H * D * e), (BOX_COLS, 1, box_rows)
+
+
+class Runtime:
+    """Compiles the kernels for sm_90a with NVRTC, loads the cubin into CuPy and makes tensor
+    maps with the CUDA driver (needs a Hopper GPU, cupy and cuda-bindings)."""
+
+    def __init__(self):
+        self._functions = {}
+
+    def function(self, spec: Sm90Spec):
+        if spec not in self._functions:
+            import tempfile
+            import cupy
+            from ._cupy_compile import compile_names
+            from cuda.bindings import nvrtc
+            cubin, _ = compile_names([spec.name], ARCH)
+            lowered = _lowered_name(nvrtc, spec.name)
+            path = os.path.join(tempfile.mkdtemp(prefix="varlen_sm90_"), "fwd.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            fn = cupy.RawModule(path=path).get_function(lowered)
+            fn.max_dynamic_shared_size_bytes = spec.smem
+            self._functions[spec] = fn
+        return self._functions[spec]
+
+    def tensor_map(self, a, box_rows: int) -> np.ndarray:
+        from cuda.bindings import driver as cu
+        dims, strides, box = map_layout(a, box_rows)
+        err, tmap = cu.cuTensorMapEncodeTiled(
+            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if a.dtype.name == "bfloat16"
+            else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            3, a.data.ptr, list(dims), list(strides), list(box), [1, 1, 1],
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuTensorMapEncodeTiled({a.shape=}, {box=}) failed: {err}")
+        arg = np.zeros((), TENSOR_MAP_DTYPE)
+        arg["opaque"] = np.asarray(tmap.opaque, dtype=np.uint64)
+        return arg
+
+    def launch(self, spec: Sm90Spec, *, grid, args):
+        self.function(spec)(grid, (spec.threads,), args, shared_mem=spec.smem)
+
+
+def _lowered_name(nvrtc, name: str) -> str:
+    """The mangled name NVRTC gives a name expression (a second, cheap front-end pass)."""
+    from ._cupy_compile import _check, program_options
+    prog = _check(nvrtc.nvrtcCreateProgram(_cupy_spec.module_source().encode(), b"varlen.cu", 0,
+                                           [], []), "create")
+    try:
+        _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), "add name expression")
+        opts = [o.encode() for o in program_options(ARCH)]
+        nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        return _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()), "lowered name").decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+class EmulatedRuntime:
+    """The same launches through the host emulation (`_cupy_emulation`): the kernel compiled
+    with g++, one OS thread per CUDA thread, its tensor maps made by the emulation's
+    `make_tensor_map`. Use after `_cupy_emulation.install_fake_cupy` (host arrays)."""
+
+    MAX_PARAMS = 16
+
+    def _lib(self, spec: Sm90Spec):
+        from ._cupy_emulation import _build
+        bq = 32 if spec.head_dim > 64 else 64
+        return _build(spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq,
+                      "true" if spec.softcap else "false")
+
+    def tensor_map(self, a, box_rows: int) -> np.ndarray:
+        dims, strides, box = map_layout(a, box_rows)
+        arg = np.zeros((), TENSOR_MAP_DTYPE)
+        lib = self._lib_any
+        lib.emu_sm90_tensor_map(
+            ctypes.c_void_p(a.ctypes.data), ctypes.c_int(3), ctypes.c_int(a.dtype.itemsize),
+            (ctypes.c_uint64 * 3)(*dims), (ctypes.c_uint64 * 2)(*strides),
+            (ctypes.c_uint32 * 3)(*box), ctypes.c_int(SWIZZLE_128B),
+            ctypes.c_void_p(arg.ctypes.data))
+        return arg
+
+    def prepare(self, spec: Sm90Spec):
+        self._lib_any = self._lib(spec)
+
+    def launch(self, spec: Sm90Spec, *, grid, args):
+        from ._cupy_emulation import OPTIN_SMEM as EMU_OPTIN, _Kernel
+        lib = self._lib(spec)
+        key = b"varlen_fwd_sm90"
+        sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
+        n = lib.emu_sm90_param_sizes(key, sizes)
+        assert n == len(args), f"{spec.name}: {len(args)} arguments for {n} parameters"
+        assert spec.smem <= EMU_OPTIN, f"{spec.name}: {spec.smem} B of shared memory"
+        # _Kernel._bytes_of: each argument as the bytes a GPU launch passes, size-checked
+        # (tensor maps copied to 64-byte aligned buffers: the parameter type is alignas(64))
+        fake = _Kernel.__new__(_Kernel)
+        fake.name = spec.name
+        values = [fake._bytes_of(i, a, size) for i, (a, size) in enumerate(zip(args, sizes))]
+        addresses, keep = [], []
+        for v in values:
+            addr, size = ctypes.addressof(v), ctypes.sizeof(v)
+            if size == TENSOR_MAP_DTYPE.itemsize:
+                buf = (ctypes.c_char * (size + 64))()
+                keep.append(buf)
+                addr = -(-ctypes.addressof(buf) // 64) * 64
+                ctypes.memmove(addr, ctypes.addressof(v), size)
+            addresses.append(addr)
+        params = (ctypes.c_void_p * n)(*addresses)
+        rc = lib.emu_sm90_launch(key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
+                                 ctypes.c_uint(spec.threads), ctypes.c_size_t(spec.smem), params)
+        assert rc == 0, f"{spec.name}: no such entry point in the emulation"
+
+
+_runtime = None
+
+
+def runtime():
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime()
+    return _runtime
+
+
+def use_runtime(rt) -> None:
+    """Route launches through `rt` (EmulatedRuntime in the tests)."""
+    global _runtime
+    _runtime = rt
+
+
+def forward(plan, q, k, v, *, softmax_scale: float, softcap: float):
+    """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf),
+    as `_cupy_kernels.forward`, by the sm_90a kernel."""
+    import cupy
+    from ._cupy_kernels import _check_heads, _data, call_params_arg, plan_view_arg
+    q, k, v = _data(q), _data(k), _data(v)
+    Tq, Hq, D = q.shape
+    Hk = k.shape[1]
+    _check_heads(Hq)
+    spec = spec_for(plan, q, softcap)
+    out = alloc(cupy, (Tq, Hq, D), q.dtype, fill=0)
+    lse = alloc(cupy, (Hq, Tq), np.float32, fill=-np.inf)
+    if plan.num_q_tiles == 0 or Tq == 0:
+        return out, lse
+    rt = runtime()
+    if hasattr(rt, "prepare"):
+        rt.prepare(spec)
+    plan_arg = plan_view_arg(plan)
+    maps = (rt.tensor_map(q, spec.block_m), rt.tensor_map(k, spec.block_n),
+            rt.tensor_map(v, spec.block_n))
+    rt.launch(spec, grid=(plan.num_q_tiles, Hq),
+              args=(*maps, out, lse, plan_arg.struct,
+                    call_params_arg(Hq, Hk, softmax_scale, softcap)))
+    return out, lse
+
+
+def forward_if_selected(plan, q, k, v, *, softmax_scale: float, softcap: float):
+    """`forward(...)` when `VARLEN_CUPY_PATH=sm90a` is set, else None (the default path runs)."""
+    if not selected():
+        return None
+    return forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
