@@ -141,3 +141,30 @@ def test_sm90_forward_on_host_emulation_quick(label):
 @pytest.mark.parametrize("label", [k for k in CASES if k not in QUICK])
 def test_sm90_forward_on_host_emulation(label):
     _run(label)
+
+
+def _specs():
+    from varlen.backends._cupy_sm90 import Sm90Spec
+    return [Sm90Spec(dt, d, bm, 64, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
+            for bm in (64, 128) for sc in (False, True)]
+
+
+def test_sm90_spec_rejects_what_the_kernel_does_not_take():
+    from varlen.backends._cupy_sm90 import Sm90Spec
+    for bad in (dict(dtype="float32"), dict(head_dim=96), dict(block_m=32), dict(block_n=32)):
+        kw = {**dict(dtype="bfloat16", head_dim=64, block_m=64, block_n=64, softcap=False), **bad}
+        with pytest.raises(ValueError):
+            Sm90Spec(**kw)
+
+
+def test_sm90_forward_compiles_for_sm90a_within_budget():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
+    from varlen.backends._cupy_sm90 import OPTIN_SMEM, compile_report
+    report = compile_report(_specs())
+    for name, u in report.items():
+        print(f"{name}: {u['registers']} registers at entry, {u['threads']} threads, "
+              f"{u['smem']} B shared, spills {u['spill_stores']}/{u['spill_loads']}")
+        assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{name} spills: {u}"
+        assert u["registers"] * u["threads"] <= 65536, f"{name}: registers exceed an SM: {u}"
+        assert u["smem"] + u["static_smem"] <= OPTIN_SMEM, f"{name}: shared memory {u}"
+        assert not u["warnings"], f"{name}: ptxas warnings (setmaxnreg ignored?) {u['warnings']}"

@@ -158,6 +158,37 @@ def _lowered_name(nvrtc, name: str) -> str:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def compile_report(specs) -> dict:
+    """NVRTC build of `specs` for sm_90a: {name: {registers, spill_stores, spill_loads,
+    static_smem, smem, warnings}}. `registers` is ptxas' allocation at entry (the cap of
+    `__launch_bounds__(threads, 1)`); setmaxnreg then moves registers from the producer to the
+    consumer warpgroups. `warnings` lists the log's warning lines (C7508: setmaxnreg ignored)."""
+    from cuda.bindings import nvrtc
+    from ._cupy_compile import _check, parse_ptxas_log, program_options
+    specs = list(specs)
+    prog = _check(nvrtc.nvrtcCreateProgram(_cupy_spec.module_source().encode(), b"varlen.cu", 0,
+                                           [], []), "create")
+    try:
+        for spec in specs:
+            _check(nvrtc.nvrtcAddNameExpression(prog, spec.name.encode()), "add name expression")
+        opts = [o.encode() for o in program_options(ARCH)]
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.rstrip(b"\x00").decode(errors="replace")
+        if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"compiling {len(specs)} kernels for {ARCH} failed:\n{log}")
+        lowered = {s.name: _check(nvrtc.nvrtcGetLoweredName(prog, s.name.encode()),
+                                  "lowered name").decode() for s in specs}
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    usage = parse_ptxas_log(log)
+    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+    return {s.name: {**usage[lowered[s.name]], "smem": s.smem, "threads": s.threads,
+                     "warnings": warnings} for s in specs}
+
+
 class EmulatedRuntime:
     """The same launches through the host emulation (`_cupy_emulation`): the kernel compiled
     with g++, one OS thread per CUDA thread, its tensor maps made by the emulation's
