@@ -168,3 +168,15 @@ def test_sm90_forward_compiles_for_sm90a_within_budget():
         assert u["registers"] * u["threads"] <= 65536, f"{name}: registers exceed an SM: {u}"
         assert u["smem"] + u["static_smem"] <= OPTIN_SMEM, f"{name}: shared memory {u}"
         assert not u["warnings"], f"{name}: ptxas warnings (setmaxnreg ignored?) {u['warnings']}"
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_sm90_forward_under_thread_sanitizer():
+    """The quick case built with ThreadSanitizer, copies landing at random points: the mbarrier
+    protocol (q_full, k_full, v_full, ready, empty) must order every shared-memory access of the
+    producer warpgroup, the TMA copies and the consumers (a race stops the run)."""
+    from varlen.backends import _cupy_emulation
+    env = dict(LD_PRELOAD=_cupy_emulation.tsan_runtime(), TSAN_OPTIONS=_cupy_emulation.TSAN_OPTIONS,
+               VARLEN_EMULATION_RACE="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    assert "ok" in _run(QUICK[0], env)
