@@ -36,6 +36,11 @@ CASES = {
         lengths_q=[20, 9], lengths_k=[65, 9], Hq=1, Hk=1, D=128, dtype="float16",
         mask="causal_bottom_right", gaps=False, softcap=5.0, block_m=64, nan_in_pad=False,
         nan_in_key=True),
+    # key chunks of 128 (wgmma N = 128 for S), causal, a ragged last chunk
+    "B2-bf16-D64-BM64-BN128-causal-gaps-nan": dict(
+        lengths_q=[40, 90], lengths_k=[40, 150], Hq=1, Hk=1, D=64, dtype="bfloat16",
+        mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64, block_n=128,
+        nan_in_pad=True),
 }
 QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan"]
 
@@ -58,7 +63,7 @@ def run_case(label: str) -> float:
     from varlen.testing import assert_close, assert_lse, make_batch, naive_same_dtype
     c = dict(CASES[label])
     nan_in_pad, nan_in_key = c.pop("nan_in_pad"), c.pop("nan_in_key", False)
-    block_m = c["block_m"]
+    block_m, block_n = c["block_m"], c.pop("block_n", 64)
     _cupy_emulation.install_fake_cupy(block_m)
     _cupy_sm90.use_runtime(_cupy_sm90.EmulatedRuntime())
     rng = np.random.default_rng(0)
@@ -79,7 +84,7 @@ def run_case(label: str) -> float:
         b.v[last, 0, 3] = np.nan
     plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
                        mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
-                       block_m=block_m, block_n=64)
+                       block_m=block_m, block_n=block_n)
     scale = 1.0 / math.sqrt(c["D"])
     t0 = time.perf_counter()
     out, lse = _cupy_sm90.forward(plan, b.q, b.k, b.v, softmax_scale=scale,
@@ -145,8 +150,10 @@ def test_sm90_forward_on_host_emulation(label):
 
 def _specs():
     from varlen.backends._cupy_sm90 import Sm90Spec
-    return [Sm90Spec(dt, d, bm, 64, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
-            for bm in (64, 128) for sc in (False, True)]
+    return ([Sm90Spec(dt, d, bm, 64, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
+             for bm in (64, 128) for sc in (False, True)] +
+            [Sm90Spec("bfloat16", d, bm, 128, sc) for d in (64, 128) for bm in (64, 128)
+             for sc in (False, True)])
 
 
 def test_sm90_spec_rejects_what_the_kernel_does_not_take():
