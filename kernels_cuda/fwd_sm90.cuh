@@ -56,7 +56,10 @@ struct FwdSm90Config {
     static constexpr int OFF_BARS = (OFF_OUT + OUT_BYTES + 7) / 8 * 8;
     // q_full, then k_full, v_full, ready, empty per stage
     static constexpr int NUM_BARS = 1 + 4 * STAGES;
-    static constexpr int SMEM_BYTES = OFF_BARS + 8 * NUM_BARS;
+    // + ALIGN: the block rounds its base up to the swizzle's repeat (tiles start on it, the
+    // descriptors' base offset is 0), whatever alignment the dynamic window has
+    static constexpr int ALIGN = 1024;
+    static constexpr int SMEM_BYTES = OFF_BARS + 8 * NUM_BARS + ALIGN;
     // Registers per thread after setmaxnreg: the producer gives its share to the consumers
     // (FlashAttention-3's split); 128 (PRODUCER + NC CONSUMER) must fit the SM's 64 K.
     static constexpr int PRODUCER_REGS = 40;
@@ -239,11 +242,10 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
         sm90::wgmma_fence();
         #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t step = (kk % 4) * 32;
-            sm90::wgmma_ss<T, BN, false, false>(s_frag,
-                                                sm90::desc_advance(desc_q, (kk / 4) * BOX_Q + step),
-                                                sm90::desc_advance(desc_k, (kk / 4) * BOX_KV + step),
-                                                kk > 0);
+            const uint32_t step = (kk % 4) * 32;      // k16 steps inside a box of 64 columns
+            const sm90::u64 a = sm90::desc_advance(desc_q, (kk / 4) * BOX_Q + step);
+            const sm90::u64 b = sm90::desc_advance(desc_k, (kk / 4) * BOX_KV + step);
+            sm90::wgmma_ss<T, BN, false, false>(s_frag, a, b, kk > 0);
         }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
@@ -257,14 +259,17 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
         sm90::mbar_wait(sm.v_full(s), parity);
         const sm90::u64 desc_v = sm90::smem_desc(sm.v(s), BOX_KV, Cfg::ATOM_BYTES,
                                                  sm90::Swizzle::B128);
+        // [16, BN] P of this warp as BN / 16 A fragments, all written before the wgmma.fence
+        // (the ISA orders register writes before an async read of them only through it)
+        uint32_t p_frag[BN / 16][4];
+        #pragma unroll
+        for (int j = 0; j < BN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
         sm90::wgmma_fence_operand(o_frag);
         sm90::wgmma_fence();
         #pragma unroll
         for (int j = 0; j < BN / 16; ++j) {
-            uint32_t a[4];
-            c_to_a<T>(a, acc_s, j);
-            sm90::wgmma_rs<T, D, true>(o_frag, a, sm90::desc_advance(desc_v, j * 16 *
-                                                                      Cfg::BOX_ROW_BYTES),
+            sm90::wgmma_rs<T, D, true>(o_frag, p_frag[j],
+                                       sm90::desc_advance(desc_v, j * 16 * Cfg::BOX_ROW_BYTES),
                                        true);
         }
         sm90::wgmma_commit();
@@ -299,7 +304,8 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
     const int i_khead = i_head / (call.Hq / call.Hk);
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const Sm90Smem<T, Cfg> sm{smem_raw};
+    const uint32_t misalign = sm90::smem_addr(smem_raw) % Cfg::ALIGN;
+    const Sm90Smem<T, Cfg> sm{smem_raw + (misalign ? Cfg::ALIGN - misalign : 0)};
     if (threadIdx.x == 0) {
         sm90::mbar_init(sm.q_full(), 1);
         #pragma unroll

@@ -31,6 +31,7 @@ WG_ROWS = 64                  # query rows per consumer warpgroup (wgmma M)
 BOX_COLS = 64                 # head-dim columns per TMA box: 128 bytes, the 128B swizzle width
 STAGES = 2                    # K/V ring (FwdSm90Config::STAGES)
 NUM_BARRIERS = 1 + 4 * STAGES
+SMEM_ALIGN = 1024             # slack to round the shared window up to the 128B swizzle's repeat
 SWIZZLE_128B = 3              # CU_TENSOR_MAP_SWIZZLE_128B
 OPTIN_SMEM = 227 * 1024
 TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, 16)])      # CUtensorMap, 128 bytes
@@ -75,11 +76,11 @@ class Sm90Spec:
     @property
     def smem(self) -> int:
         """Q [BM][D], STAGES x (K, V) [BN][D], the output stage [BM][D + 8], the mbarriers
-        (FwdSm90Config's layout)."""
+        (FwdSm90Config's layout), and 1 KiB to align the window."""
         e = _cupy_spec.ELEM_BYTES
         data = (self.block_m + 2 * STAGES * self.block_n) * self.head_dim * e
         data += self.block_m * (self.head_dim + _cupy_spec.SMEM_PAD) * e
-        return -(-data // 8) * 8 + 8 * NUM_BARRIERS
+        return -(-data // 8) * 8 + 8 * NUM_BARRIERS + SMEM_ALIGN
 
     @property
     def name(self) -> str:
@@ -111,14 +112,11 @@ class Runtime:
         if spec not in self._functions:
             import tempfile
             import cupy
-            from ._cupy_compile import compile_names
-            from cuda.bindings import nvrtc
-            cubin, _ = compile_names([spec.name], ARCH)
-            lowered = _lowered_name(nvrtc, spec.name)
+            cubin, lowered, _ = _compile([spec])
             path = os.path.join(tempfile.mkdtemp(prefix="varlen_sm90_"), "fwd.cubin")
             with open(path, "wb") as f:
                 f.write(cubin)
-            fn = cupy.RawModule(path=path).get_function(lowered)
+            fn = cupy.RawModule(path=path).get_function(lowered[spec.name])
             fn.max_dynamic_shared_size_bytes = spec.smem
             self._functions[spec] = fn
         return self._functions[spec]
@@ -144,28 +142,10 @@ class Runtime:
         self.function(spec)(grid, (spec.threads,), args, shared_mem=spec.smem)
 
 
-def _lowered_name(nvrtc, name: str) -> str:
-    """The mangled name NVRTC gives a name expression (a second, cheap front-end pass)."""
-    from ._cupy_compile import _check, program_options
-    prog = _check(nvrtc.nvrtcCreateProgram(_cupy_spec.module_source().encode(), b"varlen.cu", 0,
-                                           [], []), "create")
-    try:
-        _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), "add name expression")
-        opts = [o.encode() for o in program_options(ARCH)]
-        nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        return _check(nvrtc.nvrtcGetLoweredName(prog, name.encode()), "lowered name").decode()
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def compile_report(specs) -> dict:
-    """NVRTC build of `specs` for sm_90a: {name: {registers, spill_stores, spill_loads,
-    static_smem, smem, warnings}}. `registers` is ptxas' allocation at entry (the cap of
-    `__launch_bounds__(threads, 1)`); setmaxnreg then moves registers from the producer to the
-    consumer warpgroups. `warnings` lists the log's warning lines (C7508: setmaxnreg ignored)."""
+def _compile(specs):
+    """NVRTC build of `specs` for sm_90a in one program: (cubin, {name: lowered name}, log)."""
     from cuda.bindings import nvrtc
-    from ._cupy_compile import _check, parse_ptxas_log, program_options
-    specs = list(specs)
+    from ._cupy_compile import _check, program_options
     prog = _check(nvrtc.nvrtcCreateProgram(_cupy_spec.module_source().encode(), b"varlen.cu", 0,
                                            [], []), "create")
     try:
@@ -181,8 +161,22 @@ def compile_report(specs) -> dict:
             raise RuntimeError(f"compiling {len(specs)} kernels for {ARCH} failed:\n{log}")
         lowered = {s.name: _check(nvrtc.nvrtcGetLoweredName(prog, s.name.encode()),
                                   "lowered name").decode() for s in specs}
+        cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+    return cubin, lowered, log
+
+
+def compile_report(specs) -> dict:
+    """NVRTC build of `specs` for sm_90a: {name: {registers, spill_stores, spill_loads,
+    static_smem, smem, threads, warnings}}. `registers` is ptxas' allocation at entry (the cap
+    of `__launch_bounds__(threads, 1)`); setmaxnreg then moves registers from the producer to
+    the consumer warpgroups. `warnings` lists the log's warning lines (C7508: setmaxnreg
+    ignored)."""
+    from ._cupy_compile import parse_ptxas_log
+    specs = list(specs)
+    _, lowered, log = _compile(specs)
     usage = parse_ptxas_log(log)
     warnings = [line for line in log.splitlines() if "warning" in line.lower()]
     return {s.name: {**usage[lowered[s.name]], "smem": s.smem, "threads": s.threads,
