@@ -187,3 +187,36 @@ def test_sm90_forward_under_thread_sanitizer():
     env = dict(LD_PRELOAD=_cupy_emulation.tsan_runtime(), TSAN_OPTIONS=_cupy_emulation.TSAN_OPTIONS,
                VARLEN_EMULATION_RACE="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     assert "ok" in _run(QUICK[0], env)
+
+
+# Mutations of fwd_sm90.cuh that the cases above must catch: (old, new, case, what the failure
+# says). Each is compiled from a mutated copy of the kernel sources (VARLEN_EMULATION_SOURCE_DIR).
+MUTATIONS = {
+    "no-v-row-zeroing": ("        if (r < rows && !bad) continue;", "        continue;",
+                         QUICK[0], "NaN pattern of out differs"),
+    "no-mask": ("query_rows_mask(pol, tile.pos, w, c)",
+                "query_rows_mask(pol, tile.pos, w, Chunk{c.row, c.rows, c.pos, c.head, true})",
+                "B3-bf16-D64-BM64-mixed-masks-gqa", "differs"),
+    "no-empty-wait": ("        sm90::mbar_wait(sm.empty(s), parity ^ 1u);\n", "",
+                      "B2-bf16-D128-BM128-full-3tiles", "mbarrier"),
+}
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_sm90_forward_mutation_is_caught(name, tmp_path):
+    from varlen.kernels_cuda import SOURCE_DIR
+    old, new, label, says = MUTATIONS[name]
+    src = tmp_path / "kernels_cuda"
+    shutil.copytree(SOURCE_DIR, src)
+    path = src / "fwd_sm90.cuh"
+    text = path.read_text()
+    assert text.count(old) == 1, f"{name}: the mutated line is not in fwd_sm90.cuh once"
+    path.write_text(text.replace(old, new))
+    proc = subprocess.run([sys.executable, "-c", RUNNER.format(tests=os.path.dirname(
+        os.path.abspath(__file__))), label], capture_output=True, text=True, timeout=1800,
+        cwd=ROOT, env={**os.environ, "VARLEN_EMULATION_SOURCE_DIR": str(src),
+                       "VARLEN_EMULATION_TIMEOUT": "20"})
+    assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
+    assert says in proc.stdout + proc.stderr, f"{name}: failed otherwise:\n{proc.stderr[-2000:]}"
