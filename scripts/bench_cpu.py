@@ -878,11 +878,11 @@ def run_case(args, workload, config, peaks, tick, failed) -> list:
     --scaling-runners): one record per thread count."""
     d, base = case_data(args, workload, config)
     label = base["label"]
+    pin(max(args.threads))              # the reference's BLAS threads each get a CPU
     tick(f"{label}: float64 reference")
     ref = reference(d)
     records = {n: dict(base, threads=n, runners={}, parity={}) for n in args.threads}
     prepared = {}
-    pin(max(args.threads))
     for runner in (r for r in args.runners if r != "jax"):
         tick(f"{label}: {runner} parity")
         phases, status = check_runner(runner, d, ref)
