@@ -41,6 +41,10 @@ CASES = {
         lengths_q=[40, 90], lengths_k=[40, 150], Hq=1, Hk=1, D=64, dtype="bfloat16",
         mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64, block_n=128,
         nan_in_pad=True),
+    # D = 256 (four boxes of 64 columns, wgmma N = 256 for P V), one consumer warpgroup
+    "B3-fp16-D256-BM64-causal-gaps-nan": dict(
+        lengths_q=[1, 0, 70], lengths_k=[1, 0, 70], Hq=2, Hk=1, D=256, dtype="float16",
+        mask="causal", gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
 }
 QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan"]
 
@@ -153,12 +157,15 @@ def _specs():
     return ([Sm90Spec(dt, d, bm, 64, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
              for bm in (64, 128) for sc in (False, True)] +
             [Sm90Spec("bfloat16", d, bm, 128, sc) for d in (64, 128) for bm in (64, 128)
+             for sc in (False, True)] +
+            [Sm90Spec(dt, 256, 64, 64, sc) for dt in ("float16", "bfloat16")
              for sc in (False, True)])
 
 
 def test_sm90_spec_rejects_what_the_kernel_does_not_take():
     from varlen.backends._cupy_sm90 import Sm90Spec
-    for bad in (dict(dtype="float32"), dict(head_dim=96), dict(block_m=32), dict(block_n=32)):
+    for bad in (dict(dtype="float32"), dict(head_dim=96), dict(block_m=32), dict(block_n=32),
+                dict(head_dim=256, block_m=128)):     # 259 KB of shared memory
         kw = {**dict(dtype="bfloat16", head_dim=64, block_m=64, block_n=64, softcap=False), **bad}
         with pytest.raises(ValueError):
             Sm90Spec(**kw)

@@ -55,8 +55,8 @@ class Sm90Spec:
     def __post_init__(self):
         if self.dtype not in _cupy_spec.DTYPES:
             raise ValueError(f"{self.dtype=}: the sm_90a forward takes float16 or bfloat16")
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"{self.head_dim=}: the sm_90a forward takes D = 64 or 128")
+        if self.head_dim not in (64, 128, 256):
+            raise ValueError(f"{self.head_dim=}: the sm_90a forward takes D = 64, 128 or 256")
         if self.block_m not in (64, 128):
             raise ValueError(f"{self.block_m=}: one or two consumer warpgroups of 64 rows")
         if self.block_n not in (64, 128):
