@@ -59,17 +59,18 @@ def _mask(spec, B):
     return varlen.Mask(window_left=left, window_right=right, bottom_right=bottom)
 
 
-def run_case(label: str) -> float:
-    """Runs one case through the emulated sm_90a kernel; raises AssertionError on a mismatch.
-    Returns the seconds the kernel took."""
+def run_case(label: str, device: bool = False) -> float:
+    """Runs one case through the emulated sm_90a kernel (on a Hopper GPU with `device`, float16
+    cases only); raises AssertionError on a mismatch. Returns the seconds the forward took."""
     import varlen
     from varlen.backends import _cupy_emulation, _cupy_sm90
     from varlen.testing import assert_close, assert_lse, make_batch, naive_same_dtype
     c = dict(CASES[label])
     nan_in_pad, nan_in_key = c.pop("nan_in_pad"), c.pop("nan_in_key", False)
     block_m, block_n = c["block_m"], c.pop("block_n", 64)
-    _cupy_emulation.install_fake_cupy(block_m)
-    _cupy_sm90.use_runtime(_cupy_sm90.EmulatedRuntime())
+    if not device:
+        _cupy_emulation.install_fake_cupy(block_m)
+        _cupy_sm90.use_runtime(_cupy_sm90.EmulatedRuntime())
     rng = np.random.default_rng(0)
     mask = _mask(c["mask"], len(c["lengths_q"]))
     b = make_batch(rng, c["lengths_q"], c["lengths_k"], Hq=c["Hq"], Hk=c["Hk"], D=c["D"],
@@ -90,9 +91,15 @@ def run_case(label: str) -> float:
                        mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
                        block_m=block_m, block_n=block_n)
     scale = 1.0 / math.sqrt(c["D"])
+    q, k, v = b.q, b.k, b.v
+    if device:
+        import cupy
+        q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
     t0 = time.perf_counter()
-    out, lse = _cupy_sm90.forward(plan, b.q, b.k, b.v, softmax_scale=scale,
-                                  softcap=c["softcap"])
+    out, lse = _cupy_sm90.forward(plan, q, k, v, softmax_scale=scale, softcap=c["softcap"])
+    if device:
+        cupy.cuda.Device().synchronize()
+        out, lse = cupy.asnumpy(out), cupy.asnumpy(lse)
     seconds = time.perf_counter() - t0
     want_out, want_lse = b.ref_forward(softmax_scale=scale, softcap=c["softcap"])
     want_out, want_lse = np.asarray(want_out), np.asarray(want_lse)
@@ -227,3 +234,15 @@ def test_sm90_forward_mutation_is_caught(name, tmp_path):
                        "VARLEN_EMULATION_TIMEOUT": "20"})
     assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
     assert says in proc.stdout + proc.stderr, f"{name}: failed otherwise:\n{proc.stderr[-2000:]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", [k for k, c in CASES.items() if c["dtype"] == "float16"])
+def test_sm90_forward_on_hopper(label):
+    """The float16 cases on a Hopper GPU: the NVRTC cubin through CuPy, tensor maps from the
+    driver (bfloat16 needs the 16-bit-pattern path of the CuPy backend's adapters)."""
+    cupy = pytest.importorskip("cupy")
+    pytest.importorskip("cuda.bindings.driver", reason="needs cuda-bindings (tensor maps)")
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    run_case(label, device=True)
