@@ -246,3 +246,31 @@ def test_sm90_forward_on_hopper(label):
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("needs an sm_90 GPU")
     run_case(label, device=True)
+
+
+def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
+    """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's forward to the sm_90a kernel on a
+    compute capability 9.0 GPU, refuses any other GPU with an error naming the variable, and
+    without it the mma.sync forward runs."""
+    from varlen.backends import _cupy_kernels, _cupy_sm90
+    from varlen.backends._cupy_spec import DeviceInfo
+    from varlen.backends.cupy_backend import BACKEND
+    ran = []
+    monkeypatch.setattr(_cupy_sm90, "forward", lambda *a, **k: ran.append("sm90a") or "sm90a")
+    monkeypatch.setattr(_cupy_kernels, "forward", lambda *a, **k: ran.append("mma") or "mma")
+    monkeypatch.setattr(BACKEND, "_require_fit", lambda *a: None)
+    q = np.zeros((4, 2, 64), np.float16)
+    plan = type("P", (), {"block_m": 64, "block_n": 64})()
+    h100 = DeviceInfo((9, 0), 227 * 1024, "NVIDIA H100")
+    a100 = DeviceInfo((8, 0), 163 * 1024, "NVIDIA A100")
+    call = dict(softmax_scale=0.125, softcap=0.0)
+    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
+    with BACKEND.stand_in_device(h100):
+        assert BACKEND.forward(plan, q, q, q, **call) == "mma"
+    monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90a")
+    with BACKEND.stand_in_device(h100):
+        assert BACKEND.forward(plan, q, q, q, **call) == "sm90a"
+    with BACKEND.stand_in_device(a100), pytest.raises(RuntimeError,
+                                                      match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
+        BACKEND.forward(plan, q, q, q, **call)
+    assert ran == ["mma", "sm90a"]

@@ -1,9 +1,9 @@
 """Launcher of the sm_90a forward kernel (`kernels_cuda/fwd_sm90.cuh`): wgmma, TMA, mbarriers.
 
 Opt-in only: the mma.sync kernels of `_cupy_kernels.py` stay the default everywhere. With
-`VARLEN_CUPY_PATH=sm90a` in the environment, `forward_if_selected` runs this kernel instead of
-`_cupy_kernels.forward` (the CuPy backend's forward calls it first; see docs/hopper.md, "The
-sm_90a forward"). Backward passes are unaffected.
+`VARLEN_CUPY_PATH=sm90a` in the environment (`selected()`), the CuPy backend's forward runs
+this kernel instead of `_cupy_kernels.forward` on a compute capability 9.0 GPU and refuses any
+other (see docs/hopper.md, "The sm_90a forward"). Backward passes are unaffected.
 
 The kernel reads the same `PlanView` and `CallParams` as `varlen_fwd` and three CUDA tensor maps
 over the packed q, k, v (3D: (D, H, T) innermost first, boxes of 64 head-dim columns x 1 head x
@@ -278,10 +278,3 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float):
               args=(*maps, out, lse, plan_arg.struct,
                     call_params_arg(Hq, Hk, softmax_scale, softcap)))
     return out, lse
-
-
-def forward_if_selected(plan, q, k, v, *, softmax_scale: float, softcap: float):
-    """`forward(...)` when `VARLEN_CUPY_PATH=sm90a` is set, else None (the default path runs)."""
-    if not selected():
-        return None
-    return forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)

@@ -145,8 +145,18 @@ class CupyBackend(Backend):
                              f"tiles of CupyBackend.default_blocks or use another backend")
 
     def forward(self, plan, q, k, v, *, softmax_scale, softcap):
-        """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf."""
-        from . import _cupy_kernels
+        """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf.
+        With `VARLEN_CUPY_PATH=sm90a` the sm_90a kernel runs it (`_cupy_sm90`, opt-in until
+        a GPU has passed scripts/gpu_check.sh); it refuses any GPU but compute capability 9.0."""
+        from . import _cupy_kernels, _cupy_sm90
+        if _cupy_sm90.selected():
+            device, why = self.device()
+            if device is None or tuple(device.compute_capability) != (9, 0):
+                raise RuntimeError(
+                    f"{_cupy_sm90.ENV_PATH}=sm90a runs wgmma/TMA kernels built for sm_90a "
+                    f"(H100/H200); this GPU is {why or device.describe()}: unset it")
+            return _cupy_sm90.forward(plan, q, k, v, softmax_scale=softmax_scale,
+                                      softcap=softcap)
         spec = spec_for(plan, q, kind="fwd", softcap=softcap)
         self._require_fit(spec, "fwd")
         return _cupy_kernels.forward(spec, plan, q, k, v, softmax_scale=softmax_scale,
