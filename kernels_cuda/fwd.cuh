@@ -5,7 +5,7 @@
 // read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP). Q's
 // fragments stay in registers where the budget allows (FwdConfig::Q_IN_REGS), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
-// [KN][D+8] and V [KN][D+8] (KN = BN, or BN / 2 at D = 128, BM = 128); K and V wait
+// [KN][D+8] and V [KN][D+8] (KN = BN, or BN / 2 at D >= 96, BM = 128); K and V wait
 // separately (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
@@ -30,8 +30,9 @@ struct FwdConfig {
     static constexpr int MT = WARP_M / WARP_ROWS;       // m16 tiles per warp
     static constexpr int STRIDE = smem_stride<D>();
     // Keys per chunk: a plan tile, or half of one where the fp32 accumulators O and S of a
-    // whole tile (registers per lane) would leave too few for the rest (D = 128, BM = 128).
-    static constexpr int KN = MT * (D + BN) / 2 > 160 ? BN / 2 : BN;
+    // whole tile take 160 or more registers per lane, too many for the rest (D = 96 and 128 at
+    // BM = 128).
+    static constexpr int KN = MT * (D + BN) / 2 >= 160 ? BN / 2 : BN;
     // Registers per lane of Q's fragments and of the accumulators: Q stays in registers when
     // both leave ~60 for addresses, softmax state and the cursor.
     static constexpr int Q_REGS = MT * D / 4;

@@ -133,7 +133,10 @@ struct QueryTileConfig {
 
 // A block over one tile of the plan and one head: grid (num_q_tiles, Hq) over query tiles
 // (forward, dQ), or (num_k_tiles, Hk) over key tiles (dK/dV), which visit the G = Hq / Hk query
-// heads of their key head. Each warp owns WARP_M rows of the tile.
+// heads of their key head. Each warp owns WARP_M rows of the tile. Query tiles run in reverse
+// slot order: a sequence's later query tiles see more keys under a causal mask, so its heaviest
+// tiles start first (and the unused slots, at the end of the table, exit first); key tiles
+// keep slot order, where under a causal mask the first ones see the most queries.
 template <bool KEY_TILES, int WARP_M = WARP_ROWS>
 struct TileBlock {
     int i_tile;
@@ -144,7 +147,8 @@ struct TileBlock {
     WarpSlot w;
 
     __device__ __forceinline__ TileBlock(const PlanView& plan, const CallParams& call)
-        : i_tile(blockIdx.x), i_head(blockIdx.y), group(call.Hq / call.Hk),
+        : i_tile(KEY_TILES ? blockIdx.x : gridDim.x - 1 - blockIdx.x), i_head(blockIdx.y),
+          group(call.Hq / call.Hk),
           i_khead(KEY_TILES ? i_head : i_head / group),
           tile(load_tile(KEY_TILES ? plan.k_tiles : plan.q_tiles, i_tile)), w(warp_slot<WARP_M>()) {}
 

@@ -56,20 +56,22 @@ struct PartnerCursor {
     int ratio;
 
     int head, seg, c, c_end, f_begin, f_end;
+    int row, pos, left;    // chunk c's first packed row and position, rows of the segment from it
 
     // The schedule row `sched` of a tile of sequence b against the partner segments
     // [b * segments, (b + 1) * segments) of `row`, `len` and `pos`.
-    __device__ __forceinline__ PartnerCursor(const int* sched, const int* row, const int* len,
-                                             const int* pos, int b, int segments, int heads,
+    __device__ __forceinline__ PartnerCursor(const int* sched, const int* row0, const int* len,
+                                             const int* pos0, int b, int segments, int heads,
                                              int chunks_per_tile) {
         const int64_t first = static_cast<int64_t>(b) * segments;
-        p_sched = sched; p_row = row + first; p_len = len + first; p_pos = pos + first;
+        p_sched = sched; p_row = row0 + first; p_len = len + first; p_pos = pos0 + first;
         num_segments = segments; num_heads = heads; ratio = chunks_per_tile;
         head = 0; seg = 0;
         enter();
     }
 
-    // Moves to the first non-empty chunk range at or after (head, seg).
+    // Moves to the first non-empty chunk range at or after (head, seg) and reads that segment's
+    // first row and position once: moving inside a segment is then a compare and an add.
     __device__ __forceinline__ void enter() {
         while (head < num_heads) {
             while (seg < num_segments) {
@@ -81,7 +83,13 @@ struct PartnerCursor {
                 c_end = min(s[3] * ratio, num_chunks);
                 f_begin = s[1] * ratio;
                 f_end = s[2] * ratio;
-                if (c < c_end) return;
+                if (c < c_end) {
+                    const int offset = c * CHUNK;      // < len: no overflow
+                    row = p_row[seg] + offset;
+                    pos = p_pos[seg] + offset;
+                    left = len - offset;
+                    return;
+                }
                 ++seg;
             }
             ++head;
@@ -95,15 +103,16 @@ struct PartnerCursor {
         if (++c >= c_end) {
             ++seg;
             enter();
+        } else {
+            row += CHUNK;
+            pos += CHUNK;
+            left -= CHUNK;
         }
     }
 
     __device__ __forceinline__ Chunk chunk() const {
-        const int len = p_len[seg];
-        const int offset = c * CHUNK;
-        const int rows = min(CHUNK, len - offset);
-        return Chunk{p_row[seg] + offset, rows, p_pos[seg] + offset, head,
-                     c >= f_begin && c < f_end && rows == CHUNK};
+        const int rows = min(CHUNK, left);
+        return Chunk{row, rows, pos, head, c >= f_begin && c < f_end && rows == CHUNK};
     }
 };
 

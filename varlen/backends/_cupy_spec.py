@@ -125,10 +125,11 @@ class KernelSpec:
     @property
     def fwd_chunk(self) -> int:
         """Keys per step of the forward: a plan tile, or half of one where the fp32
-        accumulators of a whole one would take over 160 registers per lane (FwdConfig::KN)."""
+        accumulators of a whole one would take 160 or more registers per lane
+        (FwdConfig::KN)."""
         warp_tiles = self.block_m // (FWD_WARPS * WARP_ROWS)
         acc_regs = warp_tiles * (self.head_dim + self.block_n) // 2
-        return self.block_n // 2 if acc_regs > 160 else self.block_n
+        return self.block_n // 2 if acc_regs >= 160 else self.block_n
 
     def _fwd_smem_bytes(self, stages: int) -> int:
         return (self.block_m + 2 * stages * self.fwd_chunk) * self.stride * ELEM_BYTES
