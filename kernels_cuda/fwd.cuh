@@ -3,7 +3,7 @@
 // Grid (num_q_tiles, Hq); block of 4 warps, warp w owns query rows WARP_M w .. WARP_M w +
 // WARP_M - 1 of the tile, MT = WARP_M / 16 m16 tiles (2 for BM = 128: every K or V fragment
 // read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP). Q's
-// fragments stay in registers where the budget allows (FwdConfig::Q_IN_REGS), else they are
+// fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
 // [KN][D+8] and V [KN][D+8] (KN = BN, or BN / 2 at D >= 96, BM = 128); K and V wait
 // separately (KvPipeline), so Q K^T starts while V is in flight.
@@ -33,11 +33,16 @@ struct FwdConfig {
     // whole tile take 160 or more registers per lane, too many for the rest (D = 96 and 128 at
     // BM = 128).
     static constexpr int KN = MT * (D + BN) / 2 >= 160 ? BN / 2 : BN;
-    // Registers per lane of Q's fragments and of the accumulators: Q stays in registers when
-    // both leave ~60 for addresses, softmax state and the cursor.
+    // Registers per lane of Q's fragments and of the accumulators. Q stays in registers when
+    // both leave ~48 for addresses, softmax state and the cursor; the softcap's tanh keeps a
+    // second fp32 value per score live (MT * KN / 2 more), which moves Q to shared memory at
+    // D = 64, BM = 128 (48 bytes of spill on sm_90 otherwise). Fitted to ptxas: every other
+    // variant keeps its placement.
     static constexpr int Q_REGS = MT * D / 4;
     static constexpr int ACC_REGS = MT * (D + KN) / 2;
-    static constexpr bool Q_IN_REGS = Q_REGS + ACC_REGS <= 192;
+    __host__ __device__ static constexpr bool q_in_regs(bool has_softcap) {
+        return Q_REGS + ACC_REGS + (has_softcap ? MT * KN / 2 : 0) <= 208;
+    }
     // Three K/V stages where two blocks of them still fit an A100 SM (164 KiB, 1 KiB reserved
     // per block), else two: a third stage never costs a block per SM.
     __host__ __device__ static constexpr int smem_elems(int stages) {
@@ -143,8 +148,9 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
     using Pipeline = KvPipeline<Cfg::STAGES, KN>;
     Pipeline pipe;
     pipe.start(keys, kv);
-    QOperand<T, D, MT, Cfg::Q_IN_REGS> q_op{s_q, w.row0};
-    if constexpr (Cfg::Q_IN_REGS) {
+    constexpr bool Q_IN_REGS = Cfg::q_in_regs(HAS_SOFTCAP);
+    QOperand<T, D, MT, Q_IN_REGS> q_op{s_q, w.row0};
+    if constexpr (Q_IN_REGS) {
         cp_async_wait<Pipeline::PROLOGUE_GROUPS>();   // Q, older than every K/V group
         __syncthreads();
         q_op.load(w.lane);
