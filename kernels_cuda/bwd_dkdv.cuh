@@ -12,8 +12,8 @@
 //     dS^T = P^T * (dP^T - delta) * softmax_scale   (times 1 - tanh^2 with a softcap)
 //     dV  += P^T dO,  dK += dS^T Q     [BN, D]
 //     dQ  += dS K  (ATOMIC_DQ: dS^T goes through shared memory, then fp32 atomics)
-// Shared memory: K, V [BN][D+8]; two stages of Q, dO [BQ][D+8] and lse2, delta [BQ];
-// dS^T [BN][BQ+8] with ATOMIC_DQ.
+// Shared memory: K, V [BN][D+8]; two stages of Q, dO [BQ][D+8] and lse2, delta [BQ] (all by
+// cp.async, one group per chunk); dS^T [BN][BQ+8] with ATOMIC_DQ.
 // A key row with a pair it sees holding a NaN or inf operand writes NaN to dK and dV, and that
 // pair's dS makes the query's dQ NaN; hidden pairs never reach either (softmax_backward,
 // QueryStages::zero_nonfinite, and the key tile's own check with ATOMIC_DQ).
@@ -103,10 +103,21 @@ struct QueryStages {
             s.q + stage * STAGE_ELEMS, head_rows<Cfg::D>(q, Hq, head), c.row, c.rows);
         load_tile_async<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(
             s.dout + stage * STAGE_ELEMS, head_rows<Cfg::D>(dout, Hq, head), c.row, c.rows);
+        // lse2 and delta travel in the same group as Q and dO (no exposed global load before
+        // the barrier). A row past the chunk is stored directly: lse2 = +inf, delta = 0. The
+        // stage was released by the barrier that ended its last use.
         const int r = threadIdx.x;
         if (r < Cfg::BQ) {
-            load_row_stats(s.lse2[stage * Cfg::BQ + r], s.delta[stage * Cfg::BQ + r], lse2, delta,
-                           Tq, head, c.row + r, r < c.rows);
+            float* p_lse2 = s.lse2 + stage * Cfg::BQ + r;
+            float* p_delta = s.delta + stage * Cfg::BQ + r;
+            if (r < c.rows) {
+                const int64_t idx = static_cast<int64_t>(head) * Tq + c.row + r;
+                cp_async_4(p_lse2, lse2 + idx, true);
+                cp_async_4(p_delta, delta + idx, true);
+            } else {
+                *p_lse2 = pos_inf();
+                *p_delta = 0.f;
+            }
         }
     }
 
@@ -114,7 +125,8 @@ struct QueryStages {
     // thread's chunks of Q or dO (the right-hand factors of dK += dS^T Q and dV += P^T dO) is
     // zeroed, and the query row's delta becomes NaN, which reaches exactly the pairs that see
     // the row (softmax_backward). Several threads may flag one row: atomically. Call it in
-    // for_each_chunk's `own` step, once the chunk's delta stores are ordered before it.
+    // for_each_chunk's `own` step after a barrier: the delta copies, issued by other threads,
+    // must have landed before a flag is added.
     __device__ __forceinline__ void zero_nonfinite(const Chunk& c, int stage) const {
         float* p_delta = s.delta + stage * Cfg::BQ;
         const auto flag = [&](int r, int) { atomicAdd(p_delta + r, nan_f()); };
@@ -198,21 +210,23 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
     bool first = true;
     for_each_chunk(queries, [&](const Chunk& c, int stage) { qs.load(c, stage); },
                    [&](const Chunk& c, int stage) {
-        if (first) {
-            first = false;
-            // The first chunk's lse2 and delta were stored before the loop, by other threads:
-            // in place before zero_nonfinite may flag a delta.
-            __syncthreads();
-            if constexpr (ATOMIC_DQ) {
+        if constexpr (ATOMIC_DQ) {
+            if (first) {
+                first = false;
                 // K is the right-hand factor of dQ += dS K: a NaN or inf in a key row moves to
-                // its V row, which meets queries only in dP^T = V dO^T, pair by pair.
+                // its V row, which meets queries only in dP^T = V dO^T, pair by pair. This
+                // thread's own K and V copies (the first group): no barrier needed.
                 zero_nonfinite_chunks<BN, D, Cfg::NUM_THREADS>(smem.k, b.tile.rows,
                                                                [&](int r, int col) {
                     smem.v[r * Cfg::STRIDE + col] = ElemTraits<T>::from_float(nan_f());
                 });
             }
         }
-        if (!c.full) qs.zero_nonfinite(c, stage);
+        if (!c.full) {
+            // Every thread's lse2/delta copies of the chunk have landed before any flag.
+            __syncthreads();
+            qs.zero_nonfinite(c, stage);
+        }
     }, [&](const Chunk& c, int stage) {
         // [16, BQ] S^T, then P^T, and dP^T, then dS^T, of this warp's key rows
         float acc_s[BQ / 8][4];

@@ -230,7 +230,7 @@ inline Warp& my_warp() { return g_sync.warps[threadIdx.x / 32]; }
 inline int my_lane() { return threadIdx.x % 32; }
 
 // This thread's cp.async copies since its last commit, and its committed groups, oldest first.
-struct AsyncCopy { void* dst; const void* src; bool valid; bool landed; };
+struct AsyncCopy { void* dst; const void* src; bool valid; bool landed; unsigned bytes = 16; };
 struct ThreadState {
     std::vector<AsyncCopy> open;
     std::deque<std::vector<AsyncCopy>> committed;
@@ -243,7 +243,7 @@ inline thread_local ThreadState t_state;
 
 inline void land(AsyncCopy& c) {
     if (c.landed) return;
-    if (c.valid) std::memcpy(c.dst, c.src, 16); else std::memset(c.dst, 0, 16);
+    if (c.valid) std::memcpy(c.dst, c.src, c.bytes); else std::memset(c.dst, 0, c.bytes);
     c.landed = true;
 }
 
@@ -423,6 +423,18 @@ __attribute__((noinline)) inline void cp_async_16(void* dst, const void* src, bo
     s.copies.push_back(hostemu::CopyRecord{site, it->second++, threadIdx.x, hostemu::smem_offset(dst)});
     std::memset(dst, 0xff, 16);
     s.open.push_back(hostemu::AsyncCopy{dst, src, valid, false});
+    if (hostemu::g_config.landing == hostemu::LAND_AT_ISSUE) hostemu::land(s.open.back());
+}
+// cp.async.ca 4 bytes (a float of lse2 or delta): poisoned at issue and landing like the
+// 16-byte copy, in the same groups. Consecutive threads write consecutive words, so no bank
+// check is recorded for it (the quarter-warp check is about 16-byte copies).
+__attribute__((noinline)) inline void cp_async_4(void* dst, const void* src, bool valid) {
+    if (reinterpret_cast<uintptr_t>(dst) % 4 != 0 || reinterpret_cast<uintptr_t>(src) % 4 != 0) {
+        hostemu::fail("cp.async 4-byte addresses %p, %p are not 4-byte aligned", dst, src);
+    }
+    hostemu::ThreadState& s = hostemu::t_state;
+    std::memset(dst, 0xff, 4);
+    s.open.push_back(hostemu::AsyncCopy{dst, src, valid, false, 4});
     if (hostemu::g_config.landing == hostemu::LAND_AT_ISSUE) hostemu::land(s.open.back());
 }
 inline void cp_async_commit() {

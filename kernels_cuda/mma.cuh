@@ -40,7 +40,7 @@
 namespace varlen {
 
 // The PTX primitives. A host emulation of the kernels (used to test their index arithmetic
-// on a CPU) defines VARLEN_HOST_EMULATION and supplies its own versions of these six.
+// on a CPU) defines VARLEN_HOST_EMULATION and supplies its own versions of these seven.
 #ifndef VARLEN_HOST_EMULATION
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -80,6 +80,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 __device__ __forceinline__ void cp_async_16(void* p_smem, const void* p_global, bool valid) {
     const int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(p_smem)), "l"(p_global), "r"(src_bytes) : "memory");
+}
+
+// 4-byte global -> shared copy (cp.async.cg moves only 16; .ca any of 4, 8, 16); when `valid`
+// is false nothing is read and the word is zero-filled.
+__device__ __forceinline__ void cp_async_4(void* p_smem, const void* p_global, bool valid) {
+    const int src_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :: "r"(smem_u32(p_smem)), "l"(p_global), "r"(src_bytes) : "memory");
 }
 

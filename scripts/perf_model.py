@@ -45,7 +45,6 @@ SMEM_BYTES_PER_CLK = 128   # 32 banks x 4 B per SM
 SFU_PER_CLK = 16           # MUFU.EX2 results per SM per clock
 BARRIER_DRAIN = 300        # clocks a CTA idles per __syncthreads: the slowest warp's dependent
 #                            mma chain (~8 x 35 clk), refilled only by another resident CTA
-GLOBAL_LATENCY = 600       # clocks of a dependent global load (L2 hit), when nothing hides it
 
 
 class Gpu(NamedTuple):
@@ -110,8 +109,8 @@ DESIGNS = (
            smem_write_bytes=2 * 32 * D * E + 64 * 32 * E + 2 * 32 * 4, exps=32 * 64,
            fp32_ops=32 * 64 * 6, barriers=3, threads=128, registers=254,
            smem=(2 * 64 + 2 * 2 * 32) * ROW + 64 * 40 * E + 2 * 2 * 32 * 4,
-           exposed=0,    # set per GPU below: the dQ phase on half the warps, lse/delta loads
-           note="dQ phase on 2 of 4 warps; lse/delta loaded synchronously"),
+           exposed=0,    # set per GPU below: the dQ phase on half the warps
+           note="dQ phase on 2 of 4 warps; lse/delta by cp.async with Q and dO"),
     Design("bwd-FA2", "BN=128 keys, BQ=64 queries on 8 warps (2 x 4 warp grid per GEMM)",
            (64, 128), 5, ldsm_bytes=(128 + 128 + 96 + 96 + 128) * KB,
            smem_write_bytes=2 * 64 * D * E + 2 * 128 * 64 * E, exps=64 * 128,
@@ -123,12 +122,11 @@ DESIGNS = (
 
 def exposed_clocks(design: Design, gpu: Gpu, ctas: int) -> int:
     """Latency of the current backward that nothing overlaps: its dQ GEMM on 2 of the 4 SM
-    sub-partitions (the other two idle for that GEMM's share), and a synchronous lse/delta
-    load per step (hidden only by another resident CTA)."""
+    sub-partitions (the other two idle for that GEMM's share)."""
     if design.name != "bwd-current":
         return design.exposed
     dq_mma = 2 * design.pair[0] * design.pair[1] * D // MMA_FLOP
-    return round(dq_mma * MMA_FLOP / gpu.mma_flop_per_clk) + GLOBAL_LATENCY // ctas
+    return round(dq_mma * MMA_FLOP / gpu.mma_flop_per_clk)
 
 
 def evaluate(design: Design, gpu: Gpu) -> dict:

@@ -81,16 +81,19 @@ int main(int argc, char** argv) {
             cp_async_commit();
             cp_async_wait<0>();
         });
-    } else if (what == "unwaited" || what == "waited") {
-        // Each lane copies 16 bytes of zeros and reads them back, before or after its wait.
+    } else if (what == "unwaited" || what == "waited" || what == "unwaited4" || what == "waited4") {
+        // Each lane copies 16 (or 4) bytes of zeros and reads them back, before or after its
+        // wait.
         static uint4 src[32] = {};
+        const bool four = what.back() == '4';
         launch("unwaited_demo", 1, 1, 32, SMEM, [&] {
             uint4* dst = reinterpret_cast<uint4*>(smem_raw) + threadIdx.x;
-            cp_async_16(dst, src + threadIdx.x, true);
+            if (four) cp_async_4(dst, src + threadIdx.x, true);
+            else cp_async_16(dst, src + threadIdx.x, true);
             cp_async_commit();
             __syncwarp();
             __syncwarp();
-            if (what == "waited") cp_async_wait<0>();
+            if (what[0] == 'w') cp_async_wait<0>();
             if (dst->x != 0) std::printf("poisoned %u\n", threadIdx.x);
             cp_async_wait<0>();
         });
@@ -163,13 +166,14 @@ def test_check_fires_on_a_misbehaving_kernel(programs, bad, good, message):
 
 
 @needs_cxx
-def test_cp_async_destination_is_poisoned_until_the_wait(programs):
+@pytest.mark.parametrize("size", ["", "4"], ids=["16-byte", "4-byte"])
+def test_cp_async_destination_is_poisoned_until_the_wait(programs, size):
     # landing at the wait: every early read sees the poison; after the wait, none does
-    assert _run(programs["plain"], "unwaited", "0").stdout.count("poisoned") == 32
-    assert "poisoned" not in _run(programs["plain"], "waited", "0").stdout
+    assert _run(programs["plain"], "unwaited" + size, "0").stdout.count("poisoned") == 32
+    assert "poisoned" not in _run(programs["plain"], "waited" + size, "0").stdout
     # landing at issue: no early read sees it; at random sync points: some do, per seed
-    assert "poisoned" not in _run(programs["plain"], "unwaited", "1").stdout
-    counts = {_run(programs["plain"], "unwaited", "2", str(s)).stdout.count("poisoned")
+    assert "poisoned" not in _run(programs["plain"], "unwaited" + size, "1").stdout
+    counts = {_run(programs["plain"], "unwaited" + size, "2", str(s)).stdout.count("poisoned")
               for s in range(4)}
     assert len(counts) > 1 and all(0 < c < 32 for c in counts), counts
 
