@@ -37,8 +37,11 @@ struct DkdvConfig {
     static constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
     static constexpr int STRIDE = smem_stride<D>();
     static constexpr int DS_STRIDE = smem_stride<BQ>();
-    // dQ is produced DQ_COLS columns at a time to bound the registers it needs.
-    static constexpr int DQ_COLS = 32;
+    // dQ [BQ, D] of a chunk: DQ_GROUPS groups of 16 query rows, each split over DQ_SPLIT warps
+    // by columns (every warp busy), produced DQ_COLS columns at a time to bound the registers.
+    static constexpr int DQ_GROUPS = BQ / WARP_ROWS;
+    static constexpr int DQ_SPLIT = NUM_WARPS / DQ_GROUPS;
+    static constexpr int DQ_COLS = 16;
     // Blocks per SM the register budget must allow. Two (of 128 threads) leave ptxas all 255
     // registers; stated, it keeps ptxas from squeezing D = 32 under 168 registers for a third
     // block with a spill on sm_80. On sm_90 D = 32 fits three blocks without one.
@@ -54,7 +57,9 @@ struct DkdvConfig {
     static_assert(NUM_WARPS >= 1 && NUM_WARPS <= 8, "1 to 8 warps per block");
     static_assert(BQ % 16 == 0 && BQ <= NUM_THREADS, "query chunks of k-steps of 16; one "
                   "thread per chunk row loads lse2 and delta");
-    static_assert(D % 16 == 0 && D % DQ_COLS == 0, "head dim in k-steps of 16 and dQ slices");
+    static_assert(D % 16 == 0, "head dim in k-steps of 16");
+    static_assert(NUM_WARPS % DQ_GROUPS == 0 && D % (DQ_COLS * DQ_SPLIT) == 0,
+                  "every warp takes an equal part of dQ: whole row groups, whole column slices");
 };
 
 // lse2 and delta of the chunk's query rows, one per column of the transposed tiles.
@@ -146,28 +151,40 @@ struct QueryStages {
 };
 
 // dQ += dS K for one query chunk with fp32 atomics: dS^T [BN, BQ] goes through shared memory,
-// then warps take 16 query rows of dQ [BQ, D] each, DQ_COLS columns at a time.
+// then every warp takes a [16, D / DQ_SPLIT] part of dQ [BQ, D]: the 16 query rows qg = warp %
+// DQ_GROUPS, columns split DQ_SPLIT ways, DQ_COLS at a time. The warp's dS fragments (A operand,
+// BN / 16 k-steps) are read once and kept for all its column slices.
 template <typename T, typename Cfg>
 __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4], T* s_ds,
                                               const T* s_k, const HeadRows<float>& dq_accum,
                                               const Chunk& c, const WarpSlot& w) {
     constexpr int NB = Cfg::DQ_COLS / 8;
+    constexpr int KSTEPS = Cfg::BN / 16;
+    constexpr int SLICES = Cfg::D / Cfg::DQ_COLS / Cfg::DQ_SPLIT;    // per warp
     const float one[2] = {1.f, 1.f};
     stage_rows<T, Cfg::BQ / 8, Cfg::DS_STRIDE>(ds_t, one, s_ds, w.row0, w.lane);
     __syncthreads();
-    for (int qg = w.warp; qg < Cfg::BQ / WARP_ROWS; qg += Cfg::NUM_WARPS) {
-        #pragma unroll
-        for (int dc = 0; dc < Cfg::D / Cfg::DQ_COLS; ++dc) {
-            // [16, DQ_COLS] slice of dQ
-            float acc_q[NB][4];
-            zero_acc(acc_q);
-            gemm_16<T, NB, Cfg::BN / 16, Cfg::STRIDE, false>(acc_q, [&](uint32_t (&a)[4], int kk) {
-                ldmatrix_block<Cfg::DS_STRIDE, X4::COLS_FIRST, true>(a, s_ds, kk * 16,
-                                                                     qg * WARP_ROWS, w.lane);
-            }, s_k, dc * Cfg::DQ_COLS, w.lane);
-            atomic_add_rows(acc_q, dq_accum, c.row + qg * WARP_ROWS, c.rows - qg * WARP_ROWS,
-                            dc * Cfg::DQ_COLS, w.lane);
-        }
+    const int qg = w.warp % Cfg::DQ_GROUPS;
+    const int part = w.warp / Cfg::DQ_GROUPS;
+    // [16, BN] dS of rows qg, as KSTEPS A fragments
+    uint32_t a_ds[KSTEPS][4];
+    #pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        ldmatrix_block<Cfg::DS_STRIDE, X4::COLS_FIRST, true>(a_ds[kk], s_ds, kk * 16,
+                                                             qg * WARP_ROWS, w.lane);
+    }
+    #pragma unroll
+    for (int i = 0; i < SLICES; ++i) {
+        const int col0 = (part * SLICES + i) * Cfg::DQ_COLS;
+        // [16, DQ_COLS] slice of dQ
+        float acc_q[NB][4];
+        zero_acc(acc_q);
+        gemm_16<T, NB, KSTEPS, Cfg::STRIDE, false>(acc_q, [&](uint32_t (&a)[4], int kk) {
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) a[j] = a_ds[kk][j];
+        }, s_k, col0, w.lane);
+        atomic_add_rows(acc_q, dq_accum, c.row + qg * WARP_ROWS, c.rows - qg * WARP_ROWS, col0,
+                        w.lane);
     }
 }
 

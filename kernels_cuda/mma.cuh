@@ -302,6 +302,17 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NB][4], const floa
     }
 }
 
+// p[0] += a, p[1] += b (p 8-byte aligned), as fp32 reductions nobody waits for: one vector
+// red.global.add.v2.f32 on sm_90 (PTX 8.1), two scalar ones before.
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
 // dst[row + r][col0 + c] += acc[r][c] with fp32 atomics, for the rows r < valid_rows of a
 // warp's [16, 8 NB] tile.
 template <int NB>
@@ -316,8 +327,7 @@ __device__ __forceinline__ void atomic_add_rows(const float (&acc)[NB][4],
             float* p = dst.row(row + r) + col0 + 2 * t;
             #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
-                atomicAdd(p + nb * 8, acc[nb][2 * half]);
-                atomicAdd(p + nb * 8 + 1, acc[nb][2 * half + 1]);
+                red_add_f32x2(p + nb * 8, acc[nb][2 * half], acc[nb][2 * half + 1]);
             }
         }
     }

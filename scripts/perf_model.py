@@ -104,13 +104,12 @@ DESIGNS = (
            exps=128 * 64, fp32_ops=128 * 64 * 4 + 128 * D, barriers=2, threads=128,
            registers=255, smem=(128 + 2 * 2 * 64) * ROW,
            note="each K/V fragment feeds 32 rows: half the smem bytes per FLOP"),
-    Design("bwd-current", "dK/dV: BN=64 keys on 4 warps, BQ=32 queries, atomic dQ on 2 warps",
-           (32, 64), 5, ldsm_bytes=4 * (12 * KB + 12 * KB + 8 * KB + 8 * KB) + 2 * (8 * KB + 16 * KB),
+    Design("bwd-current", "dK/dV: BN=64 keys on 4 warps, BQ=32 queries, atomic dQ on 4 warps",
+           (32, 64), 5, ldsm_bytes=4 * (12 * KB + 12 * KB + 8 * KB + 8 * KB + 2 * KB + 8 * KB),
            smem_write_bytes=2 * 32 * D * E + 64 * 32 * E + 2 * 32 * 4, exps=32 * 64,
            fp32_ops=32 * 64 * 6, barriers=3, threads=128, registers=254,
            smem=(2 * 64 + 2 * 2 * 32) * ROW + 64 * 40 * E + 2 * 2 * 32 * 4,
-           exposed=0,    # set per GPU below: the dQ phase on half the warps
-           note="dQ phase on 2 of 4 warps; lse/delta by cp.async with Q and dO"),
+           note="dQ on all warps, dS fragments read once; lse/delta by cp.async"),
     Design("bwd-FA2", "BN=128 keys, BQ=64 queries on 8 warps (2 x 4 warp grid per GEMM)",
            (64, 128), 5, ldsm_bytes=(128 + 128 + 96 + 96 + 128) * KB,
            smem_write_bytes=2 * 64 * D * E + 2 * 128 * 64 * E, exps=64 * 128,
@@ -118,15 +117,6 @@ DESIGNS = (
            smem=2 * 128 * ROW + 2 * 64 * ROW + 128 * 72 * E,
            note="lse/delta by cp.async; dQ on all warps"),
 )
-
-
-def exposed_clocks(design: Design, gpu: Gpu, ctas: int) -> int:
-    """Latency of the current backward that nothing overlaps: its dQ GEMM on 2 of the 4 SM
-    sub-partitions (the other two idle for that GEMM's share)."""
-    if design.name != "bwd-current":
-        return design.exposed
-    dq_mma = 2 * design.pair[0] * design.pair[1] * D // MMA_FLOP
-    return round(dq_mma * MMA_FLOP / gpu.mma_flop_per_clk)
 
 
 def evaluate(design: Design, gpu: Gpu) -> dict:
@@ -137,7 +127,7 @@ def evaluate(design: Design, gpu: Gpu) -> dict:
          "sfu": design.exps / SFU_PER_CLK,
          "fp32": design.fp32_ops / gpu.fp32_lanes,
          "barriers": design.barriers * BARRIER_DRAIN / ctas,
-         "exposed": exposed_clocks(design, gpu, ctas)}
+         "exposed": design.exposed}
     ceiling_clk = max(t["tensor"], t["smem"], t["sfu"], t["fp32"])
     predicted_clk = (max(t["tensor"], t["smem"]) + max(t["sfu"], t["fp32"]) + t["barriers"]
                      + t["exposed"])

@@ -3,9 +3,9 @@ varlen.backends._cupy_emulation [--quick]`): each a dict of `run_case`'s argumen
 
 `default_variant_cases()` are the shipped default variants (bfloat16, every head dim of
 `_cupy_spec.HEAD_DIMS`, the backend's default tiles (128, 64): BQ = 32 query chunks and the
-2-warp dQ phase at D > 64), forward and both backward modes; among them a batch with more CTAs
-than the SMs the emulation stands for (EMULATED_SM_COUNT, an H100 SXM) and blocks that visit
-three or more partner tiles. CI runs each in its own process (tests/test_emulation_variants.py).
+dQ phase with two warps per 16 query rows at D > 64), forward and both backward modes; among
+them a batch with more CTAs than the SMs the emulation stands for (EMULATED_SM_COUNT, an H100
+SXM) and blocks that visit three or more partner tiles. CI runs each in its own process (tests/test_emulation_variants.py).
 """
 from __future__ import annotations
 
