@@ -145,6 +145,18 @@ __device__ __forceinline__ void sanitize_partial_chunk(T* s_k, T* s_v, int rows,
     }
 }
 
+// `ROWS` rows of one head from packed row `row` into `dst`: one TMA box per 64 head-dim columns
+// (the 128B swizzle's width), completing on `bar`.
+template <typename Cfg, int ROWS>
+__device__ __forceinline__ void load_rows(void* dst, const sm90::TensorMap* map, sm90::u64* bar,
+                                          int head, int row) {
+    #pragma unroll
+    for (int b = 0; b < Cfg::D_BOXES; ++b) {
+        sm90::tma_load_3d(static_cast<unsigned char*>(dst) + b * ROWS * Cfg::BOX_ROW_BYTES, map,
+                          bar, b * Cfg::BOX_COLS, head, row);
+    }
+}
+
 // The producer warpgroup: thread 0 issues the TMA loads of Q and of every key chunk of the
 // tile's schedule; on a partial chunk all 128 threads sanitise the landed stage before it is
 // released to the consumers, on a full one they release it at once.
@@ -159,12 +171,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
     const int t = threadIdx.x;
     if (t == 0) {
         sm90::mbar_arrive_expect_tx(sm.q_full(), Cfg::Q_BYTES);
-        #pragma unroll
-        for (int b = 0; b < Cfg::D_BOXES; ++b) {
-            sm90::tma_load_3d(reinterpret_cast<unsigned char*>(sm.q()) +
-                                  b * Cfg::BM * Cfg::BOX_ROW_BYTES,
-                              map_q, sm.q_full(), b * Cfg::BOX_COLS, i_head, tile.row);
-        }
+        load_rows<Cfg, Cfg::BM>(sm.q(), map_q, sm.q_full(), i_head, tile.row);
     }
     PartnerCursor<Cfg::BN> keys = key_cursor<Cfg::BN>(plan, tile, i_tile);
     for (int i = 0; keys.valid(); ++i, keys.advance()) {
@@ -176,19 +183,9 @@ __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
         sm90::mbar_wait(sm.empty(s), parity ^ 1u);
         if (t == 0) {
             sm90::mbar_arrive_expect_tx(sm.k_full(s), Cfg::KV_BYTES);
-            #pragma unroll
-            for (int b = 0; b < Cfg::D_BOXES; ++b) {
-                sm90::tma_load_3d(reinterpret_cast<unsigned char*>(sm.k(s)) +
-                                      b * Cfg::BN * Cfg::BOX_ROW_BYTES,
-                                  map_k, sm.k_full(s), b * Cfg::BOX_COLS, i_khead + c.head, c.row);
-            }
+            load_rows<Cfg, Cfg::BN>(sm.k(s), map_k, sm.k_full(s), i_khead + c.head, c.row);
             sm90::mbar_arrive_expect_tx(sm.v_full(s), Cfg::KV_BYTES);
-            #pragma unroll
-            for (int b = 0; b < Cfg::D_BOXES; ++b) {
-                sm90::tma_load_3d(reinterpret_cast<unsigned char*>(sm.v(s)) +
-                                      b * Cfg::BN * Cfg::BOX_ROW_BYTES,
-                                  map_v, sm.v_full(s), b * Cfg::BOX_COLS, i_khead + c.head, c.row);
-            }
+            load_rows<Cfg, Cfg::BN>(sm.v(s), map_v, sm.v_full(s), i_khead + c.head, c.row);
         }
         if (!c.full) {
             sm90::mbar_wait(sm.k_full(s), parity);

@@ -322,16 +322,23 @@ extern "C" unsigned long long sm90_make_desc(unsigned addr, unsigned lbo, unsign
 }
 
 // dims, strides (bytes, dimensions 1..), box: rank entries each (rank - 1 strides).
+static sm90::TensorMap harness_map(const void* global, int rank, int elem_bytes,
+                                   const unsigned long long* dims,
+                                   const unsigned long long* strides, const unsigned* box,
+                                   int swizzle, int nan_fill) {
+    uint64_t d[3], s[2] = {0, 0};
+    for (int i = 0; i < rank; ++i) d[i] = dims[i];
+    for (int i = 0; i + 1 < rank; ++i) s[i] = strides[i];
+    return sm90::make_tensor_map(global, rank, elem_bytes, d, s, box,
+                                 static_cast<sm90::Swizzle>(swizzle), nan_fill != 0);
+}
+
 extern "C" void sm90_run_tma(const void* global, int rank, int elem_bytes,
                              const unsigned long long* dims, const unsigned long long* strides,
                              const unsigned* box, int swizzle, int nan_fill, const int* coords,
                              unsigned char* out) {
-    uint64_t d[3], s[2] = {0, 0};
-    for (int i = 0; i < rank; ++i) d[i] = dims[i];
-    for (int i = 0; i + 1 < rank; ++i) s[i] = strides[i];
-    const sm90::TensorMap map = sm90::make_tensor_map(global, rank, elem_bytes, d, s, box,
-                                                      static_cast<sm90::Swizzle>(swizzle),
-                                                      nan_fill != 0);
+    const sm90::TensorMap map = harness_map(global, rank, elem_bytes, dims, strides, box,
+                                            swizzle, nan_fill);
     unsigned bytes = elem_bytes;
     for (int i = 0; i < rank; ++i) bytes *= box[i];
     const unsigned bar_off = (bytes + 1023) / 1024 * 1024;
@@ -346,12 +353,8 @@ extern "C" void sm90_tensor_map_bytes(const void* global, int rank, int elem_byt
                                       const unsigned long long* dims,
                                       const unsigned long long* strides, const unsigned* box,
                                       int swizzle, int nan_fill, unsigned char* out) {
-    uint64_t d[3], s[2] = {0, 0};
-    for (int i = 0; i < rank; ++i) d[i] = dims[i];
-    for (int i = 0; i + 1 < rank; ++i) s[i] = strides[i];
-    const sm90::TensorMap map = sm90::make_tensor_map(global, rank, elem_bytes, d, s, box,
-                                                      static_cast<sm90::Swizzle>(swizzle),
-                                                      nan_fill != 0);
+    const sm90::TensorMap map = harness_map(global, rank, elem_bytes, dims, strides, box,
+                                            swizzle, nan_fill);
     std::memcpy(out, &map, sizeof(map));
 }
 

@@ -77,11 +77,9 @@ def program_options(arch: str) -> list:
             "-Xptxas=-v"]
 
 
-def compile_names(names, arch: str):
-    """Compile the kernels named by `names` (template name expressions) for `arch` (sm_XX).
-
-    Returns (cubin bytes, {name expression: usage dict}).
-    """
+def build_program(names, arch: str):
+    """One NVRTC program of the kernels named by `names` (template name expressions) for
+    `arch` (sm_XX or sm_90a). Returns (cubin bytes, {name expression: lowered name}, log)."""
     from cuda.bindings import nvrtc
     prog = _check(nvrtc.nvrtcCreateProgram(spec_mod.module_source().encode(), b"varlen.cu", 0,
                                            [], []), "create")
@@ -102,6 +100,15 @@ def compile_names(names, arch: str):
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+    return cubin, lowered, log
+
+
+def compile_names(names, arch: str):
+    """Compile the kernels named by `names` (template name expressions) for `arch` (sm_XX).
+
+    Returns (cubin bytes, {name expression: usage dict}).
+    """
+    cubin, lowered, log = build_program(names, arch)
     usage = parse_ptxas_log(log)
     return cubin, {name: usage[lowered[name]] for name in names}
 

@@ -144,28 +144,8 @@ class Runtime:
 
 def _compile(specs):
     """NVRTC build of `specs` for sm_90a in one program: (cubin, {name: lowered name}, log)."""
-    from cuda.bindings import nvrtc
-    from ._cupy_compile import _check, program_options
-    prog = _check(nvrtc.nvrtcCreateProgram(_cupy_spec.module_source().encode(), b"varlen.cu", 0,
-                                           [], []), "create")
-    try:
-        for spec in specs:
-            _check(nvrtc.nvrtcAddNameExpression(prog, spec.name.encode()), "add name expression")
-        opts = [o.encode() for o in program_options(ARCH)]
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.rstrip(b"\x00").decode(errors="replace")
-        if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"compiling {len(specs)} kernels for {ARCH} failed:\n{log}")
-        lowered = {s.name: _check(nvrtc.nvrtcGetLoweredName(prog, s.name.encode()),
-                                  "lowered name").decode() for s in specs}
-        cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return cubin, lowered, log
+    from ._cupy_compile import build_program
+    return build_program([spec.name for spec in specs], ARCH)
 
 
 def compile_report(specs) -> dict:
