@@ -277,13 +277,18 @@ def test_backward_parts_cover_every_slot_and_row(mask):
     starts = partial[:, 5] + partial[:, 4]
     assert np.array_equal(starts, np.cumsum(rows) - rows)     # disjoint blocks, in order
     for sq, a, z, _, _, r0, r1 in parts:
+        reached = []
         for slot in range(a, z):
             for r in range(plan.q.per_seq):
                 begin, _, _, end = plan.k_sched[slot, r]
                 if end > begin:
                     row = int(plan.q.row[sq, r])
-                    lo, hi = row + begin * BM, row + min(end * BM, int(plan.q.length[sq, r]))
-                    assert r0 <= lo * G and hi * G <= r1
+                    reached.append((row + begin * BM,
+                                    row + min(end * BM, int(plan.q.length[sq, r]))))
+        if reached:                     # exactly the rows reached (keys that reach none add none)
+            assert (r0, r1) == (min(lo for lo, _ in reached) * G, max(hi for _, hi in reached) * G)
+        else:
+            assert r0 == r1
 
 
 def test_split_backward_matches_unsplit_and_reference(monkeypatch):

@@ -190,10 +190,8 @@ def backward_items(plan: Plan, Hk: int, G: int):
     q_len = np.asarray(plan.q.length, np.int64)[seq]
     some = end > begin
     big = np.iinfo(np.int64).max
-    lo = np.where(some, q_row + begin * BM, big).min(axis=1, initial=big)
+    lo = np.where(some, q_row + begin * BM, big).min(axis=1, initial=big)   # big: none
     hi = np.where(some, q_row + np.minimum(end * BM, q_len), -1).max(axis=1, initial=-1)
-    lo = np.where(hi > lo, lo, 0)
-    hi = np.maximum(hi, lo)
     # parts: slot t of a sequence with work W joins part floor(work before t * n / W)
     per_seq = np.bincount(seq, weights=work, minlength=plan.batch)
     slots = np.bincount(seq, minlength=plan.batch)
@@ -209,6 +207,8 @@ def backward_items(plan: Plan, Hk: int, G: int):
     p_seq = seq[s0]
     p_lo = np.minimum.reduceat(lo, s0) if s0.size else lo
     p_hi = np.maximum.reduceat(hi, s0) if s0.size else hi
+    p_lo = np.where(p_hi > p_lo, p_lo, 0)                  # a part that reaches no row
+    p_hi = np.maximum(p_hi, p_lo)
     span = p_hi - p_lo
     p_work = np.add.reduceat(work, s0) if s0.size else work
     # the part of each sequence touching the most rows adds into dQ directly
