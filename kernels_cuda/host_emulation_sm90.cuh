@@ -124,6 +124,13 @@ struct Mbar {
     std::vector<Copy> inflight;
 };
 
+// A named barrier (bar.sync / bar.arrive id, threads): the thread count its current phase was
+// announced with, the arrivals so far and the completed phases.
+struct NamedBar {
+    uint32_t threads = 0, arrived = 0;
+    uint64_t phase = 0;
+};
+
 // The sm_90 state of the block being run, made afresh for each block (keyed by its barrier).
 struct BlockState {
     const void* key = nullptr;
@@ -131,6 +138,7 @@ struct BlockState {
     std::condition_variable cv;
     std::map<long, Mbar> bars;
     std::map<int, std::unique_ptr<Group>> warpgroups, warps;
+    std::map<uint32_t, NamedBar> named;      // bar.sync / bar.arrive by id
 };
 
 inline std::mutex g_state_m;
@@ -642,6 +650,60 @@ inline bool mbar_try_wait(u64* bar, uint32_t parity) {
                       (long long)m.pending, m.expected, (long long)m.tx, m.inflight.size());
     }
     return false;
+}
+
+// ---- named barriers -----------------------------------------------------------------
+// bar.sync / bar.arrive `id` (1..15; 0 is __syncthreads') of `threads` threads, a multiple of
+// 32: every arrival of a phase must announce the same count; bar.sync waits for the phase to
+// complete, bar.arrive does not. A phase that does not complete within the timeout is
+// reported, as is a named barrier under the one-warp-at-a-time schedule.
+inline void named_barrier(uint32_t id, uint32_t threads, bool wait, const char* what) {
+    using namespace hostemu::sm90;
+    hostemu::sync_point();
+    if (id < 1 || id > 15) {
+        hostemu::fail("%s: barrier id %u (1..15; 0 is __syncthreads')", what, id);
+    }
+    if (threads == 0 || threads % 32 || threads > blockDim.x) {
+        hostemu::fail("%s %u: %u threads (a multiple of 32, at most the block's %u)", what, id,
+                      threads, blockDim.x);
+    }
+    if (wait && hostemu::g_sync.turnstile) {
+        hostemu::fail("%s %u would block under the one-warp-at-a-time schedule (named "
+                      "barriers need the free-running one)", what, id);
+    }
+    BlockState& b = block();
+    std::unique_lock lk(b.m);
+    NamedBar& n = b.named[id];
+    if (n.arrived == 0) {
+        n.threads = threads;
+    } else if (n.threads != threads) {
+        hostemu::fail("%s %u: thread %u announces %u threads, the phase began with %u", what,
+                      id, threadIdx.x, threads, n.threads);
+    }
+    const uint64_t phase = n.phase;
+    if (++n.arrived == n.threads) {
+        n.arrived = 0;
+        ++n.phase;
+        b.cv.notify_all();
+        return;
+    }
+    if (!wait) return;
+    const auto t0 = Clock::now();
+    while (!b.cv.wait_for(lk, std::chrono::milliseconds(20),
+                          [&] { return b.named[id].phase != phase; })) {
+        if (seconds_since(t0) > timeout_s()) {
+            hostemu::fail("%s %u: %u of %u threads arrived within %.0f s (a deadlock?)", what,
+                          id, b.named[id].arrived, b.named[id].threads, timeout_s());
+        }
+    }
+}
+
+inline void named_bar_sync(uint32_t id, uint32_t threads) {
+    named_barrier(id, threads, true, "bar.sync");
+}
+
+inline void named_bar_arrive(uint32_t id, uint32_t threads) {
+    named_barrier(id, threads, false, "bar.arrive");
 }
 
 // Publishes this thread's initialised barriers (to the async proxy: TMA may complete on them).

@@ -92,6 +92,38 @@ extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) 
     }
 }
 
+// A ping-pong of two warpgroups over named barriers, `rounds` times: warpgroup 0 writes a value
+// and arrives on barrier 1 (bar.arrive: no wait); warpgroup 1 waits there (bar.sync), derives
+// a value and arrives on barrier 2, where warpgroup 0 waits before reading it into out[round].
+// misuse 1: warpgroup 1 announces 128 threads on barrier 1 after warpgroup 0 announced 256;
+// 2: warpgroup 1 never arrives on barrier 2 (a deadlock); 3: barrier id 0. 256 threads.
+extern "C" __global__ void sm90_named_pingpong(int rounds, int* out, int misuse) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    volatile int* v = reinterpret_cast<volatile int*>(smem_raw);
+    const int wg = threadIdx.x / 128;
+    if (misuse == 1) {
+        if (wg == 0) sm90::named_bar_arrive(1, 256);
+        __syncthreads();
+        if (wg == 1) sm90::named_bar_sync(1, 128);
+        return;
+    }
+    const uint32_t first = misuse == 3 ? 0u : 1u;
+    int last = 0;
+    for (int r = 0; r < rounds; ++r) {
+        if (wg == 0) {
+            if (threadIdx.x == 0) v[0] = r * 10 + last % 7;
+            sm90::named_bar_arrive(first, 256);
+            sm90::named_bar_sync(2, 256);
+            last = v[1];
+            if (threadIdx.x == 0) out[r] = last;
+        } else {
+            sm90::named_bar_sync(first, 256);
+            if (threadIdx.x == 128) v[1] = v[0] * 3 + 1;
+            if (misuse != 2) sm90::named_bar_arrive(2, 256);
+        }
+    }
+}
+
 // Bits of `flags` of sm90_wgmma.
 constexpr int WG_ACCUMULATE = 1;      // the first product adds to d = init instead of replacing
 constexpr int WG_PEEK = 2;            // probe[t] = d[0] between commit and wait
@@ -360,6 +392,12 @@ extern "C" void sm90_tensor_map_bytes(const void* global, int rank, int elem_byt
 
 extern "C" void sm90_run_mbar_phases(const unsigned char* src, int* out, unsigned char* bytes) {
     launch("sm90_mbar_phases", 1, 1, 64, 256, [&] { sm90_mbar_phases(src, out, bytes); });
+}
+
+extern "C" void sm90_run_named(int rounds, int* out, int misuse) {
+    launch("sm90_named_pingpong", 1, 1, 2 * WG_THREADS, 64, [&] {
+        sm90_named_pingpong(rounds, out, misuse);
+    });
 }
 
 extern "C" void sm90_run_mbar_misuse(int what) {

@@ -41,6 +41,7 @@ def lib():
     lib.sm90_run_tma.argtypes = [P, I32, I32, P, P, P, I32, I32, P, P]
     lib.sm90_tensor_map_bytes.argtypes = [P, I32, I32, P, P, P, I32, I32, P]
     lib.sm90_run_mbar_phases.argtypes = [P, P, P]
+    lib.sm90_run_named.argtypes = [I32, P, I32]
     lib.sm90_run_wgmma.argtypes = [I32, I32, I32, P, U32, P, U64, U64, U32, U32, I32, P, P, P,
                                    I32]
     lib.sm90_run_wgmma.restype = I32
@@ -270,6 +271,35 @@ def test_mbarrier_overwrite_is_reported(lib):
 def test_mbarrier_init_without_fence_is_reported(lib):
     err = run_isolated("sm90_run_mbar_misuse(3)")
     assert "not followed by fence.mbarrier_init" in err, err[-2000:]
+
+
+# ---- named barriers ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("landing", ["wait", "random"])
+def test_named_barriers_order_a_ping_pong(lib, landing):
+    """bar.arrive does not wait, bar.sync waits for the announced count: two warpgroups hand a
+    value back and forth through shared memory, each read ordered after the other's write."""
+    lib.sm90_configure(LANDING[landing], 5)
+    try:
+        out = np.full(6, -1, np.int32)
+        lib.sm90_run_named(6, ptr(out), 0)
+    finally:
+        lib.sm90_configure(LANDING["wait"], 0)
+    want, last = [], 0
+    for r in range(6):
+        last = (r * 10 + last % 7) * 3 + 1
+        want.append(last)
+    assert out.tolist() == want
+
+
+@pytest.mark.parametrize("misuse, message", [
+    (1, "announces 128 threads, the phase began with 256"),
+    (2, "128 of 256 threads arrived"),
+    (3, "barrier id 0"),
+], ids=["count-mismatch", "deadlock", "id-0"])
+def test_named_barrier_misuse_is_reported(lib, misuse, message):
+    err = run_isolated(f"sm90_run_named(2, (ctypes.c_int * 2)(), {misuse})")
+    assert message in err, err[-2000:]
 
 
 # ---- wgmma ---------------------------------------------------------------------------------------
@@ -582,6 +612,6 @@ def test_device_side_assembles_for_sm90a():
         nvrtc.nvrtcDestroyProgram(prog)
     assert cubin_size > 0, "no cubin: ptxas did not run"
     for kernel in ("sm90_tma_box", "sm90_mbar_phases", "sm90_stmatrix", "sm90_wgmma",
-                   "sm90_pipeline", "sm90_attention_tile"):
+                   "sm90_pipeline", "sm90_attention_tile", "sm90_named_pingpong"):
         assert f"Compiling entry function '{kernel}" in log or kernel in log, f"{kernel} missing"
     assert not re.search(r"[1-9]\d* bytes spill", log), f"register spills:\n{log}"
