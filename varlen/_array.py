@@ -129,7 +129,8 @@ class HostBlocks:
         self.min_bytes, self.keep, self.limit = min_bytes, keep, limit
         self._free = {}
         self._free_bytes = 0
-        self._lock = threading.Lock()
+        # reentrant: a garbage collection inside a locked section may run a finalizer
+        self._lock = threading.RLock()
 
     def empty(self, shape, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
