@@ -27,7 +27,7 @@ from ._device_errors import record
 from .masks import Mask, as_mask, key_band, query_band
 
 __all__ = ["Segments", "Plan", "KernelView", "build_plan", "plan_from_cu_seqlens",
-           "segments_from_cu_seqlens", "tile_bound", "TILE_FIELDS", "SCHED_FIELDS"]
+           "layout_segments", "segments_from_cu_seqlens", "tile_bound", "TILE_FIELDS", "SCHED_FIELDS"]
 
 # Columns of the tile tables `q_tiles` / `k_tiles` (int32 [num_tiles, 5]).
 TILE_FIELDS = ("seq", "seg", "row", "rows", "pos")
@@ -389,8 +389,7 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
     `mask` fields must already be working arrays of the segments' module (or scalars). CuPy
     segments: two fused kernels build it (`PLAN_BUILDER_ENV`).
     """
-    if block_m <= 0 or block_n <= 0:
-        raise ValueError(f"block sizes must be positive, got {block_m=} and {block_n=}")
+    _check_blocks(block_m, block_n)
     if q.batch != k.batch:
         raise ValueError(f"query segments cover {q.batch} sequences but key segments "
                          f"{k.batch}; expected the same batch")
@@ -422,14 +421,25 @@ def plan_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_
     (`backends/_cupy_plan.py`), unless `PLAN_BUILDER_ENV` says "arrays".
     """
     if _fused_kernels(_xp(cu_seqlens_q)):
-        if block_m <= 0 or block_n <= 0:
-            raise ValueError(f"block sizes must be positive, got {block_m=} and {block_n=}")
+        _check_blocks(block_m, block_n)
         from .backends import _cupy_plan
         return _cupy_plan.plan_from_cu_seqlens(
             cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, num_rows_q, num_rows_k,
             as_mask(mask), block_m=int(block_m), block_n=int(block_n),
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return build_plan(segments_from_cu_seqlens(cu_seqlens_q, seq_offsets_q, num_rows_q, "q"),
-                      segments_from_cu_seqlens(cu_seqlens_k, seq_offsets_k, num_rows_k, "k"),
+    return build_plan(*layout_segments(cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
+                                       seq_offsets_k, num_rows_q, num_rows_k),
                       mask, block_m=block_m, block_n=block_n, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k)
+
+
+def layout_segments(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, num_rows_q: int,
+                    num_rows_k: int) -> tuple:
+    """`(q, k)` segments of a single-process layout: one per sequence of each side."""
+    return (segments_from_cu_seqlens(cu_seqlens_q, seq_offsets_q, num_rows_q, "q"),
+            segments_from_cu_seqlens(cu_seqlens_k, seq_offsets_k, num_rows_k, "k"))
+
+
+def _check_blocks(block_m, block_n):
+    if block_m <= 0 or block_n <= 0:
+        raise ValueError(f"block sizes must be positive, got {block_m=} and {block_n=}")

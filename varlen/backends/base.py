@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from ..plan import Plan, Segments, build_plan, segments_from_cu_seqlens
+from ..plan import Plan, Segments, build_plan, layout_segments
 
 __all__ = ["Backend", "Problem"]
 
@@ -59,10 +59,10 @@ class Backend(abc.ABC):
                              num_rows_q: int, num_rows_k: int, mask, *, block_m: int,
                              block_n: int, max_seqlen_q=None, max_seqlen_k=None) -> Plan:
         """A plan of a single-process layout: one segment per sequence of each side
-        (`segments_from_cu_seqlens`), then `make_plan`. A backend may build both at once."""
+        (`plan.layout_segments`), then `make_plan`. A backend may build both at once."""
         return self.make_plan(
-            segments_from_cu_seqlens(cu_seqlens_q, seq_offsets_q, num_rows_q, "q"),
-            segments_from_cu_seqlens(cu_seqlens_k, seq_offsets_k, num_rows_k, "k"), mask,
+            *layout_segments(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
+                             num_rows_q, num_rows_k), mask,
             block_m=block_m, block_n=block_n, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k)
 
