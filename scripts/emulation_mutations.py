@@ -24,7 +24,8 @@ The sm_90a forward (`fwd_sm90.cuh`) has sites of its own: every `mbar_wait`, `wg
 `wgmma_fence`, named barrier (`named_bar_sync`/`named_bar_arrive`), `fence_proxy_async`,
 `fence_barrier_init` and `__syncthreads()` call. They run the pipeline's case of
 tests/test_sm90_forward.py (two consumer warpgroups in ping-pong, 1 to 6 key chunks per query
-tile, partial chunks whose boxes hold NaN rows), with the threads free-running:
+tile, partial chunks whose boxes hold NaN rows, a NaN in a present key), with the threads
+free-running:
 
 1. TMA copies landing and wgmma operands read at the latest moment (`wait`);
 2. both at seeded random points (`random`, seed 1);
@@ -65,7 +66,7 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
         ("schedule, NaN case", EDGE_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"}),
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
 SM90_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_sm90_forward.py"),
-             "B5-bf16-D64-BM128-chunks-1-2-3-6"]
+             "B6-bf16-D64-BM128-chunks-1-2-3-6"]
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
 SM90_RUNS = (("sm90 wait-landing", SM90_CASE, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "wait"}),
              ("sm90 random-landing", SM90_CASE, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "random",

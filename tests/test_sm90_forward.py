@@ -47,10 +47,12 @@ CASES = {
         mask="causal", gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
     # the pipeline's prologue and epilogue: key chunks of 128 (pairs of the plan's 64-row key
     # tiles) numbering 1, 2, 3 and 6 per query tile, the last one a lone partial tile; two
-    # consumer warpgroups in ping-pong; a query tile without keys
-    "B5-bf16-D64-BM128-chunks-1-2-3-6": dict(
-        lengths_q=[3, 64, 129, 40, 0], lengths_k=[100, 200, 300, 700, 0], Hq=2, Hk=1, D=64,
-        dtype="bfloat16", mask="full", gaps=True, softcap=0.0, block_m=128, nan_in_pad=True),
+    # consumer warpgroups in ping-pong; a query tile without keys; a NaN in the last key of a
+    # sequence of its own (a partial chunk: the producer hands the NaN to the key's K row)
+    "B6-bf16-D64-BM128-chunks-1-2-3-6": dict(
+        lengths_q=[3, 64, 129, 40, 0, 5], lengths_k=[100, 200, 300, 700, 0, 70], Hq=2, Hk=1,
+        D=64, dtype="bfloat16", mask="full", gaps=True, softcap=0.0, block_m=128,
+        nan_in_pad=True, nan_in_key=5),
     # sliding windows: in sequence 0 (20 keys back) the second chunk of a query tile is fully
     # masked for the first warpgroup's rows (P = 0 under a finite running max), the first
     # chunk for some rows of the second (their max stays -inf into the pipeline); sequence 1
@@ -67,7 +69,7 @@ CASES = {
 }
 QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan"]
 # the pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their boxes
-PIPELINE = "B5-bf16-D64-BM128-chunks-1-2-3-6"
+PIPELINE = "B6-bf16-D64-BM128-chunks-1-2-3-6"
 
 
 def _mask(spec, B):
@@ -110,9 +112,11 @@ def run_case(label: str, device: bool = False) -> float:
         b.v[~rows_k] = np.nan
         b.q[~covered_rows(b, "q")] = np.nan
     if nan_in_key:
-        # the last key of sequence 1: only its queries that see it turn NaN
-        start = int(b.cu_k[1] if b.off_k is None else b.off_k[1])
-        last = start + int(b.cu_k[2] - b.cu_k[1]) - 1
+        # the last key of sequence 1 (or of the one named): only its queries that see it turn
+        # NaN
+        i = 1 if nan_in_key is True else nan_in_key
+        start = int(b.cu_k[i] if b.off_k is None else b.off_k[i])
+        last = start + int(b.cu_k[i + 1] - b.cu_k[i]) - 1
         b.v[last, 0, 3] = np.nan
     plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
                        mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
@@ -192,7 +196,8 @@ def _specs():
     from varlen.backends._cupy_sm90 import Sm90Spec
     return ([Sm90Spec(dt, d, bm, 64, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
              for bm in (64, 128) for sc in (False, True)] +
-            [Sm90Spec("bfloat16", d, bm, 128, False) for d in (64, 128) for bm in (64, 128)] +
+            [Sm90Spec("bfloat16", d, bm, 128, sc) for d in (64, 128) for bm in (64, 128)
+             for sc in (False, True)] +
             [Sm90Spec(dt, 256, 64, 64, sc) for dt in ("float16", "bfloat16")
              for sc in (False, True)] +
             [Sm90Spec("bfloat16", 256, 64, 128, False)] +
