@@ -66,7 +66,7 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
         ("schedule, NaN case", EDGE_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"}),
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
 SM90_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_sm90_forward.py"),
-             "B6-bf16-D64-BM128-chunks-1-2-3-6"]
+             "B7-bf16-D64-BM128-chunks-1-2-3-6"]
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
 SM90_RUNS = (("sm90 wait-landing", SM90_CASE, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "wait"}),
              ("sm90 random-landing", SM90_CASE, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "random",

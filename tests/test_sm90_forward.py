@@ -48,10 +48,11 @@ CASES = {
     # the pipeline's prologue and epilogue: key chunks of 128 (pairs of the plan's 64-row key
     # tiles) numbering 1, 2, 3 and 6 per query tile, the last one a lone partial tile; two
     # consumer warpgroups in ping-pong; a query tile without keys; a NaN in the last key of a
-    # sequence of its own (a partial chunk: the producer hands the NaN to the key's K row)
-    "B6-bf16-D64-BM128-chunks-1-2-3-6": dict(
-        lengths_q=[3, 64, 129, 40, 0, 5], lengths_k=[100, 200, 300, 700, 0, 70], Hq=2, Hk=1,
-        D=64, dtype="bfloat16", mask="full", gaps=True, softcap=0.0, block_m=128,
+    # sequence of its own (a partial chunk: the producer hands the NaN to the key's K row); a
+    # tile whose last chunk is full (its V is waited for by the consumers alone)
+    "B7-bf16-D64-BM128-chunks-1-2-3-6": dict(
+        lengths_q=[3, 64, 129, 40, 0, 5, 10], lengths_k=[100, 200, 300, 700, 0, 70, 256],
+        Hq=2, Hk=1, D=64, dtype="bfloat16", mask="full", gaps=True, softcap=0.0, block_m=128,
         nan_in_pad=True, nan_in_key=5),
     # sliding windows: in sequence 0 (20 keys back) the second chunk of a query tile is fully
     # masked for the first warpgroup's rows (P = 0 under a finite running max), the first
@@ -69,7 +70,7 @@ CASES = {
 }
 QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan"]
 # the pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their boxes
-PIPELINE = "B6-bf16-D64-BM128-chunks-1-2-3-6"
+PIPELINE = "B7-bf16-D64-BM128-chunks-1-2-3-6"
 
 
 def _mask(spec, B):
