@@ -238,7 +238,8 @@ def test_sm90_key_chunk_is_128_where_it_fits():
         spec = Sm90Spec("bfloat16", d, bm, 64, False)
         assert spec.key_chunk == 128 and spec.smem <= OPTIN_SMEM, f"D{d} BM{bm}: {spec}"
     assert Sm90Spec("bfloat16", 256, 64, 64, False).key_chunk == 64
-    assert Sm90Spec("bfloat16", 256, 64, 64, False, key_chunk=128).smem > OPTIN_SMEM
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90Spec("bfloat16", 256, 64, 64, False, key_chunk=128)
 
 
 @pytest.mark.slow
