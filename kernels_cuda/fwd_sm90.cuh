@@ -71,10 +71,13 @@ struct FwdSm90Config {
     static constexpr int ALIGN = 1024;
     static constexpr int SMEM_BYTES = OFF_BARS + 8 * NUM_BARS + ALIGN;
     // Registers per thread after setmaxnreg: the producer gives its share to the consumers
-    // (FlashAttention-3's split); 128 (PRODUCER + NC CONSUMER) must fit the SM's 64 K. The
-    // pipeline holds O, S and P at once (160 registers at D = KN = 128): 232 spilled under a
-    // softcap, 240 do not; one consumer takes all it can address.
-    static constexpr int PRODUCER_REGS = 32;
+    // (FlashAttention-3's split). setmaxnreg.inc draws on what the block's setmaxnreg.dec
+    // released, so the split adds up to what the block is launched with: ENTRY_REGS per
+    // thread, the cap of __launch_bounds__(NUM_THREADS, 1). The pipeline holds O, S and P at
+    // once (160 registers at D = KN = 128): 232 spilled under a softcap, 240 do not.
+    static constexpr int ENTRY_REGS = 65536 / NUM_THREADS / 8 * 8 < 256
+                                          ? 65536 / NUM_THREADS / 8 * 8 : 256;
+    static constexpr int PRODUCER_REGS = 24;
     static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 256 : 240;
     // The ping-pong of two consumer warpgroups: named barrier TURN_BAR + c is consumer c's turn
     // at the tensor cores, counted over both consumer warpgroups (c waits, the other arrives).
@@ -89,8 +92,9 @@ struct FwdSm90Config {
     static_assert(BN % KN == 0 || KN == 2 * BN,
                   "a key chunk is a part of a plan tile or two of them");
     static_assert(D == 64 || D == 128 || D == 256, "head dim in boxes of 64, wgmma N of P V");
-    static_assert(WG_THREADS * (PRODUCER_REGS + NUM_CONSUMERS * CONSUMER_REGS) <= 65536,
-                  "the register split must fit an SM");
+    static_assert(PRODUCER_REGS + NUM_CONSUMERS * CONSUMER_REGS <=
+                      (1 + NUM_CONSUMERS) * ENTRY_REGS,
+                  "the register split must fit the registers the block is launched with");
     static_assert(TURN_BAR + NUM_CONSUMERS - 1 <= 15, "named barrier ids are 1..15");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory past sm_90's 227 KiB per block");
 };
@@ -215,7 +219,7 @@ __device__ __forceinline__ void sanitize_partial_chunk(T* s_k, T* s_v, int rows,
                 const uint4* p = reinterpret_cast<const uint4*>(
                     reinterpret_cast<const unsigned char*>(s_v) + b * Cfg::KN * Cfg::BOX_ROW_BYTES +
                     r * Cfg::BOX_ROW_BYTES);
-                #pragma unroll
+                #pragma unroll 1
                 for (int i = 0; i < VECS; ++i) bad |= any_nonfinite<T>(p[i]);
             }
         }
