@@ -1,21 +1,26 @@
 // Forward kernel for sm_90a: FlashAttention-2's online softmax (Alg. 1) over the plan's query
 // tiles, with the operands moved by TMA and multiplied by wgmma, warp-specialised as in
-// FlashAttention-3 (stage 1: no ping-pong between consumer warpgroups, no overlap of softmax and
-// the next Q K^T inside a warpgroup). docs/hopper.md, "The sm_90a forward", has the design.
+// FlashAttention-3, with its two overlaps: the two consumer warpgroups of BM = 128 take turns at
+// the tensor cores (ping-pong, section 3.1), and inside a warpgroup S of the next key chunk is
+// issued with P V of this one, its softmax running while P V is in flight (Alg. 2, section 3.2).
+// docs/hopper.md, "The sm_90a forward", has the design and the schedule.
 //
 // Grid (num_q_tiles, Hq), as varlen_fwd. Block: warpgroup 0 is the producer, warpgroups 1 .. NC
-// the consumers, each owning 64 query rows of the tile (BM = 64 NC). Shared memory, 1024-byte
-// aligned, every tile in boxes of 64 columns (128 bytes, 128B swizzle) written by TMA:
-//   Q [D / 64][BM][64], K and V [STAGES][D / 64][BN][64] each, the output stage [BM][D + 8],
+// the consumers, each owning 64 query rows of the tile (BM = 64 NC). Key chunks of KN rows (the
+// wgmma N of S): KN = 128 at D <= 128, two of the plan's 64-row key tiles when it has those;
+// KN = 64 at D = 256. Shared memory, 1024-byte aligned, every tile in boxes of 64 columns
+// (128 bytes, 128B swizzle) written by TMA:
+//   Q [D / 64][BM][64], K and V [STAGES][D / 64][KN][64] each, the output stage [BM][D + 8],
 //   then the mbarriers.
-// The producer's thread 0 loads Q once and K, V of each key chunk into a ring of STAGES stages
-// (full barriers: k_full, v_full with transaction bytes; empty: every consumer thread arrives
-// once its P V has retired). TMA reads whole boxes of the packed arrays, so the rows of a chunk
-// past its sequence's last key are another sequence's rows or padding: the scores of those keys
-// are masked by the selects of mask_scores (the chunk is partial), and their V rows, which meet
-// P = 0 in P V, are zeroed by the producer warpgroup before the chunk is handed on (`ready`),
-// with a NaN or inf in a present V row zeroed and handed to its K row, as KvStages::
-// zero_nonfinite does for the mma.sync kernel.
+// The producer's thread 0 loads Q once, then K of chunk i ahead of V of chunk i - 1, into a ring
+// of STAGES stages (full barriers: k_full, v_full with transaction bytes; empty barriers apart
+// for K and V: every consumer thread arrives on k_empty once its S has retired, on v_empty once
+// its P V has, so K is refilled a P V earlier). TMA reads whole boxes of the packed arrays, so
+// the rows of a chunk past its sequence's last key are another sequence's rows or padding: the
+// scores of those keys are masked by the selects of mask_scores (the chunk is partial), and
+// their V rows, which meet P = 0 in P V, are zeroed by the producer warpgroup before the chunk
+// is handed on (`ready`), with a NaN or inf in a present V row zeroed and handed to its K row,
+// as KvStages::zero_nonfinite does for the mma.sync kernel.
 //
 // The wgmma D fragment of a warp (rows 16 w + g, + 8; columns 8 j + 2 q + {0, 1}) is the
 // mma.m16n8 C fragment repeated along N, so the consumer keeps its tiles as float [N / 8][4]
@@ -32,11 +37,16 @@
 
 namespace varlen {
 
-template <int D_, int BM_, int BN_>
+// Rows of a key chunk: 128 where two stages of K and V fit next to Q and the output stage
+// (D <= 128), 64 at D = 256.
+__host__ __device__ constexpr int sm90_key_chunk(int d) { return d <= 128 ? 128 : 64; }
+
+template <int D_, int BM_, int BN_, int KN_>
 struct FwdSm90Config {
     static constexpr int D = D_;
     static constexpr int BM = BM_;
-    static constexpr int BN = BN_;
+    static constexpr int BN = BN_;                       // the plan's key tiles
+    static constexpr int KN = KN_;                       // rows of a key chunk, a K or V stage
     static constexpr int WG_THREADS = 128;               // a warpgroup: 4 warps
     static constexpr int WG_ROWS = 64;                   // the M of wgmma
     static constexpr int NUM_CONSUMERS = BM / WG_ROWS;
@@ -47,29 +57,45 @@ struct FwdSm90Config {
     static constexpr int D_BOXES = D / BOX_COLS;
     static constexpr int ATOM_BYTES = 8 * BOX_ROW_BYTES; // 8 rows: the 128B swizzle's repeat
     static constexpr int Q_BYTES = BM * D * 2;
-    static constexpr int KV_BYTES = BN * D * 2;          // one K (or V) stage
+    static constexpr int KV_BYTES = KN * D * 2;          // one K (or V) stage
     static constexpr int OUT_STRIDE = smem_stride<D>();
     static constexpr int OUT_BYTES = BM * OUT_STRIDE * 2;
     static constexpr int OFF_K = Q_BYTES;
     static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
     static constexpr int OFF_OUT = OFF_V + STAGES * KV_BYTES;
     static constexpr int OFF_BARS = (OFF_OUT + OUT_BYTES + 7) / 8 * 8;
-    // q_full, then k_full, v_full, ready, empty per stage
-    static constexpr int NUM_BARS = 1 + 4 * STAGES;
+    // q_full, then k_full, v_full, ready, k_empty, v_empty per stage
+    static constexpr int NUM_BARS = 1 + 5 * STAGES;
     // + ALIGN: the block rounds its base up to the swizzle's repeat (tiles start on it, the
     // descriptors' base offset is 0), whatever alignment the dynamic window has
     static constexpr int ALIGN = 1024;
     static constexpr int SMEM_BYTES = OFF_BARS + 8 * NUM_BARS + ALIGN;
     // Registers per thread after setmaxnreg: the producer gives its share to the consumers
-    // (FlashAttention-3's split); 128 (PRODUCER + NC CONSUMER) must fit the SM's 64 K.
-    static constexpr int PRODUCER_REGS = 40;
-    static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 240 : 232;
+    // (FlashAttention-3's split). setmaxnreg.inc draws on what the block's setmaxnreg.dec
+    // released, so the split adds up to what the block is launched with: ENTRY_REGS per
+    // thread, the cap of __launch_bounds__(NUM_THREADS, 1). The pipeline holds O, S and P at
+    // once (160 registers at D = KN = 128): 232 spilled under a softcap, 240 do not.
+    static constexpr int ENTRY_REGS = 65536 / NUM_THREADS / 8 * 8 < 256
+                                          ? 65536 / NUM_THREADS / 8 * 8 : 256;
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 256 : 240;
+    // The ping-pong of two consumer warpgroups: named barrier TURN_BAR + c is consumer c's turn
+    // at the tensor cores, counted over both consumer warpgroups (c waits, the other arrives).
+    // Id 0 is __syncthreads'.
+    static constexpr bool PINGPONG = NUM_CONSUMERS == 2;
+    static constexpr uint32_t TURN_BAR = 1;
+    static constexpr uint32_t TURN_THREADS = 2 * WG_THREADS;
 
     static_assert(BM == 64 || BM == 128, "one or two consumer warpgroups of 64 query rows");
-    static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N of Q K^T: 64, 128 or 256 keys");
+    static_assert(BN == 64 || BN == 128, "plan key tiles of 64 or 128 rows");
+    static_assert(KN == 64 || KN == 128, "wgmma N of Q K^T: key chunks of 64 or 128 rows");
+    static_assert(BN % KN == 0 || KN == 2 * BN,
+                  "a key chunk is a part of a plan tile or two of them");
     static_assert(D == 64 || D == 128 || D == 256, "head dim in boxes of 64, wgmma N of P V");
-    static_assert(WG_THREADS * (PRODUCER_REGS + NUM_CONSUMERS * CONSUMER_REGS) <= 65536,
-                  "the register split must fit an SM");
+    static_assert(PRODUCER_REGS + NUM_CONSUMERS * CONSUMER_REGS <=
+                      (1 + NUM_CONSUMERS) * ENTRY_REGS,
+                  "the register split must fit the registers the block is launched with");
+    static_assert(TURN_BAR + NUM_CONSUMERS - 1 <= 15, "named barrier ids are 1..15");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory past sm_90's 227 KiB per block");
 };
 
@@ -95,8 +121,11 @@ struct Sm90Smem {
     __device__ __forceinline__ sm90::u64* ready(int s) const {
         return bar(1 + 2 * Cfg::STAGES + s);
     }
-    __device__ __forceinline__ sm90::u64* empty(int s) const {
+    __device__ __forceinline__ sm90::u64* k_empty(int s) const {
         return bar(1 + 3 * Cfg::STAGES + s);
+    }
+    __device__ __forceinline__ sm90::u64* v_empty(int s) const {
+        return bar(1 + 4 * Cfg::STAGES + s);
     }
 };
 
@@ -107,6 +136,73 @@ __device__ __forceinline__ uint32_t round_parity(int i) {
     return static_cast<uint32_t>(i / STAGES) & 1u;
 }
 
+// The key chunks of KN rows of query tile i_tile, in the order of the plan's walk (key_cursor).
+// When KN divides the plan's key tiles, each tile is KN-row chunks; when KN is two tiles, two
+// consecutive tiles of one partner segment make a chunk (full when both are), and a tile that
+// is the last of its segment's range makes one alone, partial: its rows past the tile are
+// masked and their V rows zeroed like those past a sequence's end.
+template <typename Cfg>
+struct KeyChunks {
+    static constexpr bool PAIRS = Cfg::KN == 2 * Cfg::BN;
+    static constexpr int STEP = PAIRS ? Cfg::BN : Cfg::KN;
+    PartnerCursor<STEP> keys;
+
+    __device__ __forceinline__ KeyChunks(const PlanView& plan, const TileInfo& tile, int i_tile)
+        : keys(key_cursor<Cfg::BN, STEP>(plan, tile, i_tile)) {}
+
+    __device__ __forceinline__ bool valid() const { return keys.valid(); }
+
+    // Whether the plan tile after this one belongs to the same chunk.
+    __device__ __forceinline__ bool paired() const { return PAIRS && keys.c + 1 < keys.c_end; }
+
+    __device__ __forceinline__ Chunk chunk() const {
+        Chunk c = keys.chunk();
+        if constexpr (PAIRS) {
+            if (paired()) {
+                // rows of the next tile, which follows this one's STEP rows in the segment
+                const int rows = min(STEP, keys.left - STEP);
+                c.full = c.full && keys.c + 1 >= keys.f_begin && keys.c + 1 < keys.f_end &&
+                         rows == STEP;
+                c.rows += rows;
+            } else {
+                c.full = false;
+            }
+        }
+        return c;
+    }
+
+    __device__ __forceinline__ void advance() {
+        if (paired()) keys.advance();
+        keys.advance();
+    }
+};
+
+// FlashAttention-3's ping-pong (section 3.1) of the two consumer warpgroups of BM = 128: each
+// issues a block of GEMMs only on its turn and then hands the turn over, so that one's softmax
+// runs while the other's GEMMs keep the tensor cores busy. Both walk the same chunks, so they
+// issue the same number of blocks; the second lets the first go first and does not hand over
+// after its last block (every phase of both barriers then completes). No-op with one consumer.
+template <typename Cfg>
+struct PingPong {
+    int c_wg;
+
+    __device__ __forceinline__ void start() const {
+        if constexpr (Cfg::PINGPONG) {
+            if (c_wg == 1) sm90::named_bar_arrive(Cfg::TURN_BAR, Cfg::TURN_THREADS);
+        }
+    }
+    __device__ __forceinline__ void wait() const {
+        if constexpr (Cfg::PINGPONG) sm90::named_bar_sync(Cfg::TURN_BAR + c_wg, Cfg::TURN_THREADS);
+    }
+    __device__ __forceinline__ void pass(bool last) const {
+        if constexpr (Cfg::PINGPONG) {
+            if (!(last && c_wg == 1)) {
+                sm90::named_bar_arrive(Cfg::TURN_BAR + 1 - c_wg, Cfg::TURN_THREADS);
+            }
+        }
+    }
+};
+
 // Rows r >= rows of a V stage zeroed (another sequence's rows or padding, which P V meets with
 // P = 0), and a present V row with a NaN or inf zeroed and its K row made NaN, so that exactly
 // the queries that see the key get a NaN score. One thread per row; a swizzled box keeps each
@@ -115,15 +211,15 @@ __device__ __forceinline__ uint32_t round_parity(int i) {
 template <typename T, typename Cfg>
 __device__ __forceinline__ void sanitize_partial_chunk(T* s_k, T* s_v, int rows, int t) {
     constexpr int VECS = Cfg::BOX_ROW_BYTES / 16;
-    for (int r = t; r < Cfg::BN; r += Cfg::WG_THREADS) {
+    for (int r = t; r < Cfg::KN; r += Cfg::WG_THREADS) {
         bool bad = false;
         if (r < rows) {
             #pragma unroll
             for (int b = 0; b < Cfg::D_BOXES; ++b) {
                 const uint4* p = reinterpret_cast<const uint4*>(
-                    reinterpret_cast<const unsigned char*>(s_v) + b * Cfg::BN * Cfg::BOX_ROW_BYTES +
+                    reinterpret_cast<const unsigned char*>(s_v) + b * Cfg::KN * Cfg::BOX_ROW_BYTES +
                     r * Cfg::BOX_ROW_BYTES);
-                #pragma unroll
+                #pragma unroll 1
                 for (int i = 0; i < VECS; ++i) bad |= any_nonfinite<T>(p[i]);
             }
         }
@@ -131,7 +227,7 @@ __device__ __forceinline__ void sanitize_partial_chunk(T* s_k, T* s_v, int rows,
         #pragma unroll
         for (int b = 0; b < Cfg::D_BOXES; ++b) {
             uint4* p = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(s_v) +
-                                                b * Cfg::BN * Cfg::BOX_ROW_BYTES +
+                                                b * Cfg::KN * Cfg::BOX_ROW_BYTES +
                                                 r * Cfg::BOX_ROW_BYTES);
             #pragma unroll
             for (int i = 0; i < VECS; ++i) p[i] = uint4{0u, 0u, 0u, 0u};
@@ -157,9 +253,33 @@ __device__ __forceinline__ void load_rows(void* dst, const sm90::TensorMap* map,
     }
 }
 
+// Loads V of chunk `c` (the i-th) once the consumers have released its stage's previous round;
+// on a partial chunk all 128 producer threads then sanitise the landed K and V rows and hand
+// the chunk on (`ready`; a full chunk was handed on with its K).
+template <typename T, typename Cfg>
+__device__ __forceinline__ void produce_v(const sm90::TensorMap* map_v, const Sm90Smem<T, Cfg>& sm,
+                                          const Chunk& c, int i, int i_khead, int t) {
+    const int s = i % Cfg::STAGES;
+    const uint32_t parity = round_parity<Cfg::STAGES>(i);
+    // every producer thread waits, so that none arrives on `ready` a round early
+    sm90::mbar_wait(sm.v_empty(s), parity ^ 1u);
+    if (t == 0) {
+        sm90::mbar_arrive_expect_tx(sm.v_full(s), Cfg::KV_BYTES);
+        load_rows<Cfg, Cfg::KN>(sm.v(s), map_v, sm.v_full(s), i_khead + c.head, c.row);
+    }
+    if (!c.full) {
+        sm90::mbar_wait(sm.k_full(s), parity);
+        sm90::mbar_wait(sm.v_full(s), parity);
+        sanitize_partial_chunk<T, Cfg>(sm.k(s), sm.v(s), c.rows, t);
+        // generic-proxy stores that the consumers' wgmma (async proxy) reads next
+        sm90::fence_proxy_async();
+        sm90::mbar_arrive(sm.ready(s));
+    }
+}
+
 // The producer warpgroup: thread 0 issues the TMA loads of Q and of every key chunk of the
-// tile's schedule; on a partial chunk all 128 threads sanitise the landed stage before it is
-// released to the consumers, on a full one they release it at once.
+// tile's schedule, K of chunk i before V of chunk i - 1 (K is released a P V earlier than V);
+// a full chunk is handed on (`ready`) with its K, a partial one once sanitised (produce_v).
 template <typename T, typename Cfg>
 __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
                                                   const sm90::TensorMap* map_k,
@@ -173,106 +293,187 @@ __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
         sm90::mbar_arrive_expect_tx(sm.q_full(), Cfg::Q_BYTES);
         load_rows<Cfg, Cfg::BM>(sm.q(), map_q, sm.q_full(), i_head, tile.row);
     }
-    PartnerCursor<Cfg::BN> keys = key_cursor<Cfg::BN>(plan, tile, i_tile);
-    for (int i = 0; keys.valid(); ++i, keys.advance()) {
+    KeyChunks<Cfg> keys(plan, tile, i_tile);
+    Chunk prev{};
+    int i = 0;
+    for (; keys.valid(); ++i, keys.advance()) {
         const Chunk c = keys.chunk();
         const int s = i % STAGES;
-        const uint32_t parity = round_parity<STAGES>(i);
-        // The consumers released this stage's previous round (the first round passes at once);
-        // every producer thread waits, so that none arrives on `ready` a round early.
-        sm90::mbar_wait(sm.empty(s), parity ^ 1u);
+        // the consumers' S of this stage's previous round has retired (the first round passes)
+        sm90::mbar_wait(sm.k_empty(s), round_parity<STAGES>(i) ^ 1u);
         if (t == 0) {
             sm90::mbar_arrive_expect_tx(sm.k_full(s), Cfg::KV_BYTES);
-            load_rows<Cfg, Cfg::BN>(sm.k(s), map_k, sm.k_full(s), i_khead + c.head, c.row);
-            sm90::mbar_arrive_expect_tx(sm.v_full(s), Cfg::KV_BYTES);
-            load_rows<Cfg, Cfg::BN>(sm.v(s), map_v, sm.v_full(s), i_khead + c.head, c.row);
+            load_rows<Cfg, Cfg::KN>(sm.k(s), map_k, sm.k_full(s), i_khead + c.head, c.row);
         }
-        if (!c.full) {
-            sm90::mbar_wait(sm.k_full(s), parity);
-            sm90::mbar_wait(sm.v_full(s), parity);
-            sanitize_partial_chunk<T, Cfg>(sm.k(s), sm.v(s), c.rows, t);
-            // generic-proxy stores that the consumers' wgmma (async proxy) reads next
-            sm90::fence_proxy_async();
-        }
-        sm90::mbar_arrive(sm.ready(s));
+        if (c.full) sm90::mbar_arrive(sm.ready(s));
+        if (i > 0) produce_v<T, Cfg>(map_v, sm, prev, i - 1, i_khead, t);
+        prev = c;
+    }
+    if (i > 0) produce_v<T, Cfg>(map_v, sm, prev, i - 1, i_khead, t);
+}
+
+// S = Q K^T of chunk i (this warpgroup's 64 rows; both K-major: k16 steps of 32 bytes inside a
+// box, the next 64 columns one box further), issued and committed.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void issue_s(float (&s_frag)[Cfg::KN / 2], const Sm90Smem<T, Cfg>& sm,
+                                       sm90::u64 desc_q, int i) {
+    constexpr uint32_t BOX_Q = Cfg::BM * Cfg::BOX_ROW_BYTES;   // bytes per box of 64 columns
+    constexpr uint32_t BOX_KV = Cfg::KN * Cfg::BOX_ROW_BYTES;
+    const sm90::u64 desc_k = sm90::smem_desc(sm.k(i % Cfg::STAGES), 0, Cfg::ATOM_BYTES,
+                                             sm90::Swizzle::B128);
+    #pragma unroll
+    for (int kk = 0; kk < Cfg::D / 16; ++kk) {
+        const uint32_t step = (kk % 4) * 32;      // k16 steps inside a box of 64 columns
+        const sm90::u64 a = sm90::desc_advance(desc_q, (kk / 4) * BOX_Q + step);
+        const sm90::u64 b = sm90::desc_advance(desc_k, (kk / 4) * BOX_KV + step);
+        sm90::wgmma_ss<T, Cfg::KN, false, false>(s_frag, a, b, kk > 0);
+    }
+    sm90::wgmma_commit();
+}
+
+// O += P V of chunk i, issued and committed: P (registers) as A, V N-major as B: 8-key atoms
+// SBO apart, k16 steps of 16 rows, the next 64 columns of the head dim one box (LBO) further.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void issue_pv(float (&o_frag)[Cfg::D / 2],
+                                        const uint32_t (&p_frag)[Cfg::KN / 16][4],
+                                        const Sm90Smem<T, Cfg>& sm, int i) {
+    const sm90::u64 desc_v = sm90::smem_desc(sm.v(i % Cfg::STAGES),
+                                             Cfg::KN * Cfg::BOX_ROW_BYTES, Cfg::ATOM_BYTES,
+                                             sm90::Swizzle::B128);
+    #pragma unroll
+    for (int j = 0; j < Cfg::KN / 16; ++j) {
+        sm90::wgmma_rs<T, Cfg::D, true>(o_frag, p_frag[j],
+                                        sm90::desc_advance(desc_v, j * 16 * Cfg::BOX_ROW_BYTES),
+                                        true);
+    }
+    sm90::wgmma_commit();
+}
+
+// Mask and online softmax of a retired S (chunk c) into probabilities, returning in `corr` the
+// factor exp2(m_old - m_new) by which O must be rescaled: the rescaling of
+// OnlineSoftmax::update, deferred while O is in flight under the next P V.
+template <bool HAS_SOFTCAP, int NB>
+__device__ __forceinline__ void softmax_deferred(float (&acc_s)[NB][4], OnlineSoftmax& softmax,
+                                                 float (&corr)[2], const TileMask<false>& mask,
+                                                 const CallParams& call, int lane) {
+    mask_scores<HAS_SOFTCAP>(acc_s, mask, call, lane);
+    const float m_old[2] = {softmax.m[0], softmax.m[1]};
+    float none[1][4] = {};
+    softmax.update(acc_s, none);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float m = softmax.m[half];
+        corr[half] = exp2f(m_old[half] - (m == neg_inf() ? 0.f : m));
     }
 }
 
-// One consumer warpgroup (rows 64 c .. 64 c + 63 of the tile): per key chunk S = Q K^T by
-// wgmma_ss, mask and online softmax on the fragments, O += P V by wgmma_rs; then O / l and lse
-// through store_output. `w` is the warp's slot among the consumer warps (row0 = 16 warp).
+template <int NO>
+__device__ __forceinline__ void rescale(float (&acc_o)[NO][4], const float (&corr)[2]) {
+    #pragma unroll
+    for (int no = 0; no < NO; ++no) {
+        acc_o[no][0] *= corr[0];
+        acc_o[no][1] *= corr[0];
+        acc_o[no][2] *= corr[1];
+        acc_o[no][3] *= corr[1];
+    }
+}
+
+// One consumer warpgroup (rows 64 c .. 64 c + 63 of the tile), FlashAttention-3's Alg. 2 over
+// the key chunks 0 .. n - 1 with two S tiles, the fp32 accumulator of the next chunk's S and
+// this chunk's P packed to 16 bits:
+//   S_0 = Q K_0^T; wait; softmax -> P_0
+//   for j = 0 .. n - 2: issue S_{j+1} = Q K_{j+1}^T, issue O += P_j V_j; wait<1> (S_{j+1}
+//     retired, P_j V_j in flight); release K_{j+1}; softmax of S_{j+1} (its O rescaling
+//     deferred); wait<0>; release V_j; rescale O; P_{j+1}
+//   O += P_{n-1} V_{n-1}; wait; release V_{n-1}
+// then O / l and lse through store_output. With two consumers each block of issues runs on the
+// warpgroup's turn (PingPong). `w` is the warp's slot among the consumer warps.
 template <typename T, typename Cfg, bool HAS_SOFTCAP>
 __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T* out, float* lse,
                                                   const PlanView& plan, const CallParams& call,
                                                   const TileInfo& tile, int i_tile, int i_head,
                                                   int c_wg, const WarpSlot& w) {
-    constexpr int STAGES = Cfg::STAGES, BN = Cfg::BN, D = Cfg::D;
-    constexpr uint32_t BOX_Q = Cfg::BM * Cfg::BOX_ROW_BYTES;   // bytes per box of 64 columns
-    constexpr uint32_t BOX_KV = BN * Cfg::BOX_ROW_BYTES;
+    constexpr int STAGES = Cfg::STAGES, KN = Cfg::KN, D = Cfg::D;
     const SeqPolicy pol = SeqPolicy::load(plan, tile.seq);
-    // K-major A (Q, this warpgroup's 64 rows) and B (K): 8-row atoms SBO apart, k16 steps of 32
-    // bytes inside a box, the next 64 columns one box further.
+    // K-major A: this warpgroup's 64 rows of Q, 8-row atoms SBO apart
     const sm90::u64 desc_q = sm90::smem_desc(reinterpret_cast<unsigned char*>(sm.q()) +
                                                  c_wg * Cfg::WG_ROWS * Cfg::BOX_ROW_BYTES,
                                              0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
 
-    // [16, D] output rows and [16, BN] scores, then probabilities, of this warp, as the
-    // warpgroup's wgmma D fragments
+    // [16, D] output rows and [16, KN] scores of this warp, as the warpgroup's wgmma D
+    // fragments, and [16, KN] probabilities of the chunk before as wgmma A fragments
     float acc_o[D / 8][4];
-    float acc_s[BN / 8][4];
+    float acc_s[KN / 8][4];
+    uint32_t p_frag[KN / 16][4];
     OnlineSoftmax softmax[1];
     zero_acc(acc_o);
     softmax[0].init();
     auto& o_frag = reinterpret_cast<float (&)[D / 2]>(acc_o);
-    auto& s_frag = reinterpret_cast<float (&)[BN / 2]>(acc_s);
+    auto& s_frag = reinterpret_cast<float (&)[KN / 2]>(acc_s);
+    const PingPong<Cfg> turn{c_wg};
 
     sm90::mbar_wait(sm.q_full(), 0);
-    PartnerCursor<BN> keys = key_cursor<BN>(plan, tile, i_tile);
-    for (int i = 0; keys.valid(); ++i, keys.advance()) {
-        const Chunk c = keys.chunk();
-        const int s = i % STAGES;
-        const uint32_t parity = round_parity<STAGES>(i);
-        sm90::mbar_wait(sm.ready(s), parity);
-        sm90::mbar_wait(sm.k_full(s), parity);
-        const sm90::u64 desc_k = sm90::smem_desc(sm.k(s), 0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
+    KeyChunks<Cfg> keys(plan, tile, i_tile);
+    if (keys.valid()) {
+        turn.start();
+        // prologue: S_0
+        sm90::mbar_wait(sm.ready(0), 0);
+        sm90::mbar_wait(sm.k_full(0), 0);
+        turn.wait();
         sm90::wgmma_fence_operand(s_frag);
         sm90::wgmma_fence();
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t step = (kk % 4) * 32;      // k16 steps inside a box of 64 columns
-            const sm90::u64 a = sm90::desc_advance(desc_q, (kk / 4) * BOX_Q + step);
-            const sm90::u64 b = sm90::desc_advance(desc_k, (kk / 4) * BOX_KV + step);
-            sm90::wgmma_ss<T, BN, false, false>(s_frag, a, b, kk > 0);
-        }
-        sm90::wgmma_commit();
+        issue_s<T, Cfg>(s_frag, sm, desc_q, 0);
+        turn.pass(false);
         sm90::wgmma_wait<0>();
         sm90::wgmma_fence_operand(s_frag);
-
-        mask_scores<HAS_SOFTCAP>(acc_s, query_rows_mask(pol, tile.pos, w, c), call, w.lane);
-        softmax[0].update(acc_s, acc_o);
-
-        // O += P V: P (registers) as A, V N-major as B: 8-key atoms SBO apart, k16 steps of 16
-        // rows, the next 64 columns of the head dim one box (LBO) further.
-        sm90::mbar_wait(sm.v_full(s), parity);
-        const sm90::u64 desc_v = sm90::smem_desc(sm.v(s), BOX_KV, Cfg::ATOM_BYTES,
-                                                 sm90::Swizzle::B128);
-        // [16, BN] P of this warp as BN / 16 A fragments, all written before the wgmma.fence
-        // (the ISA orders register writes before an async read of them only through it)
-        uint32_t p_frag[BN / 16][4];
+        sm90::mbar_arrive(sm.k_empty(0));
+        float corr[2];
+        softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr,
+                                      query_rows_mask(pol, tile.pos, w, keys.chunk()), call,
+                                      w.lane);
         #pragma unroll
-        for (int j = 0; j < BN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
+        for (int j = 0; j < KN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
+        int i = 0;      // the chunk of P
+        for (keys.advance(); keys.valid(); keys.advance(), ++i) {
+            const int n = i + 1;
+            const uint32_t parity_n = round_parity<STAGES>(n);
+            sm90::mbar_wait(sm.ready(n % STAGES), parity_n);
+            sm90::mbar_wait(sm.k_full(n % STAGES), parity_n);
+            sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i));
+            turn.wait();
+            // O was rescaled and P packed after the last wait: both are read by the wgmmas
+            // below (the ISA orders register writes before an async read only through the
+            // wgmma.fence)
+            sm90::wgmma_fence_operand(s_frag);
+            sm90::wgmma_fence_operand(o_frag);
+            sm90::wgmma_fence();
+            issue_s<T, Cfg>(s_frag, sm, desc_q, n);
+            issue_pv<T, Cfg>(o_frag, p_frag, sm, i);
+            turn.pass(false);
+            sm90::wgmma_wait<1>();
+            sm90::wgmma_fence_operand(s_frag);
+            sm90::mbar_arrive(sm.k_empty(n % STAGES));
+            softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr,
+                                          query_rows_mask(pol, tile.pos, w, keys.chunk()), call,
+                                          w.lane);
+            sm90::wgmma_wait<0>();
+            sm90::wgmma_fence_operand(o_frag);
+            sm90::wgmma_fence_operand(p_frag);
+            sm90::mbar_arrive(sm.v_empty(i % STAGES));
+            rescale(acc_o, corr);
+            #pragma unroll
+            for (int j = 0; j < KN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
+        }
+        // epilogue: P V of the last chunk
+        sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i));
+        turn.wait();
         sm90::wgmma_fence_operand(o_frag);
         sm90::wgmma_fence();
-        #pragma unroll
-        for (int j = 0; j < BN / 16; ++j) {
-            sm90::wgmma_rs<T, D, true>(o_frag, p_frag[j],
-                                       sm90::desc_advance(desc_v, j * 16 * Cfg::BOX_ROW_BYTES),
-                                       true);
-        }
-        sm90::wgmma_commit();
+        issue_pv<T, Cfg>(o_frag, p_frag, sm, i);
+        turn.pass(true);
         sm90::wgmma_wait<0>();
         sm90::wgmma_fence_operand(o_frag);
-        sm90::mbar_arrive(sm.empty(s));
+        sm90::mbar_arrive(sm.v_empty(i % STAGES));
     }
     store_output<T, D, Cfg::OUT_STRIDE>(reinterpret_cast<const float (&)[1][D / 8][4]>(acc_o),
                                         softmax, sm.out(), head_rows<D>(out, call.Hq, i_head),
@@ -284,17 +485,17 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
 using namespace varlen;
 
 // Tensor maps (made by the launcher, varlen/backends/_cupy_sm90.py): 3D over the packed arrays,
-// dims (D, H, T) innermost first, box (64, 1, BM) for Q and (64, 1, BN) for K and V, 128B
-// swizzle, zero fill past row T.
-template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP>
-__global__ void __launch_bounds__(FwdSm90Config<D, BM, BN>::NUM_THREADS, 1)
+// dims (D, H, T) innermost first, box (64, 1, BM) for Q and (64, 1, KN) for K and V, 128B
+// swizzle, zero fill past row T. BN is the plan's key tile, KN the key chunk.
+template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN = sm90_key_chunk(D)>
+__global__ void __launch_bounds__(FwdSm90Config<D, BM, BN, KN>::NUM_THREADS, 1)
 varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D]
                 const __grid_constant__ sm90::TensorMap map_k,   // k [Tk, Hk, D]
                 const __grid_constant__ sm90::TensorMap map_v,   // v [Tk, Hk, D]
                 T* __restrict__ out,                             // [Tq, Hq, D]
                 float* __restrict__ lse,                         // [Hq, Tq]
                 const PlanView plan, const CallParams call) {
-    using Cfg = FwdSm90Config<D, BM, BN>;
+    using Cfg = FwdSm90Config<D, BM, BN, KN>;
     const int i_tile = blockIdx.x, i_head = blockIdx.y;
     const TileInfo tile = load_tile(plan.q_tiles, i_tile);
     if (tile.seq < 0) return;
@@ -310,7 +511,8 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
             sm90::mbar_init(sm.k_full(s), 1);
             sm90::mbar_init(sm.v_full(s), 1);
             sm90::mbar_init(sm.ready(s), Cfg::WG_THREADS);
-            sm90::mbar_init(sm.empty(s), Cfg::NUM_CONSUMERS * Cfg::WG_THREADS);
+            sm90::mbar_init(sm.k_empty(s), Cfg::NUM_CONSUMERS * Cfg::WG_THREADS);
+            sm90::mbar_init(sm.v_empty(s), Cfg::NUM_CONSUMERS * Cfg::WG_THREADS);
         }
         sm90::fence_barrier_init();
     }

@@ -129,6 +129,7 @@ struct Mbar {
 struct NamedBar {
     uint32_t threads = 0, arrived = 0;
     uint64_t phase = 0;
+    std::vector<bool> in;      // by thread: arrived in the current phase
 };
 
 // The sm_90 state of the block being run, made afresh for each block (keyed by its barrier).
@@ -656,7 +657,8 @@ inline bool mbar_try_wait(u64* bar, uint32_t parity) {
 // bar.sync / bar.arrive `id` (1..15; 0 is __syncthreads') of `threads` threads, a multiple of
 // 32: every arrival of a phase must announce the same count; bar.sync waits for the phase to
 // complete, bar.arrive does not. A phase that does not complete within the timeout is
-// reported, as is a named barrier under the one-warp-at-a-time schedule.
+// reported, as are a thread arriving twice in one phase and a named barrier under the
+// one-warp-at-a-time schedule.
 inline void named_barrier(uint32_t id, uint32_t threads, bool wait, const char* what) {
     using namespace hostemu::sm90;
     hostemu::sync_point();
@@ -680,9 +682,19 @@ inline void named_barrier(uint32_t id, uint32_t threads, bool wait, const char* 
         hostemu::fail("%s %u: thread %u announces %u threads, the phase began with %u", what,
                       id, threadIdx.x, threads, n.threads);
     }
+    // A thread counted twice in one phase (bar.arrive again before the phase completed) would
+    // complete it early on the GPU: the other side's bar.sync is missing or misplaced.
+    if (n.in.size() < blockDim.x) n.in.resize(blockDim.x, false);
+    if (n.in[threadIdx.x]) {
+        hostemu::fail("%s %u: thread %u arrives twice in one phase (%u of %u threads in): a "
+                      "bar.sync missing on the other side?", what, id, threadIdx.x, n.arrived,
+                      n.threads);
+    }
+    n.in[threadIdx.x] = true;
     const uint64_t phase = n.phase;
     if (++n.arrived == n.threads) {
         n.arrived = 0;
+        std::fill(n.in.begin(), n.in.end(), false);
         ++n.phase;
         b.cv.notify_all();
         return;
@@ -835,6 +847,9 @@ void wgmma_wait(VARLEN_EMU_SITE) {
 
 template <int R>
 inline void wgmma_fence_operand(float (&)[R]) {}
+
+template <int R>
+inline void wgmma_fence_operand(uint32_t (&)[R][4]) {}
 
 template <typename T, int N, bool TRANS_A, bool TRANS_B>
 void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool scale_d, VARLEN_EMU_SITE) {

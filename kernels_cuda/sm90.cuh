@@ -183,6 +183,17 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
+// The same for A fragments in registers (wgmma_rs reads them asynchronously too: they must
+// not be overwritten before the wgmma_wait that retires the op).
+template <int R>
+__device__ __forceinline__ void wgmma_fence_operand(uint32_t (&a)[R][4]) {
+    #pragma unroll
+    for (int i = 0; i < R; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j]) :: "memory");
+    }
+}
+
 // Accumulator operand lists and their placeholders: N / 2 floats.
 #define VARLEN_WG_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
     "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])

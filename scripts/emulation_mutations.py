@@ -19,6 +19,22 @@ the sources in a temporary directory, which the emulation then compiles
 A mutation no run catches is a gap of the emulation (exit status 1). The strict cases reach three
 partner chunks per block, so the barrier that ends a loop step is exercised (it only matters
 from the third). Prints one line per mutation: the site, caught or not, by what, and the time.
+
+The sm_90a forward (`fwd_sm90.cuh`) has sites of its own: every `mbar_wait`, `wgmma_wait<N>`,
+`wgmma_fence`, named barrier (`named_bar_sync`/`named_bar_arrive`), `fence_proxy_async`,
+`fence_barrier_init` and `__syncthreads()` call. They run the pipeline's case of
+tests/test_sm90_forward.py (two consumer warpgroups in ping-pong, 1 to 6 key chunks per query
+tile, partial chunks whose boxes hold NaN rows, a NaN in a present key), with the threads
+free-running:
+
+1. TMA copies landing and wgmma operands read at the latest moment (`wait`);
+2. both at seeded random points (`random`, seed 1);
+3. the ThreadSanitizer build, copies landing at random points.
+
+A removed wait shows as a wrong or NaN output (a wgmma reads a poisoned stage or accumulator),
+an abort of the emulated protocol (an arrival on an mbarrier with none pending, a thread
+arriving twice at a named barrier in one phase, a wgmma without a fence), a deadlock reported
+after VARLEN_EMULATION_TIMEOUT (20 s here), or a race.
 """
 from __future__ import annotations
 
@@ -34,6 +50,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_DIR = os.path.join(ROOT, "kernels_cuda")
 SITE = re.compile(r"\b(__syncthreads\(\)|__syncwarp\(\)|cp_async_wait<[^<>;]+>\(\));")
+# The sm_90a kernels' synchronisation: mbarrier waits, wgmma waits and fences, named barriers,
+# proxy and barrier-init fences (arguments with one level of parentheses), and __syncthreads.
+SM90_FILES = ("fwd_sm90.cuh",)
+SM90_SITE = re.compile(
+    r"\b((?:sm90::)?(?:mbar_wait|wgmma_wait<\d+>|wgmma_fence|named_bar_sync|named_bar_arrive|"
+    r"fence_proxy_async|fence_barrier_init)\((?:[^;()]|\([^;()]*\))*\)|__syncthreads\(\));")
 EMULATION = [sys.executable, "-m", "varlen.backends._cupy_emulation", "--strict", "--fail-fast"]
 EDGE_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_cupy_edges.py"),
              "nonfinite-backward", "q"]
@@ -43,6 +65,14 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
         ("race", [*EMULATION, "--race"], {}),
         ("schedule, NaN case", EDGE_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"}),
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
+SM90_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_sm90_forward.py"),
+             "B7-bf16-D64-BM128-chunks-1-2-3-6"]
+SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
+SM90_RUNS = (("sm90 wait-landing", SM90_CASE, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "wait"}),
+             ("sm90 random-landing", SM90_CASE, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "random",
+                                                 "VARLEN_EMULATION_SEED": "1"}),
+             ("sm90 race", SM90_CASE, {**SM90_ENV, "VARLEN_EMULATION_RACE": "1",
+                                       "LD_PRELOAD": "tsan"}))
 
 
 def sites(source_dir=SOURCE_DIR):
@@ -51,12 +81,18 @@ def sites(source_dir=SOURCE_DIR):
     for name in sorted(os.listdir(source_dir)):
         if not name.endswith(".cuh") or name.startswith("host_emulation"):
             continue
+        site = SM90_SITE if name in SM90_FILES else SITE
         with open(os.path.join(source_dir, name)) as f:
             for i, line in enumerate(f, 1):
-                m = SITE.search(line.split("//")[0])
+                m = site.search(line.split("//")[0])
                 if m:
                     found.append((name, i, m.group(1)))
     return found
+
+
+def runs_for(site):
+    """The runs that exercise the kernel of `site`."""
+    return SM90_RUNS if site[0] in SM90_FILES else RUNS
 
 
 def site_id(site):
@@ -104,8 +140,10 @@ def verdict(output):
     return "failed run"
 
 
-def check(site, runs=RUNS, timeout=900):
-    """Runs the mutated kernels; returns (caught by, seconds) with caught by None if missed."""
+def check(site, runs=None, timeout=900):
+    """Runs the mutated kernels (`runs`, by default those of the site's kernel); returns
+    (caught by, seconds) with caught by None if missed."""
+    runs = runs_for(site) if runs is None else runs
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="varlen_mutant_") as tmp:
         mutate(site, tmp)
@@ -125,10 +163,9 @@ def main(argv=None):
     p.add_argument("--sites", nargs="*", help="only sites whose file:line:call contains one of these")
     p.add_argument("--list", action="store_true", help="list the sites and exit")
     p.add_argument("--runs", nargs="*", help="only the runs whose label contains one of these "
-                   f"(labels: {', '.join(r[0] for r in RUNS)})")
+                   f"(labels: {', '.join(r[0] for r in RUNS + SM90_RUNS)})")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     args = p.parse_args(argv)
-    runs = [r for r in RUNS if not args.runs or any(x in r[0] for x in args.runs)]
     todo = [s for s in sites()
             if not args.sites or any(x in site_id(s) for x in args.sites)]
     if args.list:
@@ -136,6 +173,7 @@ def main(argv=None):
         return 0
     missed = 0
     for site in todo:
+        runs = [r for r in runs_for(site) if not args.runs or any(x in r[0] for x in args.runs)]
         by, seconds = check(site, runs, timeout=args.timeout)
         missed += by is None
         print(f"{'caught' if by else 'MISSED'}  {site_id(site)}: {by or 'no run failed'} "

@@ -96,7 +96,8 @@ extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) 
 // and arrives on barrier 1 (bar.arrive: no wait); warpgroup 1 waits there (bar.sync), derives
 // a value and arrives on barrier 2, where warpgroup 0 waits before reading it into out[round].
 // misuse 1: warpgroup 1 announces 128 threads on barrier 1 after warpgroup 0 announced 256;
-// 2: warpgroup 1 never arrives on barrier 2 (a deadlock); 3: barrier id 0. 256 threads.
+// 2: warpgroup 1 never arrives on barrier 2 (a deadlock); 3: barrier id 0; 4: warpgroup 1
+// never waits on barrier 1 (warpgroup 0 arrives there twice in one phase). 256 threads.
 extern "C" __global__ void sm90_named_pingpong(int rounds, int* out, int misuse) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     volatile int* v = reinterpret_cast<volatile int*>(smem_raw);
@@ -117,7 +118,7 @@ extern "C" __global__ void sm90_named_pingpong(int rounds, int* out, int misuse)
             last = v[1];
             if (threadIdx.x == 0) out[r] = last;
         } else {
-            sm90::named_bar_sync(first, 256);
+            if (misuse != 4) sm90::named_bar_sync(first, 256);
             if (threadIdx.x == 128) v[1] = v[0] * 3 + 1;
             if (misuse != 2) sm90::named_bar_arrive(2, 256);
         }

@@ -296,7 +296,8 @@ def test_named_barriers_order_a_ping_pong(lib, landing):
     (1, "announces 128 threads, the phase began with 256"),
     (2, "128 of 256 threads arrived"),
     (3, "barrier id 0"),
-], ids=["count-mismatch", "deadlock", "id-0"])
+    (4, "arrives twice in one phase"),
+], ids=["count-mismatch", "deadlock", "id-0", "arrival-twice"])
 def test_named_barrier_misuse_is_reported(lib, misuse, message):
     err = run_isolated(f"sm90_run_named(2, (ctypes.c_int * 2)(), {misuse})")
     assert message in err, err[-2000:]

@@ -45,12 +45,41 @@ CASES = {
     "B3-fp16-D256-BM64-causal-gaps-nan": dict(
         lengths_q=[1, 0, 70], lengths_k=[1, 0, 70], Hq=2, Hk=1, D=256, dtype="float16",
         mask="causal", gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
+    # the pipeline's prologue and epilogue: key chunks of 128 (pairs of the plan's 64-row key
+    # tiles) numbering 1, 2, 3 and 6 per query tile, the last one a lone partial tile; two
+    # consumer warpgroups in ping-pong; a query tile without keys; a NaN in the last key of a
+    # sequence of its own (a partial chunk: the producer hands the NaN to the key's K row); a
+    # tile whose last chunk is full (its V is waited for by the consumers alone)
+    "B7-bf16-D64-BM128-chunks-1-2-3-6": dict(
+        lengths_q=[3, 64, 129, 40, 0, 5, 10], lengths_k=[100, 200, 300, 700, 0, 70, 256],
+        Hq=2, Hk=1, D=64, dtype="bfloat16", mask="full", gaps=True, softcap=0.0, block_m=128,
+        nan_in_pad=True, nan_in_key=5),
+    # sliding windows: in sequence 0 (20 keys back) the second chunk of a query tile is fully
+    # masked for the first warpgroup's rows (P = 0 under a finite running max), the first
+    # chunk for some rows of the second (their max stays -inf into the pipeline); sequence 1
+    # (200 keys back, bottom-right) has three chunks, partial at both ends
+    "B2-fp16-D64-BM128-window-masked-chunks": dict(
+        lengths_q=[400, 30], lengths_k=[400, 290], Hq=1, Hk=1, D=64, dtype="float16",
+        mask=("window",), gaps=True, softcap=0.0, block_m=128, nan_in_pad=True),
+    # zero-length and length-1 sequences, GQA 2:1, a softcap, and a NaN in the one key of
+    # sequence 1 (its query turns NaN, no other sequence does); D = 128, two warpgroups
+    "B5-fp16-D128-BM128-gqa-softcap-nan-key": dict(
+        lengths_q=[0, 1, 90, 140, 1], lengths_k=[0, 1, 300, 150, 0], Hq=2, Hk=1, D=128,
+        dtype="float16", mask="causal_bottom_right", gaps=True, softcap=5.0, block_m=128,
+        nan_in_pad=True, nan_in_key=True),
 }
 QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan"]
+# the pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their boxes
+PIPELINE = "B7-bf16-D64-BM128-chunks-1-2-3-6"
 
 
 def _mask(spec, B):
     import varlen
+    if spec == ("window",):
+        # sliding windows of 20 keys (top-left aligned) and 200 keys (bottom-right aligned)
+        return varlen.Mask(window_left=np.array([20, 200] * B, np.int32)[:B],
+                           window_right=np.zeros(B, np.int32),
+                           bottom_right=np.array([0, 1] * B, np.int32)[:B])
     if spec != ("mixed",):
         return spec
     left = np.array([-1, -1, 7] * B, np.int32)[:B]
@@ -84,8 +113,11 @@ def run_case(label: str, device: bool = False) -> float:
         b.v[~rows_k] = np.nan
         b.q[~covered_rows(b, "q")] = np.nan
     if nan_in_key:
-        # the last key of sequence 1: only its queries that see it turn NaN
-        last = int(b.cu_k[2]) - 1
+        # the last key of sequence 1 (or of the one named): only its queries that see it turn
+        # NaN
+        i = 1 if nan_in_key is True else nan_in_key
+        start = int(b.cu_k[i] if b.off_k is None else b.off_k[i])
+        last = start + int(b.cu_k[i + 1] - b.cu_k[i]) - 1
         b.v[last, 0, 3] = np.nan
     plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
                        mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
@@ -160,19 +192,26 @@ def test_sm90_forward_on_host_emulation(label):
 
 
 def _specs():
+    """The default key chunk (128 at D <= 128, 64 at D = 256) over plans of 64- and 128-row key
+    tiles, every dtype, D, BM and softcap; and chunks of 64 at D <= 128 for comparison."""
     from varlen.backends._cupy_sm90 import Sm90Spec
     return ([Sm90Spec(dt, d, bm, 64, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
              for bm in (64, 128) for sc in (False, True)] +
             [Sm90Spec("bfloat16", d, bm, 128, sc) for d in (64, 128) for bm in (64, 128)
              for sc in (False, True)] +
             [Sm90Spec(dt, 256, 64, 64, sc) for dt in ("float16", "bfloat16")
-             for sc in (False, True)])
+             for sc in (False, True)] +
+            [Sm90Spec("bfloat16", 256, 64, 128, False)] +
+            [Sm90Spec("bfloat16", d, bm, 64, False, key_chunk=64) for d in (64, 128)
+             for bm in (64, 128)])
 
 
 def test_sm90_spec_rejects_what_the_kernel_does_not_take():
     from varlen.backends._cupy_sm90 import Sm90Spec
     for bad in (dict(dtype="float32"), dict(head_dim=96), dict(block_m=32), dict(block_n=32),
-                dict(head_dim=256, block_m=128)):     # 259 KB of shared memory
+                dict(head_dim=256, block_m=128),      # 259 KiB of shared memory
+                dict(head_dim=256, key_chunk=128),    # 322 KiB
+                dict(block_n=128, key_chunk=256), dict(key_chunk=32)):
         kw = {**dict(dtype="bfloat16", head_dim=64, block_m=64, block_n=64, softcap=False), **bad}
         with pytest.raises(ValueError):
             Sm90Spec(**kw)
@@ -191,16 +230,44 @@ def test_sm90_forward_compiles_for_sm90a_within_budget():
         assert not u["warnings"], f"{name}: ptxas warnings (setmaxnreg ignored?) {u['warnings']}"
 
 
+def test_sm90_key_chunk_is_128_where_it_fits():
+    """Chunks of 128 keys by default at D 64 and 128 (pairs of the CuPy backend's 64-row key
+    tiles), 64 at D 256, whose 128-key stages would not fit."""
+    from varlen.backends._cupy_sm90 import OPTIN_SMEM, Sm90Spec
+    for d, bm in ((64, 64), (64, 128), (128, 64), (128, 128)):
+        spec = Sm90Spec("bfloat16", d, bm, 64, False)
+        assert spec.key_chunk == 128 and spec.smem <= OPTIN_SMEM, f"D{d} BM{bm}: {spec}"
+    assert Sm90Spec("bfloat16", 256, 64, 64, False).key_chunk == 64
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90Spec("bfloat16", 256, 64, 64, False, key_chunk=128)
+
+
 @pytest.mark.slow
 @needs_cxx
-def test_sm90_forward_under_thread_sanitizer():
-    """The quick case built with ThreadSanitizer, copies landing at random points: the mbarrier
-    protocol (q_full, k_full, v_full, ready, empty) must order every shared-memory access of the
-    producer warpgroup, the TMA copies and the consumers (a race stops the run)."""
+@pytest.mark.parametrize("label", [QUICK[0], PIPELINE])
+def test_sm90_forward_under_thread_sanitizer(label):
+    """Built with ThreadSanitizer, copies landing and wgmma operands read at random points: the
+    mbarrier protocol (q_full, k_full, v_full, ready, k_empty, v_empty) must order every
+    shared-memory access of the producer warpgroup, the TMA copies and the consumers' wgmmas
+    (a race stops the run)."""
     from varlen.backends import _cupy_emulation
     env = dict(LD_PRELOAD=_cupy_emulation.tsan_runtime(), TSAN_OPTIONS=_cupy_emulation.TSAN_OPTIONS,
                VARLEN_EMULATION_RACE="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    assert "ok" in _run(QUICK[0], env)
+    assert "ok" in _run(label, env)
+
+
+@needs_cxx
+@pytest.mark.parametrize("schedule, seed", [
+    ("random", "1"),
+    pytest.param("issue", "0", marks=pytest.mark.slow),
+    pytest.param("random", "2", marks=pytest.mark.slow),
+], ids=["random-1", "issue-0", "random-2"])
+def test_sm90_forward_under_landing_schedules(schedule, seed):
+    """The pipeline's case with TMA copies landing, and wgmma operands read, at issue or at
+    seeded random points between issue and the wait that needs them (the default is the
+    latest moment): a release or a wait out of place changes what a wgmma reads."""
+    assert "ok" in _run(PIPELINE, dict(VARLEN_EMULATION_SCHEDULE=schedule,
+                                       VARLEN_EMULATION_SEED=seed))
 
 
 # Mutations of fwd_sm90.cuh that the cases above must catch: (old, new, case, what the failure
@@ -208,11 +275,12 @@ def test_sm90_forward_under_thread_sanitizer():
 MUTATIONS = {
     "no-v-row-zeroing": ("        if (r < rows && !bad) continue;", "        continue;",
                          QUICK[0], "NaN pattern of out differs"),
-    "no-mask": ("query_rows_mask(pol, tile.pos, w, c)",
-                "query_rows_mask(pol, tile.pos, w, Chunk{c.row, c.rows, c.pos, c.head, true})",
+    "no-mask": ("query_rows_mask(pol, tile.pos, w, keys.chunk())",
+                "query_rows_mask(pol, tile.pos, w, full_chunk(keys.chunk()))",
                 "B3-bf16-D64-BM64-mixed-masks-gqa", "differs"),
-    "no-empty-wait": ("        sm90::mbar_wait(sm.empty(s), parity ^ 1u);\n", "",
-                      "B2-bf16-D128-BM128-full-3tiles", "mbarrier"),
+    "no-v-empty-wait": ("    sm90::mbar_wait(sm.v_empty(s), parity ^ 1u);\n", "",
+                        PIPELINE, "mbarrier"),
+    "no-deferred-rescale": ("            rescale(acc_o, corr);\n", "", PIPELINE, "max abs error"),
 }
 
 
@@ -226,7 +294,11 @@ def test_sm90_forward_mutation_is_caught(name, tmp_path):
     shutil.copytree(SOURCE_DIR, src)
     path = src / "fwd_sm90.cuh"
     text = path.read_text()
-    assert text.count(old) == 1, f"{name}: the mutated line is not in fwd_sm90.cuh once"
+    assert old in text, f"{name}: the mutated line is not in fwd_sm90.cuh"
+    if name == "no-mask":
+        text = text.replace("// One consumer warpgroup", "__device__ __forceinline__ Chunk "
+                            "full_chunk(Chunk c) { c.full = true; return c; }\n\n"
+                            "// One consumer warpgroup", 1)
     path.write_text(text.replace(old, new))
     proc = subprocess.run([sys.executable, "-c", RUNNER.format(tests=os.path.dirname(
         os.path.abspath(__file__))), label], capture_output=True, text=True, timeout=1800,
@@ -234,6 +306,26 @@ def test_sm90_forward_mutation_is_caught(name, tmp_path):
                        "VARLEN_EMULATION_TIMEOUT": "20"})
     assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
     assert says in proc.stdout + proc.stderr, f"{name}: failed otherwise:\n{proc.stderr[-2000:]}"
+
+
+# Representative synchronisation sites of fwd_sm90.cuh for CI, by what marks their call: the
+# wait that retires S while P V stays in flight, the ping-pong's bar.sync, the producer's wait
+# for a K stage's release. The full sweep: scripts/emulation_mutations.py, or
+# tests/test_emulation_strict.py with VARLEN_EMULATION_MUTATIONS=all.
+CI_SITES = {"wgmma-wait-1": "wgmma_wait<1>", "pingpong-sync": "named_bar_sync",
+            "k-empty-wait": "k_empty(s)"}
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(CI_SITES))
+def test_sm90_removed_synchronisation_is_caught(name):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import emulation_mutations
+    chosen = [s for s in emulation_mutations.sites()
+              if s[0] == "fwd_sm90.cuh" and CI_SITES[name] in s[2]]
+    assert len(chosen) == 1, f"{name}: one site expected (kernel rewritten?): {chosen}"
+    by, seconds = emulation_mutations.check(chosen[0], timeout=900)
+    assert by is not None, f"removing {emulation_mutations.site_id(chosen[0])} went unnoticed"
 
 
 @pytest.mark.gpu
@@ -274,3 +366,10 @@ def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
                                                       match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
         BACKEND.forward(plan, q, q, q, **call)
     assert ran == ["mma", "sm90a"]
+
+
+if __name__ == "__main__":
+    # python tests/test_sm90_forward.py LABEL ...: the cases in this process, in the emulation
+    # mode of the environment (scripts/emulation_mutations.py runs them on mutated kernels)
+    for name in sys.argv[1:]:
+        print("ok", name, f"{run_case(name):.1f} s", flush=True)

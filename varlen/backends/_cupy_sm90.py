@@ -7,7 +7,9 @@ other (see docs/hopper.md, "The sm_90a forward"). Backward passes are unaffected
 
 The kernel reads the same `PlanView` and `CallParams` as `varlen_fwd` and three CUDA tensor maps
 over the packed q, k, v (3D: (D, H, T) innermost first, boxes of 64 head-dim columns x 1 head x
-BM or BN rows, 128B swizzle, zero fill past row T). It is compiled by NVRTC for `sm_90a` (CuPy
+BM rows for q, KN rows for k and v, 128B swizzle, zero fill past row T). KN, the key chunk of
+the kernel's pipeline, is 128 rows at D <= 128 (two of the plan's 64-row key tiles, or one of
+128) and 64 at D = 256 (`default_key_chunk`). It is compiled by NVRTC for `sm_90a` (CuPy
 would pick the architecture from the device, without the `a` suffix that wgmma and setmaxnreg
 need) and loaded as a cubin; the tensor maps come from the driver's `cuTensorMapEncodeTiled`.
 A `Runtime` does both; `EmulatedRuntime` runs the kernel through the host emulation instead
@@ -30,7 +32,7 @@ WG_THREADS = 128              # a warpgroup
 WG_ROWS = 64                  # query rows per consumer warpgroup (wgmma M)
 BOX_COLS = 64                 # head-dim columns per TMA box: 128 bytes, the 128B swizzle width
 STAGES = 2                    # K/V ring (FwdSm90Config::STAGES)
-NUM_BARRIERS = 1 + 4 * STAGES
+NUM_BARRIERS = 1 + 5 * STAGES  # q_full; k_full, v_full, ready, k_empty, v_empty per stage
 SMEM_ALIGN = 1024             # slack to round the shared window up to the 128B swizzle's repeat
 SWIZZLE_128B = 3              # CU_TENSOR_MAP_SWIZZLE_128B
 OPTIN_SMEM = 227 * 1024
@@ -42,17 +44,27 @@ def selected() -> bool:
     return os.environ.get(ENV_PATH, "") == "sm90a"
 
 
+def default_key_chunk(head_dim: int) -> int:
+    """Key rows per pipeline step (`sm90_key_chunk` of fwd_sm90.cuh): 128 where two K/V stages
+    of them fit beside Q and the output stage (D <= 128), else 64."""
+    return 128 if head_dim <= 128 else 64
+
+
 @dataclass(frozen=True)
 class Sm90Spec:
-    """One variant of `varlen_fwd_sm90`: element type, head dim, plan tile sizes, softcap."""
+    """One variant of `varlen_fwd_sm90`: element type, head dim, plan tile sizes, softcap, and
+    the kernel's key chunk (None: `default_key_chunk`)."""
 
     dtype: str          # "float16" | "bfloat16"
     head_dim: int
     block_m: int
-    block_n: int
+    block_n: int        # the plan's key tiles
     softcap: bool
+    key_chunk: int | None = None
 
     def __post_init__(self):
+        if self.key_chunk is None:
+            object.__setattr__(self, "key_chunk", default_key_chunk(self.head_dim))
         if self.dtype not in _cupy_spec.DTYPES:
             raise ValueError(f"{self.dtype=}: the sm_90a forward takes float16 or bfloat16")
         if self.head_dim not in (64, 128, 256):
@@ -60,7 +72,12 @@ class Sm90Spec:
         if self.block_m not in (64, 128):
             raise ValueError(f"{self.block_m=}: one or two consumer warpgroups of 64 rows")
         if self.block_n not in (64, 128):
-            raise ValueError(f"{self.block_n=}: key chunks of 64 or 128 rows (wgmma N)")
+            raise ValueError(f"{self.block_n=}: plan key tiles of 64 or 128 rows")
+        if self.key_chunk not in (64, 128):
+            raise ValueError(f"{self.key_chunk=}: key chunks of 64 or 128 rows (wgmma N)")
+        if self.block_n % self.key_chunk and self.key_chunk != 2 * self.block_n:
+            raise ValueError(f"{self.key_chunk=} with {self.block_n=}: a key chunk is a part of "
+                             "a plan tile or two of them")
         if self.smem > OPTIN_SMEM:
             raise ValueError(f"{self}: {self.smem} B of shared memory exceed {OPTIN_SMEM}")
 
@@ -75,17 +92,17 @@ class Sm90Spec:
 
     @property
     def smem(self) -> int:
-        """Q [BM][D], STAGES x (K, V) [BN][D], the output stage [BM][D + 8], the mbarriers
+        """Q [BM][D], STAGES x (K, V) [KN][D], the output stage [BM][D + 8], the mbarriers
         (FwdSm90Config's layout), and 1 KiB to align the window."""
         e = _cupy_spec.ELEM_BYTES
-        data = (self.block_m + 2 * STAGES * self.block_n) * self.head_dim * e
+        data = (self.block_m + 2 * STAGES * self.key_chunk) * self.head_dim * e
         data += self.block_m * (self.head_dim + _cupy_spec.SMEM_PAD) * e
         return -(-data // 8) * 8 + 8 * NUM_BARRIERS + SMEM_ALIGN
 
     @property
     def name(self) -> str:
         return (f"varlen_fwd_sm90<{self.ctype}, {self.head_dim}, {self.block_m}, "
-                f"{self.block_n}, {'true' if self.softcap else 'false'}>")
+                f"{self.block_n}, {'true' if self.softcap else 'false'}, {self.key_chunk}>")
 
 
 def spec_for(plan, q, softcap: float) -> Sm90Spec:
@@ -171,10 +188,19 @@ class EmulatedRuntime:
     MAX_PARAMS = 16
 
     def _lib(self, spec: Sm90Spec):
-        from ._cupy_emulation import _build
+        from ._cupy_emulation import LANDING, _build, _mode
+        assert spec.key_chunk == default_key_chunk(spec.head_dim), (
+            f"{spec.name}: the emulation builds the default key chunk only")
         bq = 32 if spec.head_dim > 64 else 64
-        return _build(spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq,
-                      "true" if spec.softcap else "false")
+        lib = _build(spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq,
+                     "true" if spec.softcap else "false")
+        # VARLEN_EMULATION_SCHEDULE picks when TMA copies land and wgmma operands are read
+        # (seeded by VARLEN_EMULATION_SEED), with the threads free-running: warpgroup
+        # collectives and mbarrier waits cannot run one warp at a time
+        race, schedule, seed, strict_banks, _ = _mode()
+        lib.emu_configure(ctypes.c_int(LANDING[schedule or ("random" if race else "wait")]),
+                          ctypes.c_int(0), ctypes.c_ulonglong(seed), ctypes.c_int(strict_banks))
+        return lib
 
     def tensor_map(self, a, box_rows: int) -> np.ndarray:
         dims, strides, box = map_layout(a, box_rows)
@@ -252,8 +278,8 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float):
     if hasattr(rt, "prepare"):
         rt.prepare(spec)
     plan_arg = plan_view_arg(plan)
-    maps = (rt.tensor_map(q, spec.block_m), rt.tensor_map(k, spec.block_n),
-            rt.tensor_map(v, spec.block_n))
+    maps = (rt.tensor_map(q, spec.block_m), rt.tensor_map(k, spec.key_chunk),
+            rt.tensor_map(v, spec.key_chunk))
     rt.launch(spec, grid=(plan.num_q_tiles, Hq),
               args=(*maps, out, lse, plan_arg.struct,
                     call_params_arg(Hq, Hk, softmax_scale, softcap)))
