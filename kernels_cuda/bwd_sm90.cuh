@@ -42,6 +42,13 @@ namespace varlen {
 struct StagedChunk {
     Chunk chunk;
     int valid;
+
+    // Read where it is used (volatile: the compiler keeps no copy in registers across the
+    // chunk's products, where the accumulators need them all).
+    __device__ __forceinline__ Chunk load() const {
+        const volatile Chunk& c = chunk;
+        return Chunk{c.row, c.rows, c.pos, c.head, c.full};
+    }
 };
 
 template <int D_, int BN_, int BQ_>
@@ -283,14 +290,18 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
     // (N = head dim: the next 64 columns one box further, k16 steps of 16 key rows).
     const sm90::u64 desc_k = sm90::smem_desc(reinterpret_cast<unsigned char*>(sm.k()) + own_rows,
                                              0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
-    const sm90::u64 desc_v = sm90::smem_desc(reinterpret_cast<unsigned char*>(sm.v()) + own_rows,
-                                             0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
-    const sm90::u64 desc_k_mn = sm90::smem_desc(
-        reinterpret_cast<unsigned char*>(sm.k()) + own_rows, BOX_KV, Cfg::ATOM_BYTES,
-        sm90::Swizzle::B128);
+    const sm90::u64 desc_v = sm90::desc_advance(desc_k, Cfg::OFF_V);
+    const sm90::u64 desc_k_mn = desc_k | sm90::make_smem_desc(0, BOX_KV, 0, sm90::Swizzle::NONE);
     // dS [BQ][64 keys] of this warpgroup as the K-major A of dQ (k16 steps of 32 bytes)
-    unsigned char* s_ds = sm.ds(c_wg);
-    const sm90::u64 desc_ds = sm90::smem_desc(s_ds, 0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
+    // This lane's row address of each stmatrix.trans below: lanes 8 i .. 8 i + 7 give the rows
+    // of matrix i, the queries 16 j + 8 (i / 2) + lane % 8 of k-step j, at their keys' 16-byte
+    // chunk 2 warp + i % 2 (8 keys), XOR the row % 8 (the 128B swizzle; the row's position in
+    // its 8-row atom, lane % 8 for every j).
+    const int ds_row = 8 * (w.lane / 16) + w.lane % 8;
+    unsigned char* p_ds_row = sm.ds(c_wg) + ds_row * ROW +
+                              (((2 * wg_warp + (w.lane / 8) % 2) ^ (ds_row % 8)) << 4);
+    static_assert(Cfg::DS_BYTES == Cfg::WG_ROWS * ROW, "dS and K move alike per warpgroup");
+    const sm90::u64 desc_ds = sm90::desc_advance(desc_k, Cfg::OFF_DS);
     const uint32_t bar_id = 1 + c_wg;           // named barrier of this warpgroup
 
     // [64, D] dK and dV of this warpgroup's keys (this warp: 16 rows), as wgmma D fragments
@@ -308,7 +319,6 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         const uint32_t parity = round_parity<STAGES>(i);
         sm90::mbar_wait(sm.ready(s), parity);
         if (!sm.chunk(s)->valid) break;
-        const Chunk c = sm.chunk(s)->chunk;
         sm90::mbar_wait(sm.q_full(s), parity);
         // Q and dO as K-major B (N = the chunk's queries) and as MN-major B (N = head dim)
         const sm90::u64 desc_q = sm90::smem_desc(sm.q(s), 0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
@@ -346,7 +356,8 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         sm90::wgmma_fence_operand(s_frag);
         sm90::wgmma_fence_operand(dp_frag);
 
-        softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp, key_rows_mask<BN>(pol, tile, w, c),
+        softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp,
+                                      key_rows_mask<BN>(pol, tile, w, sm.chunk(s)->load()),
                                       ColStats{sm.lse2(s), sm.delta(s)}, call, w.lane);
         // P^T and dS^T as BQ / 16 A fragments (k = queries), all written before the wgmma.fence
         uint32_t p_frag[BQ / 16][4];
@@ -362,14 +373,9 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         // transposed into 8 query rows of 8 keys (16 bytes, their 128B-swizzled chunk). The
         // warpgroup's last dQ product has retired in every warp before the buffer is rewritten.
         sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
-        {
-            const int m = w.lane / 8;
-            const int chunk = 2 * wg_warp + m % 2;
-            #pragma unroll
-            for (int j = 0; j < BQ / 16; ++j) {
-                const int qr = 16 * j + 8 * (m / 2) + w.lane % 8;
-                sm90::stmatrix_x4_trans(s_ds + qr * ROW + ((chunk ^ (qr % 8)) << 4), ds_frag[j]);
-            }
+        #pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) {
+            sm90::stmatrix_x4_trans(p_ds_row + j * 16 * ROW, ds_frag[j]);
         }
         sm90::fence_proxy_async();
         sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
@@ -394,7 +400,8 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         sm90::wgmma_wait<0>();
         sm90::wgmma_fence_operand(dv_frag);
         sm90::wgmma_fence_operand(dk_frag);
-        // the stage's Q, dO, lse2 and delta are no longer read
+        // the stage's Q, dO, lse2, delta and chunk are no longer read
+        const Chunk c = sm.chunk(s)->load();
         sm90::mbar_arrive(sm.empty(s));
 
         // dQ [BQ, D] += dS K over this warpgroup's 64 keys, DQ_COLS columns at a time
