@@ -18,7 +18,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 # label -> case. Lengths keep the grids to a few CTAs: the emulation runs one OS thread per CUDA
 # thread (256 or 384 per block here). `nan_in_pad`: every row outside a sequence holds NaN;
-# `nan_k` / `nan_dout`: (sequence, row inside it) of a NaN in k / dout.
+# `nan_k` / `nan_q` / `nan_dout`: (sequence, row inside it) of a NaN in k / q / dout (in q after
+# the forward, so that out and lse of the row are finite).
 CASES = {
     # zero-length sequences (the last one too), length 1, lengths off the tile, a pad gap with
     # NaN in it, causal; two query heads of one key head: four query chunks for the first key
@@ -30,12 +31,12 @@ CASES = {
     "B3-bf16-D64-BN64-mixed-masks-gqa": dict(
         lengths_q=[5, 33, 17], lengths_k=[9, 33, 80], Hq=4, Hk=2, D=64, dtype="bfloat16",
         mask=("mixed",), gaps=True, softcap=0.0, block_m=64, block_n=64, nan_in_pad=True),
-    # softcap, D = 128, a NaN in a key of sequence 1 that only its last query sees, and a NaN
-    # in a dout row of sequence 0 (a partial chunk): nothing else may turn NaN
-    "B2-fp16-D128-BN64-softcap-nan-k-dout": dict(
+    # softcap, D = 128, a NaN in a key of sequence 1 that only its last query sees, and NaN in
+    # a q row and a dout row of sequence 0 (a partial chunk): nothing else may turn NaN
+    "B2-fp16-D128-BN64-softcap-nan-k-q-dout": dict(
         lengths_q=[20, 9], lengths_k=[65, 9], Hq=1, Hk=1, D=128, dtype="float16",
         mask="causal_bottom_right", gaps=False, softcap=5.0, block_m=64, block_n=64,
-        nan_in_pad=False, nan_k=(1, 8), nan_dout=(0, 5)),
+        nan_in_pad=False, nan_k=(1, 8), nan_q=(0, 3), nan_dout=(0, 5)),
     # two consumer warpgroups (BN = 128), D = 128, plan tiles of 128 queries (two chunks each),
     # GQA 2:1: four chunks per key tile
     "B2-bf16-D128-BN128-full-gqa": dict(
@@ -73,8 +74,8 @@ def run_case(label: str) -> float:
     from varlen.backends import _cupy_emulation, _cupy_sm90_bwd
     from varlen.testing import assert_close, covered_rows, make_batch, naive_same_dtype
     c = dict(CASES[label])
-    nan_in_pad, nan_k, nan_dout = c.pop("nan_in_pad"), c.pop("nan_k", None), c.pop("nan_dout",
-                                                                                 None)
+    nan_in_pad = c.pop("nan_in_pad")
+    nan_k, nan_q, nan_dout = (c.pop(key, None) for key in ("nan_k", "nan_q", "nan_dout"))
     block_m, block_n = c["block_m"], c["block_n"]
     _cupy_emulation.install_fake_cupy(block_m)
     _cupy_sm90_bwd.use_runtime(_cupy_sm90_bwd.EmulatedRuntime())
@@ -101,6 +102,9 @@ def run_case(label: str) -> float:
     ref_out, ref_lse = b.ref_forward(**kw)
     out = np.asarray(ref_out).astype(b.q.dtype)
     lse = np.asarray(ref_lse).astype(np.float32)
+    if nan_q:
+        # after the forward: out and lse of the row stay finite, only q tells
+        b.q[_row(b, "q", *nan_q), 0, 11] = np.nan
     t0 = time.perf_counter()
     grads = _cupy_sm90_bwd.backward(plan, b.dout, b.q, b.k, b.v, out, lse, **kw)
     seconds = time.perf_counter() - t0
@@ -215,3 +219,47 @@ def test_sm90_backward_with_operands_read_at_issue():
     earliest moment), under ThreadSanitizer, on the two-warpgroup case with another seed."""
     assert "ok" in _run("B2-bf16-D64-BN128-causal-gaps-nan",
                         _tsan_env(VARLEN_EMULATION_SCHEDULE="issue", VARLEN_EMULATION_SEED="1"))
+
+
+# Mutations of bwd_sm90.cuh that the cases above must catch: (old, new, case, what the failure
+# says). Each is compiled from a mutated copy of the kernel sources (VARLEN_EMULATION_SOURCE_DIR).
+MUTATIONS = {
+    # K rows past the key tile (NaN padding) meet dS = 0 in dQ += dS K
+    "no-key-row-zeroing": ("    if (t >= rows || bad) fill_row<Cfg, Cfg::BN>(s_k, t, 0u);",
+                           "    if (bad) fill_row<Cfg, Cfg::BN>(s_k, t, 0u);",
+                           QUICK[0], "dq: NaN pattern differs"),
+    # Q rows past a query chunk (NaN padding) meet dS^T = 0 in dK += dS^T Q
+    "no-query-row-zeroing": ("    if (t >= rows || bad_q) fill_row<Cfg, Cfg::BQ>(s_q, t, 0u);",
+                             "    if (bad_q) fill_row<Cfg, Cfg::BQ>(s_q, t, 0u);",
+                             QUICK[0], "dk: NaN pattern differs"),
+    # a NaN in a dout row of a partial chunk must reach delta, hence exactly its pairs
+    "no-delta-flag": ("    if (bad_q || bad_do) s_delta[t] = nan_f();", "",
+                      "B2-fp16-D128-BN64-softcap-nan-k-q-dout", "NaN pattern differs"),
+    # dS written without the 128B swizzle, which the descriptor of dQ's A assumes
+    "no-ds-swizzle": ("(((2 * wg_warp + (w.lane / 8) % 2) ^ (ds_row % 8)) << 4)",
+                      "((2 * wg_warp + (w.lane / 8) % 2) << 4)",
+                      "B3-bf16-D64-BN64-mixed-masks-gqa", "dq: max abs error"),
+    # the producer refills a stage the consumers still read
+    "no-empty-wait": ("        sm90::mbar_wait(sm.empty(s), parity ^ 1u);\n", "",
+                      "B2-bf16-D128-BN128-full-gqa", "mbarrier"),
+}
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_sm90_backward_mutation_is_caught(name, tmp_path):
+    from varlen.kernels_cuda import SOURCE_DIR
+    old, new, label, says = MUTATIONS[name]
+    src = tmp_path / "kernels_cuda"
+    shutil.copytree(SOURCE_DIR, src)
+    path = src / "bwd_sm90.cuh"
+    text = path.read_text()
+    assert text.count(old) == 1, f"{name}: the mutated line is not in bwd_sm90.cuh once"
+    path.write_text(text.replace(old, new))
+    proc = subprocess.run([sys.executable, "-c", RUNNER.format(tests=os.path.dirname(
+        os.path.abspath(__file__))), label], capture_output=True, text=True, timeout=1800,
+        cwd=ROOT, env={**os.environ, "VARLEN_EMULATION_SOURCE_DIR": str(src),
+                       "VARLEN_EMULATION_TIMEOUT": "20"})
+    assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
+    assert says in proc.stdout + proc.stderr, f"{name}: failed otherwise:\n{proc.stderr[-2000:]}"
