@@ -1,8 +1,8 @@
 // dK/dV kernel for sm_90a with atomic dQ: what varlen_bwd_dkdv<..., ATOMIC_DQ = true> computes
 // (FlashAttention-2, Alg. 2, the loop over query chunks for one key tile), with the operands moved
 // by TMA and multiplied by wgmma, warp-specialised as in FlashAttention-3 (stage 1: no overlap of
-// one chunk's products with the next chunk's). docs/hopper.md, "The sm_90a backward", has the
-// design.
+// one chunk's products with the next chunk's). docs/hopper.md, "The sm_90a backward, stage 1",
+// has the design.
 //
 // Grid (num_k_tiles, Hk), as varlen_bwd_dkdv. Block: warpgroup 0 is the producer, warpgroups
 // 1 .. NC the consumers, each owning 64 key rows of the tile (BN = 64 NC). Shared memory,
