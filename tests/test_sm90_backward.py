@@ -67,9 +67,10 @@ def _row(b, side, seq, i):
     return int((cu if off is None else off)[seq]) + i
 
 
-def run_case(label: str) -> float:
-    """Runs one case's backward (preprocess, the emulated sm_90a dK/dV kernel, dQ conversion);
-    raises AssertionError on a mismatch. Returns the seconds the backward took."""
+def run_case(label: str, device: bool = False) -> float:
+    """Runs one case's backward (preprocess, the sm_90a dK/dV kernel, dQ conversion) through the
+    emulation (on a Hopper GPU with `device`, float16 cases only); raises AssertionError on a
+    mismatch. Returns the seconds the backward took."""
     import varlen
     from varlen.backends import _cupy_emulation, _cupy_sm90_bwd
     from varlen.testing import assert_close, covered_rows, make_batch, naive_same_dtype
@@ -77,8 +78,9 @@ def run_case(label: str) -> float:
     nan_in_pad = c.pop("nan_in_pad")
     nan_k, nan_q, nan_dout = (c.pop(key, None) for key in ("nan_k", "nan_q", "nan_dout"))
     block_m, block_n = c["block_m"], c["block_n"]
-    _cupy_emulation.install_fake_cupy(block_m)
-    _cupy_sm90_bwd.use_runtime(_cupy_sm90_bwd.EmulatedRuntime())
+    if not device:
+        _cupy_emulation.install_fake_cupy(block_m)
+        _cupy_sm90_bwd.use_runtime(_cupy_sm90_bwd.EmulatedRuntime())
     rng = np.random.default_rng(0)
     mask = _mask(c["mask"], len(c["lengths_q"]))
     b = make_batch(rng, c["lengths_q"], c["lengths_k"], Hq=c["Hq"], Hk=c["Hk"], D=c["D"],
@@ -105,8 +107,15 @@ def run_case(label: str) -> float:
     if nan_q:
         # after the forward: out and lse of the row stay finite, only q tells
         b.q[_row(b, "q", *nan_q), 0, 11] = np.nan
+    args = (b.dout, b.q, b.k, b.v, out, lse)
+    if device:
+        import cupy
+        args = tuple(cupy.asarray(a) for a in args)
     t0 = time.perf_counter()
-    grads = _cupy_sm90_bwd.backward(plan, b.dout, b.q, b.k, b.v, out, lse, **kw)
+    grads = _cupy_sm90_bwd.backward(plan, *args, **kw)
+    if device:
+        cupy.cuda.Device().synchronize()
+        grads = tuple(cupy.asnumpy(g) for g in grads)
     seconds = time.perf_counter() - t0
     # (the out and lse the backward is given carry a NaN of the forward to the query rows)
     ref_grads = [np.asarray(g) for g in b.ref_backward(out=out, lse=lse, **kw)]
@@ -166,6 +175,18 @@ def test_sm90_backward_on_host_emulation_quick(label):
 @pytest.mark.parametrize("label", [k for k in CASES if k not in QUICK])
 def test_sm90_backward_on_host_emulation(label):
     _run(label)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", [k for k, c in CASES.items() if c["dtype"] == "float16"])
+def test_sm90_backward_on_hopper(label):
+    """The float16 cases on a Hopper GPU: the NVRTC cubin through CuPy, tensor maps from the
+    driver, the preprocessing and conversion of the mma.sync module."""
+    cupy = pytest.importorskip("cupy")
+    pytest.importorskip("cuda.bindings.driver", reason="needs cuda-bindings (tensor maps)")
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    run_case(label, device=True)
 
 
 def _specs():
