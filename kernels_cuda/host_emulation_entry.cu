@@ -111,6 +111,9 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
 namespace {
 const Kernel SM90_KERNELS[] = {
     VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC>),
+#if EMU_D <= 128 && EMU_BN <= 128
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90", varlen_bwd_dkdv_sm90<T, D, BN, 64, SC>),
+#endif
 };
 }  // namespace
 

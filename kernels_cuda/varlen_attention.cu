@@ -10,4 +10,5 @@
 // the sm_80 and sm_90 builds of the kernels above are unchanged.
 #if defined(VARLEN_HOST_EMULATION) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "fwd_sm90.cuh"
+#include "bwd_sm90.cuh"
 #endif

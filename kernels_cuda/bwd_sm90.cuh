@@ -1,0 +1,485 @@
+// dK/dV kernel for sm_90a with atomic dQ: what varlen_bwd_dkdv<..., ATOMIC_DQ = true> computes
+// (FlashAttention-2, Alg. 2, the loop over query chunks for one key tile), with the operands moved
+// by TMA and multiplied by wgmma, warp-specialised as in FlashAttention-3 (stage 1: no overlap of
+// one chunk's products with the next chunk's). docs/hopper.md, "The sm_90a backward, stage 1",
+// has the design.
+//
+// Grid (num_k_tiles, Hk), as varlen_bwd_dkdv. Block: warpgroup 0 is the producer, warpgroups
+// 1 .. NC the consumers, each owning 64 key rows of the tile (BN = 64 NC). Shared memory,
+// 1024-byte aligned, every tile in boxes of 64 columns (128 bytes, 128B swizzle):
+//   K, V [D / 64][BN][64] (TMA, once); Q, dO [STAGES][D / 64][BQ][64] (TMA, per query chunk);
+//   dS [NC][BQ][64] (per consumer: its keys' dS, written by stmatrix.trans); lse2, delta
+//   [STAGES][BQ] (plain loads by the producer); the chunk of each stage; the mbarriers.
+// Per query chunk, consumer warpgroup c (keys 64 c .. 64 c + 63 of the tile, rows = keys):
+//     S^T  = K Q^T, dP^T = V dO^T                      wgmma SS, both K-major   [64, BQ]
+//     P^T, dS^T = softmax_backward (mask.cuh, softmax.cuh unchanged)
+//     dV  += P^T dO, dK += dS^T Q                      wgmma RS, B MN-major     [64, D]
+//     dQ  += dS K  (this warpgroup's 64 keys)          wgmma SS, A = dS K-major from shared
+//                                                      memory, B = K MN-major   [BQ, 64] slices
+// and dQ goes to dq_accum by fp32 reductions, as in the mma.sync kernel (the preprocessing and
+// varlen_bwd_dq_convert serve both unchanged). With two consumer warpgroups each adds its own
+// keys' part: two reductions per dQ element and chunk.
+//
+// Non-finite values follow the mma.sync kernel (docs/semantics.md): the producer zeroes the K
+// rows past the tile (another sequence's rows or padding, which dQ += dS K meets with dS = 0) and
+// moves a NaN or inf of a present K row into its V row, which meets queries only pair by pair in
+// dP^T; on a partial query chunk it zeroes the Q and dO rows past the chunk and any present row
+// holding a NaN or inf, whose delta becomes NaN (QueryStages::zero_nonfinite).
+#pragma once
+
+#include "bwd_dkdv.cuh"
+#include "common.cuh"
+#include "fwd_sm90.cuh"
+#include "mask.cuh"
+#include "sm90.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
+
+namespace varlen {
+
+// The query chunk a stage holds, as the producer's cursor gave it (the consumers walk no cursor
+// of their own: its state would take registers from the accumulators); `valid` 0 ends the walk.
+struct StagedChunk {
+    Chunk chunk;
+    int valid;
+
+    // Read where it is used (volatile: the compiler keeps no copy in registers across the
+    // chunk's products, where the accumulators need them all).
+    __device__ __forceinline__ Chunk load() const {
+        const volatile Chunk& c = chunk;
+        return Chunk{c.row, c.rows, c.pos, c.head, c.full};
+    }
+};
+
+template <int D_, int BN_, int BQ_>
+struct BwdSm90Config {
+    static constexpr int D = D_;
+    static constexpr int BN = BN_;
+    static constexpr int BQ = BQ_;
+    static constexpr int WG_THREADS = 128;               // a warpgroup: 4 warps
+    static constexpr int WG_ROWS = 64;                   // the M of wgmma: key rows per consumer
+    static constexpr int NUM_CONSUMERS = BN / WG_ROWS;
+    static constexpr int NUM_THREADS = WG_THREADS * (1 + NUM_CONSUMERS);
+    static constexpr int STAGES = 2;
+    static constexpr int BOX_COLS = 64;                  // 128 bytes of 16-bit elements
+    static constexpr int BOX_ROW_BYTES = 128;            // = the swizzle width
+    static constexpr int D_BOXES = D / BOX_COLS;
+    static constexpr int ATOM_BYTES = 8 * BOX_ROW_BYTES; // 8 rows: the 128B swizzle's repeat
+    static constexpr int DQ_COLS = 64;                   // dQ columns per wgmma (N)
+    static constexpr int KV_BYTES = BN * D * 2;          // K (or V)
+    static constexpr int QD_BYTES = BQ * D * 2;          // one stage of Q (or dO)
+    static constexpr int DS_BYTES = BQ * WG_ROWS * 2;    // one consumer's dS [BQ][64]
+    static constexpr int OFF_V = KV_BYTES;
+    static constexpr int OFF_Q = 2 * KV_BYTES;
+    static constexpr int OFF_DO = OFF_Q + STAGES * QD_BYTES;
+    static constexpr int OFF_DS = OFF_DO + STAGES * QD_BYTES;
+    static constexpr int OFF_LSE2 = OFF_DS + NUM_CONSUMERS * DS_BYTES;
+    static constexpr int OFF_DELTA = OFF_LSE2 + STAGES * BQ * 4;
+    static constexpr int OFF_CHUNKS = OFF_DELTA + STAGES * BQ * 4;
+    static constexpr int OFF_BARS = OFF_CHUNKS + STAGES * sizeof(StagedChunk);
+    // kv_full, kv_ready, then q_full, ready, empty per stage
+    static constexpr int NUM_BARS = 2 + 3 * STAGES;
+    // + ALIGN: the block rounds its base up to the swizzle's repeat (see FwdSm90Config)
+    static constexpr int ALIGN = 1024;
+    static constexpr int SMEM_BYTES = OFF_BARS + 8 * NUM_BARS + ALIGN;
+    // Registers per thread after setmaxnreg (FlashAttention-3's split). setmaxnreg moves
+    // registers between the warpgroups of the block, within what the launch allocated: at most
+    // ENTRY_REGS per thread (64 K over the block's threads, in units of 8, at most 255).
+    static constexpr int ENTRY_REGS = (65536 / NUM_THREADS > 255 ? 255 : 65536 / NUM_THREADS)
+                                      / 8 * 8;
+    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 240 : 232;
+
+    static_assert(BN == 64 || BN == 128, "one or two consumer warpgroups of 64 key rows");
+    static_assert(BQ == 64, "query chunks of 64 rows: the N of S^T and the M of dQ");
+    static_assert(D == 64 || D == 128, "head dim in boxes of 64; dK and dV of D = 256 would "
+                  "need 256 accumulator registers per thread");
+    static_assert(BQ <= WG_THREADS && BN <= WG_THREADS, "one producer thread per row");
+    static_assert(PRODUCER_REGS + NUM_CONSUMERS * CONSUMER_REGS <=
+                  (1 + NUM_CONSUMERS) * ENTRY_REGS,
+                  "the register split must fit what the launch allocates to the block");
+    static_assert(sizeof(StagedChunk) == 24, "the launcher counts 24 bytes per stage");
+    static_assert(SMEM_BYTES <= 227 * 1024, "shared memory past sm_90's 227 KiB per block");
+};
+
+// The block's shared memory and barriers.
+template <typename T, typename Cfg>
+struct BwdSm90Smem {
+    unsigned char* base;
+
+    __device__ __forceinline__ T* k() const { return reinterpret_cast<T*>(base); }
+    __device__ __forceinline__ T* v() const { return reinterpret_cast<T*>(base + Cfg::OFF_V); }
+    __device__ __forceinline__ T* q(int s) const {
+        return reinterpret_cast<T*>(base + Cfg::OFF_Q + s * Cfg::QD_BYTES);
+    }
+    __device__ __forceinline__ T* dout(int s) const {
+        return reinterpret_cast<T*>(base + Cfg::OFF_DO + s * Cfg::QD_BYTES);
+    }
+    __device__ __forceinline__ unsigned char* ds(int c) const {
+        return base + Cfg::OFF_DS + c * Cfg::DS_BYTES;
+    }
+    __device__ __forceinline__ float* lse2(int s) const {
+        return reinterpret_cast<float*>(base + Cfg::OFF_LSE2) + s * Cfg::BQ;
+    }
+    __device__ __forceinline__ float* delta(int s) const {
+        return reinterpret_cast<float*>(base + Cfg::OFF_DELTA) + s * Cfg::BQ;
+    }
+    __device__ __forceinline__ StagedChunk* chunk(int s) const {
+        return reinterpret_cast<StagedChunk*>(base + Cfg::OFF_CHUNKS) + s;
+    }
+    __device__ __forceinline__ sm90::u64* bar(int i) const {
+        return reinterpret_cast<sm90::u64*>(base + Cfg::OFF_BARS) + i;
+    }
+    __device__ __forceinline__ sm90::u64* kv_full() const { return bar(0); }
+    __device__ __forceinline__ sm90::u64* kv_ready() const { return bar(1); }
+    __device__ __forceinline__ sm90::u64* q_full(int s) const { return bar(2 + s); }
+    __device__ __forceinline__ sm90::u64* ready(int s) const { return bar(2 + Cfg::STAGES + s); }
+    __device__ __forceinline__ sm90::u64* empty(int s) const {
+        return bar(2 + 2 * Cfg::STAGES + s);
+    }
+};
+
+// Row r of a tile of ROWS rows in boxes of 64 columns: each 128-byte row stays in place under the
+// swizzle (only its 16-byte chunks move), so whole rows are addressed as in a dense tile.
+template <typename Cfg, int ROWS>
+__device__ __forceinline__ uint4* box_row(void* tile, int box, int r) {
+    return reinterpret_cast<uint4*>(static_cast<unsigned char*>(tile) +
+                                    (box * ROWS + r) * Cfg::BOX_ROW_BYTES);
+}
+
+template <typename T, typename Cfg, int ROWS>
+__device__ __forceinline__ bool row_nonfinite(void* tile, int r) {
+    bool bad = false;
+    #pragma unroll
+    for (int b = 0; b < Cfg::D_BOXES; ++b) {
+        const uint4* p = box_row<Cfg, ROWS>(tile, b, r);
+        #pragma unroll
+        for (int i = 0; i < Cfg::BOX_ROW_BYTES / 16; ++i) bad |= any_nonfinite<T>(p[i]);
+    }
+    return bad;
+}
+
+template <typename Cfg, int ROWS>
+__device__ __forceinline__ void fill_row(void* tile, int r, uint32_t word) {
+    #pragma unroll
+    for (int b = 0; b < Cfg::D_BOXES; ++b) {
+        uint4* p = box_row<Cfg, ROWS>(tile, b, r);
+        #pragma unroll
+        for (int i = 0; i < Cfg::BOX_ROW_BYTES / 16; ++i) p[i] = uint4{word, word, word, word};
+    }
+}
+
+// The key tile after its TMA load (thread t of the producer warpgroup, key row t): K rows past
+// the tile zeroed; a present K row holding a NaN or inf zeroed and its V row made NaN.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void sanitize_key_tile(T* s_k, T* s_v, int rows, int t) {
+    if (t >= Cfg::BN) return;
+    const bool bad = t < rows && row_nonfinite<T, Cfg, Cfg::BN>(s_k, t);
+    if (t >= rows || bad) fill_row<Cfg, Cfg::BN>(s_k, t, 0u);
+    if (bad) fill_row<Cfg, Cfg::BN>(s_v, t, 0xffffffffu);     // NaN in both halves
+}
+
+// A partial query chunk after its TMA load (thread t, query row t): Q and dO rows past the chunk
+// zeroed (dK += dS^T Q and dV += P^T dO meet them with zero coefficients); a present row of Q or
+// dO holding a NaN or inf zeroed and the row's delta made NaN, which reaches exactly the pairs
+// that see the row (softmax_backward).
+template <typename T, typename Cfg>
+__device__ __forceinline__ void sanitize_query_chunk(T* s_q, T* s_do, float* s_delta, int rows,
+                                                     int t) {
+    if (t >= Cfg::BQ) return;
+    const bool bad_q = t < rows && row_nonfinite<T, Cfg, Cfg::BQ>(s_q, t);
+    const bool bad_do = t < rows && row_nonfinite<T, Cfg, Cfg::BQ>(s_do, t);
+    if (t >= rows || bad_q) fill_row<Cfg, Cfg::BQ>(s_q, t, 0u);
+    if (t >= rows || bad_do) fill_row<Cfg, Cfg::BQ>(s_do, t, 0u);
+    if (bad_q || bad_do) s_delta[t] = nan_f();
+}
+
+// The producer warpgroup: thread 0 loads K and V once and Q and dO of every query chunk of the
+// tile's schedule (all G query heads of the key head) into the stage ring; thread t < BQ loads
+// lse2 and delta of the chunk's row t (lse2 = +inf, delta = 0 past the chunk); on the key tile
+// and on a partial chunk the warpgroup sanitises the landed rows before handing them on.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void bwd_sm90_producer(
+    const sm90::TensorMap* map_q, const sm90::TensorMap* map_k, const sm90::TensorMap* map_v,
+    const sm90::TensorMap* map_do, const float* lse2, const float* delta,
+    const BwdSm90Smem<T, Cfg>& sm, const PlanView& plan, const TileInfo& tile, int i_tile,
+    int i_khead, int group) {
+    constexpr int STAGES = Cfg::STAGES, BQ = Cfg::BQ;
+    const int t = threadIdx.x;
+    if (t == 0) {
+        sm90::mbar_arrive_expect_tx(sm.kv_full(), 2 * Cfg::KV_BYTES);
+        load_rows<Cfg, Cfg::BN>(sm.k(), map_k, sm.kv_full(), i_khead, tile.row);
+        load_rows<Cfg, Cfg::BN>(sm.v(), map_v, sm.kv_full(), i_khead, tile.row);
+    }
+    sm90::mbar_wait(sm.kv_full(), 0);
+    sanitize_key_tile<T, Cfg>(sm.k(), sm.v(), tile.rows, t);
+    sm90::fence_proxy_async();
+    sm90::mbar_arrive(sm.kv_ready());
+
+    PartnerCursor<BQ> queries = query_cursor<BQ>(plan, tile, i_tile, group);
+    for (int i = 0;; ++i, queries.advance()) {
+        const int s = i % STAGES;
+        const uint32_t parity = round_parity<STAGES>(i);
+        // every producer thread waits, so that none writes the stage or arrives a round early
+        sm90::mbar_wait(sm.empty(s), parity ^ 1u);
+        if (!queries.valid()) {
+            // the end of the walk, through the stage the consumers look at next
+            if (t == 0) sm.chunk(s)->valid = 0;
+            sm90::mbar_arrive(sm.ready(s));
+            break;
+        }
+        const Chunk c = queries.chunk();
+        const int head = i_khead * group + c.head;
+        if (t == 0) {
+            *sm.chunk(s) = StagedChunk{c, 1};
+            sm90::mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::QD_BYTES);
+            load_rows<Cfg, BQ>(sm.q(s), map_q, sm.q_full(s), head, c.row);
+            load_rows<Cfg, BQ>(sm.dout(s), map_do, sm.q_full(s), head, c.row);
+        }
+        if (t < BQ) {
+            load_row_stats(sm.lse2(s)[t], sm.delta(s)[t], lse2, delta, plan.rows_q, head,
+                           c.row + t, t < c.rows);
+        }
+        if (!c.full) {
+            sm90::mbar_wait(sm.q_full(s), parity);
+            sanitize_query_chunk<T, Cfg>(sm.q(s), sm.dout(s), sm.delta(s), c.rows, t);
+            // generic-proxy stores that the consumers' wgmma (async proxy) reads next
+            sm90::fence_proxy_async();
+        }
+        sm90::mbar_arrive(sm.ready(s));
+    }
+}
+
+// This thread's part of a warpgroup's [64, N] fp32 D fragment (rows 16 w + g, + 8) written as T
+// to rows row .. of a head, those < valid_rows: 4-byte stores straight from the registers.
+template <typename T, int NB>
+__device__ __forceinline__ void store_fragment_rows(const float (&acc)[NB][4],
+                                                    const HeadRows<T>& dst, int row,
+                                                    int valid_rows, int lane) {
+    const int g = lane / 4, q = lane % 4;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = g + 8 * half;
+        if (r >= valid_rows) continue;
+        T* p = dst.row(row + r) + 2 * q;
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            *reinterpret_cast<uint32_t*>(p + nb * 8) =
+                ElemTraits<T>::pack(acc[nb][2 * half], acc[nb][2 * half + 1]);
+        }
+    }
+}
+
+// One consumer warpgroup (key rows 64 c .. 64 c + 63 of the tile). `w` is the warp's slot among
+// the consumer warps (row0 = 16 warp: the key row of its fragment's row 0 in the tile).
+template <typename T, typename Cfg, bool HAS_SOFTCAP>
+__device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm, T* dk, T* dv,
+                                                  float* dq_accum, const PlanView& plan,
+                                                  const CallParams& call, const TileInfo& tile,
+                                                  int i_khead, int group, int c_wg,
+                                                  const WarpSlot& w) {
+    constexpr int STAGES = Cfg::STAGES, BN = Cfg::BN, BQ = Cfg::BQ, D = Cfg::D;
+    constexpr uint32_t ROW = Cfg::BOX_ROW_BYTES;
+    constexpr uint32_t BOX_KV = BN * ROW;       // bytes per box of 64 columns
+    constexpr uint32_t BOX_Q = BQ * ROW;
+    constexpr uint32_t KSTEP_MN = 16 * ROW;     // a k16 step of an MN-major operand: 16 rows
+    const SeqPolicy pol = SeqPolicy::load(plan, tile.seq);
+    const int wg_warp = w.warp % 4;             // the warp's slot in its warpgroup
+    const uint32_t own_rows = c_wg * Cfg::WG_ROWS * ROW;
+    // K and V as K-major A of S^T and dP^T (this warpgroup's 64 rows); K as the MN-major B of dQ
+    // (N = head dim: the next 64 columns one box further, k16 steps of 16 key rows).
+    const sm90::u64 desc_k = sm90::smem_desc(reinterpret_cast<unsigned char*>(sm.k()) + own_rows,
+                                             0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
+    const sm90::u64 desc_v = sm90::desc_advance(desc_k, Cfg::OFF_V);
+    const sm90::u64 desc_k_mn = desc_k | sm90::make_smem_desc(0, BOX_KV, 0, sm90::Swizzle::NONE);
+    // dS [BQ][64 keys] of this warpgroup as the K-major A of dQ (k16 steps of 32 bytes)
+    // This lane's row address of each stmatrix.trans below: lanes 8 i .. 8 i + 7 give the rows
+    // of matrix i, the queries 16 j + 8 (i / 2) + lane % 8 of k-step j, at their keys' 16-byte
+    // chunk 2 warp + i % 2 (8 keys), XOR the row % 8 (the 128B swizzle; the row's position in
+    // its 8-row atom, lane % 8 for every j).
+    const int ds_row = 8 * (w.lane / 16) + w.lane % 8;
+    unsigned char* p_ds_row = sm.ds(c_wg) + ds_row * ROW +
+                              (((2 * wg_warp + (w.lane / 8) % 2) ^ (ds_row % 8)) << 4);
+    static_assert(Cfg::DS_BYTES == Cfg::WG_ROWS * ROW, "dS and K move alike per warpgroup");
+    const sm90::u64 desc_ds = sm90::desc_advance(desc_k, Cfg::OFF_DS);
+    const uint32_t bar_id = 1 + c_wg;           // named barrier of this warpgroup
+
+    // [64, D] dK and dV of this warpgroup's keys (this warp: 16 rows), as wgmma D fragments
+    float acc_dk[D / 8][4];
+    float acc_dv[D / 8][4];
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
+    auto& dk_frag = reinterpret_cast<float (&)[D / 2]>(acc_dk);
+    auto& dv_frag = reinterpret_cast<float (&)[D / 2]>(acc_dv);
+
+    sm90::mbar_wait(sm.kv_full(), 0);
+    sm90::mbar_wait(sm.kv_ready(), 0);
+    for (int i = 0;; ++i) {
+        const int s = i % STAGES;
+        const uint32_t parity = round_parity<STAGES>(i);
+        sm90::mbar_wait(sm.ready(s), parity);
+        if (!sm.chunk(s)->valid) break;
+        sm90::mbar_wait(sm.q_full(s), parity);
+        // Q and dO as K-major B (N = the chunk's queries) and as MN-major B (N = head dim)
+        const sm90::u64 desc_q = sm90::smem_desc(sm.q(s), 0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
+        const sm90::u64 desc_do = sm90::smem_desc(sm.dout(s), 0, Cfg::ATOM_BYTES,
+                                                  sm90::Swizzle::B128);
+        const sm90::u64 desc_q_mn = sm90::smem_desc(sm.q(s), BOX_Q, Cfg::ATOM_BYTES,
+                                                    sm90::Swizzle::B128);
+        const sm90::u64 desc_do_mn = sm90::smem_desc(sm.dout(s), BOX_Q, Cfg::ATOM_BYTES,
+                                                     sm90::Swizzle::B128);
+
+        // [64, BQ] S^T = K Q^T, then P^T, and dP^T = V dO^T, then dS^T
+        float acc_s[BQ / 8][4];
+        float acc_dp[BQ / 8][4];
+        auto& s_frag = reinterpret_cast<float (&)[BQ / 2]>(acc_s);
+        auto& dp_frag = reinterpret_cast<float (&)[BQ / 2]>(acc_dp);
+        sm90::wgmma_fence_operand(s_frag);
+        sm90::wgmma_fence_operand(dp_frag);
+        sm90::wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t step = (kk % 4) * 32;      // k16 steps inside a box of 64 columns
+            sm90::wgmma_ss<T, BQ, false, false>(
+                s_frag, sm90::desc_advance(desc_k, (kk / 4) * BOX_KV + step),
+                sm90::desc_advance(desc_q, (kk / 4) * BOX_Q + step), kk > 0);
+        }
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t step = (kk % 4) * 32;
+            sm90::wgmma_ss<T, BQ, false, false>(
+                dp_frag, sm90::desc_advance(desc_v, (kk / 4) * BOX_KV + step),
+                sm90::desc_advance(desc_do, (kk / 4) * BOX_Q + step), kk > 0);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::wgmma_fence_operand(s_frag);
+        sm90::wgmma_fence_operand(dp_frag);
+
+        softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp,
+                                      key_rows_mask<BN>(pol, tile, w, sm.chunk(s)->load()),
+                                      ColStats{sm.lse2(s), sm.delta(s)}, call, w.lane);
+        // P^T and dS^T as BQ / 16 A fragments (k = queries), all written before the wgmma.fence
+        uint32_t p_frag[BQ / 16][4];
+        uint32_t ds_frag[BQ / 16][4];
+        #pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) {
+            c_to_a<T>(p_frag[j], acc_s, j);
+            c_to_a<T>(ds_frag[j], acc_dp, j);
+        }
+
+        // dS^T -> dS [BQ][64 keys] by stmatrix.trans: the A fragment of k-step j is the x4 set
+        // of matrices (queries 16 j + 8 (i / 2) .., keys 16 warp + 8 (i % 2) ..), i = 0..3, each
+        // transposed into 8 query rows of 8 keys (16 bytes, their 128B-swizzled chunk). The
+        // warpgroup's last dQ product has retired in every warp before the buffer is rewritten.
+        sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
+        #pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) {
+            sm90::stmatrix_x4_trans(p_ds_row + j * 16 * ROW, ds_frag[j]);
+        }
+        sm90::fence_proxy_async();
+        sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
+
+        // dV += P^T dO, dK += dS^T Q: A from registers, dO and Q MN-major (k16 steps of 16 rows,
+        // the next 64 columns of the head dim one box further)
+        sm90::wgmma_fence_operand(dv_frag);
+        sm90::wgmma_fence_operand(dk_frag);
+        sm90::wgmma_fence();
+        #pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) {
+            sm90::wgmma_rs<T, D, true>(dv_frag, p_frag[j],
+                                       sm90::desc_advance(desc_do_mn, j * KSTEP_MN), true);
+        }
+        #pragma unroll
+        for (int j = 0; j < BQ / 16; ++j) {
+            sm90::wgmma_rs<T, D, true>(dk_frag, ds_frag[j],
+                                       sm90::desc_advance(desc_q_mn, j * KSTEP_MN), true);
+        }
+        sm90::wgmma_commit();
+        // retired before dQ: the P^T and dS^T fragments they read free their registers
+        sm90::wgmma_wait<0>();
+        sm90::wgmma_fence_operand(dv_frag);
+        sm90::wgmma_fence_operand(dk_frag);
+        // the stage's Q, dO, lse2, delta and chunk are no longer read
+        const Chunk c = sm.chunk(s)->load();
+        sm90::mbar_arrive(sm.empty(s));
+
+        // dQ [BQ, D] += dS K over this warpgroup's 64 keys, DQ_COLS columns at a time
+        const HeadRows<float> dq_rows = head_rows<D>(dq_accum, call.Hq, i_khead * group + c.head);
+        #pragma unroll
+        for (int n = 0; n < D / Cfg::DQ_COLS; ++n) {
+            float acc_dq[Cfg::DQ_COLS / 8][4];
+            auto& dq_frag = reinterpret_cast<float (&)[Cfg::DQ_COLS / 2]>(acc_dq);
+            sm90::wgmma_fence();
+            #pragma unroll
+            for (int j = 0; j < Cfg::WG_ROWS / 16; ++j) {
+                sm90::wgmma_ss<T, Cfg::DQ_COLS, false, true>(
+                    dq_frag, sm90::desc_advance(desc_ds, j * 32),
+                    sm90::desc_advance(desc_k_mn, n * BOX_KV + j * KSTEP_MN), j > 0);
+            }
+            sm90::wgmma_commit();
+            sm90::wgmma_wait<0>();
+            sm90::wgmma_fence_operand(dq_frag);
+            atomic_add_rows(acc_dq, dq_rows, c.row + 16 * wg_warp, c.rows - 16 * wg_warp,
+                            n * Cfg::DQ_COLS, w.lane);
+        }
+    }
+    store_fragment_rows<T>(acc_dk, head_rows<D>(dk, call.Hk, i_khead), tile.row + w.row0,
+                           tile.rows - w.row0, w.lane);
+    store_fragment_rows<T>(acc_dv, head_rows<D>(dv, call.Hk, i_khead), tile.row + w.row0,
+                           tile.rows - w.row0, w.lane);
+}
+
+}  // namespace varlen
+
+using namespace varlen;
+
+// Tensor maps (made by the launcher, varlen/backends/_cupy_sm90_bwd.py): 3D over the packed
+// arrays, dims (D, H, T) innermost first, box (64, 1, BQ) for Q and dO and (64, 1, BN) for K and
+// V, 128B swizzle, zero fill past row T.
+template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP>
+__global__ void __launch_bounds__(BwdSm90Config<D, BN, BQ>::NUM_THREADS, 1)
+varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq, Hq, D]
+                     const __grid_constant__ sm90::TensorMap map_k,    // k [Tk, Hk, D]
+                     const __grid_constant__ sm90::TensorMap map_v,    // v [Tk, Hk, D]
+                     const __grid_constant__ sm90::TensorMap map_do,   // dout [Tq, Hq, D]
+                     const float* __restrict__ lse2,     // [Hq, Tq] base-2 lse, +inf: no key
+                     const float* __restrict__ delta,    // [Hq, Tq]
+                     T* __restrict__ dk,                 // [Tk, Hk, D]
+                     T* __restrict__ dv,                 // [Tk, Hk, D]
+                     float* __restrict__ dq_accum,       // [Tq, Hq, D]
+                     const PlanView plan, const CallParams call) {
+    using Cfg = BwdSm90Config<D, BN, BQ>;
+    const int i_tile = blockIdx.x, i_khead = blockIdx.y;
+    const TileInfo tile = load_tile(plan.k_tiles, i_tile);
+    if (tile.seq < 0) return;
+    const int group = call.Hq / call.Hk;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t misalign = sm90::smem_addr(smem_raw) % Cfg::ALIGN;
+    const BwdSm90Smem<T, Cfg> sm{smem_raw + (misalign ? Cfg::ALIGN - misalign : 0)};
+    if (threadIdx.x == 0) {
+        sm90::mbar_init(sm.kv_full(), 1);
+        sm90::mbar_init(sm.kv_ready(), Cfg::WG_THREADS);
+        #pragma unroll
+        for (int s = 0; s < Cfg::STAGES; ++s) {
+            sm90::mbar_init(sm.q_full(s), 1);
+            sm90::mbar_init(sm.ready(s), Cfg::WG_THREADS);
+            sm90::mbar_init(sm.empty(s), Cfg::NUM_CONSUMERS * Cfg::WG_THREADS);
+        }
+        sm90::fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (threadIdx.x < Cfg::WG_THREADS) {
+        sm90::setmaxnreg<Cfg::PRODUCER_REGS, false>();
+        bwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, &map_do, lse2, delta, sm, plan, tile,
+                                  i_tile, i_khead, group);
+    } else {
+        sm90::setmaxnreg<Cfg::CONSUMER_REGS, true>();
+        const int t = threadIdx.x - Cfg::WG_THREADS;
+        const WarpSlot w{t % WARP_SIZE, t / WARP_SIZE, (t / WARP_SIZE) * WARP_ROWS};
+        bwd_sm90_consumer<T, Cfg, HAS_SOFTCAP>(sm, dk, dv, dq_accum, plan, call, tile, i_khead,
+                                               group, t / Cfg::WG_THREADS, w);
+    }
+}

@@ -1,0 +1,178 @@
+"""Launcher of the sm_90a backward kernel (`kernels_cuda/bwd_sm90.cuh`): wgmma, TMA, mbarriers.
+
+`backward` runs what `_cupy_kernels.backward` runs with atomic dQ: the preprocessing (delta,
+lse2), then `varlen_bwd_dkdv_sm90` in place of the mma.sync `varlen_bwd_dkdv<..., true>` (dK, dV
+and dQ by fp32 reductions into the same `dq_accum`), then the dQ conversion. The preprocessing
+and the conversion are the mma.sync module's kernels, unchanged. Not selected by the CuPy backend
+yet (see docs/hopper.md, "The sm_90a backward, stage 1").
+
+The kernel reads the same `PlanView` and `CallParams` as the mma.sync kernels and four CUDA tensor
+maps over the packed q, k, v and dout (3D: (D, H, T) innermost first, boxes of 64 head-dim
+columns x 1 head x BQ = 64 rows for q and dout, BN rows for k and v, 128B swizzle, zero fill past
+row T). It is compiled by NVRTC for `sm_90a` and loaded as a cubin by the forward's `Runtime`;
+`EmulatedRuntime` runs it through the host emulation instead (tests/test_sm90_backward.py).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._array import alloc
+from . import _cupy_sm90, _cupy_spec
+from ._cupy_sm90 import OPTIN_SMEM, SMEM_ALIGN, TENSOR_MAP_DTYPE, WG_THREADS
+
+BQ = 64                        # query rows per chunk (BwdSm90Config::BQ): wgmma N of S^T, M of dQ
+WG_ROWS = 64                   # key rows per consumer warpgroup (wgmma M)
+STAGES = 2                     # Q/dO ring (BwdSm90Config::STAGES)
+NUM_BARRIERS = 2 + 3 * STAGES
+CHUNK_BYTES = 24               # StagedChunk: the query chunk a stage holds
+KERNEL = "varlen_bwd_dkdv_sm90"
+
+
+@dataclass(frozen=True)
+class BwdSm90Spec:
+    """One variant of `varlen_bwd_dkdv_sm90`: element type, head dim, key tile, softcap."""
+
+    dtype: str          # "float16" | "bfloat16"
+    head_dim: int
+    block_n: int
+    softcap: bool
+
+    def __post_init__(self):
+        if self.dtype not in _cupy_spec.DTYPES:
+            raise ValueError(f"{self.dtype=}: the sm_90a backward takes float16 or bfloat16")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"{self.head_dim=}: the sm_90a backward takes D = 64 or 128")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"{self.block_n=}: one or two consumer warpgroups of 64 key rows")
+        if self.smem > OPTIN_SMEM:
+            raise ValueError(f"{self}: {self.smem} B of shared memory exceed {OPTIN_SMEM}")
+
+    @property
+    def ctype(self) -> str:
+        return _cupy_spec.DTYPES[self.dtype]
+
+    @property
+    def threads(self) -> int:
+        """A producer warpgroup and one consumer warpgroup per 64 key rows."""
+        return WG_THREADS * (1 + self.block_n // WG_ROWS)
+
+    @property
+    def smem(self) -> int:
+        """K, V [BN][D], STAGES x (Q, dO) [BQ][D], dS [BQ][64] per consumer, STAGES x (lse2,
+        delta) [BQ] and the stage's chunk, the mbarriers (BwdSm90Config's layout), and 1 KiB to
+        align the window."""
+        e = _cupy_spec.ELEM_BYTES
+        data = (2 * self.block_n + 2 * STAGES * BQ) * self.head_dim * e
+        data += self.block_n // WG_ROWS * BQ * WG_ROWS * e + STAGES * (2 * BQ * 4 + CHUNK_BYTES)
+        return data + 8 * NUM_BARRIERS + SMEM_ALIGN
+
+    @property
+    def name(self) -> str:
+        return (f"{KERNEL}<{self.ctype}, {self.head_dim}, {self.block_n}, {BQ}, "
+                f"{'true' if self.softcap else 'false'}>")
+
+
+def spec_for(plan, q, softcap: float) -> BwdSm90Spec:
+    if plan.block_m % BQ:
+        raise ValueError(f"{plan.block_m=} does not split into query chunks of {BQ}")
+    return BwdSm90Spec(str(q.dtype), int(q.shape[2]), int(plan.block_n), bool(softcap > 0))
+
+
+def compile_report(specs) -> dict:
+    """NVRTC build of `specs` for sm_90a, as `_cupy_sm90.compile_report`."""
+    return _cupy_sm90.compile_report(specs)
+
+
+class EmulatedRuntime(_cupy_sm90.EmulatedRuntime):
+    """The forward's emulated runtime, for this kernel's entry point and variant."""
+
+    def _lib(self, spec: BwdSm90Spec):
+        from ._cupy_emulation import _build
+        return _build(spec.ctype, spec.head_dim, 64, spec.block_n, BQ,
+                      "true" if spec.softcap else "false")
+
+    def launch(self, spec: BwdSm90Spec, *, grid, args):
+        from ._cupy_emulation import OPTIN_SMEM as EMU_OPTIN, _Kernel
+        lib = self._lib(spec)
+        key = KERNEL.encode()
+        sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
+        n = lib.emu_sm90_param_sizes(key, sizes)
+        assert n == len(args), f"{spec.name}: {len(args)} arguments for {n} parameters"
+        assert spec.smem <= EMU_OPTIN, f"{spec.name}: {spec.smem} B of shared memory"
+        fake = _Kernel.__new__(_Kernel)
+        fake.name = spec.name
+        values = [fake._bytes_of(i, a, size) for i, (a, size) in enumerate(zip(args, sizes))]
+        addresses, keep = [], []
+        for v in values:
+            addr, size = ctypes.addressof(v), ctypes.sizeof(v)
+            if size == TENSOR_MAP_DTYPE.itemsize:
+                # tensor maps in 64-byte aligned buffers: the parameter type is alignas(64)
+                buf = (ctypes.c_char * (size + 64))()
+                keep.append(buf)
+                addr = -(-ctypes.addressof(buf) // 64) * 64
+                ctypes.memmove(addr, ctypes.addressof(v), size)
+            addresses.append(addr)
+        params = (ctypes.c_void_p * n)(*addresses)
+        rc = lib.emu_sm90_launch(key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
+                                 ctypes.c_uint(spec.threads), ctypes.c_size_t(spec.smem), params)
+        assert rc == 0, f"{spec.name}: no such entry point in the emulation"
+
+
+_runtime = None
+
+
+def runtime():
+    """The runtime of the launches: the forward's (NVRTC cubin, driver tensor maps) unless
+    `use_runtime` chose another."""
+    return _runtime if _runtime is not None else _cupy_sm90.runtime()
+
+
+def use_runtime(rt) -> None:
+    """Route launches through `rt` (EmulatedRuntime in the tests)."""
+    global _runtime
+    _runtime = rt
+
+
+def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float):
+    """`(dq, dk, dv)` in the input dtype, as `_cupy_kernels.backward` with atomic dQ: dq
+    [Tq, Hq, D], dk and dv [Tk, Hk, D]; pad rows and rows without a visible pair 0."""
+    import cupy
+    from ._cupy_kernels import (_check_heads, _data, _stride_blocks, call_params_arg, module,
+                                plan_view_arg)
+    q, k, v, dout, out = _data(q), _data(k), _data(v), _data(dout), _data(out)
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    Tq, Hq, D = q.shape
+    Tk, Hk, _ = k.shape
+    _check_heads(Hq)
+    dk = alloc(cupy, k.shape, k.dtype, fill=0)
+    dv = alloc(cupy, v.shape, v.dtype, fill=0)
+    if Tq == 0 or Tk == 0 or (plan.num_q_tiles == 0 and plan.num_k_tiles == 0):
+        return alloc(cupy, q.shape, q.dtype, fill=0), dk, dv
+    spec = spec_for(plan, q, softcap)
+    # the preprocessing and the conversion depend on the element type and head dim only
+    aux = module(_cupy_spec.KernelSpec("bwd", spec.dtype, D, 64, 64, False))
+    plan_arg = plan_view_arg(plan)
+    call = call_params_arg(Hq, Hk, softmax_scale, softcap)
+
+    # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units.
+    delta = alloc(cupy, (Hq, Tq), np.float32)
+    lse2 = alloc(cupy, (Hq, Tq), np.float32)
+    aux.launch("preprocess", grid=(_stride_blocks(Tq * Hq, _cupy_spec.PREPROCESS_WARPS),),
+               args=(out, dout, lse, delta, lse2, cupy.int32(Tq), cupy.int32(Hq)))
+    dq_accum = alloc(cupy, (Tq, Hq, D), np.float32, fill=0)
+    if plan.num_k_tiles:
+        rt = runtime()
+        if hasattr(rt, "prepare"):
+            rt.prepare(spec)
+        maps = (rt.tensor_map(q, BQ), rt.tensor_map(k, spec.block_n),
+                rt.tensor_map(v, spec.block_n), rt.tensor_map(dout, BQ))
+        rt.launch(spec, grid=(plan.num_k_tiles, Hk),
+                  args=(*maps, lse2, delta, dk, dv, dq_accum, plan_arg.struct, call))
+    dq = alloc(cupy, q.shape, q.dtype)
+    n = dq_accum.size
+    aux.launch("dq_convert", grid=(_stride_blocks(n, _cupy_spec.CONVERT_THREADS),),
+               args=(dq_accum, dq, cupy.int64(n)))
+    return dq, dk, dv
