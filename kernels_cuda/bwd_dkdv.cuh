@@ -5,7 +5,8 @@
 // tile. The block visits, for each of the G = Hq / Hk query heads of its key head, the query
 // tiles the transposed schedule (k_sched) lists, in chunks of BQ rows, and keeps dK and dV of
 // its keys in registers over all of them: each dK/dV row is written once, no atomics, so dK
-// and dV are deterministic. Per chunk, in transposed form (rows = keys, columns = queries):
+// and dV are deterministic (0 for a key no query sees; varlen_bwd_preprocess writes the rows
+// of no key tile). Per chunk, in transposed form (rows = keys, columns = queries):
 //     S^T  = K Q^T                     [BN, BQ]
 //     P^T  = exp2(S^T * LOG2E - lse2)  (mask on partial tiles)
 //     dP^T = V dO^T                    [BN, BQ]

@@ -1,7 +1,8 @@
 // Deterministic dQ kernel (FlashAttention-2, Alg. 2, the loop over key tiles for one query
 // tile, recomputed without atomics).
 //
-// Grid (num_q_tiles, Hq); block BM / 16 warps, warp w owns query rows 16w .. 16w + 15. Like
+// Grid (num_q_tiles, Hq); block BM / 16 warps, warp w owns query rows 16w .. 16w + 15 (the
+// rows of no query tile are written by varlen_bwd_preprocess). Like
 // the forward pass it walks q_sched with K and V double-buffered, and per key chunk computes
 //     S = Q K^T, P = exp2(S * LOG2E - lse2), dP = dO V^T,
 //     dS = P * (dP - delta) * softmax_scale (times 1 - tanh^2 with a softcap), dQ += dS K,

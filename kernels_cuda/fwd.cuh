@@ -1,15 +1,17 @@
 // Forward kernel: FlashAttention-2 (Alg. 1) over the plan's query tiles.
 //
-// Grid (num_q_tiles, Hq); block of 4 warps, warp w owns query rows WARP_M w .. WARP_M w +
-// WARP_M - 1 of the tile, MT = WARP_M / 16 m16 tiles (2 for BM = 128: every K or V fragment
-// read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP). Q's
-// fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
+// Grid (num_q_tiles + pad blocks, Hq); block of 4 warps, warp w owns query rows WARP_M w ..
+// WARP_M w + WARP_M - 1 of the tile, MT = WARP_M / 16 m16 tiles (2 for BM = 128: every K or V
+// fragment read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP).
+// Q's fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
 // [KN][D+8] and V [KN][D+8] (KN = BN, or BN / 2 at D >= 96, BM = 128); K and V wait
 // separately (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
 // and lse; hidden keys never reach it (mask_scores, KvStages::zero_nonfinite).
+// Every row of out and lse is written: a query tile's rows by its block (0 and -inf for a row
+// without a visible key), the rows of no tile by the pad blocks (for_each_pad_run).
 #pragma once
 
 #include "common.cuh"
@@ -133,6 +135,22 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
            const PlanView plan, const CallParams call) {
     using Cfg = FwdConfig<D, BM, BN>;
     constexpr int MT = Cfg::MT;
+    // The pad blocks come first in the grid: query tiles run in reverse slot order (TileBlock).
+    const int i_pad = pad_block_index(static_cast<int>(gridDim.x - 1 - blockIdx.x),
+                                      plan.num_q_tiles);
+    if (i_pad >= 0) {
+        for_each_pad_run(plan.q_tiles, plan.num_q_tiles, plan.rows_q,
+                         pad_window<Cfg::NUM_THREADS>(i_pad), [&](int64_t begin, int64_t end) {
+            zero_rows(out, static_cast<int64_t>(call.Hq) * D, begin, end);
+            #pragma unroll 1
+            for (int h = 0; h < call.Hq; ++h) {
+                float* p_lse = lse + static_cast<int64_t>(h) * plan.rows_q;
+                #pragma unroll 1
+                for (int64_t r = begin; r < end; ++r) p_lse[r] = neg_inf();
+            }
+        });
+        return;
+    }
     const TileBlock<false, Cfg::WARP_M> b(plan, call);
     if (b.tile.seq < 0) return;
     const WarpSlot& w = b.w;

@@ -116,6 +116,82 @@ struct PartnerCursor {
     }
 };
 
+// ---- Pad rows: the rows of a packed array that no tile covers -------------------------------
+//
+// Gaps between segments, rows past the last one, positions past a sequence's global length: the
+// kernels write these rows of their outputs too (out 0 and lse -inf, gradients 0), so that no
+// output needs a fill before it. They are taken in windows of PAD_ROWS_PER_THREAD consecutive
+// rows, one per thread: the forward's pad blocks, past its query tile slots, own window i_pad *
+// gridDim.y + blockIdx.y of NUM_THREADS windows each (pad_window); the backward preprocessing
+// strides over the windows of dQ, dK and dV. A thread walks the whole tile table (the threads
+// of a warp read the same entry: one broadcast load) and marks the rows of its window that some
+// tile covers; what is left is exactly the complement of the rows the tile blocks write,
+// whatever the order of the segments (all-gathered context-parallel segments are not in row
+// order): no row is written twice or by two threads, none is left out. The launchers
+// (varlen/backends/_cupy_kernels.py) size the grids with the same constant.
+constexpr int PAD_ROWS_PER_THREAD = 32;
+
+// The index of slot i_slot among the pad blocks of a grid over num_slots tile slots, or -1 for
+// a tile slot.
+__device__ __forceinline__ int pad_block_index(int i_slot, int num_slots) {
+    return i_slot >= num_slots ? i_slot - num_slots : -1;
+}
+
+// This thread's window in pad block i_pad of a grid of NUM_THREADS-thread blocks.
+template <int NUM_THREADS>
+__device__ __forceinline__ int64_t pad_window(int i_pad) {
+    return (static_cast<int64_t>(i_pad) * gridDim.y + blockIdx.y) * NUM_THREADS + threadIdx.x;
+}
+
+// Calls clear(begin, end) (int64 rows) for each maximal run of rows of window `window` (rows
+// window * PAD_ROWS_PER_THREAD on, those below num_rows) that no tile of p_tiles [num_tiles, 5]
+// covers.
+template <typename Clear>
+__device__ __forceinline__ void for_each_pad_run(const int* p_tiles, int num_tiles, int num_rows,
+                                                 int64_t window, Clear&& clear) {
+    static_assert(PAD_ROWS_PER_THREAD == 32, "one bit per row in a 32-bit mask");
+    const int64_t first = window * PAD_ROWS_PER_THREAD;
+    if (first >= num_rows) return;
+    const int n = static_cast<int>(min(static_cast<int64_t>(PAD_ROWS_PER_THREAD),
+                                       num_rows - first));
+    uint32_t covered = 0;        // bit i: row first + i lies in a tile
+    // Not unrolled, here and below: this code stays small beside the tile blocks'.
+    #pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t) {
+        const TileInfo tile = load_tile(p_tiles, t);       // unused slots have no rows
+        const int64_t lo = max(static_cast<int64_t>(tile.row), first);
+        const int64_t hi = min(static_cast<int64_t>(tile.row) + tile.rows, first + n);
+        if (lo < hi) {
+            const int width = static_cast<int>(hi - lo);
+            const uint32_t bits = width == 32 ? ~0u : (1u << width) - 1u;
+            covered |= bits << static_cast<int>(lo - first);
+        }
+    }
+    #pragma unroll 1
+    for (int i = 0; i < n;) {
+        if ((covered >> i) & 1u) {
+            ++i;
+            continue;
+        }
+        int end = i + 1;
+        #pragma unroll 1
+        while (end < n && !((covered >> end) & 1u)) ++end;
+        clear(first + i, first + end);
+        i = end;
+    }
+}
+
+// Zeros rows [begin, end) of a packed array of row_elems elements per row (16-byte multiples,
+// 16-byte aligned rows), in 16-byte stores.
+template <typename T>
+__device__ __forceinline__ void zero_rows(T* base, int64_t row_elems, int64_t begin,
+                                          int64_t end) {
+    uint4* p = reinterpret_cast<uint4*>(base + begin * row_elems);
+    const int64_t n = (end - begin) * row_elems * static_cast<int64_t>(sizeof(T)) / 16;
+    #pragma unroll 1
+    for (int64_t i = 0; i < n; ++i) p[i] = uint4{0u, 0u, 0u, 0u};
+}
+
 // The key chunks of KN rows of query tile i_tile (forward, dQ): the host compiles BN =
 // plan.block_n (KernelSpec), and a plan tile is BN / KN chunks.
 template <int BN, int KN = BN>

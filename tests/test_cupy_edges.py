@@ -9,9 +9,11 @@
   it, and every row that sees one is NaN.
 * 64-bit addressing: one short sequence at the end of packed arrays of more than 2**31
   elements (sparse anonymous memory maps: only its rows are ever touched) is computed at the
-  right addresses, forward and backward (dK/dV with atomic dQ, and deterministic dQ); and the
-  forward kernel walks the last key chunks of a sequence of 2**31 - 1 keys (chunk counts
-  without an int32 overflow, element offsets near 2**36).
+  right addresses, forward and backward (dK/dV with atomic dQ, and deterministic dQ); the
+  forward's pad blocks and the backward preprocessing write the rows no tile covers at
+  element offsets past 2**31 and nothing else; and the forward kernel walks the last key chunks of a
+  sequence of 2**31 - 1 keys (chunk counts without an int32 overflow, element offsets near
+  2**36).
 * Device support, on stand-in device properties: compute capability sm_80 or newer, plan tiles
   whose kernels fit the GPU's opt-in shared memory per block (a 99 KiB sm_86/sm_89 gets
   (64, 64) tiles for D = 96 and 128 and refuses the deterministic backward at D = 128, naming
@@ -186,6 +188,7 @@ def _case_nonfinite_backward(tensor):
 LARGE_ROWS_Q = (1 << 24) + 256
 LARGE_ROWS_K = (1 << 25) + 256
 LARGE_LEN = 70                       # one causal sequence of 70 x 70, two tiles of 64
+LARGE_PAD_ROWS = (1 << 21) + 256      # rows of 8 heads x 128: past 2**31 elements
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)         # the Linux value
 
 
@@ -194,6 +197,12 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)         # the Linux value
 def test_addresses_past_2_31_elements():
     assert LARGE_ROWS_Q * 2 * 64 > 2 ** 31 and LARGE_ROWS_K * 1 * 64 > 2 ** 31
     _emulate("large-offsets")
+
+
+@needs_cxx
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sparse anonymous maps (Linux)")
+def test_pad_rows_past_2_31_elements():
+    _emulate("large-pad-offsets")
 
 
 @needs_cxx
@@ -218,7 +227,7 @@ def _case_large_offsets():
     import varlen
     from varlen import reference
     from varlen.backends import _cupy_kernels
-    from varlen.backends.cupy_backend import BACKEND, spec_for
+    from varlen.backends.cupy_backend import spec_for
     Hq, Hk, D, L = 2, 1, 64, LARGE_LEN
     Tq, Tk = LARGE_ROWS_Q, LARGE_ROWS_K
     # the sequence ends 2 rows before the end of q and 1 before the end of k
@@ -239,18 +248,23 @@ def _case_large_offsets():
     ref_out, ref_lse = reference.attention_dense(*f64[:3], cu, cu, mask="causal")
     ref_grads = reference.attention_dense_backward(f64[3], *f64[:3], cu, cu, mask="causal")
 
-    out, lse = BACKEND.forward(plan, q, k, v, softmax_scale=scale, softcap=0.0)
+    # Every kernel launched on the sequence's tiles only: the forward's pad blocks (and the
+    # preprocessing and the dQ conversion) write every other row of the arrays, which the
+    # emulation cannot afford; _case_large_pad_offsets writes pad rows there.
+    plan_arg = _cupy_kernels.plan_view_arg(plan)
+    call = _cupy_kernels.call_params_arg(Hq, Hk, scale, 0.0)
+    out = _sparse((Tq, Hq, D), np.float16)
+    lse = np.full((Hq, Tq), np.nan, np.float32)
+    _cupy_kernels.module(spec_for(plan, q, kind="fwd", softcap=0.0)).launch(
+        "fwd", grid=(plan.num_q_tiles, Hq), args=(q, k, v, out, lse, plan_arg.struct, call))
     _assert_finite_close("out rows past 2**31 elements", out[rq], ref_out, 2e-2)
     _assert_finite_close("lse", lse[:, rq], ref_lse, 2e-2)
     assert np.isfinite(out[rq]).all() and np.isfinite(lse[:, rq]).all(), "unwritten rows"
     for row in (0, Tq // 2, rq.start - 1, Tq - 1):      # pad rows, sampled
-        assert (out[row] == 0).all() and (lse[:, row] == -np.inf).all(), f"pad row {row}"
+        assert np.isnan(lse[:, row]).all(), f"pad row {row} written by a tile block"
 
-    # The backward kernels, launched on the sequence's tiles only: the preprocessing and the
-    # dQ conversion stride over every row of the arrays, which the emulation cannot afford.
     spec = spec_for(plan, q, kind="bwd", softcap=0.0)
-    module, plan_arg = _cupy_kernels.module(spec), _cupy_kernels.plan_view_arg(plan)
-    call = _cupy_kernels.call_params_arg(Hq, Hk, scale, 0.0)
+    module = _cupy_kernels.module(spec)
     lse2, delta = np.zeros((Hq, Tq), np.float32), np.zeros((Hq, Tq), np.float32)
     lse2[:, rq] = lse[:, rq] * math.log2(math.e)
     delta[:, rq] = (out[rq].astype(np.float32) * dout[rq].astype(np.float32)).sum(-1).T
@@ -268,6 +282,60 @@ def _case_large_offsets():
         _assert_finite_close(f"{name} rows past 2**31 elements", got, want, 5e-2)
     for name, g, row in (("dq_accum", dq_accum, Tq - 1), ("dk", dk, Tk - 1), ("dv", dv, 0)):
         assert (g[row] == 0).all(), f"{name}: pad row {row} written"
+
+
+def _case_large_pad_offsets():
+    """The pad rows past 2**31 elements (8 heads of 128 over 2**21 + 256 rows), written by the
+    forward kernel's pad blocks (out, lse) and by the backward preprocessing (dk, dv), every
+    block of their grids launched. The plan is written by hand: its one tile slot is unused (no
+    tile block runs) but claims every row except the last three, so those are the only pad
+    rows; the row before them must stay as it was. (The preprocessing's dq windows take the same
+    path; its rows per (row, head) pair are not emulated at this size: no query rows here.)"""
+    from varlen.backends import _cupy_kernels
+    from varlen.backends._cupy_emulation import install_fake_cupy
+    from varlen.backends._cupy_spec import KernelSpec
+    from varlen.plan import KernelView
+    from varlen.testing import np_dtype
+    install_fake_cupy(block_m=128)                # the default tiles' emulation build
+    H, D, dt = 8, 128, np_dtype("bfloat16")
+    T = LARGE_PAD_ROWS
+    first_pad = T - 3
+    assert first_pad * H * D > 2 ** 31
+
+    def i32(*rows):
+        return np.array(rows, np.int32)
+
+    def hand_plan(rows_q, rows_k):
+        tiles = i32([-1, 0, 0, first_pad, 0])
+        view = KernelView(q_tiles=tiles, q_sched=np.zeros((1, 1, 4), np.int32), k_tiles=tiles,
+                          k_sched=np.zeros((1, 1, 4), np.int32), q_row=i32([0]),
+                          q_len=i32([0]), q_pos=i32([0]), k_row=i32([0]), k_len=i32([0]),
+                          k_pos=i32([0]), seqlen_q=i32(0), seqlen_k=i32(0),
+                          window_left=i32(-1), window_right=i32(-1), bottom_right=i32(0),
+                          batch=1, mq=1, mk=1, num_q_tiles=1, num_k_tiles=1, block_m=128,
+                          block_n=64, rows_q=rows_q, rows_k=rows_k)
+        return _cupy_kernels.plan_view_arg(type("HandPlan", (), {"view": lambda self: view})())
+    call = _cupy_kernels.call_params_arg(H, H, 1.0 / math.sqrt(D), 0.0)
+    q = k = v = _sparse((T, H, D), dt)                              # never read
+    out, dk, dv = (_sparse((T, H, D), dt) for _ in range(3))
+    for a in (out, dk, dv):
+        a[first_pad - 1:] = np.nan
+    lse = np.full((H, T), np.nan, np.float32)
+    fwd = _cupy_kernels.module(KernelSpec("fwd", "bfloat16", D, 128, 64, False))
+    fwd.launch("fwd", grid=_cupy_kernels._tile_grid(fwd, "fwd", 1, T, H),
+               args=(q, k, v, out, lse, hand_plan(T, 0).struct, call))
+    bwd = _cupy_kernels.module(KernelSpec("bwd", "bfloat16", D, 128, 64, False))
+    none = np.zeros((H, 1), np.float32)                             # no query rows
+    null = _cupy_kernels._null_pointer()
+    blocks = -(-_cupy_kernels._pad_windows(T) // bwd.kernels["preprocess"].threads)
+    bwd.launch("preprocess", grid=(blocks,),
+               args=(q, q, none, none, none, null, null, dk, dv, hand_plan(0, T).struct, call))
+    for name, a in (("out", out), ("dk", dk), ("dv", dv)):
+        a = a[first_pad - 1:].astype(np.float32)
+        assert (a[1:] == 0).all(), f"{name}: pad rows past 2**31 elements not 0"
+        assert np.isnan(a[0]).all(), f"{name}: the row before the pad rows written"
+    assert (lse[:, first_pad:] == -np.inf).all(), "lse: pad rows not -inf"
+    assert np.isnan(lse[:, :first_pad]).all(), "lse: rows of the (claimed) tile written"
 
 
 def _case_long_sequence():
@@ -452,6 +520,7 @@ def test_runtime_nvrtc_options_are_the_compile_checks(monkeypatch):
 CASES = {"nonfinite-forward": _case_nonfinite_forward,
          "nonfinite-backward": _case_nonfinite_backward,
          "large-offsets": _case_large_offsets,
+         "large-pad-offsets": _case_large_pad_offsets,
          "long-sequence": _case_long_sequence}
 
 

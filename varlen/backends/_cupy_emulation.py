@@ -42,6 +42,7 @@ its own process (the CI tests do).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -70,6 +71,9 @@ TSAN_OPTIONS = "halt_on_error=1 exitcode=66 history_size=7 report_signal_unsafe=
 _libs: dict = {}
 # Kernel launches of this process, by kernel name (tests count the launches of a step).
 launches: collections.Counter = collections.Counter()
+# Host reads of the stand-in's device arrays made under `watch_host_reads`, by kind.
+host_reads: collections.Counter = collections.Counter()
+_watching = False
 # The plan kernels (kernels_cuda/plan_build.cuh) have no template arguments: every variant's
 # library holds them, so they run in that of this variant.
 PLAN_KERNEL_VARIANT = ("__half", 64, 64, 64, 64, "false")
@@ -235,13 +239,83 @@ class _Kernel:
         return value
 
 
+class DeviceArray(np.ndarray):
+    """A device array of the stand-in cupy: a NumPy array that counts in `host_reads`, under
+    `watch_host_reads`, every way the host takes its values as CuPy would copy them from a
+    GPU: `get()` (and `cupy.asnumpy`), `item()`, `tolist()`, iteration, and conversion to a
+    Python bool, int, float or index. As in CuPy, an element or a reduction is a 0-d array,
+    not a NumPy scalar, so `int(a[0])` and `float(a.max())` count too."""
+
+    def _read(self, kind):
+        if _watching:
+            host_reads[kind] += 1
+
+    def get(self, stream=None):
+        self._read("get")
+        return np.array(self.view(np.ndarray))
+
+    def item(self, *args):
+        self._read("item")
+        return super().item(*args)
+
+    def tolist(self):
+        self._read("tolist")
+        return super().tolist()
+
+    def __iter__(self):
+        self._read("iter")
+        return super().__iter__()
+
+    def __bool__(self):
+        self._read("bool")
+        return super().__bool__()
+
+    def __int__(self):
+        self._read("int")
+        return super().__int__()
+
+    def __float__(self):
+        self._read("float")
+        return super().__float__()
+
+    def __index__(self):
+        self._read("index")
+        return super().__index__()
+
+    def __getitem__(self, key):
+        r = super().__getitem__(key)
+        return np.asarray(r).view(DeviceArray) if isinstance(r, np.generic) else r
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        return super().__array_wrap__(array, context, False)
+
+
+def _device(a):
+    """`a` as a `DeviceArray` under `watch_host_reads` (else unchanged)."""
+    return a.view(DeviceArray) if _watching and type(a) is np.ndarray else a
+
+
+@contextlib.contextmanager
+def watch_host_reads():
+    """Counts host reads of the stand-in's device arrays inside (yields `host_reads`, cleared):
+    its allocations, `ascontiguousarray` and the launchers' inputs become `DeviceArray`s, and
+    so does any array the caller views as one."""
+    global _watching
+    host_reads.clear()
+    _watching = True
+    try:
+        yield host_reads
+    finally:
+        _watching = False
+
+
 def _host_data(a):
     """`_cupy_kernels._data` for host arrays: contiguous, 16-byte aligned (the emulated
     cp.async checks the alignment of every global address, as the GPU requires)."""
     a = np.ascontiguousarray(a)
     if a.ctypes.data % 16:
         a = a.copy()
-    return a
+    return _device(a)
 
 
 class _Device:
@@ -258,20 +332,26 @@ class _Device:
 def install_fake_cupy(block_m: int):
     """Replace `cupy` by NumPy plus an emulating RawModule (this process only)."""
     fake = types.ModuleType("cupy")
-    for n in ("int32", "float32", "int64", "uint64", "uint16", "zeros", "full", "empty",
-              "ascontiguousarray", "ndarray"):
+    for n in ("int32", "float32", "int64", "uint64", "uint16", "ndarray"):
         setattr(fake, n, getattr(np, n))
 
     # Counted as CuPy runs them: zeros, and full with 0, are a cudaMemsetAsync; full with any
     # other value is CuPy's fill kernel.
     def zeros(shape, dtype=float):
         launches["memset"] += 1
-        return np.zeros(shape, dtype)
+        return _device(np.zeros(shape, dtype))
 
     def full(shape, fill_value, dtype=None):
         launches["memset" if np.ndim(fill_value) == 0 and fill_value == 0 else "fill"] += 1
-        return np.full(shape, fill_value, dtype)
-    fake.zeros, fake.full = zeros, full
+        return _device(np.full(shape, fill_value, dtype))
+
+    def asnumpy(a, stream=None):
+        if _watching:
+            host_reads["asnumpy"] += 1
+        return np.array(np.asarray(a))
+    fake.zeros, fake.full, fake.asnumpy = zeros, full, asnumpy
+    fake.empty = lambda shape, dtype=float: _device(np.empty(shape, dtype))
+    fake.ascontiguousarray = lambda a, dtype=None: _device(np.ascontiguousarray(a, dtype))
 
     class RawModule:
         def __init__(self, code=None, options=(), name_expressions=()):

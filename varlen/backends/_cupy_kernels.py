@@ -2,7 +2,10 @@
 
 Every launch goes to the caller's current CuPy stream, reads no device memory on the host and
 allocates only the outputs and the backward's fp32 scratch, all through `varlen._array.alloc`,
-so a warmed-up call can be captured in a CUDA graph.
+so a warmed-up call can be captured in a CUDA graph. Nothing is filled before a kernel: the
+kernels write every row of their outputs, the rows no tile covers (padding) included: the
+forward in "pad blocks" past its tile slots (`pad_blocks`), the backward in its preprocessing.
+A forward is one launch, a backward three.
 
 What a kernel reads of the plan travels as one `PlanView` struct by value, filled in one place
 (`plan_view_arg`), and the call's heads and scalars as one `CallParams` struct
@@ -27,6 +30,8 @@ from ._cupy_spec import (CALL_PARAMS_DTYPE, CONVERT_THREADS, PLAN_VIEW_DTYPE, PR
 MAX_GRID_Y = 65535
 # Blocks of the grid-stride kernels (preprocess, dQ conversion): enough to fill any GPU.
 MAX_STRIDE_BLOCKS = 1 << 16
+# Rows each thread of a pad block takes (kernels_cuda/tile_scheduler.cuh, PAD_ROWS_PER_THREAD).
+PAD_ROWS_PER_THREAD = 32
 
 _lock = threading.Lock()
 _modules: dict = {}
@@ -125,65 +130,99 @@ def _check_heads(Hq: int):
 
 
 def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: float):
-    """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf)."""
+    """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf).
+
+    One launch, no fill: the forward kernel writes every row of both, its query tiles' rows
+    and, in the pad blocks past the tile slots, the rows of no tile. None when Tq == 0.
+    """
     import cupy
     q, k, v = _data(q), _data(k), _data(v)
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
     _check_heads(Hq)
-    out = alloc(cupy, (Tq, Hq, D), q.dtype, fill=0)
-    lse = alloc(cupy, (Hq, Tq), np.float32, fill=-np.inf)
-    if plan.num_q_tiles == 0 or Tq == 0:
+    out = alloc(cupy, (Tq, Hq, D), q.dtype)
+    lse = alloc(cupy, (Hq, Tq), np.float32)
+    if Tq == 0 or Hq == 0:
         return out, lse
+    mod = module(spec)
     plan_arg = plan_view_arg(plan)
-    module(spec).launch("fwd", grid=(plan.num_q_tiles, Hq),
-                        args=(q, k, v, out, lse, plan_arg.struct,
-                              call_params_arg(Hq, Hk, softmax_scale, softcap)))
+    mod.launch("fwd", grid=_tile_grid(mod, "fwd", plan.num_q_tiles, Tq, Hq),
+               args=(q, k, v, out, lse, plan_arg.struct,
+                     call_params_arg(Hq, Hk, softmax_scale, softcap)))
     return out, lse
 
 
 def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: float,
              softcap: float, deterministic: bool):
-    """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics unless `deterministic`."""
+    """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics unless `deterministic`.
+
+    Three launches, no fill. The preprocessing computes delta and the base-2 lse and writes
+    what the next two kernels do not: the zeroed fp32 dQ accumulator (atomic dQ) and the pad
+    rows of dk, dv and, when `deterministic`, dq (rows of no tile). Then the dK/dV kernel (its
+    key tiles' rows), and the dQ conversion (every row of dq) or, when `deterministic`, the dQ
+    kernel (its query tiles' rows). Fewer when Tq or Tk is 0.
+    """
     import cupy
     q, k, v, dout, out = _data(q), _data(k), _data(v), _data(dout), _data(out)
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     Tq, Hq, D = q.shape
     Tk, Hk, _ = k.shape
     _check_heads(Hq)
-    dk = alloc(cupy, k.shape, k.dtype, fill=0)
-    dv = alloc(cupy, v.shape, v.dtype, fill=0)
-    if Tq == 0 or Tk == 0 or (plan.num_q_tiles == 0 and plan.num_k_tiles == 0):
-        return alloc(cupy, q.shape, q.dtype, fill=0), dk, dv
+    dq = alloc(cupy, q.shape, q.dtype)
+    dk = alloc(cupy, k.shape, k.dtype)
+    dv = alloc(cupy, v.shape, v.dtype)
+    queries, keys = Tq * Hq > 0, Tk * Hk > 0
+    if not (queries or keys):
+        return dq, dk, dv
     mod = module(spec)
     plan_arg = plan_view_arg(plan)
     call = call_params_arg(Hq, Hk, softmax_scale, softcap)
 
-    # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units.
+    # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units; the zeroed
+    # dQ accumulator, the pad rows.
     delta = alloc(cupy, (Hq, Tq), np.float32)
     lse2 = alloc(cupy, (Hq, Tq), np.float32)
-    mod.launch("preprocess", grid=(_stride_blocks(Tq * Hq, PREPROCESS_WARPS),),
-               args=(out, dout, lse, delta, lse2, cupy.int32(Tq), cupy.int32(Hq)))
+    dq_accum = None if deterministic else alloc(cupy, (Tq, Hq, D), np.float32)
+    windows = _pad_windows(Tk) + (_pad_windows(Tq) if deterministic else 0)
+    threads = mod.kernels["preprocess"].threads
+    mod.launch("preprocess", grid=(_stride_blocks(max(Tq * Hq * threads // PREPROCESS_WARPS,
+                                                      windows), threads),),
+               args=(out, dout, lse, delta, lse2, _pointer(dq_accum),
+                     dq if deterministic else _null_pointer(), dk, dv, plan_arg.struct, call))
     inputs = (q, k, v, dout, lse2, delta)
+    if keys and plan.num_k_tiles:
+        role = "dkdv" if deterministic else "dkdv_atomic"
+        mod.launch(role, grid=(plan.num_k_tiles, Hk),
+                   args=(*inputs, dk, dv, _pointer(dq_accum), plan_arg.struct, call))
+    if not queries:
+        return dq, dk, dv
     if deterministic:
-        dq = alloc(cupy, q.shape, q.dtype, fill=0)
-        if plan.num_k_tiles:
-            mod.launch("dkdv", grid=(plan.num_k_tiles, Hk),
-                       args=(*inputs, dk, dv, _null_pointer(), plan_arg.struct, call))
         if plan.num_q_tiles:
             mod.launch("dq", grid=(plan.num_q_tiles, Hq),
                        args=(*inputs, dq, plan_arg.struct, call))
-        return dq, dk, dv
-
-    dq_accum = alloc(cupy, (Tq, Hq, D), np.float32, fill=0)
-    if plan.num_k_tiles:
-        mod.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk),
-                   args=(*inputs, dk, dv, dq_accum, plan_arg.struct, call))
-    dq = alloc(cupy, q.shape, q.dtype)
-    n = dq_accum.size
-    mod.launch("dq_convert", grid=(_stride_blocks(n, CONVERT_THREADS),),
-               args=(dq_accum, dq, cupy.int64(n)))
+    else:
+        n = dq_accum.size
+        mod.launch("dq_convert", grid=(_stride_blocks(n, CONVERT_THREADS),),
+                   args=(dq_accum, dq, cupy.int64(n)))
     return dq, dk, dv
+
+
+def _tile_grid(mod: _Module, role: str, num_slots: int, rows: int, heads: int) -> tuple:
+    """The grid of a kernel over tile slots that writes the pad rows too (the forward):
+    `(num_slots + pad_blocks(...), heads)`."""
+    return (num_slots + pad_blocks(rows, heads, mod.kernels[role].threads), heads)
+
+
+def _pad_windows(rows: int) -> int:
+    """Windows of PAD_ROWS_PER_THREAD rows, one per thread, that cover `rows` rows."""
+    return -(-rows // PAD_ROWS_PER_THREAD)
+
+
+def pad_blocks(rows: int, heads: int, threads: int) -> int:
+    """Blocks past the tile slots that write the rows of no tile (kernels_cuda/tile_scheduler.cuh,
+    pad_window): `threads` windows per block of the grid's `heads` rows, enough for `rows`
+    rows."""
+    return -(-_pad_windows(rows) // (threads * heads))
 
 
 def _stride_blocks(items: int, per_block: int) -> int:
@@ -196,6 +235,11 @@ def _null_pointer():
     atomics): 8 bytes, like the float* it stands for."""
     import cupy
     return cupy.uint64(0)
+
+
+def _pointer(a):
+    """`a` as a kernel argument, None as a null pointer."""
+    return _null_pointer() if a is None else a
 
 
 def _warm_one(spec: KernelSpec) -> str:
