@@ -284,3 +284,35 @@ def test_sm90_backward_mutation_is_caught(name, tmp_path):
                        "VARLEN_EMULATION_TIMEOUT": "20"})
     assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
     assert says in proc.stdout + proc.stderr, f"{name}: failed otherwise:\n{proc.stderr[-2000:]}"
+
+
+def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
+    """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's atomic backward to the sm_90a dK/dV
+    kernel on a compute capability 9.0 GPU and refuses any other GPU naming the variable; the
+    deterministic backward, and any backward without the variable, runs the mma.sync kernels."""
+    from varlen.backends import _cupy_kernels, _cupy_sm90_bwd
+    from varlen.backends._cupy_spec import DeviceInfo
+    from varlen.backends.cupy_backend import BACKEND
+    ran = []
+    monkeypatch.setattr(_cupy_sm90_bwd, "backward", lambda *a, **k: ran.append("sm90a") or "sm90a")
+    monkeypatch.setattr(_cupy_kernels, "backward",
+                        lambda *a, deterministic, **k: ran.append(("mma", deterministic)) or "mma")
+    monkeypatch.setattr(BACKEND, "_require_fit", lambda *a: None)
+    x = np.zeros((4, 2, 64), np.float16)
+    lse = np.zeros((2, 4), np.float32)
+    plan = type("P", (), {"block_m": 64, "block_n": 64})()
+    h100 = DeviceInfo((9, 0), 227 * 1024, "NVIDIA H100")
+    a100 = DeviceInfo((8, 0), 163 * 1024, "NVIDIA A100")
+    call = dict(softmax_scale=0.125, softcap=0.0)
+    args = (plan, x, x, x, x, x, lse)
+    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
+    with BACKEND.stand_in_device(h100):
+        assert BACKEND.backward(*args, **call) == "mma"
+    monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90a")
+    with BACKEND.stand_in_device(h100):
+        assert BACKEND.backward(*args, **call) == "sm90a"
+        assert BACKEND.backward(*args, deterministic=True, **call) == "mma"
+    with BACKEND.stand_in_device(a100), pytest.raises(RuntimeError,
+                                                      match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
+        BACKEND.backward(*args, **call)
+    assert ran == [("mma", False), "sm90a", ("mma", True)]

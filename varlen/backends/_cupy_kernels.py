@@ -153,8 +153,13 @@ def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: f
 
 
 def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: float,
-             softcap: float, deterministic: bool):
+             softcap: float, deterministic: bool, dkdv=None):
     """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics unless `deterministic`.
+
+    `dkdv`, when given, launches the dK/dV step in place of this module's atomic kernel (the
+    sm_90a kernel, `_cupy_sm90_bwd`): `dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum,
+    plan_struct, call)`, with the same contract (its key tiles' rows of dk and dv, dQ added to
+    the zeroed fp32 `dq_accum`); atomic mode only.
 
     Three launches, no fill. The preprocessing computes delta and the base-2 lse and writes
     what the next two kernels do not: the zeroed fp32 dQ accumulator (atomic dQ) and the pad
@@ -163,6 +168,8 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     kernel (its query tiles' rows). Fewer when Tq or Tk is 0.
     """
     import cupy
+    if dkdv is not None and deterministic:
+        raise ValueError("a dK/dV kernel given in place of the atomic one runs atomic dQ only")
     q, k, v, dout, out = _data(q), _data(k), _data(v), _data(dout), _data(out)
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     Tq, Hq, D = q.shape
@@ -191,9 +198,12 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
                      dq if deterministic else _null_pointer(), dk, dv, plan_arg.struct, call))
     inputs = (q, k, v, dout, lse2, delta)
     if keys and plan.num_k_tiles:
-        role = "dkdv" if deterministic else "dkdv_atomic"
-        mod.launch(role, grid=(plan.num_k_tiles, Hk),
-                   args=(*inputs, dk, dv, _pointer(dq_accum), plan_arg.struct, call))
+        if dkdv is not None:
+            dkdv(*inputs, dk, dv, dq_accum, plan_arg.struct, call)
+        else:
+            role = "dkdv" if deterministic else "dkdv_atomic"
+            mod.launch(role, grid=(plan.num_k_tiles, Hk),
+                       args=(*inputs, dk, dv, _pointer(dq_accum), plan_arg.struct, call))
     if not queries:
         return dq, dk, dv
     if deterministic:

@@ -3,8 +3,10 @@
 `backward` runs what `_cupy_kernels.backward` runs with atomic dQ: the preprocessing (delta,
 lse2), then `varlen_bwd_dkdv_sm90` in place of the mma.sync `varlen_bwd_dkdv<..., true>` (dK, dV
 and dQ by fp32 reductions into the same `dq_accum`), then the dQ conversion. The preprocessing
-and the conversion are the mma.sync module's kernels, unchanged. Not selected by the CuPy backend
-yet (see docs/hopper.md, "The sm_90a backward, stage 1").
+and the conversion are the mma.sync module's kernels, unchanged (`_cupy_kernels.backward` runs
+all three, this kernel passed in as its `dkdv`). The CuPy backend runs it with
+`VARLEN_CUPY_PATH=sm90a`, like the sm_90a forward (see docs/hopper.md, "The sm_90a backward,
+stage 1").
 
 The kernel reads the same `PlanView` and `CallParams` as the mma.sync kernels and four CUDA tensor
 maps over the packed q, k, v and dout (3D: (D, H, T) innermost first, boxes of 64 head-dim
@@ -17,9 +19,6 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-import numpy as np
-
-from .._array import alloc
 from . import _cupy_sm90, _cupy_spec
 from ._cupy_sm90 import OPTIN_SMEM, SMEM_ALIGN, TENSOR_MAP_DTYPE, WG_THREADS
 
@@ -138,41 +137,22 @@ def use_runtime(rt) -> None:
 
 def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float):
     """`(dq, dk, dv)` in the input dtype, as `_cupy_kernels.backward` with atomic dQ: dq
-    [Tq, Hq, D], dk and dv [Tk, Hk, D]; pad rows and rows without a visible pair 0."""
-    import cupy
-    from ._cupy_kernels import (_check_heads, _data, _stride_blocks, call_params_arg, module,
-                                plan_view_arg)
-    q, k, v, dout, out = _data(q), _data(k), _data(v), _data(dout), _data(out)
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    Tq, Hq, D = q.shape
-    Tk, Hk, _ = k.shape
-    _check_heads(Hq)
-    dk = alloc(cupy, k.shape, k.dtype, fill=0)
-    dv = alloc(cupy, v.shape, v.dtype, fill=0)
-    if Tq == 0 or Tk == 0 or (plan.num_q_tiles == 0 and plan.num_k_tiles == 0):
-        return alloc(cupy, q.shape, q.dtype, fill=0), dk, dv
+    [Tq, Hq, D], dk and dv [Tk, Hk, D]; pad rows and rows without a visible pair 0. The same
+    three launches, `varlen_bwd_dkdv_sm90` in place of the mma.sync dK/dV kernel."""
+    from . import _cupy_kernels
     spec = spec_for(plan, q, softcap)
     # the preprocessing and the conversion depend on the element type and head dim only
-    aux = module(_cupy_spec.KernelSpec("bwd", spec.dtype, D, 64, 64, False))
-    plan_arg = plan_view_arg(plan)
-    call = call_params_arg(Hq, Hk, softmax_scale, softcap)
+    aux = _cupy_spec.KernelSpec("bwd", spec.dtype, spec.head_dim, 64, 64, False)
 
-    # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units.
-    delta = alloc(cupy, (Hq, Tq), np.float32)
-    lse2 = alloc(cupy, (Hq, Tq), np.float32)
-    aux.launch("preprocess", grid=(_stride_blocks(Tq * Hq, _cupy_spec.PREPROCESS_WARPS),),
-               args=(out, dout, lse, delta, lse2, cupy.int32(Tq), cupy.int32(Hq)))
-    dq_accum = alloc(cupy, (Tq, Hq, D), np.float32, fill=0)
-    if plan.num_k_tiles:
+    def dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, plan_struct, call):
         rt = runtime()
         if hasattr(rt, "prepare"):
             rt.prepare(spec)
         maps = (rt.tensor_map(q, BQ), rt.tensor_map(k, spec.block_n),
                 rt.tensor_map(v, spec.block_n), rt.tensor_map(dout, BQ))
-        rt.launch(spec, grid=(plan.num_k_tiles, Hk),
-                  args=(*maps, lse2, delta, dk, dv, dq_accum, plan_arg.struct, call))
-    dq = alloc(cupy, q.shape, q.dtype)
-    n = dq_accum.size
-    aux.launch("dq_convert", grid=(_stride_blocks(n, _cupy_spec.CONVERT_THREADS),),
-               args=(dq_accum, dq, cupy.int64(n)))
-    return dq, dk, dv
+        rt.launch(spec, grid=(plan.num_k_tiles, k.shape[1]),
+                  args=(*maps, lse2, delta, dk, dv, dq_accum, plan_struct, call))
+
+    return _cupy_kernels.backward(aux, plan, dout, q, k, v, out, lse,
+                                  softmax_scale=softmax_scale, softcap=softcap,
+                                  deterministic=False, dkdv=dkdv)

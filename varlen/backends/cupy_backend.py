@@ -144,17 +144,22 @@ class CupyBackend(Backend):
                              f"{spec.block_n}) on this GPU: {why}; build the plan with the "
                              f"tiles of CupyBackend.default_blocks or use another backend")
 
+    def _require_sm90(self):
+        """Raise unless the device runs the sm_90a kernels (compute capability 9.0)."""
+        from . import _cupy_sm90
+        device, why = self.device()
+        if device is None or tuple(device.compute_capability) != (9, 0):
+            raise RuntimeError(
+                f"{_cupy_sm90.ENV_PATH}=sm90a runs wgmma/TMA kernels built for sm_90a "
+                f"(H100/H200); this GPU is {why or device.describe()}: unset it")
+
     def forward(self, plan, q, k, v, *, softmax_scale, softcap):
         """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf.
         With `VARLEN_CUPY_PATH=sm90a` the sm_90a kernel runs it (`_cupy_sm90`, opt-in until
         a GPU has passed scripts/gpu_check.sh); it refuses any GPU but compute capability 9.0."""
         from . import _cupy_kernels, _cupy_sm90
         if _cupy_sm90.selected():
-            device, why = self.device()
-            if device is None or tuple(device.compute_capability) != (9, 0):
-                raise RuntimeError(
-                    f"{_cupy_sm90.ENV_PATH}=sm90a runs wgmma/TMA kernels built for sm_90a "
-                    f"(H100/H200); this GPU is {why or device.describe()}: unset it")
+            self._require_sm90()
             return _cupy_sm90.forward(plan, q, k, v, softmax_scale=softmax_scale,
                                       softcap=softcap)
         spec = spec_for(plan, q, kind="fwd", softcap=softcap)
@@ -165,8 +170,14 @@ class CupyBackend(Backend):
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
                  deterministic=False):
         """`(dq, dk, dv)` in the input dtype. dK/dV are always deterministic (one writer per
-        row); dQ uses fp32 atomics unless `deterministic`, which runs a separate dQ kernel."""
-        from . import _cupy_kernels
+        row); dQ uses fp32 atomics unless `deterministic`, which runs a separate dQ kernel.
+        With `VARLEN_CUPY_PATH=sm90a` the atomic mode runs the sm_90a dK/dV kernel
+        (`_cupy_sm90_bwd`; the deterministic mode stays on the mma.sync kernels)."""
+        from . import _cupy_kernels, _cupy_sm90, _cupy_sm90_bwd
+        if _cupy_sm90.selected() and not deterministic:
+            self._require_sm90()
+            return _cupy_sm90_bwd.backward(plan, dout, q, k, v, out, lse,
+                                           softmax_scale=softmax_scale, softcap=softcap)
         spec = spec_for(plan, q, kind="bwd", softcap=softcap)
         self._require_fit(spec, "bwd-deterministic" if deterministic else "bwd")
         return _cupy_kernels.backward(spec, plan, dout, q, k, v, out, lse,
