@@ -8,6 +8,13 @@ zero) row cannot hide.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
 import varlen
 from varlen.testing import (EPS, FLOOR_UNIT, Batch, assert_close, assert_lse,  # noqa: F401
                             check_against_reference, covered_rows, make_batch, naive_same_dtype,
@@ -21,3 +28,41 @@ def fwd_bwd(batch: Batch, backend="numpy", **kw):
                                       batch.cu_q, batch.cu_k, **batch.layout, backend=backend,
                                       **kw)
     return out, lse, grads
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                               reason="needs a C++20 compiler")
+
+_CASE_RUNNER = """
+import sys
+sys.path.insert(0, {tests!r})
+from {module} import run_case
+print("ok", sys.argv[1], f"{{run_case(sys.argv[1]):.1f}} s")
+"""
+
+
+def run_case_process(module: str, label: str, env=None) -> subprocess.CompletedProcess:
+    """`run_case(label)` of test module `module` in a fresh Python process (the host
+    emulation replaces `cupy` there), `env` added to the environment; prints "ok LABEL".
+    The caller asserts on the result."""
+    return subprocess.run([sys.executable, "-c", _CASE_RUNNER.format(tests=TESTS, module=module),
+                           label], capture_output=True, text=True, timeout=1800, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def run_case_ok(module: str, label: str, env=None) -> str:
+    """`run_case_process`, asserting that the case passed; its output."""
+    proc = run_case_process(module, label, env)
+    assert proc.returncode == 0, (f"{label} (host emulation):\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def run_mutated_case(module: str, label: str, source_dir) -> subprocess.CompletedProcess:
+    """`run_case_process` on kernel sources from `source_dir` (a mutated copy), with a short
+    emulation timeout for a deadlock."""
+    return run_case_process(module, label, {"VARLEN_EMULATION_SOURCE_DIR": str(source_dir),
+                                            "VARLEN_EMULATION_TIMEOUT": "20"})

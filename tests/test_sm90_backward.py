@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from helpers import needs_cxx, run_case_ok, run_mutated_case
+
 
 # label -> case. Lengths keep the grids to a few CTAs: the emulation runs one OS thread per CUDA
 # thread (256 or 384 per block here). `nan_in_pad`: every row outside a sequence holds NaN;
@@ -143,25 +142,8 @@ def run_case(label: str, device: bool = False) -> float:
     return seconds
 
 
-RUNNER = """
-import sys, time
-sys.path.insert(0, {tests!r})
-from test_sm90_backward import run_case
-print("ok", sys.argv[1], f"{{run_case(sys.argv[1]):.1f}} s")
-"""
-
-
 def _run(label, env=None):
-    proc = subprocess.run([sys.executable, "-c", RUNNER.format(tests=os.path.dirname(
-        os.path.abspath(__file__))), label], capture_output=True, text=True, timeout=1800,
-        cwd=ROOT, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, (f"{label} (host emulation):\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
-    return proc.stdout
-
-
-needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                               reason="needs a C++20 compiler")
+    return run_case_ok("test_sm90_backward", label, env)
 
 
 @needs_cxx
@@ -278,10 +260,7 @@ def test_sm90_backward_mutation_is_caught(name, tmp_path):
     text = path.read_text()
     assert text.count(old) == 1, f"{name}: the mutated line is not in bwd_sm90.cuh once"
     path.write_text(text.replace(old, new))
-    proc = subprocess.run([sys.executable, "-c", RUNNER.format(tests=os.path.dirname(
-        os.path.abspath(__file__))), label], capture_output=True, text=True, timeout=1800,
-        cwd=ROOT, env={**os.environ, "VARLEN_EMULATION_SOURCE_DIR": str(src),
-                       "VARLEN_EMULATION_TIMEOUT": "20"})
+    proc = run_mutated_case("test_sm90_backward", label, src)
     assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
     assert says in proc.stdout + proc.stderr, f"{name}: failed otherwise:\n{proc.stderr[-2000:]}"
 

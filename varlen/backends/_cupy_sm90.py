@@ -186,14 +186,20 @@ class EmulatedRuntime:
     `make_tensor_map`. Use after `_cupy_emulation.install_fake_cupy` (host arrays)."""
 
     MAX_PARAMS = 16
+    ENTRY = b"varlen_fwd_sm90"          # the kernel's name in the emulation's sm90 table
 
-    def _lib(self, spec: Sm90Spec):
-        from ._cupy_emulation import LANDING, _build, _mode
+    def _build_args(self, spec: Sm90Spec) -> tuple:
+        """`_cupy_emulation._build`'s (type, D, BM, BN, BQ, softcap) of the build holding the
+        kernel of `spec`."""
         assert spec.key_chunk == default_key_chunk(spec.head_dim), (
             f"{spec.name}: the emulation builds the default key chunk only")
         bq = 32 if spec.head_dim > 64 else 64
-        lib = _build(spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq,
-                     "true" if spec.softcap else "false")
+        return (spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq,
+                "true" if spec.softcap else "false")
+
+    def _lib(self, spec):
+        from ._cupy_emulation import LANDING, _build, _mode
+        lib = _build(*self._build_args(spec))
         # VARLEN_EMULATION_SCHEDULE picks when TMA copies land and wgmma operands are read
         # (seeded by VARLEN_EMULATION_SEED), with the threads free-running: warpgroup
         # collectives and mbarrier waits cannot run one warp at a time
@@ -213,13 +219,13 @@ class EmulatedRuntime:
             ctypes.c_void_p(arg.ctypes.data))
         return arg
 
-    def prepare(self, spec: Sm90Spec):
+    def prepare(self, spec):
         self._lib_any = self._lib(spec)
 
-    def launch(self, spec: Sm90Spec, *, grid, args):
+    def launch(self, spec, *, grid, args):
         from ._cupy_emulation import OPTIN_SMEM as EMU_OPTIN, _Kernel
         lib = self._lib(spec)
-        key = b"varlen_fwd_sm90"
+        key = self.ENTRY
         sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
         n = lib.emu_sm90_param_sizes(key, sizes)
         assert n == len(args), f"{spec.name}: {len(args)} arguments for {n} parameters"

@@ -16,11 +16,10 @@ row T). It is compiled by NVRTC for `sm_90a` and loaded as a cubin by the forwar
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 from . import _cupy_sm90, _cupy_spec
-from ._cupy_sm90 import OPTIN_SMEM, SMEM_ALIGN, TENSOR_MAP_DTYPE, WG_THREADS
+from ._cupy_sm90 import OPTIN_SMEM, SMEM_ALIGN, WG_THREADS
 
 BQ = 64                        # query rows per chunk (BwdSm90Config::BQ): wgmma N of S^T, M of dQ
 WG_ROWS = 64                   # key rows per consumer warpgroup (wgmma M)
@@ -88,36 +87,11 @@ def compile_report(specs) -> dict:
 class EmulatedRuntime(_cupy_sm90.EmulatedRuntime):
     """The forward's emulated runtime, for this kernel's entry point and variant."""
 
-    def _lib(self, spec: BwdSm90Spec):
-        from ._cupy_emulation import _build
-        return _build(spec.ctype, spec.head_dim, 64, spec.block_n, BQ,
-                      "true" if spec.softcap else "false")
+    ENTRY = KERNEL.encode()
 
-    def launch(self, spec: BwdSm90Spec, *, grid, args):
-        from ._cupy_emulation import OPTIN_SMEM as EMU_OPTIN, _Kernel
-        lib = self._lib(spec)
-        key = KERNEL.encode()
-        sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
-        n = lib.emu_sm90_param_sizes(key, sizes)
-        assert n == len(args), f"{spec.name}: {len(args)} arguments for {n} parameters"
-        assert spec.smem <= EMU_OPTIN, f"{spec.name}: {spec.smem} B of shared memory"
-        fake = _Kernel.__new__(_Kernel)
-        fake.name = spec.name
-        values = [fake._bytes_of(i, a, size) for i, (a, size) in enumerate(zip(args, sizes))]
-        addresses, keep = [], []
-        for v in values:
-            addr, size = ctypes.addressof(v), ctypes.sizeof(v)
-            if size == TENSOR_MAP_DTYPE.itemsize:
-                # tensor maps in 64-byte aligned buffers: the parameter type is alignas(64)
-                buf = (ctypes.c_char * (size + 64))()
-                keep.append(buf)
-                addr = -(-ctypes.addressof(buf) // 64) * 64
-                ctypes.memmove(addr, ctypes.addressof(v), size)
-            addresses.append(addr)
-        params = (ctypes.c_void_p * n)(*addresses)
-        rc = lib.emu_sm90_launch(key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-                                 ctypes.c_uint(spec.threads), ctypes.c_size_t(spec.smem), params)
-        assert rc == 0, f"{spec.name}: no such entry point in the emulation"
+    def _build_args(self, spec: BwdSm90Spec) -> tuple:
+        return (spec.ctype, spec.head_dim, 64, spec.block_n, BQ,
+                "true" if spec.softcap else "false")
 
 
 _runtime = None
