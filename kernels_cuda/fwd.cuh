@@ -124,6 +124,23 @@ __device__ __forceinline__ void store_output(const float (&acc_o)[MT][D / 8][4],
 // Kernels live at global scope so that their name expressions are short.
 using namespace varlen;
 
+// Pad block i_pad of a forward grid of NUM_THREADS-thread blocks: out 0 and lse -inf on the
+// rows of its windows that no query tile covers (for_each_pad_run).
+template <int D, int NUM_THREADS, typename T>
+__device__ __forceinline__ void write_forward_pad_rows(T* out, float* lse, const PlanView& plan,
+                                                       const CallParams& call, int i_pad) {
+    for_each_pad_run(plan.q_tiles, plan.num_q_tiles, plan.rows_q, pad_window<NUM_THREADS>(i_pad),
+                     [&](int64_t begin, int64_t end) {
+        zero_rows(out, static_cast<int64_t>(call.Hq) * D, begin, end);
+        #pragma unroll 1
+        for (int h = 0; h < call.Hq; ++h) {
+            float* p_lse = lse + static_cast<int64_t>(h) * plan.rows_q;
+            #pragma unroll 1
+            for (int64_t r = begin; r < end; ++r) p_lse[r] = neg_inf();
+        }
+    });
+}
+
 template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP>
 __global__ void __launch_bounds__(FwdConfig<D, BM, BN>::NUM_THREADS,
                                   FwdConfig<D, BM, BN>::MIN_BLOCKS)
@@ -139,16 +156,7 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
     const int i_pad = pad_block_index(static_cast<int>(gridDim.x - 1 - blockIdx.x),
                                       plan.num_q_tiles);
     if (i_pad >= 0) {
-        for_each_pad_run(plan.q_tiles, plan.num_q_tiles, plan.rows_q,
-                         pad_window<Cfg::NUM_THREADS>(i_pad), [&](int64_t begin, int64_t end) {
-            zero_rows(out, static_cast<int64_t>(call.Hq) * D, begin, end);
-            #pragma unroll 1
-            for (int h = 0; h < call.Hq; ++h) {
-                float* p_lse = lse + static_cast<int64_t>(h) * plan.rows_q;
-                #pragma unroll 1
-                for (int64_t r = begin; r < end; ++r) p_lse[r] = neg_inf();
-            }
-        });
+        write_forward_pad_rows<D, Cfg::NUM_THREADS>(out, lse, plan, call, i_pad);
         return;
     }
     const TileBlock<false, Cfg::WARP_M> b(plan, call);

@@ -497,6 +497,12 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
                 const PlanView plan, const CallParams call) {
     using Cfg = FwdSm90Config<D, BM, BN, KN>;
     const int i_tile = blockIdx.x, i_head = blockIdx.y;
+    // Blocks past the tile slots write the rows of no tile (as varlen_fwd's pad blocks).
+    const int i_pad = pad_block_index(i_tile, plan.num_q_tiles);
+    if (i_pad >= 0) {
+        write_forward_pad_rows<D, Cfg::NUM_THREADS>(out, lse, plan, call, i_pad);
+        return;
+    }
     const TileInfo tile = load_tile(plan.q_tiles, i_tile);
     if (tile.seq < 0) return;
     const int i_khead = i_head / (call.Hq / call.Hk);

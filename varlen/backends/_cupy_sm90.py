@@ -268,17 +268,18 @@ def use_runtime(rt) -> None:
 
 def forward(plan, q, k, v, *, softmax_scale: float, softcap: float):
     """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf),
-    as `_cupy_kernels.forward`, by the sm_90a kernel."""
+    as `_cupy_kernels.forward`, by the sm_90a kernel: one launch, no fill (the blocks past the
+    tile slots write the rows of no tile)."""
     import cupy
-    from ._cupy_kernels import _check_heads, _data, call_params_arg, plan_view_arg
+    from ._cupy_kernels import _check_heads, _data, call_params_arg, pad_blocks, plan_view_arg
     q, k, v = _data(q), _data(k), _data(v)
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
     _check_heads(Hq)
     spec = spec_for(plan, q, softcap)
-    out = alloc(cupy, (Tq, Hq, D), q.dtype, fill=0)
-    lse = alloc(cupy, (Hq, Tq), np.float32, fill=-np.inf)
-    if plan.num_q_tiles == 0 or Tq == 0:
+    out = alloc(cupy, (Tq, Hq, D), q.dtype)
+    lse = alloc(cupy, (Hq, Tq), np.float32)
+    if Tq == 0 or Hq == 0:
         return out, lse
     rt = runtime()
     if hasattr(rt, "prepare"):
@@ -286,7 +287,7 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float):
     plan_arg = plan_view_arg(plan)
     maps = (rt.tensor_map(q, spec.block_m), rt.tensor_map(k, spec.key_chunk),
             rt.tensor_map(v, spec.key_chunk))
-    rt.launch(spec, grid=(plan.num_q_tiles, Hq),
+    rt.launch(spec, grid=(plan.num_q_tiles + pad_blocks(Tq, Hq, spec.threads), Hq),
               args=(*maps, out, lse, plan_arg.struct,
                     call_params_arg(Hq, Hk, softmax_scale, softcap)))
     return out, lse
