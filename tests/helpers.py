@@ -44,6 +44,16 @@ print("ok", sys.argv[1], f"{{run_case(sys.argv[1]):.1f}} s")
 """
 
 
+def emulate_script(path: str, *case, timeout: int = 900) -> str:
+    """Runs `case` of the test file `path`'s __main__ in a fresh process (the host emulation
+    replaces `cupy` there), asserting that it passed; its output."""
+    proc = subprocess.run([sys.executable, os.path.abspath(path), *case], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, (f"emulated case {' '.join(case)}:\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
 def run_case_process(module: str, label: str, env=None) -> subprocess.CompletedProcess:
     """`run_case(label)` of test module `module` in a fresh Python process (the host
     emulation replaces `cupy` there), `env` added to the environment; prints "ok LABEL".

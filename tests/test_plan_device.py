@@ -33,20 +33,14 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from helpers import emulate_script, needs_cxx
+
 CXX = os.environ.get("CXX", "g++")
-needs_cxx = pytest.mark.skipif(shutil.which(CXX) is None,
-                               reason="needs a C++20 compiler (host emulation)")
 POISON = 0x5A5A5A5A          # what a fresh integer buffer of the stand-in cupy holds
 
 
 def _emulate(*case, timeout=300):
-    """Runs `case` of this file's __main__ in a fresh process (the emulation replaces cupy)."""
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *case],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, (f"emulated case {' '.join(case)}:\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
-    return proc.stdout
+    return emulate_script(__file__, *case, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------
