@@ -44,11 +44,18 @@ print("ok", sys.argv[1], f"{{run_case(sys.argv[1]):.1f}} s")
 """
 
 
+# Exit status of an emulated case that cannot run on this machine (the test skips).
+SKIP_STATUS = 77
+
+
 def emulate_script(path: str, *case, timeout: int = 900) -> str:
     """Runs `case` of the test file `path`'s __main__ in a fresh process (the host emulation
-    replaces `cupy` there), asserting that it passed; its output."""
+    replaces `cupy` there), asserting that it passed; its output. A case that exits with
+    SKIP_STATUS skips the test, with its last line of output as the reason."""
     proc = subprocess.run([sys.executable, os.path.abspath(path), *case], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode == SKIP_STATUS:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, (f"emulated case {' '.join(case)}:\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-3000:]}")
     return proc.stdout

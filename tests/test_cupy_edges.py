@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
-import shutil
-import subprocess
 import sys
 import types
 
@@ -36,21 +33,12 @@ import pytest
 from varlen.backends import _cupy_spec
 from varlen.backends._cupy_spec import DeviceInfo, KernelSpec
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-CXX = os.environ.get("CXX", "g++")
-needs_cxx = pytest.mark.skipif(shutil.which(CXX) is None,
-                               reason="needs a C++20 compiler (host emulation)")
-SKIP = 77                            # exit status of an emulated case that cannot run here
+from helpers import SKIP_STATUS, emulate_script, needs_cxx
+
 
 
 def _emulate(*case, timeout=600):
-    """Runs `case` of this file's __main__ in a fresh process (the emulation replaces cupy)."""
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *case],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if proc.returncode == SKIP:
-        pytest.skip(proc.stdout.strip().splitlines()[-1])
-    assert proc.returncode == 0, (f"emulated case {' '.join(case)}:\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
+    emulate_script(__file__, *case, timeout=timeout)
 
 
 def _assert_finite_close(label, got, want, tol):
@@ -219,7 +207,7 @@ def _sparse(shape, dtype):
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
     except OSError as e:
         print(f"cannot map {nbytes / 2 ** 30:.0f} GiB of address space here ({e})")
-        sys.exit(SKIP)
+        sys.exit(SKIP_STATUS)
     return np.frombuffer(buf, dtype).reshape(shape)
 
 
