@@ -16,7 +16,7 @@
 // Above D = 128 the dK, dV accumulators of a warp (D registers per lane) do not fit: the block
 // walks its query chunks D_PARTS = 2 times, each pass accumulating half of dK's and dV's columns
 // from the full S^T and dP^T (recomputed per pass, about 1.4 times the work at D = 256); the
-// atomic dQ is added in the first pass only.
+// atomic dQ is added in the first pass only, and each pass writes its columns from registers.
 // Shared memory: K, V [BN][D+8]; two stages of Q, dO [BQ][D+8] and lse2, delta [BQ] (all by
 // cp.async, one group per chunk); dS^T [BN][BQ+8] with ATOMIC_DQ.
 // A key row with a pair it sees holding a NaN or inf operand writes NaN to dK and dV, and that
@@ -50,8 +50,9 @@ struct DkdvConfig {
     // Passes over the query chunks, each accumulating DC = D / D_PARTS columns of dK and dV:
     // a warp's dK and dV of 16 rows take D registers per lane, 256 at D = 256. Each pass
     // recomputes S^T and dP^T in full (the D-wide products); dQ (ATOMIC_DQ) is added once, in
-    // the first pass. Between passes dK, then dV, go out through the Q and dO stages (BN rows
-    // together), free then (K and V, where the last pass stages them, are still read).
+    // the first pass. Each pass writes its columns straight from the fragments (store_fragments:
+    // K and V, the staging rows of a single pass, are still read by the next pass; staging
+    // through shared memory in the last pass only spilled 8 bytes on sm_80 at D = 256).
     static constexpr int D_PARTS = D > 128 ? 2 : 1;
     static constexpr int DC = D / D_PARTS;
     // Blocks per SM the register budget must allow. Two (of 128 threads) leave ptxas all 255
@@ -73,8 +74,6 @@ struct DkdvConfig {
     static_assert(NUM_WARPS % DQ_GROUPS == 0 && D % (DQ_COLS * DQ_SPLIT) == 0,
                   "every warp takes an equal part of dQ: whole row groups, whole column slices");
     static_assert(DC % 16 == 0, "whole pairs of n-blocks per part");
-    static_assert(D_PARTS == 1 || BN <= 2 * STAGES * BQ,
-                  "a pass before the last stages its dK, dV rows in the Q and dO stages");
 };
 
 // lse2 and delta of the chunk's query rows, one per column of the transposed tiles.
@@ -164,6 +163,27 @@ struct QueryStages {
         return ColStats{s.lse2 + stage * Cfg::BQ, s.delta + stage * Cfg::BQ};
     }
 };
+
+// Writes a warp's [16, 8 NB] fp32 tile as T to rows row .. row + 15 of `dst` (those <
+// valid_rows) straight from its C fragments: each lane's two adjacent columns of rows g and
+// g + 8 as one 4-byte store, no shared memory and no barrier (the dK, dV columns of each pass
+// when D_PARTS > 1, once per pass).
+template <typename T, int NB>
+__device__ __forceinline__ void store_fragments(const float (&acc)[NB][4], const HeadRows<T>& dst,
+                                                int row, int valid_rows, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if (g + 8 * half < valid_rows) {
+            T* p = dst.row(row + g + 8 * half) + 2 * t;
+            #pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                *reinterpret_cast<uint32_t*>(p + nb * 8) =
+                    ElemTraits<T>::pack(acc[nb][2 * half], acc[nb][2 * half + 1]);
+            }
+        }
+    }
+}
 
 // dQ += dS K for one query chunk with fp32 atomics: dS^T [BN, BQ] goes through shared memory,
 // then every warp takes a [16, D / DQ_SPLIT] part of dQ [BQ, D]: the 16 query rows qg = warp %
@@ -282,20 +302,20 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                 }
             }
         });
-        // The last pass stages through K and V (as with one pass); an earlier one through the
-        // Q and dO stages, then waits for every warp before the next pass refills them.
-        const bool last = part + 1 == Cfg::D_PARTS;
-        const float one[2] = {1.f, 1.f};
         HeadRows<T> dk_rows = head_rows<D>(dk, call.Hk, b.i_head);
         HeadRows<T> dv_rows = head_rows<D>(dv, call.Hk, b.i_head);
         dk_rows.p += col0;
         dv_rows.p += col0;
-        store_rows<T, DC / 8, Cfg::STRIDE>(acc_dk, one, last ? smem.k : smem.q, w.row0, dk_rows,
-                                           b.tile.row, b.tile.rows, w.lane);
-        // Q and dO stages together hold BN rows, not two sets: dV reuses the warp's rows.
-        if (!last) __syncwarp();
-        store_rows<T, DC / 8, Cfg::STRIDE>(acc_dv, one, last ? smem.v : smem.q, w.row0,
-                                           dv_rows, b.tile.row, b.tile.rows, w.lane);
-        if (!last) __syncthreads();
+        if constexpr (Cfg::D_PARTS > 1) {
+            store_fragments(acc_dk, dk_rows, b.tile.row + w.row0, b.tile.rows - w.row0, w.lane);
+            store_fragments(acc_dv, dv_rows, b.tile.row + w.row0, b.tile.rows - w.row0, w.lane);
+        } else {
+            // Through this warp's rows of K and V, which nobody reads any more.
+            const float one[2] = {1.f, 1.f};
+            store_rows<T, DC / 8, Cfg::STRIDE>(acc_dk, one, smem.k, w.row0, dk_rows, b.tile.row,
+                                               b.tile.rows, w.lane);
+            store_rows<T, DC / 8, Cfg::STRIDE>(acc_dv, one, smem.v, w.row0, dv_rows, b.tile.row,
+                                               b.tile.rows, w.lane);
+        }
     }
 }
