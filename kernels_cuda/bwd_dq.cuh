@@ -8,8 +8,8 @@
 //     dS = P * (dP - delta) * softmax_scale (times 1 - tanh^2 with a softcap), dQ += dS K,
 // keeping dQ in registers and writing each row once: bitwise repeatable. A row with a pair it
 // sees holding a NaN or inf operand writes NaN (softmax_backward, KvStages::zero_nonfinite).
-// Shared memory: Q, dO [BM][D+8]; two stages of K, V [KN][D+8] (KN = dq_key_chunk: BN, or
-// BN / 2 above D = 128).
+// Shared memory: Q, dO [BM][D+8]; two stages of K, V [KN][D+8] (KN = dq_key_chunk: BN, BN / 2
+// above D = 128, BN / 4 above D = 192).
 #pragma once
 
 #include "common.cuh"

@@ -51,8 +51,8 @@ def wide_head_dim_cases():
                    bottom_right=np.array([0, 0, 1, 1, 0], np.int32))
     base = dict(block_m=64, gaps=True)
     return [
-        dict(label="B5-gqa-perseq-gaps-fp16-D256", lengths_q=[0, 1, 70, 9, 33],
-             lengths_k=[3, 1, 80, 0, 40], Hq=2, Hk=1, D=256, dtype="float16", mask=per_seq,
+        dict(label="B5-gqa-perseq-gaps-fp16-D256", lengths_q=[0, 1, 40, 9, 17],
+             lengths_k=[3, 1, 70, 0, 20], Hq=2, Hk=1, D=256, dtype="float16", mask=per_seq,
              softcap=0.0, **base),
         dict(label="B3-causal-softcap-bf16-D256", lengths_q=[1, 66, 0], lengths_k=[4, 70, 2],
              Hq=1, Hk=1, D=256, dtype="bfloat16", mask="causal", softcap=5.0, **base),
