@@ -13,6 +13,10 @@
 //     dS^T = P^T * (dP^T - delta) * softmax_scale   (times 1 - tanh^2 with a softcap)
 //     dV  += P^T dO,  dK += dS^T Q     [BN, D]
 //     dQ  += dS K  (ATOMIC_DQ: dS^T goes through shared memory, then fp32 atomics)
+// Above D = 128 the dK, dV accumulators of a warp (D registers per lane) do not fit: the block
+// walks its query chunks D_PARTS = 2 times, each pass accumulating half of dK's and dV's columns
+// from the full S^T and dP^T (recomputed per pass, about 1.4 times the work at D = 256); the
+// atomic dQ is added in the first pass only, and each pass writes its columns from registers.
 // Shared memory: K, V [BN][D+8]; two stages of Q, dO [BQ][D+8] and lse2, delta [BQ] (all by
 // cp.async, one group per chunk); dS^T [BN][BQ+8] with ATOMIC_DQ.
 // A key row with a pair it sees holding a NaN or inf operand writes NaN to dK and dV, and that
@@ -43,6 +47,14 @@ struct DkdvConfig {
     static constexpr int DQ_GROUPS = BQ / WARP_ROWS;
     static constexpr int DQ_SPLIT = NUM_WARPS / DQ_GROUPS;
     static constexpr int DQ_COLS = 16;
+    // Passes over the query chunks, each accumulating DC = D / D_PARTS columns of dK and dV:
+    // a warp's dK and dV of 16 rows take D registers per lane, 256 at D = 256. Each pass
+    // recomputes S^T and dP^T in full (the D-wide products); dQ (ATOMIC_DQ) is added once, in
+    // the first pass. Each pass writes its columns straight from the fragments (store_fragments:
+    // K and V, the staging rows of a single pass, are still read by the next pass; staging
+    // through shared memory in the last pass only spilled 8 bytes on sm_80 at D = 256).
+    static constexpr int D_PARTS = D > 128 ? 2 : 1;
+    static constexpr int DC = D / D_PARTS;
     // Blocks per SM the register budget must allow. Two (of 128 threads) leave ptxas all 255
     // registers; stated, it keeps ptxas from squeezing D = 32 under 168 registers for a third
     // block with a spill on sm_80. On sm_90 D = 32 fits three blocks without one.
@@ -61,6 +73,7 @@ struct DkdvConfig {
     static_assert(D % 16 == 0, "head dim in k-steps of 16");
     static_assert(NUM_WARPS % DQ_GROUPS == 0 && D % (DQ_COLS * DQ_SPLIT) == 0,
                   "every warp takes an equal part of dQ: whole row groups, whole column slices");
+    static_assert(DC % 16 == 0, "whole pairs of n-blocks per part");
 };
 
 // lse2 and delta of the chunk's query rows, one per column of the transposed tiles.
@@ -151,6 +164,27 @@ struct QueryStages {
     }
 };
 
+// Writes a warp's [16, 8 NB] fp32 tile as T to rows row .. row + 15 of `dst` (those <
+// valid_rows) straight from its C fragments: each lane's two adjacent columns of rows g and
+// g + 8 as one 4-byte store, no shared memory and no barrier (the dK, dV columns of each pass
+// when D_PARTS > 1, once per pass).
+template <typename T, int NB>
+__device__ __forceinline__ void store_fragments(const float (&acc)[NB][4], const HeadRows<T>& dst,
+                                                int row, int valid_rows, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if (g + 8 * half < valid_rows) {
+            T* p = dst.row(row + g + 8 * half) + 2 * t;
+            #pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                *reinterpret_cast<uint32_t*>(p + nb * 8) =
+                    ElemTraits<T>::pack(acc[nb][2 * half], acc[nb][2 * half + 1]);
+            }
+        }
+    }
+}
+
 // dQ += dS K for one query chunk with fp32 atomics: dS^T [BN, BQ] goes through shared memory,
 // then every warp takes a [16, D / DQ_SPLIT] part of dQ [BQ, D]: the 16 query rows qg = warp %
 // DQ_GROUPS, columns split DQ_SPLIT ways, DQ_COLS at a time. The warp's dS fragments (A operand,
@@ -218,52 +252,70 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
     b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.k, k, call.Hk);
     b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.v, v, call.Hk);
     const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
-    PartnerCursor<BQ> queries = query_cursor<BQ>(plan, b.tile, b.i_tile, b.group);
-
-    // [16, D] dK and dV accumulators of this warp's key rows
-    float acc_dk[D / 8][4];
-    float acc_dv[D / 8][4];
-    zero_acc(acc_dk);
-    zero_acc(acc_dv);
+    constexpr int DC = Cfg::DC;
     bool first = true;
-    for_each_chunk(queries, [&](const Chunk& c, int stage) { qs.load(c, stage); },
-                   [&](const Chunk& c, int stage) {
-        if constexpr (ATOMIC_DQ) {
-            if (first) {
-                first = false;
-                // K is the right-hand factor of dQ += dS K: a NaN or inf in a key row moves to
-                // its V row, which meets queries only in dP^T = V dO^T, pair by pair. This
-                // thread's own K and V copies (the first group): no barrier needed.
-                zero_nonfinite_chunks<BN, D, Cfg::NUM_THREADS>(smem.k, b.tile.rows,
-                                                               [&](int r, int col) {
-                    smem.v[r * Cfg::STRIDE + col] = ElemTraits<T>::from_float(nan_f());
-                });
+    #pragma unroll 1
+    for (int part = 0; part < Cfg::D_PARTS; ++part) {
+        const int col0 = part * DC;
+        PartnerCursor<BQ> queries = query_cursor<BQ>(plan, b.tile, b.i_tile, b.group);
+        // [16, DC] dK and dV accumulators of this warp's key rows, columns col0 ..
+        float acc_dk[DC / 8][4];
+        float acc_dv[DC / 8][4];
+        zero_acc(acc_dk);
+        zero_acc(acc_dv);
+        for_each_chunk(queries, [&](const Chunk& c, int stage) { qs.load(c, stage); },
+                       [&](const Chunk& c, int stage) {
+            if constexpr (ATOMIC_DQ) {
+                if (first) {
+                    first = false;
+                    // K is the right-hand factor of dQ += dS K: a NaN or inf in a key row moves
+                    // to its V row, which meets queries only in dP^T = V dO^T, pair by pair.
+                    // This thread's own K and V copies (the first group): no barrier needed.
+                    zero_nonfinite_chunks<BN, D, Cfg::NUM_THREADS>(smem.k, b.tile.rows,
+                                                                   [&](int r, int col) {
+                        smem.v[r * Cfg::STRIDE + col] = ElemTraits<T>::from_float(nan_f());
+                    });
+                }
             }
+            if (!c.full) {
+                // Every thread's lse2/delta copies of the chunk have landed before any flag.
+                __syncthreads();
+                qs.zero_nonfinite(c, stage);
+            }
+        }, [&](const Chunk& c, int stage) {
+            // [16, BQ] S^T, then P^T, and dP^T, then dS^T, of this warp's key rows
+            float acc_s[BQ / 8][4];
+            float acc_dp[BQ / 8][4];
+            recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, smem.k, smem.v, qs.q_at(stage),
+                                              qs.do_at(stage),
+                                              key_rows_mask<BN>(pol, b.tile, w, c),
+                                              qs.stats_at(stage), call, w);
+            gemm_pb<T, DC / 8, BQ / 8, Cfg::STRIDE>(acc_dv, acc_s, qs.do_at(stage) + col0,
+                                                    w.lane);
+            gemm_pb<T, DC / 8, BQ / 8, Cfg::STRIDE>(acc_dk, acc_dp, qs.q_at(stage) + col0,
+                                                    w.lane);
+            if constexpr (ATOMIC_DQ) {
+                if (part == 0) {
+                    add_dq_atomic<T, Cfg>(acc_dp, smem.ds, smem.k,
+                                          head_rows<D>(dq_accum, call.Hq, qs.head0 + c.head), c,
+                                          w);
+                }
+            }
+        });
+        HeadRows<T> dk_rows = head_rows<D>(dk, call.Hk, b.i_head);
+        HeadRows<T> dv_rows = head_rows<D>(dv, call.Hk, b.i_head);
+        dk_rows.p += col0;
+        dv_rows.p += col0;
+        if constexpr (Cfg::D_PARTS > 1) {
+            store_fragments(acc_dk, dk_rows, b.tile.row + w.row0, b.tile.rows - w.row0, w.lane);
+            store_fragments(acc_dv, dv_rows, b.tile.row + w.row0, b.tile.rows - w.row0, w.lane);
+        } else {
+            // Through this warp's rows of K and V, which nobody reads any more.
+            const float one[2] = {1.f, 1.f};
+            store_rows<T, DC / 8, Cfg::STRIDE>(acc_dk, one, smem.k, w.row0, dk_rows, b.tile.row,
+                                               b.tile.rows, w.lane);
+            store_rows<T, DC / 8, Cfg::STRIDE>(acc_dv, one, smem.v, w.row0, dv_rows, b.tile.row,
+                                               b.tile.rows, w.lane);
         }
-        if (!c.full) {
-            // Every thread's lse2/delta copies of the chunk have landed before any flag.
-            __syncthreads();
-            qs.zero_nonfinite(c, stage);
-        }
-    }, [&](const Chunk& c, int stage) {
-        // [16, BQ] S^T, then P^T, and dP^T, then dS^T, of this warp's key rows
-        float acc_s[BQ / 8][4];
-        float acc_dp[BQ / 8][4];
-        recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, smem.k, smem.v, qs.q_at(stage),
-                                          qs.do_at(stage), key_rows_mask<BN>(pol, b.tile, w, c),
-                                          qs.stats_at(stage), call, w);
-        gemm_pb<T, D / 8, BQ / 8, Cfg::STRIDE>(acc_dv, acc_s, qs.do_at(stage), w.lane);
-        gemm_pb<T, D / 8, BQ / 8, Cfg::STRIDE>(acc_dk, acc_dp, qs.q_at(stage), w.lane);
-        if constexpr (ATOMIC_DQ) {
-            add_dq_atomic<T, Cfg>(acc_dp, smem.ds, smem.k,
-                                  head_rows<D>(dq_accum, call.Hq, qs.head0 + c.head), c, w);
-        }
-    });
-    const float one[2] = {1.f, 1.f};
-    store_rows<T, D / 8, Cfg::STRIDE>(acc_dk, one, smem.k, w.row0,
-                                      head_rows<D>(dk, call.Hk, b.i_head), b.tile.row,
-                                      b.tile.rows, w.lane);
-    store_rows<T, D / 8, Cfg::STRIDE>(acc_dv, one, smem.v, w.row0,
-                                      head_rows<D>(dv, call.Hk, b.i_head), b.tile.row,
-                                      b.tile.rows, w.lane);
+    }
 }

@@ -8,7 +8,8 @@
 //     dS = P * (dP - delta) * softmax_scale (times 1 - tanh^2 with a softcap), dQ += dS K,
 // keeping dQ in registers and writing each row once: bitwise repeatable. A row with a pair it
 // sees holding a NaN or inf operand writes NaN (softmax_backward, KvStages::zero_nonfinite).
-// Shared memory: Q, dO [BM][D+8]; two stages of K, V [BN][D+8].
+// Shared memory: Q, dO [BM][D+8]; two stages of K, V [KN][D+8] (KN = dq_key_chunk: BN, BN / 2
+// above D = 128, BN / 4 above D = 192).
 #pragma once
 
 #include "common.cuh"
@@ -20,8 +21,17 @@
 
 namespace varlen {
 
+// Keys per chunk: a plan tile; half of one above D = 128, where the dQ accumulators take
+// D / 2 registers per lane (96 at D = 192) and two stages of 64-key K and V tiles would not
+// fit an A100 at D = 256 (202 752 B); a quarter of one above D = 192 (at D = 256 the 128
+// accumulators beside S and dP of 32 keys spilled 32 bytes on sm_80).
+template <int D, int BN>
+__host__ __device__ constexpr int dq_key_chunk() {
+    return D > 192 ? BN / 4 : D > 128 ? BN / 2 : BN;
+}
+
 template <int D, int BM, int BN>
-using DqConfig = QueryTileConfig<D, BM, BN, 2>;
+using DqConfig = QueryTileConfig<D, BM, dq_key_chunk<D, BN>(), 2>;
 
 // lse2 and delta of this lane's query rows g and g + 8, the same for every column.
 struct RowStats {
@@ -60,6 +70,7 @@ varlen_bwd_dq(const T* __restrict__ q,            // [Tq, Hq, D]
               T* __restrict__ dq,                 // [Tq, Hq, D]
               const PlanView plan, const CallParams call) {
     using Cfg = DqConfig<D, BM, BN>;
+    constexpr int KN = dq_key_chunk<D, BN>();
     const TileBlock<false> b(plan, call);
     if (b.tile.seq < 0) return;
     const WarpSlot& w = b.w;
@@ -67,12 +78,12 @@ varlen_bwd_dq(const T* __restrict__ q,            // [Tq, Hq, D]
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* s_q = reinterpret_cast<T*>(smem_raw);      // [BM][STRIDE]
     T* s_do = s_q + BM * Cfg::STRIDE;             // [BM][STRIDE]
-    const KvStages<T, D, BN, Cfg::NUM_THREADS> kv(s_do + BM * Cfg::STRIDE, k, v, call.Hk,
+    const KvStages<T, D, KN, Cfg::NUM_THREADS> kv(s_do + BM * Cfg::STRIDE, k, v, call.Hk,
                                                   b.i_khead);
     b.load_rows<BM, D, Cfg::NUM_THREADS>(s_q, q, call.Hq);
     b.load_rows<BM, D, Cfg::NUM_THREADS>(s_do, dout, call.Hq);
     const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
-    PartnerCursor<BN> keys = key_cursor<BN>(plan, b.tile, b.i_tile);
+    PartnerCursor<KN> keys = key_cursor<BN, KN>(plan, b.tile, b.i_tile);
     const RowStats stats = load_warp_row_stats(lse2, delta, plan.rows_q, b.i_head, b.tile, w);
 
     // [16, D] dQ accumulator of this warp
@@ -82,13 +93,13 @@ varlen_bwd_dq(const T* __restrict__ q,            // [Tq, Hq, D]
                    [&](const Chunk& c, int stage) {
         if (!c.full) kv.template zero_nonfinite<false>(c, stage);
     }, [&](const Chunk& c, int stage) {
-        // [16, BN] S, then P, and dP, then dS, of this warp's rows
-        float acc_s[BN / 8][4];
-        float acc_dp[BN / 8][4];
+        // [16, KN] S, then P, and dP, then dS, of this warp's rows
+        float acc_s[KN / 8][4];
+        float acc_dp[KN / 8][4];
         recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, s_q, s_do, kv.k_at(stage),
                                           kv.v_at(stage), query_rows_mask(pol, b.tile.pos, w, c),
                                           stats, call, w);
-        gemm_pb<T, D / 8, BN / 8, Cfg::STRIDE>(acc_dq, acc_dp, kv.k_at(stage), w.lane);
+        gemm_pb<T, D / 8, KN / 8, Cfg::STRIDE>(acc_dq, acc_dp, kv.k_at(stage), w.lane);
     });
     const float one[2] = {1.f, 1.f};
     store_rows<T, D / 8, Cfg::STRIDE>(acc_dq, one, s_q, w.row0,

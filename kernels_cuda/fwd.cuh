@@ -5,7 +5,8 @@
 // fragment read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP).
 // Q's fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
-// [KN][D+8] and V [KN][D+8] (KN = BN, or BN / 2 at D >= 96, BM = 128); K and V wait
+// [KN][D+8] and V [KN][D+8] (KN = BN, or BN / 2 at D >= 96, BM = 128 and at D > 128, where
+// BM = 64 only); K and V wait
 // separately (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
@@ -33,17 +34,19 @@ struct FwdConfig {
     static constexpr int STRIDE = smem_stride<D>();
     // Keys per chunk: a plan tile, or half of one where the fp32 accumulators O and S of a
     // whole tile take 160 or more registers per lane, too many for the rest (D = 96 and 128 at
-    // BM = 128).
-    static constexpr int KN = MT * (D + BN) / 2 >= 160 ? BN / 2 : BN;
+    // BM = 128), and at D > 128 (BM = 64 only: O alone takes D / 2 registers), where half-tile
+    // stages also keep two blocks per SM (D = 192: 76 800 B instead of 128 000 B).
+    static constexpr int KN = MT * (D + BN) / 2 >= 160 || D > 128 ? BN / 2 : BN;
     // Registers per lane of Q's fragments and of the accumulators. Q stays in registers when
     // both leave ~48 for addresses, softmax state and the cursor; the softcap's tanh keeps a
     // second fp32 value per score live (MT * KN / 2 more), which moves Q to shared memory at
-    // D = 64, BM = 128 (48 bytes of spill on sm_90 otherwise). Fitted to ptxas: every other
-    // variant keeps its placement.
+    // D = 64, BM = 128 (48 bytes of spill on sm_90 otherwise). At D = 256 (64 + 144 = 208)
+    // Q in registers spills too (224 bytes on sm_80, 364 on sm_90): it is read from shared
+    // memory above D = 192. Fitted to ptxas: every other variant keeps its placement.
     static constexpr int Q_REGS = MT * D / 4;
     static constexpr int ACC_REGS = MT * (D + KN) / 2;
     __host__ __device__ static constexpr bool q_in_regs(bool has_softcap) {
-        return Q_REGS + ACC_REGS + (has_softcap ? MT * KN / 2 : 0) <= 208;
+        return D <= 192 && Q_REGS + ACC_REGS + (has_softcap ? MT * KN / 2 : 0) <= 208;
     }
     // Three K/V stages where two blocks of them still fit an A100 SM (164 KiB, 1 KiB reserved
     // per block), else two: a third stage never costs a block per SM.
@@ -59,6 +62,8 @@ struct FwdConfig {
     static_assert(BM % (NUM_WARPS * WARP_ROWS) == 0, "each warp owns whole m16 tiles");
     static_assert(KN % 16 == 0, "P V consumes key chunks in k-steps of 16");
     static_assert(D % 16 == 0, "Q K^T consumes the head dim in k-steps of 16");
+    static_assert(D <= 128 || MT == 1, "above D = 128 a warp's O accumulators of 16 rows take "
+                  "D / 2 registers: one m16 tile per warp (BM = 64)");
 };
 
 // The A operand of S = Q K^T for a warp's MT m16 tiles: fragments held in registers

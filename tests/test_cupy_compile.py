@@ -134,12 +134,34 @@ def test_host_smem_matches_kernel_layout():
     (dict(kind="bwd", block_m=32), "blocks"),
     (dict(kind="both"), "kind"),
     (dict(kind="fwd", has_softcap=1), "has_softcap"),
-], ids=["dtype", "head-dim", "blocks", "kind", "softcap-flag"])
+    (dict(kind="fwd", head_dim=256, block_m=128), r"head_dim=256: above 128 .* \(64, 64\)"),
+    (dict(kind="bwd", head_dim=192, block_m=128), r"head_dim=192: above 128"),
+], ids=["dtype", "head-dim", "blocks", "kind", "softcap-flag", "wide-fwd-128", "wide-bwd-128"])
 def test_spec_rejects_invalid(kw, match):
     base = dict(kind="fwd", dtype="float16", head_dim=64, block_m=64, block_n=64,
                 has_softcap=False)
     with pytest.raises(ValueError, match=match):
         KernelSpec(**{**base, **kw})
+
+
+def test_wide_head_dims_take_64_64_tiles():
+    """Above D = 128 only (64, 64) compiles: the variants, the tiles chosen for an H100 and an
+    A100, and the backend's default without a GPU."""
+    from varlen.backends._cupy_spec import DeviceInfo, choose_blocks
+    from varlen.backends.cupy_backend import BACKEND
+    wide = [D for D in _cupy_spec.HEAD_DIMS if D > 128]
+    assert wide == [192, 256]
+    for D in wide:
+        assert {(s.block_m, s.block_n) for s in _cupy_spec.all_specs()
+                if s.head_dim == D} == {(64, 64)}
+        for device in (DeviceInfo((9, 0), 227 * 1024), DeviceInfo((8, 0), 163 * 1024)):
+            for dtype in _cupy_spec.DTYPES:
+                assert choose_blocks(device, dtype, D, (128, 64)) == (64, 64)
+        with BACKEND.stand_in_device(DeviceInfo((9, 0), 227 * 1024)):
+            assert BACKEND.default_blocks("bfloat16", D) == (64, 64)
+    spec = KernelSpec("bwd", "float16", 256, 64, 64, False)
+    assert (spec.bwd_query_chunk, spec.dq_chunk, spec.dkdv_parts) == (16, 16, 2)
+    assert KernelSpec("fwd", "float16", 256, 64, 64, False).fwd_chunk == 32
 
 
 def test_spec_names_and_cache_key():

@@ -1,9 +1,12 @@
-"""The shipped default kernel variants (bfloat16, every head dim, tiles (128, 64)) through the
-host emulation, forward and both backward modes, against the float64 reference: one process per
-case (the emulation replaces `cupy` in its process), so the cases can run in parallel.
-Among them, a grid of more CTAs than the SMs of the GPU the emulation stands for, and blocks
-that visit three or more partner tiles (the barrier that ends each loop step only matters
-from the third)."""
+"""The shipped default kernel variants (bfloat16, every head dim up to 128, tiles (128, 64))
+through the host emulation, forward and both backward modes, against the float64 reference: one
+process per case (the emulation replaces `cupy` in its process), so the cases can run in
+parallel. Among them, a grid of more CTAs than the SMs of the GPU the emulation stands for, and
+blocks that visit three or more partner tiles (the barrier that ends each loop step only
+matters from the third). The head dims above 128 (tiles (64, 64) only: one m16 tile per warp
+in the forward, dK/dV in two passes over halves of the head dim) run under the strict modes:
+warps one at a time in a seeded order, copies landing at random points, a cp.async bank
+conflict fatal, no ldmatrix bank conflict."""
 from __future__ import annotations
 
 import os
@@ -15,23 +18,36 @@ import pytest
 
 from varlen.backends import _cupy_spec
 from varlen.backends._emulation_cases import (DEFAULT_BLOCKS, EMULATED_SM_COUNT,
-                                              default_variant_cases, grid_figures)
+                                              default_variant_cases, grid_figures,
+                                              wide_head_dim_cases)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 CASES = default_variant_cases()
+WIDE_CASES = wide_head_dim_cases()
 
 RUNNER = """
 import sys
-from varlen.backends._cupy_emulation import run_case
+from varlen.backends._cupy_emulation import bank_counts, run_case
 from varlen.backends._emulation_cases import case
 run_case(**case(sys.argv[1]))
+ldsm, ldsm_conflicts, _, _ = bank_counts()
+assert ldsm > 0 and ldsm_conflicts == 0, f"ldmatrix: {ldsm_conflicts} extra wavefronts"
 print("ok", sys.argv[1])
 """
+# The strict emulation modes (varlen/backends/_cupy_emulation.py).
+STRICT_ENV = {"VARLEN_EMULATION_SCHEDULE": "random", "VARLEN_EMULATION_SEED": "3",
+              "VARLEN_EMULATION_STRICT_BANKS": "1"}
 
 
 def test_cases_cover_the_shipped_defaults():
-    assert {c["D"] for c in CASES} == set(_cupy_spec.HEAD_DIMS), "a shipped head dim is missing"
+    wide = {D for D in _cupy_spec.HEAD_DIMS if D > _cupy_spec.MAX_WIDE_HEAD_DIM}
+    assert {c["D"] for c in CASES} == set(_cupy_spec.HEAD_DIMS) - wide, "a head dim is missing"
     assert all(c["dtype"] == "bfloat16" and c["block_m"] == DEFAULT_BLOCKS[0] for c in CASES)
+    assert {c["D"] for c in WIDE_CASES} == wide and wide
+    for D in wide:
+        got = {(c["dtype"], c["softcap"] > 0) for c in WIDE_CASES if c["D"] == D}
+        assert {dt for dt, _ in got} == set(_cupy_spec.DTYPES) and (True in {s for _, s in got})
+    assert all(c["block_m"] == 64 and c["gaps"] for c in WIDE_CASES)
     figures = [grid_figures(c) for c in CASES]
     assert max(max(f["q_ctas"], f["k_ctas"]) for f in figures) > EMULATED_SM_COUNT, (
         f"no case has more CTAs than the {EMULATED_SM_COUNT} SMs the emulation stands for")
@@ -48,4 +64,32 @@ def test_default_variant_on_host_emulation(label):
     proc = subprocess.run([sys.executable, "-c", RUNNER, label], capture_output=True,
                           text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, (f"{label} (host emulation):\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+
+
+def _emulation_builds(D: int) -> bool:
+    """Whether the emulation's entry (host_emulation_entry.cu) builds at head dim D: it also
+    instantiates the sm_90a forward, under a guard that must leave out the head dims
+    fwd_sm90.cuh refuses (D = 192; a guard of `EMU_D % 64 == 0` lets it in)."""
+    source_dir = os.environ.get("VARLEN_EMULATION_SOURCE_DIR",
+                                os.path.join(ROOT, "kernels_cuda"))
+    with open(os.path.join(source_dir, "host_emulation_entry.cu")) as f:
+        return not (D % 64 == 0 and D not in (64, 128, 256) and "EMU_D % 64 == 0" in f.read())
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="needs a C++20 compiler")
+@pytest.mark.parametrize("label", [c["label"] for c in WIDE_CASES])
+def test_wide_head_dim_on_strict_host_emulation(label):
+    D = next(c["D"] for c in WIDE_CASES if c["label"] == label)
+    if not _emulation_builds(D):
+        pytest.skip(f"host_emulation_entry.cu instantiates the sm_90a forward at D = {D}, "
+                    f"which fwd_sm90.cuh refuses: its guard must name D = 64, 128, 256")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VARLEN_EMULATION_")}
+    env.update(STRICT_ENV)
+    if "VARLEN_EMULATION_SOURCE_DIR" in os.environ:
+        env["VARLEN_EMULATION_SOURCE_DIR"] = os.environ["VARLEN_EMULATION_SOURCE_DIR"]
+    proc = subprocess.run([sys.executable, "-c", RUNNER, label], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, (f"{label} (strict host emulation):\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-3000:]}")

@@ -23,10 +23,15 @@ from ..plan import KernelView
 ENTRY_FILE = "varlen_attention.cu"
 
 DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # (block_m, block_n) tile sizes a plan may use with this backend. (64, 64) is varlen.plan's
 # default; (128, 64) gives 8 warps per query tile.
 BLOCKS = ((64, 64), (128, 64))
+# Above this head dim the forward's O accumulators of 16 rows take D / 2 fp32 registers per
+# lane (128 at D = 256): a warp holds one m16 tile, so block_m = 64 only, and the dK/dV kernel
+# splits the head dim of its dK, dV accumulators over passes (KernelSpec.dkdv_parts).
+MAX_WIDE_HEAD_DIM = 128
+WIDE_HEAD_BLOCKS = ((64, 64),)
 KINDS = ("fwd", "bwd")
 
 WARP_ROWS = 16        # rows of a register tile per warp (mma M)
@@ -97,6 +102,13 @@ class KernelSpec:
         if (self.block_m, self.block_n) not in BLOCKS:
             raise ValueError(f"KernelSpec blocks ({self.block_m}, {self.block_n}) are not "
                              f"supported; expected one of {BLOCKS}")
+        if (self.block_m, self.block_n) not in blocks_for(self.head_dim):
+            raise ValueError(f"KernelSpec blocks ({self.block_m}, {self.block_n}) are not "
+                             f"supported at head_dim={self.head_dim}: above "
+                             f"{MAX_WIDE_HEAD_DIM} a warp's fp32 output accumulators of 16 "
+                             f"rows take head_dim / 2 registers, so each warp holds one m16 "
+                             f"tile; use (block_m, block_n) = "
+                             f"{' or '.join(map(str, blocks_for(self.head_dim)))}")
         if not isinstance(self.has_softcap, bool):
             raise ValueError(f"KernelSpec.has_softcap must be a bool, got {self.has_softcap!r}")
         if self.block_m % self.bwd_query_chunk:
@@ -115,8 +127,9 @@ class KernelSpec:
 
     @property
     def bwd_query_chunk(self) -> int:
-        """Query rows per step of the dK/dV kernel: 32 for D > 64 keeps it free of spills."""
-        return 32 if self.head_dim > 64 else 64
+        """Query rows per step of the dK/dV kernel: 32 for D > 64 and 16 for D > 192 keep it
+        free of spills."""
+        return 16 if self.head_dim > 192 else 32 if self.head_dim > 64 else 64
 
     @property
     def fwd_threads(self) -> int:
@@ -125,11 +138,27 @@ class KernelSpec:
     @property
     def fwd_chunk(self) -> int:
         """Keys per step of the forward: a plan tile, or half of one where the fp32
-        accumulators of a whole one would take 160 or more registers per lane
-        (FwdConfig::KN)."""
+        accumulators of a whole one would take 160 or more registers per lane, and at
+        D > 128, where half-tile stages keep two blocks per SM (FwdConfig::KN)."""
         warp_tiles = self.block_m // (FWD_WARPS * WARP_ROWS)
         acc_regs = warp_tiles * (self.head_dim + self.block_n) // 2
-        return self.block_n // 2 if acc_regs >= 160 else self.block_n
+        wide = self.head_dim > MAX_WIDE_HEAD_DIM
+        return self.block_n // 2 if acc_regs >= 160 or wide else self.block_n
+
+    @property
+    def dq_chunk(self) -> int:
+        """Keys per step of the deterministic dQ kernel: a plan tile, half of one at D > 128
+        and a quarter at D > 192 (the dQ accumulators take D / 2 registers; the stages fit
+        an A100) (dq_key_chunk in bwd_dq.cuh)."""
+        if self.head_dim > 192:
+            return self.block_n // 4
+        return self.block_n // 2 if self.head_dim > MAX_WIDE_HEAD_DIM else self.block_n
+
+    @property
+    def dkdv_parts(self) -> int:
+        """Passes of the dK/dV kernel over its query chunks, each accumulating head_dim /
+        dkdv_parts columns of dK and dV: 2 at D > 128 (DkdvConfig::D_PARTS)."""
+        return 2 if self.head_dim > MAX_WIDE_HEAD_DIM else 1
 
     def _fwd_smem_bytes(self, stages: int) -> int:
         return (self.block_m + 2 * stages * self.fwd_chunk) * self.stride * ELEM_BYTES
@@ -153,11 +182,12 @@ class KernelSpec:
         return self._fwd_smem_bytes(self.fwd_stages)
 
     def dq_smem(self) -> int:
-        """Q, dO [BM] + 2 stages of K and V [BN]."""
-        return (2 * self.block_m + 2 * STAGES * self.block_n) * self.stride * ELEM_BYTES
+        """Q, dO [BM] + 2 stages of K and V [dq_chunk]."""
+        return (2 * self.block_m + 2 * STAGES * self.dq_chunk) * self.stride * ELEM_BYTES
 
     def dkdv_smem(self, atomic_dq: bool) -> int:
-        """K, V [BN] + 2 stages of Q, dO [BQ] (+ dS^T [BN][BQ + 8]) + 2 stages of lse2, delta."""
+        """K, V [BN] + 2 stages of Q, dO [BQ] (+ dS^T [BN][BQ + 8]) + 2 stages of lse2, delta
+        (the same at every dkdv_parts: each pass reuses them)."""
         bq = self.bwd_query_chunk
         elems = (2 * self.block_n + 2 * STAGES * bq) * self.stride
         if atomic_dq:
@@ -253,11 +283,19 @@ def smem_refusal(spec: KernelSpec, device: DeviceInfo, roles=None) -> str | None
             f"allows at most {device.smem_optin} B ({device.smem_optin / 1024:g} KiB)")
 
 
+def blocks_for(head_dim: int) -> tuple:
+    """The BLOCKS a head dim compiles with: (64, 64) only above MAX_WIDE_HEAD_DIM."""
+    return WIDE_HEAD_BLOCKS if head_dim > MAX_WIDE_HEAD_DIM else BLOCKS
+
+
 def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tuple):
-    """The plan tiles for `device`: the first of `preferred`, then the other BLOCKS, under which
-    every kernel fits its shared memory; else the first under which the forward and the
-    atomic-dQ backward fit (the deterministic backward is then refused); None if none does."""
-    order = (tuple(preferred), *(b for b in BLOCKS if b != tuple(preferred)))
+    """The plan tiles for `device`: the first of `preferred`, then the other BLOCKS (of those
+    `head_dim` compiles with, blocks_for), under which every kernel fits its shared memory;
+    else the first under which the forward and the atomic-dQ backward fit (the deterministic
+    backward is then refused); None if none does."""
+    allowed = blocks_for(head_dim)
+    order = tuple(b for b in (tuple(preferred), *(b for b in BLOCKS if b != tuple(preferred)))
+                  if b in allowed)
 
     def fits(blocks, role_sets):
         return all(smem_refusal(KernelSpec(kind, dtype, head_dim, *blocks, False), device,
@@ -274,7 +312,7 @@ def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tupl
 def all_specs():
     """Every variant the backend ships."""
     return [KernelSpec(kind, dtype, d, bm, bn, sc)
-            for kind in KINDS for dtype in DTYPES for d in HEAD_DIMS for bm, bn in BLOCKS
+            for kind in KINDS for dtype in DTYPES for d in HEAD_DIMS for bm, bn in blocks_for(d)
             for sc in (False, True)]
 
 

@@ -38,7 +38,31 @@ def cases(quick: bool):
             dict(label="B3-mqa-causal_br-fp16-D128", lengths_q=[1, 97, 113],
                  lengths_k=[30, 3, 200], Hq=2, Hk=1, D=128, dtype="float16",
                  mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64),
-            *default_variant_cases()]
+            *default_variant_cases(), *wide_head_dim_cases()]
+
+
+def wide_head_dim_cases():
+    """D = 192 and 256, whose kernels take (64, 64) tiles only: forward with one m16 tile per
+    warp and half-tile key chunks, dK/dV in two passes over the head dim's halves, dQ in
+    half- or quarter-tile key chunks. float16 and bfloat16, GQA, per-sequence and causal
+    masks, zero- and one-row sequences, pad gaps, a softcap; small enough for a strict run."""
+    per_seq = Mask(window_left=np.array([-1, 3, -1, 0, 10], np.int32),
+                   window_right=np.array([0, -1, -1, 0, -1], np.int32),
+                   bottom_right=np.array([0, 0, 1, 1, 0], np.int32))
+    base = dict(block_m=64, gaps=True)
+    return [
+        dict(label="B5-gqa-perseq-gaps-fp16-D256", lengths_q=[0, 1, 40, 9, 17],
+             lengths_k=[3, 1, 70, 0, 20], Hq=2, Hk=1, D=256, dtype="float16", mask=per_seq,
+             softcap=0.0, **base),
+        dict(label="B3-causal-softcap-bf16-D256", lengths_q=[1, 66, 0], lengths_k=[4, 70, 2],
+             Hq=1, Hk=1, D=256, dtype="bfloat16", mask="causal", softcap=5.0, **base),
+        dict(label="B4-gqa-causal_br-bf16-D192", lengths_q=[1, 0, 70, 20],
+             lengths_k=[1, 5, 90, 0], Hq=2, Hk=1, D=192, dtype="bfloat16",
+             mask="causal_bottom_right", softcap=0.0, **base),
+        dict(label="B3-perseq-softcap-fp16-D192", lengths_q=[0, 1, 70, 9, 33],
+             lengths_k=[2, 1, 66, 4, 0], Hq=1, Hk=1, D=192, dtype="float16", mask=per_seq,
+             softcap=3.0, **base),
+    ]
 
 
 def default_variant_cases():

@@ -13,11 +13,17 @@ import functools
 from .._validate import dtype_name
 from ..plan import Plan, plan_from_cu_seqlens
 from .base import Backend
-from ._cupy_spec import (BLOCKS, DTYPES, HEAD_DIMS, ROLES, DeviceInfo, KernelSpec, choose_blocks,
-                         smem_refusal, unsupported_device)
+from ._cupy_spec import (BLOCKS, DTYPES, HEAD_DIMS, ROLES, DeviceInfo, KernelSpec, blocks_for,
+                         choose_blocks, smem_refusal, unsupported_device)
 
-# Tile sizes of plans this backend builds by default: 8 warps of 16 query rows per block.
+# Tile sizes of plans this backend builds by default: 8 warps of 16 query rows per block;
+# (64, 64) above D = 128 (_cupy_spec.blocks_for).
 DEFAULT_BLOCKS = (128, 64)
+
+
+def _default_blocks_for(head_dim: int) -> tuple:
+    allowed = blocks_for(head_dim)
+    return DEFAULT_BLOCKS if DEFAULT_BLOCKS in allowed else allowed[0]
 
 
 def _cupy_missing():
@@ -98,8 +104,12 @@ class CupyBackend(Backend):
         """Why the kernels of `call` do not fit the shared memory of `device` (None: they do)."""
         blocks = choose_blocks(device, call.dtype, call.head_dim, DEFAULT_BLOCKS)
         if blocks is None:
-            smallest = KernelSpec("fwd", call.dtype, call.head_dim, *BLOCKS[0], False)
-            return f"no tile size fits this GPU: {smem_refusal(smallest, device)}"
+            # the forward or the atomic-dQ backward of the smallest tiles does not fit
+            smallest = blocks_for(call.head_dim)[0]
+            whys = [smem_refusal(KernelSpec(kind, call.dtype, call.head_dim, *smallest, False),
+                                 device, ROLES[kind]) for kind in ("fwd", "bwd")]
+            why = next(w for w in whys if w)
+            return f"no tile size fits this GPU at head_dim={call.head_dim}: {why}"
         if getattr(call, "grads", None) is not None and getattr(call, "deterministic", False):
             why = smem_refusal(KernelSpec("bwd", call.dtype, call.head_dim, *blocks, False),
                                device, ROLES["bwd-deterministic"])
@@ -108,12 +118,16 @@ class CupyBackend(Backend):
         return None
 
     def default_blocks(self, dtype, head_dim):
-        """(128, 64), or the tiles whose kernels fit the current GPU's shared memory
-        (`_cupy_spec.choose_blocks`: (64, 64) for D = 96 and 128 on a 99 KiB sm_86/sm_89)."""
+        """(128, 64) ((64, 64) above D = 128, the only tiles there), or the tiles whose kernels
+        fit the current GPU's shared memory (`_cupy_spec.choose_blocks`: (64, 64) for D = 96
+        on a 99 KiB sm_86/sm_89)."""
         device, _ = self.device()
-        if device is None or dtype not in DTYPES or head_dim not in HEAD_DIMS:
+        if dtype not in DTYPES or head_dim not in HEAD_DIMS:
             return DEFAULT_BLOCKS
-        return choose_blocks(device, dtype, head_dim, DEFAULT_BLOCKS) or DEFAULT_BLOCKS
+        fallback = _default_blocks_for(head_dim)
+        if device is None:
+            return fallback
+        return choose_blocks(device, dtype, head_dim, fallback) or fallback
 
     def plan_from_cu_seqlens(self, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
                              num_rows_q, num_rows_k, mask, **tiles) -> Plan:
