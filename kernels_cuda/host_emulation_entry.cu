@@ -104,10 +104,10 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
     std::memcpy(out, v, sizeof(v));
 }
 
-// The sm_90a forward (fwd_sm90.cuh), in variants it supports (D a multiple of 64, BM of 64 or
+// The sm_90a forward (fwd_sm90.cuh), in variants it supports (D of 64, 128 or 256, BM of 64 or
 // 128), and the tensor maps its launcher passes (varlen/backends/_cupy_sm90.py): entry points of
 // their own, so that the table above stays that of the mma.sync kernels.
-#if EMU_D % 64 == 0 && (EMU_BM == 64 || EMU_BM == 128)
+#if (EMU_D == 64 || EMU_D == 128 || EMU_D == 256) && (EMU_BM == 64 || EMU_BM == 128)
 namespace {
 const Kernel SM90_KERNELS[] = {
     VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC>),

@@ -10,7 +10,6 @@ conflict fatal, no ldmatrix bank conflict."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -21,7 +20,8 @@ from varlen.backends._emulation_cases import (DEFAULT_BLOCKS, EMULATED_SM_COUNT,
                                               default_variant_cases, grid_figures,
                                               wide_head_dim_cases)
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from helpers import ROOT, needs_cxx
+
 CASES = default_variant_cases()
 WIDE_CASES = wide_head_dim_cases()
 
@@ -57,8 +57,7 @@ def test_cases_cover_the_shipped_defaults():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                    reason="needs a C++20 compiler")
+@needs_cxx
 @pytest.mark.parametrize("label", [c["label"] for c in CASES])
 def test_default_variant_on_host_emulation(label):
     proc = subprocess.run([sys.executable, "-c", RUNNER, label], capture_output=True,
@@ -67,24 +66,9 @@ def test_default_variant_on_host_emulation(label):
                                   f"{proc.stderr[-3000:]}")
 
 
-def _emulation_builds(D: int) -> bool:
-    """Whether the emulation's entry (host_emulation_entry.cu) builds at head dim D: it also
-    instantiates the sm_90a forward, under a guard that must leave out the head dims
-    fwd_sm90.cuh refuses (D = 192; a guard of `EMU_D % 64 == 0` lets it in)."""
-    source_dir = os.environ.get("VARLEN_EMULATION_SOURCE_DIR",
-                                os.path.join(ROOT, "kernels_cuda"))
-    with open(os.path.join(source_dir, "host_emulation_entry.cu")) as f:
-        return not (D % 64 == 0 and D not in (64, 128, 256) and "EMU_D % 64 == 0" in f.read())
-
-
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                    reason="needs a C++20 compiler")
+@needs_cxx
 @pytest.mark.parametrize("label", [c["label"] for c in WIDE_CASES])
 def test_wide_head_dim_on_strict_host_emulation(label):
-    D = next(c["D"] for c in WIDE_CASES if c["label"] == label)
-    if not _emulation_builds(D):
-        pytest.skip(f"host_emulation_entry.cu instantiates the sm_90a forward at D = {D}, "
-                    f"which fwd_sm90.cuh refuses: its guard must name D = 64, 128, 256")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VARLEN_EMULATION_")}
     env.update(STRICT_ENV)
     if "VARLEN_EMULATION_SOURCE_DIR" in os.environ:
