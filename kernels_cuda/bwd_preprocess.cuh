@@ -10,7 +10,9 @@
 // none of its outputs needs a fill: with atomic dQ the zeros of the fp32 accumulator dq_accum
 // (every row: the dK/dV kernel adds into it, dq_convert then writes every row of dq); the pad
 // rows of dk and dv (rows of no key tile) and, for the deterministic dQ kernel, of dq (rows of
-// no query tile), striding over their windows of PAD_ROWS_PER_THREAD rows (for_each_pad_run).
+// no query tile), striding over their windows of PAD_ROWS_PER_THREAD rows (for_each_pad_run);
+// with ordered dQ (bwd_dq_ordered.cuh) the zeroed counters of dq_order and its map from rows to
+// query tile slots.
 // The kernels after it on the stream write only their tiles' rows: no row has two writers.
 //
 // varlen_bwd_dq_convert: dq = dq_accum (fp32, atomically accumulated) in the input dtype.
@@ -39,6 +41,7 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
                       T* __restrict__ dq,            // [Tq, Hq, D] pad rows; null: not here
                       T* __restrict__ dk,            // [Tk, Hk, D] pad rows
                       T* __restrict__ dv,            // [Tk, Hk, D] pad rows
+                      int* __restrict__ dq_order,    // [Hq + 1, Tq]; null: no ordered dQ
                       const PlanView plan, const CallParams call) {
     static_assert(D % WARP_SIZE == 0, "each lane reads D / 32 elements of a row");
     const int Tq = plan.rows_q;
@@ -72,6 +75,22 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
             const float l = lse[idx];
             delta[idx] = is_finite(l) ? sum : nan_f();
             lse2[idx] = is_finite(l) ? l * LOG2E : pos_inf();
+            if (dq_order != nullptr) dq_order[idx] = 0;
+        }
+    }
+
+    // Ordered dQ: row Hq of dq_order holds the query tile slot of each row a tile covers.
+    if (dq_order != nullptr) {
+        constexpr int NUM_THREADS = PREPROCESS_WARPS * WARP_SIZE;
+        int* p_slot = dq_order + static_cast<int64_t>(Hq) * Tq;
+        const int64_t items = static_cast<int64_t>(plan.num_q_tiles) * plan.block_m;
+        #pragma unroll 1
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * NUM_THREADS + threadIdx.x; i < items;
+             i += static_cast<int64_t>(gridDim.x) * NUM_THREADS) {
+            const int slot = static_cast<int>(i / plan.block_m);
+            const int r = static_cast<int>(i % plan.block_m);
+            const TileInfo tile = load_tile(plan.q_tiles, slot);     // unused slots: no rows
+            if (r < tile.rows) p_slot[tile.row + r] = slot;
         }
     }
 

@@ -22,6 +22,8 @@
 //     canary checked after the block; it starts as NaN bytes.
 //   * Collectives: all 32 lanes must meet at the same ldmatrix / mma / shfl call site, as the
 //     same dynamic instance (per-lane count), with no lane exited; otherwise the run aborts.
+//   * Spin-waits on global counters (spin_wait_equal): blocks run in the GPU's dispatch order,
+//     so a wait that is not satisfied at once waits for a later block: the run aborts.
 //   * Alignment: ldmatrix row addresses and both cp.async addresses must be 16-byte aligned.
 //   * Bank conflicts: each 8-address phase of an ldmatrix must hit 8 distinct 16-byte bank
 //     groups (the padding invariant of common.cuh: a conflict aborts); the 16-byte cp.async
@@ -312,6 +314,30 @@ inline float atomicAdd(float* p, float v) {
     std::atomic_ref<float> ref(*p);
     return ref.fetch_add(v);
 }
+
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+namespace varlen {
+
+// A spin-wait on a counter in global memory (bwd_dq_ordered.cuh). Blocks run one after the
+// other here, so the value a block waits for must already be there at the first poll; if it is
+// not, the block would wait for a later block (on a GPU, a possible deadlock: blocks are
+// dispatched in order of their linear index) or its rank is wrong. Either way the run stops,
+// naming the kernel, the block and the counter.
+inline void spin_wait_equal(const int* counter, int value, const char* what, int64_t index) {
+    const int got = std::atomic_ref<int>(*const_cast<int*>(counter)).load(std::memory_order_acquire);
+    if (got != value) {
+        hostemu::fail("spin-wait on %s counter %lld: it holds %d and the block waits for %d, "
+                      "which no earlier block provides (a wait on a later block, or a wrong "
+                      "rank)", what, static_cast<long long>(index), got, value);
+    }
+}
+
+inline void store_release_gpu(int* p, int value) {
+    std::atomic_ref<int>(*p).store(value, std::memory_order_release);
+}
+
+}  // namespace varlen
 
 // The kernels' `extern __shared__ unsigned char smem_raw[]` becomes a block-scope declaration
 // of this function, and each use of smem_raw its result: the block's shared memory.

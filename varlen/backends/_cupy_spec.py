@@ -141,20 +141,12 @@ class KernelSpec:
         return 3 if fits else 2
 
     @property
-    def dq_threads(self) -> int:
-        return self.block_m // WARP_ROWS * WARP_SIZE
-
-    @property
     def dkdv_threads(self) -> int:
         return self.block_n // WARP_ROWS * WARP_SIZE
 
     def fwd_smem(self) -> int:
         """Q [BM] + fwd_stages stages of K and V [fwd_chunk], rows of D + 8 elements."""
         return self._fwd_smem_bytes(self.fwd_stages)
-
-    def dq_smem(self) -> int:
-        """Q, dO [BM] + 2 stages of K and V [BN]."""
-        return (2 * self.block_m + 2 * STAGES * self.block_n) * self.stride * ELEM_BYTES
 
     def dkdv_smem(self, atomic_dq: bool) -> int:
         """K, V [BN] + 2 stages of Q, dO [BQ] (+ dS^T [BN][BQ + 8]) + 2 stages of lse2, delta."""
@@ -170,14 +162,11 @@ class KernelSpec:
         return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{_cxx_bool(self.has_softcap)}>")
 
-    def dkdv_name(self, atomic_dq: bool) -> str:
+    def dkdv_name(self, atomic_dq: bool, ordered_dq: bool = False) -> str:
+        ordered = ", true" if ordered_dq else ""
         return (f"varlen_bwd_dkdv<{self.ctype}, {self.head_dim}, {self.block_n}, "
                 f"{self.bwd_query_chunk}, {_cxx_bool(self.has_softcap)}, "
-                f"{_cxx_bool(atomic_dq)}>")
-
-    def dq_name(self) -> str:
-        return (f"varlen_bwd_dq<{self.ctype}, {self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{_cxx_bool(self.has_softcap)}>")
+                f"{_cxx_bool(atomic_dq)}{ordered}>")
 
     def preprocess_name(self) -> str:
         return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}>"
@@ -187,15 +176,15 @@ class KernelSpec:
 
     def kernels(self) -> dict:
         """{role: KernelLaunch} of the module's kernels, in launch order; roles "fwd", or
-        "preprocess", "dkdv_atomic", "dkdv", "dq", "dq_convert"."""
+        "preprocess", "dkdv_atomic", "dkdv_ordered" (dQ added in a fixed order: the
+        deterministic backward), "dq_convert"."""
         if self.kind == "fwd":
             return {"fwd": KernelLaunch(self.fwd_name(), self.fwd_threads, self.fwd_smem())}
         return {"preprocess": KernelLaunch(self.preprocess_name(), PREPROCESS_WARPS * WARP_SIZE, 0),
                 "dkdv_atomic": KernelLaunch(self.dkdv_name(True), self.dkdv_threads,
                                             self.dkdv_smem(True)),
-                "dkdv": KernelLaunch(self.dkdv_name(False), self.dkdv_threads,
-                                     self.dkdv_smem(False)),
-                "dq": KernelLaunch(self.dq_name(), self.dq_threads, self.dq_smem()),
+                "dkdv_ordered": KernelLaunch(self.dkdv_name(True, ordered_dq=True),
+                                             self.dkdv_threads, self.dkdv_smem(True)),
                 "dq_convert": KernelLaunch(self.convert_name(), CONVERT_THREADS, 0)}
 
     @property
@@ -211,7 +200,7 @@ class KernelSpec:
 # The kernels a call runs, by role (KernelSpec.kernels): the forward, the backward with atomic
 # dQ, the deterministic backward.
 ROLES = {"fwd": ("fwd",), "bwd": ("preprocess", "dkdv_atomic", "dq_convert"),
-         "bwd-deterministic": ("preprocess", "dkdv", "dq")}
+         "bwd-deterministic": ("preprocess", "dkdv_ordered", "dq_convert")}
 
 
 @dataclass(frozen=True)
