@@ -83,7 +83,7 @@ struct OrderedDq {
     }
 
     // Thread 0 waits for the block's turn at chunk c and returns its rank; every thread must
-    // pass a barrier after it before adding.
+    // pass a barrier after it before adding (the one that publishes dS^T).
     __device__ __forceinline__ int acquire(const Chunk& c) const {
         int turn = 0;
         if (threadIdx.x == 0) {

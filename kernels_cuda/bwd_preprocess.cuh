@@ -7,12 +7,12 @@
 // is exactly 0, and delta is NaN, as it is where O or dO holds a NaN or inf: the one value the
 // attention kernels check for the query side of a visible pair. One warp per (row, head) pair,
 // striding over the grid. It also writes what no later kernel of the backward writes, so that
-// none of its outputs needs a fill: with atomic dQ the zeros of the fp32 accumulator dq_accum
-// (every row: the dK/dV kernel adds into it, dq_convert then writes every row of dq); the pad
-// rows of dk and dv (rows of no key tile) and, for the deterministic dQ kernel, of dq (rows of
-// no query tile), striding over their windows of PAD_ROWS_PER_THREAD rows (for_each_pad_run);
-// with ordered dQ (bwd_dq_ordered.cuh) the zeroed counters of dq_order and its map from rows to
-// query tile slots.
+// none of its outputs needs a fill: the zeros of the fp32 accumulator dq_accum (every row: the
+// dK/dV kernel adds into it, dq_convert then writes every row of dq); the pad rows of dk and dv
+// (rows of no key tile) and, when dq is given, of dq (rows of no query tile), striding over
+// their windows of PAD_ROWS_PER_THREAD rows (for_each_pad_run); with ordered dQ
+// (bwd_dq_ordered.cuh, the deterministic backward) the zeroed counters of dq_order and its map
+// from rows to query tile slots.
 // The kernels after it on the stream write only their tiles' rows: no row has two writers.
 //
 // varlen_bwd_dq_convert: dq = dq_accum (fp32, atomically accumulated) in the input dtype.

@@ -315,7 +315,13 @@ inline float atomicAdd(float* p, float v) {
     return ref.fetch_add(v);
 }
 
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// __threadfence calls of the block being run (reset per block), for store_release_gpu's check.
+inline std::atomic<uint64_t> g_block_fences{0};
+
+inline void __threadfence() {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    g_block_fences.fetch_add(1);
+}
 
 namespace varlen {
 
@@ -333,7 +339,17 @@ inline void spin_wait_equal(const int* counter, int value, const char* what, int
     }
 }
 
+// The release that hands a counter on (bwd_dq_ordered.cuh) follows a fence by every thread of
+// the block and a barrier: every thread must have fenced as often as the others. A release
+// without the barrier shows here when another warp has not reached its fence yet (with the
+// turnstile, whenever the releasing warp runs first).
 inline void store_release_gpu(int* p, int value) {
+    const uint64_t fences = g_block_fences.load();
+    if (fences % blockDim.x != 0) {
+        hostemu::fail("release of a counter after %llu fences of the block's %u threads: some "
+                      "thread has not fenced its additions yet (a missing barrier)",
+                      static_cast<unsigned long long>(fences), blockDim.x);
+    }
     std::atomic_ref<int>(*p).store(value, std::memory_order_release);
 }
 
@@ -645,6 +661,7 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
                     (threads + 31) / 32, splitmix(g_config.seed ^ (((uint64_t)by << 32) | bx)));
             }
             g_sync.copies.assign(threads, {});
+            g_block_fences.store(0);
             start.arrive_and_wait();
             end.arrive_and_wait();
             for (unsigned w = 0; w < (threads + 31) / 32; ++w) {

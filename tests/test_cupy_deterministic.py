@@ -17,7 +17,8 @@ process (the emulation replaces `cupy` there), run by this file's __main__.
   q_sched, and no other counter moved; also on context-parallel plans (two query segments per
   sequence, all-gathered keys: four key segments, out of row order).
 * A wrong rank is caught: with the rank counted from the other end of the key tiles, the run
-  aborts with the emulation's message naming the kernel, the block and the counter.
+  aborts with the emulation's message naming the kernel, the block and the counter; so is a
+  release before every warp has fenced its additions (the barrier removed).
 """
 from __future__ import annotations
 
@@ -68,24 +69,42 @@ def test_context_parallel_segments():
     assert "cp ok" in out, out
 
 
-@needs_cxx
-def test_wrong_rank_aborts_naming_block_and_counter(tmp_path):
-    """The rank counted from the last key tile instead of the first: the first block of a
-    query chunk met by several key tiles waits for a count no earlier block provides."""
+def _run_mutated(tmp_path, right, wrong, env=()):
+    """The first repeat case on kernel sources with `right` (once in bwd_dq_ordered.cuh)
+    replaced by `wrong`: the finished process."""
     src = tmp_path / "kernels_cuda"
     shutil.copytree(SOURCE_DIR, src)
     path = src / "bwd_dq_ordered.cuh"
     text = path.read_text()
-    right = "return before + tile - s[seg * SCHED_FIELDS];"
-    assert text.count(right) == 1, "the rank expression moved: update this mutation"
-    path.write_text(text.replace(right, "return before + s[seg * SCHED_FIELDS + 3] - 1 - tile;"))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "repeat",
+    assert text.count(right) == 1, f"{right!r} moved: update this mutation"
+    path.write_text(text.replace(right, wrong))
+    return subprocess.run([sys.executable, os.path.abspath(__file__), "repeat",
                            "B7-perseq-gqa-fp16-D64", "once"], capture_output=True, text=True,
                           timeout=1800, cwd=ROOT,
-                          env={**os.environ, "VARLEN_EMULATION_SOURCE_DIR": str(src)})
+                          env={**os.environ, "VARLEN_EMULATION_SOURCE_DIR": str(src), **dict(env)})
+
+
+@needs_cxx
+def test_wrong_rank_aborts_naming_block_and_counter(tmp_path):
+    """The rank counted from the last key tile instead of the first: the first block of a
+    query chunk met by several key tiles waits for a count no earlier block provides."""
+    proc = _run_mutated(tmp_path, "return before + tile - s[seg * SCHED_FIELDS];",
+                        "return before + s[seg * SCHED_FIELDS + 3] - 1 - tile;")
     assert proc.returncode != 0, f"a wrong rank went unnoticed:\n{proc.stdout[-2000:]}"
     assert ("kernel varlen_bwd_dkdv_ordered, block (" in proc.stderr
             and "spin-wait on dq_order counter" in proc.stderr), proc.stderr[-3000:]
+
+
+@needs_cxx
+def test_release_before_the_barrier_aborts(tmp_path):
+    """Without the barrier between the fences and the release, warps one at a time in a seeded
+    order let thread 0 hand the counter on before another warp has fenced its additions."""
+    proc = _run_mutated(tmp_path, "        __threadfence();\n        __syncthreads();\n",
+                        "        __threadfence();\n",
+                        {"VARLEN_EMULATION_SCHEDULE": "random", "VARLEN_EMULATION_SEED": "1"})
+    assert proc.returncode != 0, f"a release before the barrier went unnoticed:\n{proc.stdout}"
+    assert ("kernel varlen_bwd_dkdv_ordered, block (" in proc.stderr
+            and "release of a counter" in proc.stderr), proc.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------------------------
