@@ -331,7 +331,8 @@ namespace varlen {
 // dispatched in order of their linear index) or its rank is wrong. Either way the run stops,
 // naming the kernel, the block and the counter.
 inline void spin_wait_equal(const int* counter, int value, const char* what, int64_t index) {
-    const int got = std::atomic_ref<int>(*const_cast<int*>(counter)).load(std::memory_order_acquire);
+    int& value_now = *const_cast<int*>(counter);
+    const int got = std::atomic_ref<int>(value_now).load(std::memory_order_acquire);
     if (got != value) {
         hostemu::fail("spin-wait on %s counter %lld: it holds %d and the block waits for %d, "
                       "which no earlier block provides (a wait on a later block, or a wrong "
