@@ -12,11 +12,14 @@
 //     dP^T = V dO^T                    [BN, BQ]
 //     dS^T = P^T * (dP^T - delta) * softmax_scale   (times 1 - tanh^2 with a softcap)
 //     dV  += P^T dO,  dK += dS^T Q     [BN, D]
-//     dQ  += dS K  (ATOMIC_DQ: dS^T goes through shared memory, then fp32 atomics)
+//     dQ  += dS K  (ATOMIC_DQ: dS^T goes through shared memory, then fp32 atomics; with
+//                  ORDERED_DQ each query chunk's additions come in key-slot order,
+//                  bwd_dq_ordered.cuh: bitwise repeatable)
 // Above D = 128 the dK, dV accumulators of a warp (D registers per lane) do not fit: the block
 // walks its query chunks D_PARTS = 2 times, each pass accumulating half of dK's and dV's columns
-// from the full S^T and dP^T (recomputed per pass, about 1.4 times the work at D = 256); the
-// atomic dQ is added in the first pass only, and each pass writes its columns from registers.
+// from the full S^T and dP^T (recomputed per pass, about 1.4 times the work at D = 256); dQ
+// (atomic or ordered) is added in the first pass only, and each pass writes its columns from
+// registers.
 // Shared memory: K, V [BN][D+8]; two stages of Q, dO [BQ][D+8] and lse2, delta [BQ] (all by
 // cp.async, one group per chunk); dS^T [BN][BQ+8] with ATOMIC_DQ.
 // A key row with a pair it sees holding a NaN or inf operand writes NaN to dK and dV, and that
@@ -24,6 +27,7 @@
 // QueryStages::zero_nonfinite, and the key tile's own check with ATOMIC_DQ).
 #pragma once
 
+#include "bwd_dq_ordered.cuh"
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
@@ -188,15 +192,19 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[NB][4], const
 // dQ += dS K for one query chunk with fp32 atomics: dS^T [BN, BQ] goes through shared memory,
 // then every warp takes a [16, D / DQ_SPLIT] part of dQ [BQ, D]: the 16 query rows qg = warp %
 // DQ_GROUPS, columns split DQ_SPLIT ways, DQ_COLS at a time. The warp's dS fragments (A operand,
-// BN / 16 k-steps) are read once and kept for all its column slices.
-template <typename T, typename Cfg>
+// BN / 16 k-steps) are read once and kept for all its column slices. `order` (UnorderedDq or
+// OrderedDq) makes the block wait for its turn at the chunk before the first addition and hand
+// it on after the last.
+template <typename T, typename Cfg, typename Order>
 __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4], T* s_ds,
                                               const T* s_k, const HeadRows<float>& dq_accum,
-                                              const Chunk& c, const WarpSlot& w) {
+                                              const Chunk& c, const WarpSlot& w,
+                                              const Order& order) {
     constexpr int NB = Cfg::DQ_COLS / 8;
     constexpr int KSTEPS = Cfg::BN / 16;
     constexpr int SLICES = Cfg::D / Cfg::DQ_COLS / Cfg::DQ_SPLIT;    // per warp
     const float one[2] = {1.f, 1.f};
+    const int turn = order.acquire(c);
     stage_rows<T, Cfg::BQ / 8, Cfg::DS_STRIDE>(ds_t, one, s_ds, w.row0, w.lane);
     __syncthreads();
     const int qg = w.warp % Cfg::DQ_GROUPS;
@@ -221,13 +229,15 @@ __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4
         atomic_add_rows(acc_q, dq_accum, c.row + qg * WARP_ROWS, c.rows - qg * WARP_ROWS, col0,
                         w.lane);
     }
+    order.release(c, turn);
 }
 
 }  // namespace varlen
 
 using namespace varlen;
 
-template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ATOMIC_DQ>
+template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ATOMIC_DQ,
+          bool ORDERED_DQ = false>
 __global__ void __launch_bounds__(DkdvConfig<D, BN, BQ, ATOMIC_DQ>::NUM_THREADS,
                                   DkdvConfig<D, BN, BQ, ATOMIC_DQ>::MIN_BLOCKS)
 varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
@@ -239,8 +249,10 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                 T* __restrict__ dk,                 // [Tk, Hk, D]
                 T* __restrict__ dv,                 // [Tk, Hk, D]
                 float* __restrict__ dq_accum,       // [Tq, Hq, D] (ATOMIC_DQ only)
+                int* __restrict__ dq_order,         // [Hq + 1, Tq] (ORDERED_DQ only)
                 const PlanView plan, const CallParams call) {
     using Cfg = DkdvConfig<D, BN, BQ, ATOMIC_DQ>;
+    static_assert(ATOMIC_DQ || !ORDERED_DQ, "ordered dQ is atomic dQ in a fixed order");
     const TileBlock<true> b(plan, call);
     if (b.tile.seq < 0) return;
     const WarpSlot& w = b.w;
@@ -296,9 +308,14 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                                                     w.lane);
             if constexpr (ATOMIC_DQ) {
                 if (part == 0) {
-                    add_dq_atomic<T, Cfg>(acc_dp, smem.ds, smem.k,
-                                          head_rows<D>(dq_accum, call.Hq, qs.head0 + c.head), c,
-                                          w);
+                    const auto dq_rows = head_rows<D>(dq_accum, call.Hq, qs.head0 + c.head);
+                    if constexpr (ORDERED_DQ) {
+                        add_dq_atomic<T, Cfg>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
+                                              OrderedDq{dq_order, plan, call, b.tile, qs.head0});
+                    } else {
+                        add_dq_atomic<T, Cfg>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
+                                              UnorderedDq{});
+                    }
                 }
             }
         });

@@ -7,10 +7,12 @@
 // is exactly 0, and delta is NaN, as it is where O or dO holds a NaN or inf: the one value the
 // attention kernels check for the query side of a visible pair. One warp per (row, head) pair,
 // striding over the grid. It also writes what no later kernel of the backward writes, so that
-// none of its outputs needs a fill: with atomic dQ the zeros of the fp32 accumulator dq_accum
-// (every row: the dK/dV kernel adds into it, dq_convert then writes every row of dq); the pad
-// rows of dk and dv (rows of no key tile) and, for the deterministic dQ kernel, of dq (rows of
-// no query tile), striding over their windows of PAD_ROWS_PER_THREAD rows (for_each_pad_run).
+// none of its outputs needs a fill: the zeros of the fp32 accumulator dq_accum (every row: the
+// dK/dV kernel adds into it, dq_convert then writes every row of dq); the pad rows of dk and dv
+// (rows of no key tile), striding over their windows of PAD_ROWS_PER_THREAD rows
+// (for_each_pad_run); with ordered dQ
+// (bwd_dq_ordered.cuh, the deterministic backward) the zeroed counters of dq_order and its map
+// from rows to query tile slots.
 // The kernels after it on the stream write only their tiles' rows: no row has two writers.
 //
 // varlen_bwd_dq_convert: dq = dq_accum (fp32, atomically accumulated) in the input dtype.
@@ -35,10 +37,10 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
                       const float* __restrict__ lse, // [Hq, Tq]
                       float* __restrict__ delta,     // [Hq, Tq]
                       float* __restrict__ lse2,      // [Hq, Tq]
-                      float* __restrict__ dq_accum,  // [Tq, Hq, D] zeroed; null: no atomic dQ
-                      T* __restrict__ dq,            // [Tq, Hq, D] pad rows; null: not here
+                      float* __restrict__ dq_accum,  // [Tq, Hq, D] zeroed
                       T* __restrict__ dk,            // [Tk, Hk, D] pad rows
                       T* __restrict__ dv,            // [Tk, Hk, D] pad rows
+                      int* __restrict__ dq_order,    // [Hq + 1, Tq]; null: no ordered dQ
                       const PlanView plan, const CallParams call) {
     static_assert(D % WARP_SIZE == 0, "each lane reads D / 32 elements of a row");
     const int Tq = plan.rows_q;
@@ -59,10 +61,8 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
             const int d = lane + i * WARP_SIZE;
             sum += ElemTraits<T>::to_float(p_o[d]) * ElemTraits<T>::to_float(p_do[d]);
         }
-        if (dq_accum != nullptr) {
-            #pragma unroll
-            for (int i = 0; i < D / WARP_SIZE; ++i) dq_accum[pair * D + lane + i * WARP_SIZE] = 0.f;
-        }
+        #pragma unroll
+        for (int i = 0; i < D / WARP_SIZE; ++i) dq_accum[pair * D + lane + i * WARP_SIZE] = 0.f;
         #pragma unroll
         for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
             sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -72,33 +72,38 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
             const float l = lse[idx];
             delta[idx] = is_finite(l) ? sum : nan_f();
             lse2[idx] = is_finite(l) ? l * LOG2E : pos_inf();
+            if (dq_order != nullptr) dq_order[idx] = 0;
         }
     }
 
-    // Pad rows: the windows of dq's rows (when given), then those of dk's and dv's.
-    const auto num_windows = [](int rows) {
-        return (static_cast<int64_t>(rows) + PAD_ROWS_PER_THREAD - 1) / PAD_ROWS_PER_THREAD;
-    };
-    const int64_t q_windows = dq == nullptr ? 0 : num_windows(Tq);
-    const int64_t windows = q_windows + num_windows(plan.rows_k);
-    const int64_t q_elems = static_cast<int64_t>(Hq) * D;
+    // Ordered dQ: row Hq of dq_order holds the query tile slot of each row a tile covers.
+    if (dq_order != nullptr) {
+        constexpr int NUM_THREADS = PREPROCESS_WARPS * WARP_SIZE;
+        int* p_slot = dq_order + static_cast<int64_t>(Hq) * Tq;
+        const int64_t items = static_cast<int64_t>(plan.num_q_tiles) * plan.block_m;
+        #pragma unroll 1
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * NUM_THREADS + threadIdx.x; i < items;
+             i += static_cast<int64_t>(gridDim.x) * NUM_THREADS) {
+            const int slot = static_cast<int>(i / plan.block_m);
+            const int r = static_cast<int>(i % plan.block_m);
+            const TileInfo tile = load_tile(plan.q_tiles, slot);     // unused slots: no rows
+            if (r < tile.rows) p_slot[tile.row + r] = slot;
+        }
+    }
+
+    // Pad rows of dk and dv.
+    const int64_t windows =
+        (static_cast<int64_t>(plan.rows_k) + PAD_ROWS_PER_THREAD - 1) / PAD_ROWS_PER_THREAD;
     const int64_t k_elems = static_cast<int64_t>(call.Hk) * D;
     constexpr int NUM_THREADS = PREPROCESS_WARPS * WARP_SIZE;
     #pragma unroll 1
     for (int64_t w = static_cast<int64_t>(blockIdx.x) * NUM_THREADS + threadIdx.x; w < windows;
          w += static_cast<int64_t>(gridDim.x) * NUM_THREADS) {
-        if (w < q_windows) {
-            for_each_pad_run(plan.q_tiles, plan.num_q_tiles, Tq, w,
-                             [&](int64_t begin, int64_t end) {
-                zero_rows(dq, q_elems, begin, end);
-            });
-        } else {
-            for_each_pad_run(plan.k_tiles, plan.num_k_tiles, plan.rows_k, w - q_windows,
-                             [&](int64_t begin, int64_t end) {
-                zero_rows(dk, k_elems, begin, end);
-                zero_rows(dv, k_elems, begin, end);
-            });
-        }
+        for_each_pad_run(plan.k_tiles, plan.num_k_tiles, plan.rows_k, w,
+                         [&](int64_t begin, int64_t end) {
+            zero_rows(dk, k_elems, begin, end);
+            zero_rows(dv, k_elems, begin, end);
+        });
     }
 }
 

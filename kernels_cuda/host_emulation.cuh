@@ -22,6 +22,8 @@
 //     canary checked after the block; it starts as NaN bytes.
 //   * Collectives: all 32 lanes must meet at the same ldmatrix / mma / shfl call site, as the
 //     same dynamic instance (per-lane count), with no lane exited; otherwise the run aborts.
+//   * Spin-waits on global counters (spin_wait_equal): blocks run in the GPU's dispatch order,
+//     so a wait that is not satisfied at once waits for a later block: the run aborts.
 //   * Alignment: ldmatrix row addresses and both cp.async addresses must be 16-byte aligned.
 //   * Bank conflicts: each 8-address phase of an ldmatrix must hit 8 distinct 16-byte bank
 //     groups (the padding invariant of common.cuh: a conflict aborts); the 16-byte cp.async
@@ -312,6 +314,47 @@ inline float atomicAdd(float* p, float v) {
     std::atomic_ref<float> ref(*p);
     return ref.fetch_add(v);
 }
+
+// __threadfence calls of the block being run (reset per block), for store_release_gpu's check.
+inline std::atomic<uint64_t> g_block_fences{0};
+
+inline void __threadfence() {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    g_block_fences.fetch_add(1);
+}
+
+namespace varlen {
+
+// A spin-wait on a counter in global memory (bwd_dq_ordered.cuh). Blocks run one after the
+// other here, so the value a block waits for must already be there at the first poll; if it is
+// not, the block would wait for a later block (on a GPU, a possible deadlock: blocks are
+// dispatched in order of their linear index) or its rank is wrong. Either way the run stops,
+// naming the kernel, the block and the counter.
+inline void spin_wait_equal(const int* counter, int value, const char* what, int64_t index) {
+    int& value_now = *const_cast<int*>(counter);
+    const int got = std::atomic_ref<int>(value_now).load(std::memory_order_acquire);
+    if (got != value) {
+        hostemu::fail("spin-wait on %s counter %lld: it holds %d and the block waits for %d, "
+                      "which no earlier block provides (a wait on a later block, or a wrong "
+                      "rank)", what, static_cast<long long>(index), got, value);
+    }
+}
+
+// The release that hands a counter on (bwd_dq_ordered.cuh) follows a fence by every thread of
+// the block and a barrier: every thread must have fenced as often as the others. A release
+// without the barrier shows here when another warp has not reached its fence yet (with the
+// turnstile, whenever the releasing warp runs first).
+inline void store_release_gpu(int* p, int value) {
+    const uint64_t fences = g_block_fences.load();
+    if (fences % blockDim.x != 0) {
+        hostemu::fail("release of a counter after %llu fences of the block's %u threads: some "
+                      "thread has not fenced its additions yet (a missing barrier)",
+                      static_cast<unsigned long long>(fences), blockDim.x);
+    }
+    std::atomic_ref<int>(*p).store(value, std::memory_order_release);
+}
+
+}  // namespace varlen
 
 // The kernels' `extern __shared__ unsigned char smem_raw[]` becomes a block-scope declaration
 // of this function, and each use of smem_raw its result: the block's shared memory.
@@ -619,6 +662,7 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
                     (threads + 31) / 32, splitmix(g_config.seed ^ (((uint64_t)by << 32) | bx)));
             }
             g_sync.copies.assign(threads, {});
+            g_block_fences.store(0);
             start.arrive_and_wait();
             end.arrive_and_wait();
             for (unsigned w = 0; w < (threads + 31) / 32; ++w) {

@@ -117,22 +117,8 @@ struct KvPipeline {
     }
 };
 
-// A kernel over query tiles of BM rows (forward, dQ): RESIDENT shared tiles [BM][D + 8] of the
-// query tile (Q; Q and dO), then STAGES stages of K and V chunks [BN][D + 8].
-template <int D, int BM, int BN, int RESIDENT>
-struct QueryTileConfig {
-    static constexpr int NUM_WARPS = BM / WARP_ROWS;
-    static constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
-    static constexpr int STRIDE = smem_stride<D>();
-    static constexpr int SMEM_ELEMS = (RESIDENT * BM + 2 * STAGES * BN) * STRIDE;
-    static_assert(BM % WARP_ROWS == 0, "each warp owns 16 query rows");
-    static_assert(NUM_WARPS >= 1 && NUM_WARPS <= 8, "1 to 8 warps per block");
-    static_assert(BN % 16 == 0, "P V consumes key chunks in k-steps of 16");
-    static_assert(D % 16 == 0, "Q K^T consumes the head dim in k-steps of 16");
-};
-
 // A block over one tile of the plan and one head: grid (num_q_tiles, Hq) over query tiles
-// (forward, dQ), or (num_k_tiles, Hk) over key tiles (dK/dV), which visit the G = Hq / Hk query
+// (forward), or (num_k_tiles, Hk) over key tiles (dK/dV), which visit the G = Hq / Hk query
 // heads of their key head. Each warp owns WARP_M rows of the tile. Query tiles run in reverse
 // slot order: a sequence's later query tiles see more keys under a causal mask, so its heaviest
 // tiles start first (and the unused slots, at the end of the table, exit first); key tiles

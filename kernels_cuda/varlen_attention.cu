@@ -3,7 +3,6 @@
 #include "fwd.cuh"
 #include "bwd_preprocess.cuh"
 #include "bwd_dkdv.cuh"
-#include "bwd_dq.cuh"
 #include "plan_build.cuh"
 
 // The sm_90a forward (wgmma, TMA, setmaxnreg): only where those instructions exist, so that

@@ -170,30 +170,27 @@ def format_table(rows) -> str:
 
 # ---- head dims above 128: the dK/dV kernel's passes --------------------------------------------
 
-def dkdv_work(head_dim: int, atomic_dq: bool) -> dict:
+def dkdv_work(head_dim: int) -> dict:
     """GEMM work of one dK/dV tile pair relative to a single pass (KernelSpec.dkdv_parts):
     every pass computes S^T = K Q^T and dP^T = V dO^T over the full head dim and dV, dK over
-    its 1 / parts of the columns; the atomic dQ += dS K once."""
+    its 1 / parts of the columns; dQ += dS K (atomic or ordered: both modes) once."""
     from varlen.backends._cupy_spec import KernelSpec
     parts = KernelSpec("bwd", "bfloat16", head_dim, 64, 64, False).dkdv_parts
-    one_pass = 2 + 2 + (1 if atomic_dq else 0)        # GEMMs of pair x D
-    done = 2 * parts + 2 + (1 if atomic_dq else 0)
-    return {"head_dim": head_dim, "parts": parts, "atomic_dq": atomic_dq,
-            "work": done / one_pass}
+    one_pass = 2 + 2 + 1        # GEMMs of pair x D
+    done = 2 * parts + 2 + 1
+    return {"head_dim": head_dim, "parts": parts, "work": done / one_pass}
 
 
 def format_wide(rows) -> str:
     lines = ["dK/dV work at head dims above 128 (recomputed S^T and dP^T per pass), relative "
              "to one pass:"]
     for r in rows:
-        lines.append(f"  D={r['head_dim']:3d} parts={r['parts']} "
-                     f"{'atomic dQ    ' if r['atomic_dq'] else 'deterministic'} "
-                     f"x{r['work']:.2f}")
+        lines.append(f"  D={r['head_dim']:3d} parts={r['parts']} x{r['work']:.2f}")
     return "\n".join(lines)
 
 
 def wide_table():
-    return [dkdv_work(d, a) for d in (192, 256) for a in (True, False)]
+    return [dkdv_work(d) for d in (192, 256)]
 
 
 # ---- against a measurement ----------------------------------------------------------------

@@ -110,8 +110,6 @@ def test_host_smem_matches_kernel_layout():
             lines.append(f"static_assert(2 * FwdConfig<{s.head_dim}, {s.block_m}, "
                          f"{s.block_n}>::SMEM_ELEMS == {s.fwd_smem()}, \"{s.label} fwd\");")
             continue
-        lines.append(f"static_assert(2 * DqConfig<{s.head_dim}, {s.block_m}, {s.block_n}>"
-                     f"::SMEM_ELEMS == {s.dq_smem()}, \"{s.label} dq\");")
         for atomic in (False, True):
             cfg = (f"DkdvConfig<{s.head_dim}, {s.block_n}, {s.bwd_query_chunk}, "
                    f"{'true' if atomic else 'false'}>")
@@ -160,7 +158,7 @@ def test_wide_head_dims_take_64_64_tiles():
         with BACKEND.stand_in_device(DeviceInfo((9, 0), 227 * 1024)):
             assert BACKEND.default_blocks("bfloat16", D) == (64, 64)
     spec = KernelSpec("bwd", "float16", 256, 64, 64, False)
-    assert (spec.bwd_query_chunk, spec.dq_chunk, spec.dkdv_parts) == (16, 16, 2)
+    assert (spec.bwd_query_chunk, spec.dkdv_parts) == (16, 2)
     assert KernelSpec("fwd", "float16", 256, 64, 64, False).fwd_chunk == 32
 
 
@@ -171,8 +169,7 @@ def test_spec_names_and_cache_key():
     names = a.name_expressions
     assert names == ("varlen_bwd_preprocess<__nv_bfloat16, 128>",
                      "varlen_bwd_dkdv<__nv_bfloat16, 128, 64, 32, true, true>",
-                     "varlen_bwd_dkdv<__nv_bfloat16, 128, 64, 32, true, false>",
-                     "varlen_bwd_dq<__nv_bfloat16, 128, 128, 64, true>",
+                     "varlen_bwd_dkdv<__nv_bfloat16, 128, 64, 32, true, true, true>",
                      "varlen_bwd_dq_convert<__nv_bfloat16>")
     assert KernelSpec("fwd", "float16", 64, 64, 64, False).name_expressions == (
         "varlen_fwd<__half, 64, 64, 64, false>",)

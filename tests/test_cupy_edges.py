@@ -9,16 +9,16 @@
   it, and every row that sees one is NaN.
 * 64-bit addressing: one short sequence at the end of packed arrays of more than 2**31
   elements (sparse anonymous memory maps: only its rows are ever touched) is computed at the
-  right addresses, forward and backward (dK/dV with atomic dQ, and deterministic dQ); the
+  right addresses, forward and backward (dK/dV with atomic dQ, and with ordered dQ); the
   forward's pad blocks and the backward preprocessing write the rows no tile covers at
   element offsets past 2**31 and nothing else; and the forward kernel walks the last key chunks of a
   sequence of 2**31 - 1 keys (chunk counts without an int32 overflow, element offsets near
   2**36).
 * Device support, on stand-in device properties: compute capability sm_80 or newer, plan tiles
-  whose kernels fit the GPU's opt-in shared memory per block (a 99 KiB sm_86/sm_89 gets
-  (64, 64) tiles for D = 96 and 128 and refuses the deterministic backward at D = 128, naming
-  the limit), device attributes read once per device, and the same NVRTC options (include
-  directories) at run time as in the compile-budget check.
+  whose kernels fit the GPU's opt-in shared memory per block (a 99 KiB sm_86/sm_89 gets the
+  same (128, 64) tiles as an A100, and runs the deterministic backward wherever the atomic one
+  runs: the same kernels), device attributes read once per device, and the same NVRTC options
+  (include directories) at run time as in the compile-budget check.
 """
 from __future__ import annotations
 
@@ -259,12 +259,19 @@ def _case_large_offsets():
     inputs = (q, k, v, dout, lse2, delta)
     dk, dv = np.zeros(k.shape, np.float16), np.zeros(v.shape, np.float16)
     dq_accum = np.zeros((Tq, Hq, D), np.float32)
+    null = _cupy_kernels._null_pointer()
     module.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk),
-                  args=(*inputs, dk, dv, dq_accum, plan_arg.struct, call))
-    dq = np.zeros(q.shape, np.float16)
-    module.launch("dq", grid=(plan.num_q_tiles, Hq), args=(*inputs, dq, plan_arg.struct, call))
+                  args=(*inputs, dk, dv, dq_accum, null, plan_arg.struct, call))
+    # ordered dQ: the counters (zero) and the query tile slot of each row, as the
+    # preprocessing writes them (kernels_cuda/bwd_dq_ordered.cuh)
+    dq_order = _sparse((Hq + 1, Tq), np.int32)
+    for slot, (_, _, row, rows, _) in enumerate(np.asarray(plan.q_tiles)):
+        dq_order[Hq, row:row + rows] = slot
+    dq_ordered = np.zeros((Tq, Hq, D), np.float32)
+    module.launch("dkdv_ordered", grid=(plan.num_k_tiles, Hk),
+                  args=(*inputs, dk, dv, dq_ordered, dq_order, plan_arg.struct, call))
     for name, got, want in (("dq (atomic)", dq_accum[rq], ref_grads[0]),
-                            ("dq (deterministic)", dq[rq], ref_grads[0]),
+                            ("dq (ordered)", dq_ordered[rq], ref_grads[0]),
                             ("dk", dk[rk], ref_grads[1]), ("dv", dv[rk], ref_grads[2])):
         assert np.isfinite(got).all(), f"{name}: unwritten rows"
         _assert_finite_close(f"{name} rows past 2**31 elements", got, want, 5e-2)
@@ -277,8 +284,7 @@ def _case_large_pad_offsets():
     forward kernel's pad blocks (out, lse) and by the backward preprocessing (dk, dv), every
     block of their grids launched. The plan is written by hand: its one tile slot is unused (no
     tile block runs) but claims every row except the last three, so those are the only pad
-    rows; the row before them must stay as it was. (The preprocessing's dq windows take the same
-    path; its rows per (row, head) pair are not emulated at this size: no query rows here.)"""
+    rows; the row before them must stay as it was."""
     from varlen.backends import _cupy_kernels
     from varlen.backends._cupy_emulation import install_fake_cupy
     from varlen.backends._cupy_spec import KernelSpec
@@ -317,7 +323,7 @@ def _case_large_pad_offsets():
     null = _cupy_kernels._null_pointer()
     blocks = -(-_cupy_kernels._pad_windows(T) // bwd.kernels["preprocess"].threads)
     bwd.launch("preprocess", grid=(blocks,),
-               args=(q, q, none, none, none, null, null, dk, dv, hand_plan(0, T).struct, call))
+               args=(q, q, none, none, none, null, dk, dv, null, hand_plan(0, T).struct, call))
     for name, a in (("out", out), ("dk", dk), ("dv", dv)):
         a = a[first_pad - 1:].astype(np.float32)
         assert (a[1:] == 0).all(), f"{name}: pad rows past 2**31 elements not 0"
@@ -383,14 +389,14 @@ A6000 = DeviceInfo((8, 6), 99 * KIB, "NVIDIA RTX A6000")
 L40S = DeviceInfo((8, 9), 99 * KIB, "NVIDIA L40S")
 H100 = DeviceInfo((9, 0), 227 * KIB, "NVIDIA H100")
 T4 = DeviceInfo((7, 5), 64 * KIB, "Tesla T4")
-# The tiles the backend's plans get, by head dim: 99 KiB cannot hold the (128, 64) dQ kernel at
-# D = 96 (106496 B); at D = 128 no dQ kernel fits (139264 and 104448 B), and the forward and
-# atomic-dQ backward fit with (128, 64) tiles (69632 and 75264 B). Above D = 128 only (64, 64)
-# compiles, and its atomic-dQ dK/dV kernel needs more than 99 KiB (108032 B at D = 192, 104704 B
-# at D = 256): no tiles there (None).
+# The tiles the backend's plans get, by head dim: (128, 64) up to D = 128, where the forward
+# and the backward (both dQ modes run the same dK/dV kernel) take at most 69632 and 75264 B, so
+# they fit 99 KiB too. Above D = 128 only (64, 64) compiles, and its dK/dV kernel needs more than
+# 99 KiB (108032 B at D = 192, 104704 B at D = 256): no tiles there (None).
 BIG_TILES = {D: (128, 64) if D <= 128 else (64, 64) for D in _cupy_spec.HEAD_DIMS}
-SMALL_SMEM_TILES = {32: (128, 64), 64: (128, 64), 96: (64, 64), 128: (128, 64), 192: None,
-                    256: None}
+SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_spec.HEAD_DIMS}
+# A stand-in GPU with less shared memory per block than any shipped one: 64 KiB.
+SMALL_SMEM = DeviceInfo((8, 9), 64 * KIB, "a GPU with 64 KiB per block")
 
 
 def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
@@ -423,27 +429,27 @@ def test_tiles_fit_the_device(device, tiles):
                         assert spec.kernels()[role].smem <= device.smem_optin, (
                             f"{device.arch}: {spec.kernels()[role].name} does not fit")
                 why = BACKEND.supports(_call(dtype, D, backward=True, deterministic=True))
-                dq = KernelSpec("bwd", dtype, D, *blocks, False).kernels()["dq"]
-                if dq.smem <= device.smem_optin:
-                    assert why is None, f"{device.arch} D={D} deterministic: {why}"
-                else:
-                    assert f"{dq.smem} B" in why and f"{device.smem_optin} B" in why, why
+                assert why is None, f"{device.arch} D={D} deterministic: {why}"
 
 
-def test_small_shared_memory_refuses_the_deterministic_backward_and_says_why():
-    import varlen
+def test_deterministic_backward_needs_what_the_atomic_one_needs():
+    """Ordered dQ runs the atomic dK/dV kernel's layout: the same shared memory, so the
+    deterministic backward fits wherever the atomic one does, and is refused, naming its
+    kernel and both sizes, where it does not."""
     from varlen.backends.cupy_backend import BACKEND
-    with BACKEND.stand_in_device(A6000):
-        with pytest.raises(ValueError, match=r"deterministic=True .* varlen_bwd_dq<__half, 128, "
-                                             r"128, 64, false> needs 139264 B .* NVIDIA RTX A6000 "
-                                             r"\(sm_86\) allows at most 101376 B \(99 KiB\)"):
-            varlen.backends.select("cupy", _call("float16", 128, backward=True,
-                                                 deterministic=True))
+    for spec in _cupy_spec.all_specs():
+        if spec.kind == "bwd":
+            k = spec.kernels()
+            assert k["dkdv_ordered"].smem == k["dkdv_atomic"].smem, spec.label
+            assert k["dkdv_ordered"].threads == k["dkdv_atomic"].threads, spec.label
+    with BACKEND.stand_in_device(SMALL_SMEM):
         # a plan built elsewhere with tiles the GPU cannot hold is refused before any launch
         plan = types.SimpleNamespace(block_m=64, block_n=64)
         q = np.zeros((1, 1, 128), np.float16)
         lse = np.zeros((1, 1), np.float32)
-        with pytest.raises(ValueError, match=r"tiles \(64, 64\) .* 104448 B .* 101376 B"):
+        with pytest.raises(ValueError, match=r"tiles \(64, 64\) .* varlen_bwd_dkdv<__half, 128, "
+                                             r"64, 32, false, true, true> needs 75264 B .* "
+                                             r"allows at most 65536 B"):
             BACKEND.backward(plan, q, q, q, q, q, lse, softmax_scale=1.0, softcap=0.0,
                              deterministic=True)
 

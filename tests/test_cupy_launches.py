@@ -261,7 +261,7 @@ def _case_launches():
     assert not reads, f"host reads of device data: {dict(reads)}"
     assert counts["forward"] == {_name(plan, "fwd"): 1}, counts["forward"]
     for det, roles in ((False, ("preprocess", "dkdv_atomic", "dq_convert")),
-                       (True, ("preprocess", "dkdv", "dq"))):
+                       (True, ("preprocess", "dkdv_ordered", "dq_convert"))):
         got = counts[f"backward deterministic={det}"]
         assert got == {_name(plan, r, kind="bwd"): 1 for r in roles}, f"{det=}: {got}"
 

@@ -174,11 +174,12 @@ class _Kernel:
         kind, args = re.fullmatch(r"(\w+)<(.*)>", name).groups()
         a = [x.strip() for x in args.split(",")]
         T, D, BM, BN, SC = a[0], 64, block_m, 64, "false"
-        if kind in ("varlen_fwd", "varlen_bwd_dq"):
+        if kind == "varlen_fwd":
             D, BM, BN, SC = int(a[1]), int(a[2]), int(a[3]), a[4]
         elif kind == "varlen_bwd_dkdv":
             D, BN, SC = int(a[1]), int(a[2]), a[4]
-            kind += "_atomic" if a[5] == "true" else ""
+            # ordered dQ (a 7th argument, true) is atomic dQ in a fixed order
+            kind += "_ordered" if a[6:] == ["true"] else "_atomic" if a[5] == "true" else ""
         elif kind == "varlen_bwd_preprocess":
             D = int(a[1])
         elif kind != "varlen_bwd_dq_convert":

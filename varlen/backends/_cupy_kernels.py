@@ -154,7 +154,8 @@ def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: f
 
 def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: float,
              softcap: float, deterministic: bool, dkdv=None):
-    """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics unless `deterministic`.
+    """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics, added in a fixed order when
+    `deterministic` (bitwise repeatable).
 
     `dkdv`, when given, launches the dK/dV step in place of this module's atomic kernel (the
     sm_90a kernel, `_cupy_sm90_bwd`): `dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum,
@@ -162,10 +163,12 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     the zeroed fp32 `dq_accum`); atomic mode only.
 
     Three launches, no fill. The preprocessing computes delta and the base-2 lse and writes
-    what the next two kernels do not: the zeroed fp32 dQ accumulator (atomic dQ) and the pad
-    rows of dk, dv and, when `deterministic`, dq (rows of no tile). Then the dK/dV kernel (its
-    key tiles' rows), and the dQ conversion (every row of dq) or, when `deterministic`, the dQ
-    kernel (its query tiles' rows). Fewer when Tq or Tk is 0.
+    what the next two kernels do not: the zeroed fp32 dQ accumulator, the pad rows of dk and dv
+    (rows of no key tile) and, when `deterministic`, the order of the dQ additions (`dq_order`,
+    kernels_cuda/bwd_dq_ordered.cuh: zeroed counters, the query tile of each row). Then the
+    dK/dV kernel (its key tiles' rows, dQ added to the accumulator; in key-slot order per query
+    chunk when `deterministic`), and the dQ conversion (every row of dq). Fewer when Tq or Tk
+    is 0.
     """
     import cupy
     if dkdv is not None and deterministic:
@@ -186,34 +189,31 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     call = call_params_arg(Hq, Hk, softmax_scale, softcap)
 
     # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units; the zeroed
-    # dQ accumulator, the pad rows.
+    # dQ accumulator, the pad rows, the dQ order.
     delta = alloc(cupy, (Hq, Tq), np.float32)
     lse2 = alloc(cupy, (Hq, Tq), np.float32)
-    dq_accum = None if deterministic else alloc(cupy, (Tq, Hq, D), np.float32)
-    windows = _pad_windows(Tk) + (_pad_windows(Tq) if deterministic else 0)
+    dq_accum = alloc(cupy, (Tq, Hq, D), np.float32)
+    dq_order = alloc(cupy, (Hq + 1, Tq), np.int32) if deterministic else None
+    slot_rows = plan.num_q_tiles * plan.block_m if deterministic else 0
     threads = mod.kernels["preprocess"].threads
-    mod.launch("preprocess", grid=(_stride_blocks(max(Tq * Hq * threads // PREPROCESS_WARPS,
-                                                      windows), threads),),
-               args=(out, dout, lse, delta, lse2, _pointer(dq_accum),
-                     dq if deterministic else _null_pointer(), dk, dv, plan_arg.struct, call))
+    items = max(Tq * Hq * threads // PREPROCESS_WARPS, _pad_windows(Tk), slot_rows)
+    mod.launch("preprocess", grid=(_stride_blocks(items, threads),),
+               args=(out, dout, lse, delta, lse2, dq_accum, dk, dv,
+                     _pointer(dq_order), plan_arg.struct, call))
     inputs = (q, k, v, dout, lse2, delta)
     if keys and plan.num_k_tiles:
         if dkdv is not None:
             dkdv(*inputs, dk, dv, dq_accum, plan_arg.struct, call)
         else:
-            role = "dkdv" if deterministic else "dkdv_atomic"
+            role = "dkdv_ordered" if deterministic else "dkdv_atomic"
             mod.launch(role, grid=(plan.num_k_tiles, Hk),
-                       args=(*inputs, dk, dv, _pointer(dq_accum), plan_arg.struct, call))
+                       args=(*inputs, dk, dv, dq_accum, _pointer(dq_order), plan_arg.struct,
+                             call))
     if not queries:
         return dq, dk, dv
-    if deterministic:
-        if plan.num_q_tiles:
-            mod.launch("dq", grid=(plan.num_q_tiles, Hq),
-                       args=(*inputs, dq, plan_arg.struct, call))
-    else:
-        n = dq_accum.size
-        mod.launch("dq_convert", grid=(_stride_blocks(n, CONVERT_THREADS),),
-                   args=(dq_accum, dq, cupy.int64(n)))
+    n = dq_accum.size
+    mod.launch("dq_convert", grid=(_stride_blocks(n, CONVERT_THREADS),),
+               args=(dq_accum, dq, cupy.int64(n)))
     return dq, dk, dv
 
 

@@ -146,15 +146,6 @@ class KernelSpec:
         return self.block_n // 2 if acc_regs >= 160 or wide else self.block_n
 
     @property
-    def dq_chunk(self) -> int:
-        """Keys per step of the deterministic dQ kernel: a plan tile, half of one at D > 128
-        and a quarter at D > 192 (the dQ accumulators take D / 2 registers; the stages fit
-        an A100) (dq_key_chunk in bwd_dq.cuh)."""
-        if self.head_dim > 192:
-            return self.block_n // 4
-        return self.block_n // 2 if self.head_dim > MAX_WIDE_HEAD_DIM else self.block_n
-
-    @property
     def dkdv_parts(self) -> int:
         """Passes of the dK/dV kernel over its query chunks, each accumulating head_dim /
         dkdv_parts columns of dK and dV: 2 at D > 128 (DkdvConfig::D_PARTS)."""
@@ -170,20 +161,12 @@ class KernelSpec:
         return 3 if fits else 2
 
     @property
-    def dq_threads(self) -> int:
-        return self.block_m // WARP_ROWS * WARP_SIZE
-
-    @property
     def dkdv_threads(self) -> int:
         return self.block_n // WARP_ROWS * WARP_SIZE
 
     def fwd_smem(self) -> int:
         """Q [BM] + fwd_stages stages of K and V [fwd_chunk], rows of D + 8 elements."""
         return self._fwd_smem_bytes(self.fwd_stages)
-
-    def dq_smem(self) -> int:
-        """Q, dO [BM] + 2 stages of K and V [dq_chunk]."""
-        return (2 * self.block_m + 2 * STAGES * self.dq_chunk) * self.stride * ELEM_BYTES
 
     def dkdv_smem(self, atomic_dq: bool) -> int:
         """K, V [BN] + 2 stages of Q, dO [BQ] (+ dS^T [BN][BQ + 8]) + 2 stages of lse2, delta
@@ -200,14 +183,11 @@ class KernelSpec:
         return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{_cxx_bool(self.has_softcap)}>")
 
-    def dkdv_name(self, atomic_dq: bool) -> str:
+    def dkdv_name(self, atomic_dq: bool, ordered_dq: bool = False) -> str:
+        ordered = ", true" if ordered_dq else ""
         return (f"varlen_bwd_dkdv<{self.ctype}, {self.head_dim}, {self.block_n}, "
                 f"{self.bwd_query_chunk}, {_cxx_bool(self.has_softcap)}, "
-                f"{_cxx_bool(atomic_dq)}>")
-
-    def dq_name(self) -> str:
-        return (f"varlen_bwd_dq<{self.ctype}, {self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{_cxx_bool(self.has_softcap)}>")
+                f"{_cxx_bool(atomic_dq)}{ordered}>")
 
     def preprocess_name(self) -> str:
         return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}>"
@@ -217,15 +197,15 @@ class KernelSpec:
 
     def kernels(self) -> dict:
         """{role: KernelLaunch} of the module's kernels, in launch order; roles "fwd", or
-        "preprocess", "dkdv_atomic", "dkdv", "dq", "dq_convert"."""
+        "preprocess", "dkdv_atomic", "dkdv_ordered" (dQ added in a fixed order: the
+        deterministic backward), "dq_convert"."""
         if self.kind == "fwd":
             return {"fwd": KernelLaunch(self.fwd_name(), self.fwd_threads, self.fwd_smem())}
         return {"preprocess": KernelLaunch(self.preprocess_name(), PREPROCESS_WARPS * WARP_SIZE, 0),
                 "dkdv_atomic": KernelLaunch(self.dkdv_name(True), self.dkdv_threads,
                                             self.dkdv_smem(True)),
-                "dkdv": KernelLaunch(self.dkdv_name(False), self.dkdv_threads,
-                                     self.dkdv_smem(False)),
-                "dq": KernelLaunch(self.dq_name(), self.dq_threads, self.dq_smem()),
+                "dkdv_ordered": KernelLaunch(self.dkdv_name(True, ordered_dq=True),
+                                             self.dkdv_threads, self.dkdv_smem(True)),
                 "dq_convert": KernelLaunch(self.convert_name(), CONVERT_THREADS, 0)}
 
     @property
@@ -241,7 +221,7 @@ class KernelSpec:
 # The kernels a call runs, by role (KernelSpec.kernels): the forward, the backward with atomic
 # dQ, the deterministic backward.
 ROLES = {"fwd": ("fwd",), "bwd": ("preprocess", "dkdv_atomic", "dq_convert"),
-         "bwd-deterministic": ("preprocess", "dkdv", "dq")}
+         "bwd-deterministic": ("preprocess", "dkdv_ordered", "dq_convert")}
 
 
 @dataclass(frozen=True)

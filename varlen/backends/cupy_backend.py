@@ -114,7 +114,7 @@ class CupyBackend(Backend):
             why = smem_refusal(KernelSpec("bwd", call.dtype, call.head_dim, *blocks, False),
                                device, ROLES["bwd-deterministic"])
             if why:
-                return f"deterministic=True runs a dQ kernel that does not fit: {why}"
+                return f"deterministic=True runs a kernel that does not fit: {why}"
         return None
 
     def default_blocks(self, dtype, head_dim):
@@ -184,7 +184,8 @@ class CupyBackend(Backend):
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
                  deterministic=False):
         """`(dq, dk, dv)` in the input dtype. dK/dV are always deterministic (one writer per
-        row); dQ uses fp32 atomics unless `deterministic`, which runs a separate dQ kernel.
+        row); dQ uses fp32 atomics, added in a fixed order when `deterministic` (bitwise
+        repeatable).
         With `VARLEN_CUPY_PATH=sm90a` the atomic mode runs the sm_90a dK/dV kernel
         (`_cupy_sm90_bwd`; the deterministic mode stays on the mma.sync kernels)."""
         from . import _cupy_kernels, _cupy_sm90, _cupy_sm90_bwd
