@@ -24,6 +24,7 @@
 #pragma once
 #include <chrono>
 #include <map>
+#include <shared_mutex>
 
 #ifndef __grid_constant__
 #define __grid_constant__
@@ -154,10 +155,13 @@ struct BlockState {
     // bytes as last published to the async proxy (by a fence.proxy.async, a TMA landing, or the
     // launch's 0xff fill), by 16-byte granule the fence that published its generic write
     // (1 + index into fences; 0: written by the async proxy), and every fence run so far.
-    std::mutex proxy_m;
+    std::shared_mutex proxy_m;      // shared: checks; exclusive: publishing
     std::vector<unsigned char> pub;
     std::vector<uint32_t> stamp;
     std::vector<ProxyFence> fences;
+    // By granule, the last wgmma operand read retired there: (thread + 1) << 32 | the thread's
+    // clock at the retiring wgmma.wait_group (0: none).
+    std::unique_ptr<std::atomic<uint64_t>[]> reads;
 };
 
 inline std::mutex g_state_m;
@@ -172,6 +176,7 @@ inline BlockState& block() {
         const size_t granules = (g_block.smem_bytes + 15) / 16;
         g_state->pub.assign(16 * granules, 0xff);        // map_smem's fill
         g_state->stamp.assign(granules, 0);
+        g_state->reads = std::make_unique<std::atomic<uint64_t>[]>(granules);
     }
     return *g_state;
 }
@@ -292,7 +297,7 @@ constexpr bool PROXY_CHECKS = true;
 inline void async_written(BlockState& b, const unsigned char* p, size_t bytes) {
     if (!PROXY_CHECKS || bytes == 0) return;
     const long off = smem_offset(p);
-    std::lock_guard lk(b.proxy_m);
+    std::unique_lock lk(b.proxy_m);
     std::memcpy(&b.pub[off], p, bytes);
     for (long g = off / 16; g <= (off + (long)bytes - 1) / 16; ++g) b.stamp[g] = 0;
 }
@@ -301,7 +306,7 @@ inline void proxy_fence() {
     if (!PROXY_CHECKS) return;
     BlockState& b = block();
     ThreadState& t = me();
-    std::lock_guard lk(b.proxy_m);
+    std::unique_lock lk(b.proxy_m);
     b.fences.push_back(ProxyFence{threadIdx.x, t.vc[threadIdx.x]});
     const uint32_t entry = (uint32_t)b.fences.size();
     const unsigned char* s = g_block.smem;
@@ -319,7 +324,7 @@ inline void check_async_read(std::vector<long>& offs, const char* what, Site sit
     if (!PROXY_CHECKS) return;
     BlockState& b = block();
     ThreadState& t = me();
-    std::lock_guard lk(b.proxy_m);
+    std::shared_lock lk(b.proxy_m);
     for (long off : offs) {
         if (off < 0 || static_cast<size_t>(off) + 2 > g_block.smem_bytes) continue;
         if (std::memcmp(g_block.smem + off, &b.pub[off], 2) != 0) {
@@ -346,6 +351,36 @@ inline void check_async_read(std::vector<long>& offs, const char* what, Site sit
                  "(a missing mbarrier wait or barrier between the fence and the read)", what,
                  site.file, site.line, g * 16, f.thread, f.clock);
         }
+    }
+}
+
+// Records the retirement of this thread's async-proxy reads of the 2-byte elements at `offs`.
+inline void async_read_retired(std::vector<long>& offs) {
+    if (!PROXY_CHECKS) return;
+    BlockState& b = block();
+    const uint64_t rec = (uint64_t)(threadIdx.x + 1) << 32 | me().vc[threadIdx.x];
+    for (long& off : offs) off /= 16;
+    std::sort(offs.begin(), offs.end());
+    offs.erase(std::unique(offs.begin(), offs.end()), offs.end());
+    for (long g : offs) {
+        if (g >= 0 && static_cast<size_t>(g) < b.stamp.size()) {
+            b.reads[g].store(rec, std::memory_order_relaxed);
+        }
+    }
+}
+
+// A generic write by this thread (stmatrix: the one intercepted) of the granule at shared
+// offset `off` must come after the async-proxy reads retired there: this thread must have
+// synchronised with their thread since.
+inline void check_generic_write(long off, const char* what, Site site) {
+    if (!PROXY_CHECKS || off < 0 || static_cast<size_t>(off / 16) >= block().stamp.size()) return;
+    const uint64_t rec = block().reads[off / 16].load(std::memory_order_relaxed);
+    const uint32_t reader = (uint32_t)(rec >> 32), clock = (uint32_t)rec;
+    if (reader != 0 && reader - 1 != threadIdx.x && me().vc[reader - 1] < clock) {
+        fail("%s (%s:%d) writes shared offset %ld, which a wgmma.mma_async of thread %u read "
+             "(retired at that thread's clock %u), and this thread has not synchronised with "
+             "thread %u since (a missing barrier between the read and the write)", what,
+             site.file, site.line, off, reader - 1, clock, reader - 1);
     }
 }
 
@@ -994,7 +1029,12 @@ inline void wgmma_wait_n(int n, hostemu::sm90::Site site) {
                       "wgmma.commit_group)", t.open.size());
     }
     while (t.groups.size() > static_cast<size_t>(n)) {
-        for (OpPtr& op : t.groups.front()) retire(*op);
+        for (OpPtr& op : t.groups.front()) {
+            retire(*op);
+            std::vector<long> offs;
+            visit_operands(*op, [&](bool, int, long off) { offs.push_back(off); });
+            async_read_retired(offs);
+        }
         t.groups.pop_front();
     }
     // Accumulators a still-pending op continues are still in flight: poison them again.
@@ -1045,6 +1085,7 @@ inline void stmatrix(void* p, const uint32_t (&r)[4], bool trans, hostemu::sm90:
     using namespace hostemu::sm90;
     check_aligned16(p, "stmatrix row");
     smem_check(p, 16, "stmatrix row");
+    check_generic_write(hostemu::smem_offset(p), trans ? "stmatrix.trans" : "stmatrix", site);
     Slot s{WG_STMATRIX, site, 0, {trans}, {r[0], r[1], r[2], r[3]}, p};
     Group& g = enter(32, s);
     // Lane l writes row l % 8 of matrix l / 8: 8 halves, from lanes 4 j + c / 2 (no .trans:
