@@ -126,6 +126,7 @@ struct Mbar {
     uint64_t phase = 0;      // completed phases
     std::vector<Copy> inflight;
     std::vector<uint32_t> vc;  // what its arrivals knew (vector clock, all phases merged)
+    uint32_t init_clock = 0;   // the initialising thread's clock at mbarrier.init
 };
 
 // A named barrier (bar.sync / bar.arrive id, threads): the thread count its current phase was
@@ -465,6 +466,13 @@ inline Mbar& mbar_of(BlockState& b, const void* bar, const char* what) {
     if (off % 8 != 0) fail("%s: mbarrier at shared offset %ld is not 8-byte aligned", what, off);
     auto it = b.bars.find(off);
     if (it == b.bars.end()) fail("%s: no mbarrier initialised at shared offset %ld", what, off);
+    // Another thread may use it once it has synchronised with the init (__syncthreads).
+    const unsigned init = it->second.init_thread;
+    if (init != threadIdx.x && me().vc[init] < it->second.init_clock) {
+        fail("%s: the mbarrier at shared offset %ld was initialised by thread %u, and this "
+             "thread has not synchronised with that thread since (a missing __syncthreads "
+             "between mbarrier.init and its use)", what, off, init);
+    }
     uint64_t tag;
     std::memcpy(&tag, bar, 8);
     if (tag != (MBAR_TAG ^ (uint64_t)off)) {
@@ -599,7 +607,9 @@ void visit_operands(const WgmmaOp& op, F&& f) {
     }
     for (int c = 0; c < op.n / 4; ++c) {
         const int col = 8 * (c / 2) + 2 * q + c % 2;
-        for (int k = 0; k < 16; ++k) f(false, 16 * c + k, desc_element(op.desc_b, op.trans_b, col, k));
+        for (int k = 0; k < 16; ++k) {
+            f(false, 16 * c + k, desc_element(op.desc_b, op.trans_b, col, k));
+        }
     }
 }
 
@@ -766,7 +776,7 @@ inline void mbar_init(u64* bar, uint32_t count) {
     const long off = smem_check(bar, 8, "mbarrier.init");
     if (off % 8) hostemu::fail("mbarrier.init: shared offset %ld is not 8-byte aligned", off);
     if (count < 1 || count > (1u << 20) - 1) hostemu::fail("mbarrier.init: count %u", count);
-    b.bars[off] = Mbar{threadIdx.x, false, count, count, 0, 0, {}};
+    b.bars[off] = Mbar{threadIdx.x, false, count, count, 0, 0, {}, {}, me().vc[threadIdx.x]};
     const uint64_t tag = MBAR_TAG ^ (uint64_t)off;
     std::memcpy(bar, &tag, 8);
 }

@@ -133,15 +133,16 @@ constexpr int WG_CLOBBER = 8;         // zero the operands' shared memory betwee
 constexpr int WG_WARP3_SKIPS = 16;    // warp 3 skips the mma_async
 constexpr int WG_SETMAXNREG = 32;     // setmaxnreg.dec / .inc around the product
 constexpr int WG_GROUP_PER_STEP = 64; // commit each k-step; probe[t] = d[0] after wait_group 1
-constexpr int WG_NO_PROXY_FENCE = 128;  // the operands' stores are not followed by fence.proxy.async
-constexpr int WG_FLAG_HANDOFF = 256;  // thread 0 stores and fences the operands, then hands them
-                                      // on through a plain flag after them, not a barrier
+constexpr int WG_NO_PROXY_FENCE = 128; // no fence.proxy.async after the operands' stores
+constexpr int WG_FLAG_HANDOFF = 256;   // thread 0 stores and fences the operands, then hands them
+                                       // on through a plain flag after them, not a barrier
 
 // Operand modes: A K-major or M-major in shared memory, or in registers; B K- or N-major.
 enum WgMode { SS_KK = 0, SS_KN = 1, RS_K = 2, RS_N = 3, SS_MK = 4 };
 
 // d[64, N] = sum over ksteps of A_k B_k (+ init), one warpgroup: shared memory = smem_in's
-// bytes (16 more hold WG_FLAG_HANDOFF's flag); step k uses desc_a0 / desc_b0 advanced by k a_step / b_step bytes, or A fragments
+// bytes (16 more hold WG_FLAG_HANDOFF's flag); step k uses desc_a0 / desc_b0 advanced by
+// k a_step / b_step bytes, or A fragments
 // a_regs[k][thread][4]; out[thread][N / 2] = d.
 template <typename T, int N, int MODE>
 __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint32_t* a_regs,
