@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -295,3 +296,10 @@ def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
                                                       match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
         BACKEND.backward(*args, **call)
     assert ran == [("mma", False), "sm90a", ("mma", True)]
+
+
+if __name__ == "__main__":
+    # python tests/test_sm90_backward.py LABEL ...: the cases in this process, in the emulation
+    # mode of the environment (scripts/emulation_mutations.py runs them on mutated kernels)
+    for name in sys.argv[1:]:
+        print("ok", name, f"{run_case(name):.1f} s", flush=True)
