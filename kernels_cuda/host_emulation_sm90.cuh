@@ -17,6 +17,11 @@
 //     issue or at retirement (landing mode); products follow mma.sync's model (mma_dot16). An
 //     mma_async that does not continue a pending one on the same accumulators needs a
 //     wgmma.fence since this thread's last wgmma.wait_group.
+//   * memory order: vector clocks per thread, merged through mbarriers, named barriers and
+//     __syncthreads (a use of an mbarrier must follow its init in them); the async proxy's
+//     view of shared memory, which fence.proxy.async and TMA landings publish to: a wgmma
+//     operand must be published and its reader synchronised with a fence after the write, and
+//     stmatrix must follow the wgmma reads retired where it writes.
 //   * setmaxnreg: a warpgroup collective, otherwise nothing.
 //   * stmatrix: a warp collective, the inverse of ldmatrix.
 // Warpgroup collectives and mbarrier waits need the free-running schedule: under the turnstile
