@@ -68,13 +68,22 @@ extern "C" __global__ void sm90_mbar_phases(const unsigned char* src, int* out,
 
 // Misuses of an mbarrier, each of which the emulation must report (never hang):
 // 1: expect 128 bytes that no copy brings, then wait; 2: store over the barrier, then arrive;
-// 3: a bulk copy completing on a barrier whose init was not fenced.
+// 3: a bulk copy completing on a barrier whose init was not fenced; 4: thread 1 arrives after
+// seeing a plain flag thread 0 set after the init, with no barrier between.
 extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u64* bar = reinterpret_cast<u64*>(smem_raw);
     if (threadIdx.x == 0) {
         sm90::mbar_init(bar, 1);
         if (what != 3) sm90::fence_barrier_init();
+    }
+    if (what == 4) {
+        volatile int* inited = reinterpret_cast<volatile int*>(smem_raw + 32);
+        if (threadIdx.x == 0) *inited = 1;
+        while (*inited != 1) {
+        }
+        if (threadIdx.x == 1) sm90::mbar_arrive(bar);
+        return;
     }
     __syncthreads();
     if (what == 3 && threadIdx.x == 0) {

@@ -273,6 +273,14 @@ def test_mbarrier_init_without_fence_is_reported(lib):
     assert "not followed by fence.mbarrier_init" in err, err[-2000:]
 
 
+def test_mbarrier_use_not_ordered_after_its_init_is_reported(lib):
+    """Thread 1 sees the init happened (a plain flag) but no barrier orders it after the init:
+    the __syncthreads after the inits is missing."""
+    err = run_isolated("sm90_run_mbar_misuse(4)")
+    assert re.search(r"thread 1: mbarrier.arrive: the mbarrier at shared offset 0 was initialised "
+                     r"by thread 0, and this thread has not synchronised", err), err[-2000:]
+
+
 # ---- named barriers ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("landing", ["wait", "random"])

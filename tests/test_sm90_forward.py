@@ -299,10 +299,13 @@ def test_sm90_forward_mutation_is_caught(name, tmp_path):
 CI_SITES = {"wgmma-wait-1": "wgmma_wait<1>", "pingpong-sync": "named_bar_sync",
             "k-empty-wait": "k_empty(s)", "proxy-fence": "fence_proxy_async",
             "ready-wait": "ready(n % STAGES)"}
+# (the fence's check also has a harness test, tests/test_emulation_sm90.py: slow here)
+SLOW_CI_SITES = {"proxy-fence"}
 
 
 @needs_cxx
-@pytest.mark.parametrize("name", list(CI_SITES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CI_SITES
+                                  else n for n in CI_SITES])
 def test_sm90_removed_synchronisation_is_caught(name):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import emulation_mutations
