@@ -151,6 +151,7 @@ struct ProxyFence {
 // The sm_90 state of the block being run, made afresh for each block (keyed by its barrier).
 struct BlockState {
     const void* key = nullptr;
+    unsigned bx = 0, by = 0;                 // with key: a block's barrier may reuse an address
     std::mutex m;
     std::condition_variable cv;
     std::map<long, Mbar> bars;
@@ -176,9 +177,11 @@ inline std::unique_ptr<BlockState> g_state;
 inline BlockState& block() {
     std::lock_guard lk(g_state_m);
     const void* key = g_sync.bar.get();
-    if (!g_state || g_state->key != key) {
+    if (!g_state || g_state->key != key || g_state->bx != blockIdx.x || g_state->by != blockIdx.y) {
         g_state = std::make_unique<BlockState>();
         g_state->key = key;
+        g_state->bx = blockIdx.x;
+        g_state->by = blockIdx.y;
         const size_t granules = (g_block.smem_bytes + 15) / 16;
         g_state->pub.assign(16 * granules, 0xff);        // map_smem's fill
         g_state->stamp.assign(granules, 0);
@@ -190,7 +193,8 @@ inline BlockState& block() {
 // The block's sm_90 state if a thread of this block has made it, else null.
 inline BlockState* block_if_started() {
     std::lock_guard lk(g_state_m);
-    return g_state && g_state->key == g_sync.bar.get() ? g_state.get() : nullptr;
+    return g_state && g_state->key == g_sync.bar.get() && g_state->bx == blockIdx.x &&
+                   g_state->by == blockIdx.y ? g_state.get() : nullptr;
 }
 
 // One wgmma.mma_async in flight: its operands (read at issue or at retirement) and result.
@@ -208,6 +212,7 @@ using OpPtr = std::shared_ptr<WgmmaOp>;
 
 struct ThreadState {
     const void* key = nullptr;
+    unsigned bx = 0, by = 0;
     uint64_t wg_count = 0, warp_count = 0;   // warpgroup and warp collectives met
     std::vector<OpPtr> open;             // issued since the last commit
     std::deque<std::vector<OpPtr>> groups;
@@ -225,9 +230,11 @@ inline thread_local ThreadState t_state;
 
 inline ThreadState& me() {
     ThreadState& t = t_state;
-    if (t.key != g_sync.bar.get()) {
+    if (t.key != g_sync.bar.get() || t.bx != blockIdx.x || t.by != blockIdx.y) {
         t = ThreadState{};
         t.key = g_sync.bar.get();
+        t.bx = blockIdx.x;
+        t.by = blockIdx.y;
         t.vc.assign(g_sync.copies.size(), 0);
         t.vc[threadIdx.x] = 1;
         t.rng = splitmix(g_config.seed ^ 0x5eed90ull ^ splitmix(((uint64_t)blockIdx.y << 40) ^

@@ -81,6 +81,9 @@ extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) 
         volatile int* inited = reinterpret_cast<volatile int*>(smem_raw + 32);
         if (threadIdx.x == 0) *inited = 1;
         while (*inited != 1) {
+#ifdef VARLEN_HOST_EMULATION
+            std::this_thread::yield();    // spinning OS threads would starve thread 0
+#endif
         }
         if (threadIdx.x == 1) sm90::mbar_arrive(bar);
         return;
@@ -171,6 +174,9 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
             *handed = 1;
         }
         while (*handed != 1) {
+#ifdef VARLEN_HOST_EMULATION
+            std::this_thread::yield();    // spinning OS threads would starve thread 0
+#endif
         }
     } else {
         for (unsigned i = tid; i < smem_bytes / 16; i += WG_THREADS) s[i] = smem_in[i];
