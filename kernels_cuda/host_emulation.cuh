@@ -227,6 +227,9 @@ struct BlockSync {
     std::vector<std::vector<CopyRecord>> copies;     // per thread
 };
 inline BlockSync g_sync;
+// Run by each thread entering (false) and leaving (true) __syncthreads, when set (the sm_90
+// emulation's memory-order tracking).
+inline void (*g_block_barrier_hook)(bool leaving) = nullptr;
 
 inline Warp& my_warp() { return g_sync.warps[threadIdx.x / 32]; }
 inline int my_lane() { return threadIdx.x % 32; }
@@ -297,8 +300,10 @@ inline int extra_wavefronts(const long* offsets, int n) {
 
 inline void __syncthreads() {
     hostemu::sync_point();
+    if (hostemu::g_block_barrier_hook) hostemu::g_block_barrier_hook(false);
     if (hostemu::g_sync.turnstile) hostemu::g_sync.turnstile->done(threadIdx.x / 32, false);
     else hostemu::g_sync.bar->arrive_and_wait();
+    if (hostemu::g_block_barrier_hook) hostemu::g_block_barrier_hook(true);
 }
 inline void __syncwarp() { hostemu::sync_point(); hostemu::my_warp().bar.arrive_and_wait(); }
 

@@ -17,6 +17,11 @@
 //     issue or at retirement (landing mode); products follow mma.sync's model (mma_dot16). An
 //     mma_async that does not continue a pending one on the same accumulators needs a
 //     wgmma.fence since this thread's last wgmma.wait_group.
+//   * memory order: vector clocks per thread, merged through mbarriers, named barriers and
+//     __syncthreads (a use of an mbarrier must follow its init in them); the async proxy's
+//     view of shared memory, which fence.proxy.async and TMA landings publish to: a wgmma
+//     operand must be published and its reader synchronised with a fence after the write, and
+//     stmatrix must follow the wgmma reads retired where it writes.
 //   * setmaxnreg: a warpgroup collective, otherwise nothing.
 //   * stmatrix: a warp collective, the inverse of ldmatrix.
 // Warpgroup collectives and mbarrier waits need the free-running schedule: under the turnstile
@@ -24,6 +29,7 @@
 #pragma once
 #include <chrono>
 #include <map>
+#include <shared_mutex>
 
 #ifndef __grid_constant__
 #define __grid_constant__
@@ -112,6 +118,8 @@ struct Group {
 struct Copy {
     std::function<void()> land;
     uint32_t bytes;
+    unsigned char* dst;      // the shared-memory bytes it writes: [dst, dst + span)
+    size_t span;
 };
 
 struct Mbar {
@@ -122,6 +130,8 @@ struct Mbar {
     int64_t tx = 0;          // transaction bytes still expected in the current phase
     uint64_t phase = 0;      // completed phases
     std::vector<Copy> inflight;
+    std::vector<uint32_t> vc;  // what its arrivals knew (vector clock, all phases merged)
+    uint32_t init_clock = 0;   // the initialising thread's clock at mbarrier.init
 };
 
 // A named barrier (bar.sync / bar.arrive id, threads): the thread count its current phase was
@@ -130,16 +140,35 @@ struct NamedBar {
     uint32_t threads = 0, arrived = 0;
     uint64_t phase = 0;
     std::vector<bool> in;      // by thread: arrived in the current phase
+    std::vector<uint32_t> vc;  // what its arrivals knew (vector clock, all phases merged)
+};
+
+// A fence.proxy.async: the thread that ran it and that thread's clock then.
+struct ProxyFence {
+    uint32_t thread, clock;
 };
 
 // The sm_90 state of the block being run, made afresh for each block (keyed by its barrier).
 struct BlockState {
     const void* key = nullptr;
+    unsigned bx = 0, by = 0;                 // with key: a block's barrier may reuse an address
     std::mutex m;
     std::condition_variable cv;
     std::map<long, Mbar> bars;
     std::map<int, std::unique_ptr<Group>> warpgroups, warps;
     std::map<uint32_t, NamedBar> named;      // bar.sync / bar.arrive by id
+    std::vector<uint32_t> sync_vc;           // what the threads knew at __syncthreads
+    // Async-proxy view of shared memory (docs/hopper.md, "What the emulation checks"): the
+    // bytes as last published to the async proxy (by a fence.proxy.async, a TMA landing, or the
+    // launch's 0xff fill), by 16-byte granule the fence that published its generic write
+    // (1 + index into fences; 0: written by the async proxy), and every fence run so far.
+    std::shared_mutex proxy_m;      // shared: checks; exclusive: publishing
+    std::vector<unsigned char> pub;
+    std::vector<uint32_t> stamp;
+    std::vector<ProxyFence> fences;
+    // By granule, the last wgmma operand read retired there: (thread + 1) << 32 | the thread's
+    // clock at the retiring wgmma.wait_group (0: none).
+    std::unique_ptr<std::atomic<uint64_t>[]> reads;
 };
 
 inline std::mutex g_state_m;
@@ -148,11 +177,24 @@ inline std::unique_ptr<BlockState> g_state;
 inline BlockState& block() {
     std::lock_guard lk(g_state_m);
     const void* key = g_sync.bar.get();
-    if (!g_state || g_state->key != key) {
+    if (!g_state || g_state->key != key || g_state->bx != blockIdx.x || g_state->by != blockIdx.y) {
         g_state = std::make_unique<BlockState>();
         g_state->key = key;
+        g_state->bx = blockIdx.x;
+        g_state->by = blockIdx.y;
+        const size_t granules = (g_block.smem_bytes + 15) / 16;
+        g_state->pub.assign(16 * granules, 0xff);        // map_smem's fill
+        g_state->stamp.assign(granules, 0);
+        g_state->reads = std::make_unique<std::atomic<uint64_t>[]>(granules);
     }
     return *g_state;
+}
+
+// The block's sm_90 state if a thread of this block has made it, else null.
+inline BlockState* block_if_started() {
+    std::lock_guard lk(g_state_m);
+    return g_state && g_state->key == g_sync.bar.get() && g_state->bx == blockIdx.x &&
+                   g_state->by == blockIdx.y ? g_state.get() : nullptr;
 }
 
 // One wgmma.mma_async in flight: its operands (read at issue or at retirement) and result.
@@ -165,11 +207,13 @@ struct WgmmaOp {
     std::vector<float> d_in, result;     // N / 2 each
     float a_rows[2][16];                 // rows 16 w + g and + 8 of A
     std::vector<float> b_cols;           // [N / 4][16]: this thread's columns of B
+    Site site{};                         // the call, for reports
 };
 using OpPtr = std::shared_ptr<WgmmaOp>;
 
 struct ThreadState {
     const void* key = nullptr;
+    unsigned bx = 0, by = 0;
     uint64_t wg_count = 0, warp_count = 0;   // warpgroup and warp collectives met
     std::vector<OpPtr> open;             // issued since the last commit
     std::deque<std::vector<OpPtr>> groups;
@@ -178,14 +222,22 @@ struct ThreadState {
     uint32_t wait_parity = 0;
     Clock::time_point wait_start;
     uint64_t rng = 0;
+    // Vector clock: vc[u] is the latest clock of thread u this thread has synchronised with
+    // (through an mbarrier, a named barrier or __syncthreads); vc[threadIdx.x] is its own,
+    // advanced at each of its arrivals.
+    std::vector<uint32_t> vc;
 };
 inline thread_local ThreadState t_state;
 
 inline ThreadState& me() {
     ThreadState& t = t_state;
-    if (t.key != g_sync.bar.get()) {
+    if (t.key != g_sync.bar.get() || t.bx != blockIdx.x || t.by != blockIdx.y) {
         t = ThreadState{};
         t.key = g_sync.bar.get();
+        t.bx = blockIdx.x;
+        t.by = blockIdx.y;
+        t.vc.assign(g_sync.copies.size(), 0);
+        t.vc[threadIdx.x] = 1;
         t.rng = splitmix(g_config.seed ^ 0x5eed90ull ^ splitmix(((uint64_t)blockIdx.y << 40) ^
                                                                  ((uint64_t)blockIdx.x << 16) ^
                                                                  threadIdx.x));
@@ -208,6 +260,146 @@ inline long smem_check(const void* p, size_t bytes, const char* what) {
              off + (long)bytes, g_block.smem_bytes);
     }
     return off;
+}
+
+// ---- memory order: which thread has synchronised with which -----------------------------
+// An arrival (mbarrier arrive, bar.arrive / bar.sync, __syncthreads) merges the thread's vector
+// clock into the barrier's and advances the thread's own clock; a completed wait merges the
+// barrier's into the thread's. Merging every phase of a barrier into one clock can only make a
+// thread know more than it does on the GPU: a missed report, never a false one.
+inline void release_into(std::vector<uint32_t>& into) {
+    ThreadState& t = me();
+    if (into.size() < t.vc.size()) into.resize(t.vc.size(), 0);
+    for (size_t u = 0; u < t.vc.size(); ++u) into[u] = std::max(into[u], t.vc[u]);
+    ++t.vc[threadIdx.x];
+}
+
+inline void acquire_from(const std::vector<uint32_t>& from) {
+    ThreadState& t = me();
+    for (size_t u = 0; u < from.size() && u < t.vc.size(); ++u) {
+        t.vc[u] = std::max(t.vc[u], from[u]);
+    }
+}
+
+// __syncthreads, entering (leaving = false) and leaving: a barrier of the whole block.
+inline void block_barrier(bool leaving) {
+    BlockState* b = block_if_started();
+    if (!b) return;
+    std::lock_guard lk(b->m);
+    if (leaving) acquire_from(b->sync_vc);
+    else release_into(b->sync_vc);
+}
+inline const bool g_block_barrier_hooked = (g_block_barrier_hook = block_barrier, true);
+
+// ---- the async proxy's view of shared memory -------------------------------------------
+// Generic writes (plain stores, stmatrix) are not intercepted: they show as bytes that differ
+// from the async proxy's view `pub`. A fence.proxy.async publishes every such difference (a
+// fence covers the generic writes made before it, by whichever thread: the PTX fences are
+// cumulative over what the thread has observed, which the emulation cannot tell apart) and
+// logs itself; a TMA landing or poisoning publishes its bytes as async-proxy writes. An
+// async-proxy read (a wgmma shared-memory operand) is then checked at issue: each byte must be
+// published, and if a fence published it, the reading thread must have synchronised with a
+// thread that fenced at or after that publication. Off under ThreadSanitizer, where comparing
+// bytes another thread writes is a race report of its own.
+#if defined(__SANITIZE_THREAD__)
+constexpr bool PROXY_CHECKS = false;
+#else
+constexpr bool PROXY_CHECKS = true;
+#endif
+
+// An async-proxy write of [p, p + bytes) (b.m may be held: proxy_m is taken after it).
+inline void async_written(BlockState& b, const unsigned char* p, size_t bytes) {
+    if (!PROXY_CHECKS || bytes == 0) return;
+    const long off = smem_offset(p);
+    std::unique_lock lk(b.proxy_m);
+    std::memcpy(&b.pub[off], p, bytes);
+    for (long g = off / 16; g <= (off + (long)bytes - 1) / 16; ++g) b.stamp[g] = 0;
+}
+
+inline void proxy_fence() {
+    if (!PROXY_CHECKS) return;
+    BlockState& b = block();
+    ThreadState& t = me();
+    std::unique_lock lk(b.proxy_m);
+    b.fences.push_back(ProxyFence{threadIdx.x, t.vc[threadIdx.x]});
+    const uint32_t entry = (uint32_t)b.fences.size();
+    const unsigned char* s = g_block.smem;
+    for (size_t g = 0; g < b.stamp.size(); ++g) {
+        if (std::memcmp(s + 16 * g, &b.pub[16 * g], 16) != 0) {
+            std::memcpy(&b.pub[16 * g], s + 16 * g, 16);
+            b.stamp[g] = entry;
+        }
+    }
+}
+
+// Checks an async-proxy read by this thread of the 2-byte elements at `offs` (shared offsets;
+// `what` and `site` name the instruction in the report); `values`: that each byte is published
+// too (at issue; at retirement only the fences are checked, as a store that no fence published
+// since the issue already shows in the product under the landing modes).
+inline void check_async_read(std::vector<long>& offs, const char* what, Site site,
+                             bool values = true) {
+    if (!PROXY_CHECKS) return;
+    BlockState& b = block();
+    ThreadState& t = me();
+    std::shared_lock lk(b.proxy_m);
+    for (long off : offs) {
+        if (!values) break;
+        if (off < 0 || static_cast<size_t>(off) + 2 > g_block.smem_bytes) continue;
+        if (std::memcmp(g_block.smem + off, &b.pub[off], 2) != 0) {
+            fail("%s (%s:%d) reads shared offset %ld through the async proxy, and a generic-proxy "
+                 "write there (a plain store or stmatrix) is not yet followed by "
+                 "fence.proxy.async: the async proxy may not see it", what, site.file,
+                 site.line, off);
+        }
+    }
+    for (long& off : offs) off /= 16;
+    std::sort(offs.begin(), offs.end());
+    offs.erase(std::unique(offs.begin(), offs.end()), offs.end());
+    for (long g : offs) {
+        if (g < 0 || static_cast<size_t>(g) >= b.stamp.size() || b.stamp[g] == 0) continue;
+        bool ordered = false;
+        for (size_t e = b.stamp[g] - 1; e < b.fences.size() && !ordered; ++e) {
+            ordered = t.vc[b.fences[e].thread] >= b.fences[e].clock;
+        }
+        if (!ordered) {
+            const ProxyFence& f = b.fences[b.stamp[g] - 1];
+            fail("%s (%s:%d) reads shared offset %ld through the async proxy: a generic-proxy "
+                 "write there was published by the fence.proxy.async of thread %u (clock %u), "
+                 "and this thread has not synchronised with it or with any later fence since "
+                 "(a missing mbarrier wait or barrier between the fence and the read)", what,
+                 site.file, site.line, g * 16, f.thread, f.clock);
+        }
+    }
+}
+
+// Records the retirement of this thread's async-proxy reads of the 2-byte elements at `offs`.
+inline void async_read_retired(std::vector<long>& offs) {
+    if (!PROXY_CHECKS) return;
+    BlockState& b = block();
+    const uint64_t rec = (uint64_t)(threadIdx.x + 1) << 32 | me().vc[threadIdx.x];
+    for (long& off : offs) off /= 16;
+    std::sort(offs.begin(), offs.end());
+    offs.erase(std::unique(offs.begin(), offs.end()), offs.end());
+    for (long g : offs) {
+        if (g >= 0 && static_cast<size_t>(g) < b.stamp.size()) {
+            b.reads[g].store(rec, std::memory_order_relaxed);
+        }
+    }
+}
+
+// A generic write by this thread (stmatrix: the one intercepted) of the granule at shared
+// offset `off` must come after the async-proxy reads retired there: this thread must have
+// synchronised with their thread since.
+inline void check_generic_write(long off, const char* what, Site site) {
+    if (!PROXY_CHECKS || off < 0 || static_cast<size_t>(off / 16) >= block().stamp.size()) return;
+    const uint64_t rec = block().reads[off / 16].load(std::memory_order_relaxed);
+    const uint32_t reader = (uint32_t)(rec >> 32), clock = (uint32_t)rec;
+    if (reader != 0 && reader - 1 != threadIdx.x && me().vc[reader - 1] < clock) {
+        fail("%s (%s:%d) writes shared offset %ld, which a wgmma.mma_async of thread %u read "
+             "(retired at that thread's clock %u), and this thread has not synchronised with "
+             "thread %u since (a missing barrier between the read and the write)", what,
+             site.file, site.line, off, reader - 1, clock, reader - 1);
+    }
 }
 
 // ---- collectives -----------------------------------------------------------------------
@@ -291,6 +483,13 @@ inline Mbar& mbar_of(BlockState& b, const void* bar, const char* what) {
     if (off % 8 != 0) fail("%s: mbarrier at shared offset %ld is not 8-byte aligned", what, off);
     auto it = b.bars.find(off);
     if (it == b.bars.end()) fail("%s: no mbarrier initialised at shared offset %ld", what, off);
+    // Another thread may use it once it has synchronised with the init (__syncthreads).
+    const unsigned init = it->second.init_thread;
+    if (init != threadIdx.x && me().vc[init] < it->second.init_clock) {
+        fail("%s: the mbarrier at shared offset %ld was initialised by thread %u, and this "
+             "thread has not synchronised with that thread since (a missing __syncthreads "
+             "between mbarrier.init and its use)", what, off, init);
+    }
     uint64_t tag;
     std::memcpy(&tag, bar, 8);
     if (tag != (MBAR_TAG ^ (uint64_t)off)) {
@@ -320,6 +519,7 @@ inline void arrive(BlockState& b, Mbar& m, long off, const char* what) {
              "phase waits for %lld transaction bytes)", what, off, m.expected, (long long)m.tx);
     }
     --m.pending;
+    release_into(m.vc);
     maybe_complete(b, m);
 }
 
@@ -331,6 +531,7 @@ inline void land_copies(BlockState& b, Mbar& m, bool all, ThreadState& t) {
     for (Copy& c : todo) {
         if (all || coin(t)) {
             c.land();
+            async_written(b, c.dst, c.span);
             complete_tx(b, m, c.bytes);
         } else {
             keep.push_back(std::move(c));
@@ -345,6 +546,8 @@ inline void issue_copy(void* bar, unsigned char* dst, size_t poison_bytes, Copy 
     BlockState& b = block();
     ThreadState& t = me();
     std::lock_guard lk(b.m);
+    c.dst = dst;
+    c.span = poison_bytes;
     Mbar& m = mbar_of(b, bar, what);
     if (!m.init_fenced) {
         fail("%s completes on the mbarrier at shared offset %ld, whose mbarrier.init was not "
@@ -354,9 +557,11 @@ inline void issue_copy(void* bar, unsigned char* dst, size_t poison_bytes, Copy 
     const int mode = g_config.landing;
     if (mode == LAND_AT_ISSUE || (mode == LAND_RANDOM && coin(t))) {
         c.land();
+        async_written(b, c.dst, c.span);
         complete_tx(b, m, c.bytes);
     } else {
         std::memset(dst, 0xff, poison_bytes);
+        async_written(b, dst, poison_bytes);
         m.inflight.push_back(std::move(c));
     }
 }
@@ -405,25 +610,34 @@ inline float smem_half(long off, bool bf16, const char* which) {
     return bf16 ? varlen::to_f<__nv_bfloat16>(bits) : varlen::to_f<__half>(bits);
 }
 
-// This thread's rows of A (from shared memory) and columns of B: read at issue or retirement.
-inline void read_operands(WgmmaOp& op) {
+// Calls f(a, i, offset) for each shared-memory element of this thread's rows of A (a true;
+// i = 16 h + k for row 16 w + g + 8 h) and columns of B (a false; i = 16 c + k).
+template <typename F>
+void visit_operands(const WgmmaOp& op, F&& f) {
     const unsigned t = threadIdx.x % 128, w = t / 32, l = t % 32, g = l / 4, q = l % 4;
     if (!op.a_in_regs) {
         for (int h = 0; h < 2; ++h) {
             for (int k = 0; k < 16; ++k) {
-                op.a_rows[h][k] = smem_half(desc_element(op.desc_a, op.trans_a,
-                                                         16 * w + g + 8 * h, k), op.bf16, "A");
+                f(true, 16 * h + k, desc_element(op.desc_a, op.trans_a, 16 * w + g + 8 * h, k));
             }
         }
     }
-    op.b_cols.resize((size_t)op.n / 4 * 16);
     for (int c = 0; c < op.n / 4; ++c) {
         const int col = 8 * (c / 2) + 2 * q + c % 2;
         for (int k = 0; k < 16; ++k) {
-            op.b_cols[(size_t)c * 16 + k] = smem_half(desc_element(op.desc_b, op.trans_b, col, k),
-                                                      op.bf16, "B");
+            f(false, 16 * c + k, desc_element(op.desc_b, op.trans_b, col, k));
         }
     }
+}
+
+// This thread's rows of A (from shared memory) and columns of B: read at issue or retirement.
+inline void read_operands(WgmmaOp& op) {
+    op.b_cols.resize((size_t)op.n / 4 * 16);
+    visit_operands(op, [&](bool a, int i, long off) {
+        const float x = smem_half(off, op.bf16, a ? "A" : "B");
+        if (a) op.a_rows[i / 16][i % 16] = x;
+        else op.b_cols[(size_t)i] = x;
+    });
     op.have_operands = true;
 }
 
@@ -491,6 +705,11 @@ inline void issue_wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t 
         }
         op->d_in.assign(d, d + n / 2);
     }
+    // The async proxy may read the operands from the issue on: they must be visible to it now.
+    op->site = site;
+    std::vector<long> offs;
+    visit_operands(*op, [&](bool, int, long off) { offs.push_back(off); });
+    check_async_read(offs, "wgmma.mma_async", site);
     const int mode = g_config.landing;
     if (mode == LAND_AT_ISSUE || (mode == LAND_RANDOM && coin(t))) read_operands(*op);
     const float poison = __int_as_float(ACC_POISON);
@@ -575,7 +794,7 @@ inline void mbar_init(u64* bar, uint32_t count) {
     const long off = smem_check(bar, 8, "mbarrier.init");
     if (off % 8) hostemu::fail("mbarrier.init: shared offset %ld is not 8-byte aligned", off);
     if (count < 1 || count > (1u << 20) - 1) hostemu::fail("mbarrier.init: count %u", count);
-    b.bars[off] = Mbar{threadIdx.x, false, count, count, 0, 0, {}};
+    b.bars[off] = Mbar{threadIdx.x, false, count, count, 0, 0, {}, {}, me().vc[threadIdx.x]};
     const uint64_t tag = MBAR_TAG ^ (uint64_t)off;
     std::memcpy(bar, &tag, 8);
 }
@@ -625,6 +844,7 @@ inline bool mbar_try_wait(u64* bar, uint32_t parity) {
         return (m.phase & 1) != (parity & 1);
     };
     if (done()) {
+        acquire_from(b.bars[off].vc);
         t.wait_bar = -1;
         return true;
     }
@@ -635,6 +855,7 @@ inline bool mbar_try_wait(u64* bar, uint32_t parity) {
     // The hardware suspends the thread a while before answering false.
     b.cv.wait_for(lk, std::chrono::milliseconds(2));
     if (done()) {
+        acquire_from(b.bars[off].vc);
         t.wait_bar = -1;
         return true;
     }
@@ -691,12 +912,14 @@ inline void named_barrier(uint32_t id, uint32_t threads, bool wait, const char* 
                       n.threads);
     }
     n.in[threadIdx.x] = true;
+    release_into(n.vc);
     const uint64_t phase = n.phase;
     if (++n.arrived == n.threads) {
         n.arrived = 0;
         std::fill(n.in.begin(), n.in.end(), false);
         ++n.phase;
         b.cv.notify_all();
+        if (wait) acquire_from(n.vc);
         return;
     }
     if (!wait) return;
@@ -708,6 +931,7 @@ inline void named_barrier(uint32_t id, uint32_t threads, bool wait, const char* 
                           id, b.named[id].arrived, b.named[id].threads, timeout_s());
         }
     }
+    acquire_from(b.named[id].vc);
 }
 
 inline void named_bar_sync(uint32_t id, uint32_t threads) {
@@ -728,7 +952,11 @@ inline void fence_barrier_init() {
         if (m.init_thread == threadIdx.x) m.init_fenced = true;
     }
 }
-inline void fence_proxy_async() { hostemu::sync_point(); }
+// Publishes the generic writes made so far to the async proxy (proxy_fence).
+inline void fence_proxy_async() {
+    hostemu::sync_point();
+    hostemu::sm90::proxy_fence();
+}
 
 // ---- TMA and bulk copies ---------------------------------------------------------------
 inline void tma_load(void* dst, const TensorMap* map, u64* bar, int rank, const int (&c)[3]) {
@@ -829,7 +1057,16 @@ inline void wgmma_wait_n(int n, hostemu::sm90::Site site) {
                       "wgmma.commit_group)", t.open.size());
     }
     while (t.groups.size() > static_cast<size_t>(n)) {
-        for (OpPtr& op : t.groups.front()) retire(*op);
+        for (OpPtr& op : t.groups.front()) {
+            retire(*op);
+            std::vector<long> offs;
+            visit_operands(*op, [&](bool, int, long off) { offs.push_back(off); });
+            // the async proxy may read up to the retirement: a store fenced since the issue by
+            // a thread this one has not synchronised with went into the operand in flight
+            std::vector<long> granules = offs;
+            check_async_read(granules, "wgmma.mma_async (at its retirement)", op->site, false);
+            async_read_retired(offs);
+        }
         t.groups.pop_front();
     }
     // Accumulators a still-pending op continues are still in flight: poison them again.
@@ -880,6 +1117,7 @@ inline void stmatrix(void* p, const uint32_t (&r)[4], bool trans, hostemu::sm90:
     using namespace hostemu::sm90;
     check_aligned16(p, "stmatrix row");
     smem_check(p, 16, "stmatrix row");
+    check_generic_write(hostemu::smem_offset(p), trans ? "stmatrix.trans" : "stmatrix", site);
     Slot s{WG_STMATRIX, site, 0, {trans}, {r[0], r[1], r[2], r[3]}, p};
     Group& g = enter(32, s);
     // Lane l writes row l % 8 of matrix l / 8: 8 halves, from lanes 4 j + c / 2 (no .trans:

@@ -117,9 +117,6 @@ __device__ __forceinline__ void fence_barrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones
-// (wgmma operand reads, TMA stores): each writer of an operand (st.shared, stmatrix), after its
-// writes and before the barrier that hands them to the warpgroup issuing the wgmma.
 // Named barrier `id` (1..15; 0 is __syncthreads') of `threads` threads (a multiple of 32):
 // bar.sync waits until all of them have arrived, bar.arrive counts this thread without waiting
 // (one warpgroup signalling another, as in a ping-pong between consumer warpgroups).
@@ -131,6 +128,9 @@ __device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t threads) 
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones
+// (wgmma operand reads, TMA stores): each writer of an operand (st.shared, stmatrix), after its
+// writes and before the barrier that hands them to the warpgroup issuing the wgmma.
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

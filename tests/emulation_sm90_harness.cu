@@ -68,13 +68,25 @@ extern "C" __global__ void sm90_mbar_phases(const unsigned char* src, int* out,
 
 // Misuses of an mbarrier, each of which the emulation must report (never hang):
 // 1: expect 128 bytes that no copy brings, then wait; 2: store over the barrier, then arrive;
-// 3: a bulk copy completing on a barrier whose init was not fenced.
+// 3: a bulk copy completing on a barrier whose init was not fenced; 4: thread 1 arrives after
+// seeing a plain flag thread 0 set after the init, with no barrier between.
 extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u64* bar = reinterpret_cast<u64*>(smem_raw);
     if (threadIdx.x == 0) {
         sm90::mbar_init(bar, 1);
         if (what != 3) sm90::fence_barrier_init();
+    }
+    if (what == 4) {
+        volatile int* inited = reinterpret_cast<volatile int*>(smem_raw + 32);
+        if (threadIdx.x == 0) *inited = 1;
+        while (*inited != 1) {
+#ifdef VARLEN_HOST_EMULATION
+            std::this_thread::yield();    // spinning OS threads would starve thread 0
+#endif
+        }
+        if (threadIdx.x == 1) sm90::mbar_arrive(bar);
+        return;
     }
     __syncthreads();
     if (what == 3 && threadIdx.x == 0) {
@@ -133,12 +145,16 @@ constexpr int WG_CLOBBER = 8;         // zero the operands' shared memory betwee
 constexpr int WG_WARP3_SKIPS = 16;    // warp 3 skips the mma_async
 constexpr int WG_SETMAXNREG = 32;     // setmaxnreg.dec / .inc around the product
 constexpr int WG_GROUP_PER_STEP = 64; // commit each k-step; probe[t] = d[0] after wait_group 1
+constexpr int WG_NO_PROXY_FENCE = 128; // no fence.proxy.async after the operands' stores
+constexpr int WG_FLAG_HANDOFF = 256;   // thread 0 stores and fences the operands, then hands them
+                                       // on through a plain flag after them, not a barrier
 
 // Operand modes: A K-major or M-major in shared memory, or in registers; B K- or N-major.
 enum WgMode { SS_KK = 0, SS_KN = 1, RS_K = 2, RS_N = 3, SS_MK = 4 };
 
 // d[64, N] = sum over ksteps of A_k B_k (+ init), one warpgroup: shared memory = smem_in's
-// bytes; step k uses desc_a0 / desc_b0 advanced by k a_step / b_step bytes, or A fragments
+// bytes (16 more hold WG_FLAG_HANDOFF's flag); step k uses desc_a0 / desc_b0 advanced by
+// k a_step / b_step bytes, or A fragments
 // a_regs[k][thread][4]; out[thread][N / 2] = d.
 template <typename T, int N, int MODE>
 __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint32_t* a_regs,
@@ -150,9 +166,24 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
     constexpr bool TRANS_B = MODE == SS_KN || MODE == RS_N;
     const int tid = threadIdx.x;
     uint4* s = reinterpret_cast<uint4*>(smem_raw);
-    for (unsigned i = tid; i < smem_bytes / 16; i += WG_THREADS) s[i] = smem_in[i];
-    sm90::fence_proxy_async();      // these generic writes, before the async proxy reads them
-    __syncthreads();
+    if (flags & WG_FLAG_HANDOFF) {
+        volatile int* handed = reinterpret_cast<volatile int*>(smem_raw + smem_bytes);
+        if (tid == 0) {
+            for (unsigned i = 0; i < smem_bytes / 16; ++i) s[i] = smem_in[i];
+            sm90::fence_proxy_async();
+            *handed = 1;
+        }
+        while (*handed != 1) {
+#ifdef VARLEN_HOST_EMULATION
+            std::this_thread::yield();    // spinning OS threads would starve thread 0
+#endif
+        }
+    } else {
+        for (unsigned i = tid; i < smem_bytes / 16; i += WG_THREADS) s[i] = smem_in[i];
+        // these generic writes, before the async proxy reads them
+        if (!(flags & WG_NO_PROXY_FENCE)) sm90::fence_proxy_async();
+        __syncthreads();
+    }
     if (flags & WG_SETMAXNREG) sm90::setmaxnreg<240, true>();
     // [64, N] accumulators, this thread's N / 2
     float d[N / 2];
@@ -413,7 +444,7 @@ extern "C" int sm90_run_wgmma(int bf16, int n, int mode, const void* smem_in,
                               const float* init, float* out, float* probe, int flags) {
     const WgKernel k = bf16 ? wg_kernel<__nv_bfloat16>(n, mode) : wg_kernel<__half>(n, mode);
     if (!k) return -1;
-    launch("sm90_wgmma", 1, 1, WG_THREADS, smem_bytes, [&] {
+    launch("sm90_wgmma", 1, 1, WG_THREADS, smem_bytes + 16, [&] {
         k(static_cast<const uint4*>(smem_in), smem_bytes, a_regs, desc_a, desc_b, a_step, b_step,
           ksteps, init, out, probe, flags);
     });

@@ -26,7 +26,7 @@ SWIZZLE = {"none": 0, "32B": 1, "64B": 2, "128B": 3}        # CUtensorMapSwizzle
 SWIZZLE_BYTES = {"none": 0, "32B": 32, "64B": 64, "128B": 128}
 MODES = {"SS_KK": 0, "SS_KN": 1, "RS_K": 2, "RS_N": 3, "SS_MK": 4}
 F_ACCUMULATE, F_PEEK, F_NO_FENCE, F_CLOBBER, F_WARP3_SKIPS, F_SETMAXNREG = 1, 2, 4, 8, 16, 32
-F_GROUP_PER_STEP = 64
+F_GROUP_PER_STEP, F_NO_PROXY_FENCE, F_FLAG_HANDOFF = 64, 128, 256
 
 P = ctypes.c_void_p
 U32, U64, I32 = ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_int
@@ -273,6 +273,14 @@ def test_mbarrier_init_without_fence_is_reported(lib):
     assert "not followed by fence.mbarrier_init" in err, err[-2000:]
 
 
+def test_mbarrier_use_not_ordered_after_its_init_is_reported(lib):
+    """Thread 1 sees the init happened (a plain flag) but no barrier orders it after the init:
+    the __syncthreads after the inits is missing."""
+    err = run_isolated("sm90_run_mbar_misuse(4)")
+    assert re.search(r"thread 1: mbarrier.arrive: the mbarrier at shared offset 0 was initialised "
+                     r"by thread 0, and this thread has not synchronised", err), err[-2000:]
+
+
 # ---- named barriers ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("landing", ["wait", "random"])
@@ -470,6 +478,24 @@ def isolated_wgmma_call(flags):
 def test_wgmma_without_fence_is_reported(lib):
     err = run_isolated(isolated_wgmma_call(F_NO_FENCE))
     assert "without a wgmma.fence" in err, err[-2000:]
+
+
+def test_wgmma_operand_stored_without_proxy_fence_is_reported(lib):
+    """Operands written by plain stores, a barrier, no fence.proxy.async: the async proxy (the
+    wgmma's operand reads) may not see them."""
+    err = run_isolated(isolated_wgmma_call(F_NO_PROXY_FENCE))
+    assert re.search(r"kernel sm90_wgmma, block \(0, 0\), thread \d+: wgmma.mma_async \(.*\) "
+                     r"reads shared offset \d+ through the async proxy, and a generic-proxy "
+                     r"write there .* not yet followed by fence.proxy.async", err), err[-2000:]
+
+
+def test_wgmma_operand_fenced_but_not_synchronised_is_reported(lib):
+    """Thread 0 stores and fences the operands and sets a plain flag; the other threads see the
+    flag, so the stores happened, but no barrier orders them after thread 0's fence."""
+    err = run_isolated(isolated_wgmma_call(F_FLAG_HANDOFF))
+    assert re.search(r"thread (\d+): wgmma.mma_async \(.*\) reads shared offset \d+ through the "
+                     r"async proxy: a generic-proxy write there was published by the "
+                     r"fence.proxy.async of thread 0 .* has not synchronised", err), err[-2000:]
 
 
 def test_wgmma_warp_missing_from_warpgroup_is_reported(lib):

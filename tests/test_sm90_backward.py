@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -265,6 +266,22 @@ def test_sm90_backward_mutation_is_caught(name, tmp_path):
     assert says in proc.stdout + proc.stderr, f"{name}: failed otherwise:\n{proc.stderr[-2000:]}"
 
 
+@needs_cxx
+def test_sm90_backward_removed_ds_barrier_is_caught():
+    """The warpgroup's barrier before it rewrites its dS buffer by stmatrix (the site of
+    bwd_sm90.cuh the mutation sweep runs): without it a warp overwrites dS that another warp's
+    dQ product read, with no barrier between the read's retirement and the write."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "scripts"))
+    import emulation_mutations
+    chosen = [s for s in emulation_mutations.sites()
+              if s[0] == "bwd_sm90.cuh" and "named_bar_sync" in s[2]]
+    assert len(chosen) == 2, f"the two dS barriers expected (kernel rewritten?): {chosen}"
+    by, seconds = emulation_mutations.check(chosen[0], timeout=900)
+    assert by is not None and "stmatrix" in by, (
+        f"removing {emulation_mutations.site_id(chosen[0])}: {by or 'went unnoticed'}")
+
+
 def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
     """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's atomic backward to the sm_90a dK/dV
     kernel on a compute capability 9.0 GPU and refuses any other GPU naming the variable; the
@@ -295,3 +312,10 @@ def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
                                                       match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
         BACKEND.backward(*args, **call)
     assert ran == [("mma", False), "sm90a", ("mma", True)]
+
+
+if __name__ == "__main__":
+    # python tests/test_sm90_backward.py LABEL ...: the cases in this process, in the emulation
+    # mode of the environment (scripts/emulation_mutations.py runs them on mutated kernels)
+    for name in sys.argv[1:]:
+        print("ok", name, f"{run_case(name):.1f} s", flush=True)

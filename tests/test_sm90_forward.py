@@ -291,14 +291,21 @@ def test_sm90_forward_mutation_is_caught(name, tmp_path):
 
 # Representative synchronisation sites of fwd_sm90.cuh for CI, by what marks their call: the
 # wait that retires S while P V stays in flight, the ping-pong's bar.sync, the producer's wait
-# for a K stage's release. The full sweep: scripts/emulation_mutations.py, or
-# tests/test_emulation_strict.py with VARLEN_EMULATION_MUTATIONS=all.
+# for a K stage's release, the fence that publishes the sanitised rows to the async proxy (an
+# operand store no fence published), the consumers' wait for them (a wgmma reading a fenced
+# store without having synchronised with the fence). The full sweep:
+# scripts/emulation_mutations.py, or tests/test_emulation_strict.py with
+# VARLEN_EMULATION_MUTATIONS=all.
 CI_SITES = {"wgmma-wait-1": "wgmma_wait<1>", "pingpong-sync": "named_bar_sync",
-            "k-empty-wait": "k_empty(s)"}
+            "k-empty-wait": "k_empty(s)", "proxy-fence": "fence_proxy_async",
+            "ready-wait": "ready(n % STAGES)"}
+# (the fence's check also has a harness test, tests/test_emulation_sm90.py: slow here)
+SLOW_CI_SITES = {"proxy-fence"}
 
 
 @needs_cxx
-@pytest.mark.parametrize("name", list(CI_SITES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CI_SITES
+                                  else n for n in CI_SITES])
 def test_sm90_removed_synchronisation_is_caught(name):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import emulation_mutations
