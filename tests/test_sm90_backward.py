@@ -243,9 +243,11 @@ MUTATIONS = {
     "no-ds-swizzle": ("(((2 * wg_warp + (w.lane / 8) % 2) ^ (ds_row % 8)) << 4)",
                       "((2 * wg_warp + (w.lane / 8) % 2) << 4)",
                       "B3-bf16-D64-BN64-mixed-masks-gqa", "dq: max abs error"),
-    # the producer refills a stage the consumers still read
+    # the producer refills a stage the consumers still read: the barrier phases go wrong, which
+    # the emulation reports either at an mbarrier or, once a consumer thread has run past its
+    # warpgroup's last collective and returned, at that collective (seen under heavy load)
     "no-empty-wait": ("        sm90::mbar_wait(sm.empty(s), parity ^ 1u);\n", "",
-                      "B2-bf16-D128-BN128-full-gqa", "mbarrier"),
+                      "B2-bf16-D128-BN128-full-gqa", ("mbarrier", "of the warpgroup has exited")),
 }
 
 
@@ -263,7 +265,9 @@ def test_sm90_backward_mutation_is_caught(name, tmp_path):
     path.write_text(text.replace(old, new))
     proc = run_mutated_case("test_sm90_backward", label, src)
     assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
-    assert says in proc.stdout + proc.stderr, f"{name}: failed otherwise:\n{proc.stderr[-2000:]}"
+    says = (says,) if isinstance(says, str) else says
+    assert any(m in proc.stdout + proc.stderr for m in says), (
+        f"{name}: failed otherwise:\n{proc.stderr[-2000:]}")
 
 
 @needs_cxx
