@@ -199,7 +199,7 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
         softmax[mt].init();
     }
     pipe.run(keys, kv, [&](const Chunk& c, int stage) {
-        kv.template zero_nonfinite<true>(c, stage);
+        kv.zero_nonfinite(c, stage);
     }, [&](const Chunk& c, int stage) {
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) zero_acc(acc_s[mt]);

@@ -55,7 +55,6 @@ const Kernel KERNELS[] = {
     VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC>),
     VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic", varlen_bwd_dkdv<T, D, BN, BQ, SC, true>),
-    VARLEN_EMU_KERNEL("varlen_bwd_dkdv", varlen_bwd_dkdv<T, D, BN, BQ, SC, false>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true>),
     VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T>),
     VARLEN_EMU_KERNEL("varlen_plan_scan", varlen_plan_scan),

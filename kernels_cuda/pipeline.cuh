@@ -175,16 +175,14 @@ struct KvStages {
         load_v(c, stage);
     }
 
-    // On a partially masked chunk, where hidden pairs have P = 0 (or dS = 0): a NaN or inf in
-    // this thread's chunks of V (FROM_V, the forward's P V) or K (the dQ kernel's dS K) is zeroed
-    // and handed on as a NaN in the other one, which meets the key row only in Q K^T or dO V^T,
-    // one pair at a time: exactly the rows that see the key are flagged, the others select it
-    // away. Call it in for_each_chunk's `own` step.
-    template <bool FROM_V>
+    // On a partially masked chunk, where hidden pairs have P = 0: a NaN or inf in this thread's
+    // chunks of V (the right-hand factor of P V) is zeroed and handed on as a NaN in K, which
+    // meets the key row only in Q K^T, one pair at a time: exactly the rows that see the key are
+    // flagged, the others select it away. Call it in for_each_chunk's `own` step.
     __device__ __forceinline__ void zero_nonfinite(const Chunk& c, int stage) const {
-        T* s_to = (FROM_V ? s_k : s_v) + stage * STAGE_ELEMS;
-        zero_nonfinite_chunks<BN, D, NUM_THREADS>((FROM_V ? s_v : s_k) + stage * STAGE_ELEMS,
-                                                  c.rows, [&](int r, int col) {
+        T* s_to = s_k + stage * STAGE_ELEMS;
+        zero_nonfinite_chunks<BN, D, NUM_THREADS>(s_v + stage * STAGE_ELEMS, c.rows,
+                                                  [&](int r, int col) {
             s_to[r * smem_stride<D>() + col] = ElemTraits<T>::from_float(nan_f());
         });
     }

@@ -28,7 +28,7 @@ struct PlanView {
     int batch;                 // B
     int mq;                    // query segments per sequence
     int mk;                    // key segments per sequence
-    int num_q_tiles;           // query tile slots (grid x of the forward and dQ kernels)
+    int num_q_tiles;           // query tile slots (grid x of the forward)
     int num_k_tiles;           // key tile slots (grid x of the dK/dV kernel)
     int block_m;               // query rows per plan tile
     int block_n;               // key rows per plan tile (the kernels' BN)
@@ -38,7 +38,7 @@ struct PlanView {
 
 // The per-call sizes and scalars every attention kernel reads besides the plan and the data.
 struct CallParams {
-    int Hq;                    // query heads; grid y of the forward and dQ kernels
+    int Hq;                    // query heads; grid y of the forward
     int Hk;                    // key/value heads; query head h reads key head h / (Hq / Hk)
     float softmax_scale;       // multiplies Q K^T before the softmax
     float softcap;             // > 0: scores become softcap * tanh(score / softcap)

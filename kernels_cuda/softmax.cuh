@@ -136,12 +136,12 @@ __device__ __forceinline__ void load_row_stats(float& row_lse2, float& row_delta
 // base-2 units, P = exp2(x - lse2) replaces the scores `s` (in: Q K^T) and
 // dS = P (dP - delta) * softmax_scale (times 1 - tanh^2 with a softcap) replaces `dp` (in:
 // dO V^T). `stats.lse2(half, col)` and `stats.delta(half, col)` give an element's row
-// statistics: per row in the dQ kernel, per column in the transposed dK/dV kernel.
+// statistics: per column in the transposed dK/dV kernels (ColStats).
 // Hidden pairs get P = dS = 0 exactly, whatever their operands hold: x = -inf against an lse2
 // that is finite or +inf (the preprocessing), times a finite dP - delta. A pair the row sees
-// with a NaN or inf operand gets P = dS = NaN, so the products that follow (dQ += dS K in the dQ
-// kernel; dV += P^T dO, dK += dS^T Q and the atomic dQ += dS K in the dK/dV kernel) make both
-// sides of the pair NaN in every column. The checks ride on values in registers, without a
+// with a NaN or inf operand gets P = dS = NaN, so the products that follow (dV += P^T dO,
+// dK += dS^T Q and dQ += dS K in the dK/dV kernel) make both sides of the pair NaN in every
+// column. The checks ride on values in registers, without a
 // compare: see zero_or_nan and clamp_finite.
 template <bool HAS_SOFTCAP, int NB, typename Mask, typename Stats>
 __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[NB][4],
@@ -164,8 +164,8 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
 }
 
 // P and dS of this warp's rows of one tile pair in the backward pass: S = X Y^T and
-// dP = dX dY^T (X, dX = Q, dO and Y, dY = K, V in the dQ kernel; K, V and Q, dO, transposed,
-// in the dK/dV kernel; all padded shared tiles of D columns), then softmax_backward.
+// dP = dX dY^T (X, dX = K, V and Y, dY = Q, dO: transposed, in the dK/dV kernel; padded
+// shared tiles of D columns), then softmax_backward.
 template <bool HAS_SOFTCAP, typename T, int D, int NB, typename Mask, typename Stats>
 __device__ __forceinline__ void recompute_p_ds(float (&p)[NB][4], float (&ds)[NB][4],
                                                const T* s_x, const T* s_dx, const T* s_y,
