@@ -15,7 +15,7 @@
 // (segment, tile) order (docs/plan.md, "Tile tables"), and k_sched, which drives the block, is
 // the exact transpose of q_sched. Before adding its part of chunk c of query head h, the block
 // waits until counter (h, c) equals its rank, then adds (fp32 atomics, now in a fixed order),
-// fences and sets the counter to rank + 1. All the tiles that meet a query tile share one grid
+// fences and adds 1 to the counter (rank + 1). All the tiles that meet a query tile share one grid
 // row (their key head), so every wait is for blocks of a smaller linear index, which a GPU
 // dispatches first: no wait can hang (the first block of a row never waits, and by induction
 // each later one is only waiting on blocks that are running or done).
@@ -43,15 +43,17 @@ __device__ __forceinline__ void spin_wait_equal(const int* counter, int value, c
     }
 }
 
-__device__ __forceinline__ void store_release_gpu(int* p, int value) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(value) : "memory");
+// Adds 1 to a counter with release semantics (at the device's coherence point, so no stale
+// cached copy of it is ever read).
+__device__ __forceinline__ void release_increment_gpu(int* p) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" :: "l"(p) : "memory");
 }
 #endif
 
 // dQ with unordered atomics: nothing to wait for.
 struct UnorderedDq {
-    __device__ __forceinline__ int acquire(const Chunk&) const { return 0; }
-    __device__ __forceinline__ void release(const Chunk&, int) const {}
+    __device__ __forceinline__ void acquire(const Chunk&) const {}
+    __device__ __forceinline__ void release(const Chunk&) const {}
 };
 
 // The turn of one dK/dV block (a key tile of one key head) at the dQ of each query chunk. It
@@ -82,23 +84,21 @@ struct OrderedDq {
         return before + tile - s[seg * SCHED_FIELDS];
     }
 
-    // Thread 0 waits for the block's turn at chunk c and returns its rank; every thread must
-    // pass a barrier after it before adding (the one that publishes dS^T).
-    __device__ __forceinline__ int acquire(const Chunk& c) const {
-        int turn = 0;
+    // Thread 0 waits for the block's turn at chunk c; every thread must pass a barrier after it
+    // before adding (the one that publishes dS^T).
+    __device__ __forceinline__ void acquire(const Chunk& c) const {
         if (threadIdx.x == 0) {
-            turn = rank(c);
-            spin_wait_equal(dq_order + counter(c), turn, "dq_order", counter(c));
+            spin_wait_equal(dq_order + counter(c), rank(c), "dq_order", counter(c));
         }
-        return turn;
     }
 
     // After the block's additions to chunk c: each thread's are performed before the barrier,
-    // then thread 0 hands the turn on.
-    __device__ __forceinline__ void release(const Chunk& c, int turn) const {
+    // then thread 0 hands the turn on (the counter held the block's rank: it becomes rank + 1;
+    // no register carries the rank across the additions).
+    __device__ __forceinline__ void release(const Chunk& c) const {
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) store_release_gpu(dq_order + counter(c), turn + 1);
+        if (threadIdx.x == 0) release_increment_gpu(dq_order + counter(c));
     }
 };
 

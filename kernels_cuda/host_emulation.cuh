@@ -320,7 +320,7 @@ inline float atomicAdd(float* p, float v) {
     return ref.fetch_add(v);
 }
 
-// __threadfence calls of the block being run (reset per block), for store_release_gpu's check.
+// __threadfence calls of the block being run (reset per block), for release_increment_gpu's check.
 inline std::atomic<uint64_t> g_block_fences{0};
 
 inline void __threadfence() {
@@ -349,14 +349,14 @@ inline void spin_wait_equal(const int* counter, int value, const char* what, int
 // the block and a barrier: every thread must have fenced as often as the others. A release
 // without the barrier shows here when another warp has not reached its fence yet (with the
 // turnstile, whenever the releasing warp runs first).
-inline void store_release_gpu(int* p, int value) {
+inline void release_increment_gpu(int* p) {
     const uint64_t fences = g_block_fences.load();
     if (fences % blockDim.x != 0) {
         hostemu::fail("release of a counter after %llu fences of the block's %u threads: some "
                       "thread has not fenced its additions yet (a missing barrier)",
                       static_cast<unsigned long long>(fences), blockDim.x);
     }
-    std::atomic_ref<int>(*p).store(value, std::memory_order_release);
+    std::atomic_ref<int>(*p).fetch_add(1, std::memory_order_release);
 }
 
 }  // namespace varlen

@@ -253,28 +253,13 @@ def _case_cp():
     query and four key segments per sequence, the key segments out of row order), causal and
     per-sequence windows: the counters, repeatability across schedules and the atomic mode's
     bits, and agreement with the NumPy backend on the same plan."""
-    from varlen import comm
     from varlen.backends import _cupy_emulation as emu
     from varlen.backends import cupy_backend, numpy_backend
-    from varlen.masks import Mask
-    from varlen.plan import build_plan
     emu.install_fake_cupy(64)
     seen = _capture_dq_order()
-    cu = np.array([0, 37, 37, 200, 290], np.int32)
-    part = comm.partition(cu, 2, "zigzag")
-    mask = Mask(window_left=np.array([-1, -1, 30, -1], np.int32),
-                window_right=np.array([0, -1, 0, 5], np.int32),
-                bottom_right=np.array([0, 0, 1, 0], np.int32))
-    rng = np.random.default_rng(5)
-    Hq, Hk, D = 4, 2, 64
-    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=0.0)
-    for rank in range(2):
-        plan = build_plan(part.segments(rank), part.gathered_segments(), mask, block_m=64,
-                          block_n=64)
-        q, dout = (rng.standard_normal((plan.q.num_rows, Hq, D)).astype(np.float16)
-                   for _ in range(2))
-        k, v = (rng.standard_normal((plan.k.num_rows, Hk, D)).astype(np.float16)
-                for _ in range(2))
+    for rank, plan, q, k, v, dout in emu.cp_case_ranks(2, seed=5):
+        Hq, D = q.shape[1:]
+        kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=0.0)
         backend = cupy_backend.BACKEND
         out, lse = backend.forward(plan, q, k, v, **kw)
         seen.clear()

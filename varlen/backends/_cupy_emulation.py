@@ -400,15 +400,14 @@ def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softc
                                 label=f"{label} (emulated, deterministic={det})")
 
 
-def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
-    """Context-parallel segment plans (two query segments per sequence, all-gathered keys:
-    2 * cp_size key segments) through the emulated kernels, against the NumPy backend on the
-    same plan, for every rank."""
+def cp_case_ranks(cp_size=2, seed=0):
+    """A context-parallel batch of segment plans: zigzag over 4 sequences (one empty), causal and
+    per-sequence windows, two query segments per sequence against all-gathered keys (2 *
+    cp_size key segments, out of row order). Yields, rank by rank, `(rank, plan, q, k, v,
+    dout)` (float16, Hq = 4, Hk = 2, D = 64)."""
     from .. import comm
     from ..masks import Mask
     from ..plan import build_plan
-    from . import cupy_backend, numpy_backend
-    install_fake_cupy(64)
     cu = np.array([0, 37, 37, 200, 290], np.int32)
     part = comm.partition(cu, cp_size, "zigzag")
     mask = Mask(window_left=np.array([-1, -1, 30, -1], np.int32),
@@ -416,7 +415,6 @@ def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
                 bottom_right=np.array([0, 0, 1, 0], np.int32))
     rng = np.random.default_rng(seed)
     Hq, Hk, D = 4, 2, 64
-    scale = 1.0 / math.sqrt(D)
     for rank in range(cp_size):
         plan = build_plan(part.segments(rank), part.gathered_segments(), mask, block_m=64,
                           block_n=64)
@@ -424,6 +422,16 @@ def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
                    for _ in range(2))
         k, v = (rng.standard_normal((plan.k.num_rows, Hk, D)).astype(np.float16)
                 for _ in range(2))
+        yield rank, plan, q, k, v, dout
+
+
+def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
+    """Context-parallel segment plans (cp_case_ranks) through the emulated kernels, against the
+    NumPy backend on the same plan, for every rank."""
+    from . import cupy_backend, numpy_backend
+    install_fake_cupy(64)
+    for rank, plan, q, k, v, dout in cp_case_ranks(cp_size, seed):
+        scale = 1.0 / math.sqrt(q.shape[2])
         f64 = [x.astype(np.float64) for x in (dout, q, k, v)]
         ref_backend, backend = numpy_backend.BACKEND, cupy_backend.BACKEND
         ref_out, ref_lse = ref_backend.forward(plan, *f64[1:], softmax_scale=scale, softcap=0.0)
