@@ -204,7 +204,7 @@ __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4
     constexpr int KSTEPS = Cfg::BN / 16;
     constexpr int SLICES = Cfg::D / Cfg::DQ_COLS / Cfg::DQ_SPLIT;    // per warp
     const float one[2] = {1.f, 1.f};
-    order.acquire(c);
+    const int turn = order.acquire(c);
     stage_rows<T, Cfg::BQ / 8, Cfg::DS_STRIDE>(ds_t, one, s_ds, w.row0, w.lane);
     __syncthreads();
     const int qg = w.warp % Cfg::DQ_GROUPS;
@@ -229,7 +229,8 @@ __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4
         atomic_add_rows(acc_q, dq_accum, c.row + qg * WARP_ROWS, c.rows - qg * WARP_ROWS, col0,
                         w.lane);
     }
-    order.release(c);
+    // the rank in a register up to D = 128, the counter's increment above (bwd_dq_ordered.cuh)
+    order.template release<Cfg::D_PARTS == 1>(c, turn);
 }
 
 }  // namespace varlen

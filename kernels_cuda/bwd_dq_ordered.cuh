@@ -48,12 +48,17 @@ __device__ __forceinline__ void spin_wait_equal(const int* counter, int value, c
 __device__ __forceinline__ void release_increment_gpu(int* p) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" :: "l"(p) : "memory");
 }
+
+__device__ __forceinline__ void store_release_gpu(int* p, int value) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(value) : "memory");
+}
 #endif
 
 // dQ with unordered atomics: nothing to wait for.
 struct UnorderedDq {
-    __device__ __forceinline__ void acquire(const Chunk&) const {}
-    __device__ __forceinline__ void release(const Chunk&) const {}
+    __device__ __forceinline__ int acquire(const Chunk&) const { return 0; }
+    template <bool CARRY_RANK>
+    __device__ __forceinline__ void release(const Chunk&, int) const {}
 };
 
 // The turn of one dK/dV block (a key tile of one key head) at the dQ of each query chunk. It
@@ -84,21 +89,33 @@ struct OrderedDq {
         return before + tile - s[seg * SCHED_FIELDS];
     }
 
-    // Thread 0 waits for the block's turn at chunk c; every thread must pass a barrier after it
-    // before adding (the one that publishes dS^T).
-    __device__ __forceinline__ void acquire(const Chunk& c) const {
+    // Thread 0 waits for the block's turn at chunk c and returns its rank; every thread must
+    // pass a barrier after it before adding (the one that publishes dS^T).
+    __device__ __forceinline__ int acquire(const Chunk& c) const {
+        int turn = 0;
         if (threadIdx.x == 0) {
-            spin_wait_equal(dq_order + counter(c), rank(c), "dq_order", counter(c));
+            turn = rank(c);
+            spin_wait_equal(dq_order + counter(c), turn, "dq_order", counter(c));
         }
+        return turn;
     }
 
     // After the block's additions to chunk c: each thread's are performed before the barrier,
-    // then thread 0 hands the turn on (the counter held the block's rank: it becomes rank + 1;
-    // no register carries the rank across the additions).
-    __device__ __forceinline__ void release(const Chunk& c) const {
+    // then thread 0 hands the turn on: it stores rank + 1 (CARRY_RANK: `turn` kept in a
+    // register across the additions) or adds 1 to the counter, which holds the rank. The two
+    // differ only in ptxas' register allocation: carrying the rank spills 12 B in the D = 256
+    // softcap kernel on sm_90, the increment 8 B in the D = 128 softcap kernel on sm_80.
+    template <bool CARRY_RANK>
+    __device__ __forceinline__ void release(const Chunk& c, int turn) const {
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) release_increment_gpu(dq_order + counter(c));
+        if (threadIdx.x == 0) {
+            if constexpr (CARRY_RANK) {
+                store_release_gpu(dq_order + counter(c), turn + 1);
+            } else {
+                release_increment_gpu(dq_order + counter(c));
+            }
+        }
     }
 };
 

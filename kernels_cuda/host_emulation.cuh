@@ -320,7 +320,7 @@ inline float atomicAdd(float* p, float v) {
     return ref.fetch_add(v);
 }
 
-// __threadfence calls of the block being run (reset per block), for release_increment_gpu's check.
+// __threadfence calls of the block being run (reset per block), for the releases' check.
 inline std::atomic<uint64_t> g_block_fences{0};
 
 inline void __threadfence() {
@@ -348,14 +348,24 @@ inline void spin_wait_equal(const int* counter, int value, const char* what, int
 // The release that hands a counter on (bwd_dq_ordered.cuh) follows a fence by every thread of
 // the block and a barrier: every thread must have fenced as often as the others. A release
 // without the barrier shows here when another warp has not reached its fence yet (with the
-// turnstile, whenever the releasing warp runs first).
-inline void release_increment_gpu(int* p) {
+// turnstile, whenever the releasing warp runs first). Two releases: a store of the next value,
+// or an increment.
+inline void check_block_fenced() {
     const uint64_t fences = g_block_fences.load();
     if (fences % blockDim.x != 0) {
         hostemu::fail("release of a counter after %llu fences of the block's %u threads: some "
                       "thread has not fenced its additions yet (a missing barrier)",
                       static_cast<unsigned long long>(fences), blockDim.x);
     }
+}
+
+inline void store_release_gpu(int* p, int value) {
+    check_block_fenced();
+    std::atomic_ref<int>(*p).store(value, std::memory_order_release);
+}
+
+inline void release_increment_gpu(int* p) {
+    check_block_fenced();
     std::atomic_ref<int>(*p).fetch_add(1, std::memory_order_release);
 }
 
