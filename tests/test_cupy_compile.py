@@ -110,11 +110,9 @@ def test_host_smem_matches_kernel_layout():
             lines.append(f"static_assert(2 * FwdConfig<{s.head_dim}, {s.block_m}, "
                          f"{s.block_n}>::SMEM_ELEMS == {s.fwd_smem()}, \"{s.label} fwd\");")
             continue
-        for atomic in (False, True):
-            cfg = (f"DkdvConfig<{s.head_dim}, {s.block_n}, {s.bwd_query_chunk}, "
-                   f"{'true' if atomic else 'false'}>")
-            lines.append(f"static_assert(2 * {cfg}::T_ELEMS + 4 * {cfg}::F_ELEMS == "
-                         f"{s.dkdv_smem(atomic)}, \"{s.label} dkdv\");")
+        cfg = f"DkdvConfig<{s.head_dim}, {s.block_n}, {s.bwd_query_chunk}, true>"
+        lines.append(f"static_assert(2 * {cfg}::T_ELEMS + 4 * {cfg}::F_ELEMS == "
+                     f"{s.dkdv_smem()}, \"{s.label} dkdv\");")
     src = "\n".join(lines) + "\n"
     prog = nvrtc.nvrtcCreateProgram(src.encode(), b"check.cu", 0, [], [])[1]
     opts = program_options("sm_80")

@@ -168,13 +168,11 @@ class KernelSpec:
         """Q [BM] + fwd_stages stages of K and V [fwd_chunk], rows of D + 8 elements."""
         return self._fwd_smem_bytes(self.fwd_stages)
 
-    def dkdv_smem(self, atomic_dq: bool) -> int:
-        """K, V [BN] + 2 stages of Q, dO [BQ] (+ dS^T [BN][BQ + 8]) + 2 stages of lse2, delta
-        (the same at every dkdv_parts: each pass reuses them)."""
+    def dkdv_smem(self) -> int:
+        """K, V [BN] + 2 stages of Q, dO [BQ] + dS^T [BN][BQ + 8] + 2 stages of lse2, delta
+        (the same at every dkdv_parts: each pass reuses them; both dQ modes)."""
         bq = self.bwd_query_chunk
-        elems = (2 * self.block_n + 2 * STAGES * bq) * self.stride
-        if atomic_dq:
-            elems += self.block_n * (bq + SMEM_PAD)
+        elems = (2 * self.block_n + 2 * STAGES * bq) * self.stride + self.block_n * (bq + SMEM_PAD)
         return elems * ELEM_BYTES + 2 * STAGES * bq * 4
 
     # ---- names --------------------------------------------------------------------------
@@ -183,11 +181,11 @@ class KernelSpec:
         return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{_cxx_bool(self.has_softcap)}>")
 
-    def dkdv_name(self, atomic_dq: bool, ordered_dq: bool = False) -> str:
+    def dkdv_name(self, ordered_dq: bool = False) -> str:
+        """Both dQ modes add dQ in the kernel (ATOMIC_DQ = true); ordered_dq fixes the order."""
         ordered = ", true" if ordered_dq else ""
         return (f"varlen_bwd_dkdv<{self.ctype}, {self.head_dim}, {self.block_n}, "
-                f"{self.bwd_query_chunk}, {_cxx_bool(self.has_softcap)}, "
-                f"{_cxx_bool(atomic_dq)}{ordered}>")
+                f"{self.bwd_query_chunk}, {_cxx_bool(self.has_softcap)}, true{ordered}>")
 
     def preprocess_name(self) -> str:
         return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}>"
@@ -202,10 +200,10 @@ class KernelSpec:
         if self.kind == "fwd":
             return {"fwd": KernelLaunch(self.fwd_name(), self.fwd_threads, self.fwd_smem())}
         return {"preprocess": KernelLaunch(self.preprocess_name(), PREPROCESS_WARPS * WARP_SIZE, 0),
-                "dkdv_atomic": KernelLaunch(self.dkdv_name(True), self.dkdv_threads,
-                                            self.dkdv_smem(True)),
-                "dkdv_ordered": KernelLaunch(self.dkdv_name(True, ordered_dq=True),
-                                             self.dkdv_threads, self.dkdv_smem(True)),
+                "dkdv_atomic": KernelLaunch(self.dkdv_name(), self.dkdv_threads,
+                                            self.dkdv_smem()),
+                "dkdv_ordered": KernelLaunch(self.dkdv_name(ordered_dq=True),
+                                             self.dkdv_threads, self.dkdv_smem()),
                 "dq_convert": KernelLaunch(self.convert_name(), CONVERT_THREADS, 0)}
 
     @property
