@@ -773,6 +773,8 @@ def parse_args(argv):
                          "out/bench_cpu/bench_cpu.json in the repository)")
     ap.add_argument("--png", default=None, help="plot (default: beside the JSON)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ap.add_argument("--markdown", metavar="JSON", default=None,
+                    help="print the per-workload Markdown tables of a saved JSON report and exit")
     args = ap.parse_args(argv)
     if args.quick:
         args.workloads = args.workloads or ["uniform", "sliding"]
@@ -952,8 +954,52 @@ def count_steps(args, cases) -> int:
     return len(args.threads) + len(cases) * per_case
 
 
+def markdown(report) -> str:
+    """Per-workload Markdown tables of a JSON report (the tables of docs/benchmarks.md): ms,
+    GFLOP/s, each peer's time over ours, % of the GEMM peak, extra peak memory and cpu/wall."""
+    out = []
+    labels = list(dict.fromkeys(r["label"] for r in report["results"]))
+    head = ("| threads | runner | fwd ms | fwd GFLOP/s | f+b ms | f+b GFLOP/s | peer \u00f7 ours "
+            "(fwd / f+b) | % GEMM peak (fwd / f+b) | extra peak MiB (fwd / f+b) | "
+            "cpu/wall (f+b) |\n|" + "---|" * 10)
+
+    def fmt(x, spec):
+        return "\u2014" if x is None else format(x, spec)
+    for label in labels:
+        recs = [r for r in report["results"] if r["label"] == label]
+        r0 = recs[0]
+        out += [f"#### {label}", "",
+                f"{r0['tokens']} tokens, {r0['sequences']} documents (longest {r0['max_len']})"
+                + (f", window {r0['window']}" if r0.get("window") else "") + "; "
+                f"{r0['visible_pairs_per_head']:,} visible pairs per head; "
+                f"{r0['flops']['fwd'] / 1e9:.1f} GFLOP forward, "
+                f"{r0['flops']['fwd+bwd'] / 1e9:.1f} forward + backward.", "", head]
+        for rec in recs:
+            ours = rec["runners"].get("ours") or {}
+            for name, ph in rec["runners"].items():
+                if not ph:
+                    continue
+                get = lambda p, k: (ph.get(p) or {}).get(k)          # noqa: E731
+                ratio = "\u2014" if name == "ours" else " / ".join(
+                    fmt(get(p, "seconds") / ours[p]["seconds"]
+                        if get(p, "seconds") and ours.get(p) else None, ".2f") for p in PHASES)
+                ms = [fmt(get(p, "seconds") and get(p, "seconds") * 1e3, ".0f") for p in PHASES]
+                out.append(
+                    f"| {rec['threads']} | {name} | {ms[0]} | {fmt(get('fwd', 'gflops'), '.1f')} "
+                    f"| {ms[1]} | {fmt(get('fwd+bwd', 'gflops'), '.1f')} | {ratio} | "
+                    + " / ".join(fmt(get(p, "pct_gemm_peak"), ".0f") for p in PHASES) + " | "
+                    + " / ".join(fmt(get(p, "peak_mem_mib"), ".0f") for p in PHASES) + " | "
+                    + fmt(get("fwd+bwd", "cpu_per_wall"), ".2f") + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return 0
     _malloc_mode(False)
     import varlen  # noqa: F401 - fail early when the package does not import
     cases = plan_cases(args)
