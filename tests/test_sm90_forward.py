@@ -86,7 +86,7 @@ CASES = {
         D=64, dtype="bfloat16", mask=("mixed",), gaps=True, softcap=0.0, block_m=128,
         nan_in_pad=True, ctas=2),
     # one consumer warpgroup, D = 128 under a softcap, fp16, a NaN in a key of sequence 2 seen
-    # by some of its queries, GQA 2:1, three blocks over 16 items
+    # by some of its queries, GQA 2:1, three blocks over 18 items (6 of unused slots)
     "P5-fp16-D128-BM64-3ctas-softcap-nan-key": dict(
         lengths_q=[100, 0, 64, 1, 90], lengths_k=[140, 3, 64, 1, 200], Hq=2, Hk=1, D=128,
         dtype="float16", mask="causal_bottom_right", gaps=True, softcap=5.0, block_m=64,
@@ -97,12 +97,12 @@ CASES = {
         dtype="bfloat16", mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64,
         nan_in_pad=True, ctas=2),
 }
-QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan"]
 # the pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their boxes,
-# 14 work items over 3 blocks
+# 16 work items (2 of an unused slot) over 3 blocks
 PIPELINE = "B7-bf16-D64-BM128-chunks-1-2-3-6"
-# the persistent loop's case
+# the persistent loop's case: 21 work items (3 of an unused slot) over 2 blocks
 PERSISTENT = "P6-bf16-D64-BM128-2ctas-gqa-mixed"
+QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan", PERSISTENT]
 
 
 def _mask(spec, B):
@@ -251,6 +251,21 @@ def test_sm90_forward_compiles_for_sm90a_within_budget():
         assert not u["warnings"], f"{name}: ptxas warnings (setmaxnreg ignored?) {u['warnings']}"
 
 
+def test_sm90_persistent_grid_is_one_block_per_sm_at_most():
+    """The persistent forward's grid: one block per work item up to one per SM, at least one
+    (the blocks also write the pad rows); the emulation's stand-in device has few SMs, so that
+    its blocks loop."""
+    from varlen.backends._cupy_sm90 import (CTAS_PER_SM, EMULATED_SM_COUNT, EmulatedRuntime,
+                                            persistent_grid)
+    assert CTAS_PER_SM == 1
+    assert persistent_grid(0, 132) == 1
+    assert persistent_grid(7, 132) == 7
+    assert persistent_grid(5000, 132) == 132
+    assert persistent_grid(5000, 132) * CTAS_PER_SM <= 132
+    assert EmulatedRuntime().sm_count() == EMULATED_SM_COUNT <= 4
+    assert EmulatedRuntime(sm_count=2).sm_count() == 2
+
+
 def test_sm90_key_chunk_is_128_where_it_fits():
     """Chunks of 128 keys by default at D 64 and 128 (pairs of the CuPy backend's 64-row key
     tiles), 64 at D 256, whose 128-key stages would not fit."""
@@ -278,17 +293,21 @@ def test_sm90_forward_under_thread_sanitizer(label):
 
 
 @needs_cxx
-@pytest.mark.parametrize("schedule, seed", [
-    ("random", "1"),
-    pytest.param("issue", "0", marks=pytest.mark.slow),
-    pytest.param("random", "2", marks=pytest.mark.slow),
-], ids=["random-1", "issue-0", "random-2"])
-def test_sm90_forward_under_landing_schedules(schedule, seed):
-    """The pipeline's case with TMA copies landing, and wgmma operands read, at issue or at
-    seeded random points between issue and the wait that needs them (the default is the
-    latest moment): a release or a wait out of place changes what a wgmma reads."""
-    assert "ok" in _run(PIPELINE, dict(VARLEN_EMULATION_SCHEDULE=schedule,
-                                       VARLEN_EMULATION_SEED=seed))
+@pytest.mark.parametrize("label, schedule, seed", [
+    (PIPELINE, "random", "1"),
+    pytest.param(PIPELINE, "issue", "0", marks=pytest.mark.slow),
+    pytest.param(PIPELINE, "random", "2", marks=pytest.mark.slow),
+    pytest.param(PERSISTENT, "issue", "0", marks=pytest.mark.slow),
+    pytest.param(PERSISTENT, "random", "1", marks=pytest.mark.slow),
+], ids=["random-1", "issue-0", "random-2", "persistent-issue-0", "persistent-random-1"])
+def test_sm90_forward_under_landing_schedules(label, schedule, seed):
+    """The pipeline's and the persistent loop's cases with TMA copies landing, and wgmma
+    operands read, at issue or at seeded random points between issue and the wait that needs
+    them (the default is the latest moment): a release or a wait out of place changes what a
+    wgmma reads. (The one-warp-at-a-time schedule cannot run warpgroup collectives or mbarrier
+    waits: docs/hopper.md, "What it does not model".)"""
+    assert "ok" in _run(label, dict(VARLEN_EMULATION_SCHEDULE=schedule,
+                                    VARLEN_EMULATION_SEED=seed))
 
 
 # Mutations of fwd_sm90.cuh that the cases above must catch: (old, new, case, what the failure
@@ -304,14 +323,14 @@ MUTATIONS = {
     "no-deferred-rescale": ("            rescale(acc_o, corr);\n", "", PIPELINE, "max abs error"),
     # the persistent loop: the next item's Q loaded over the one the consumers still read
     "no-q-empty-wait": ("            sm90::mbar_wait(sm.q_empty(), ring.q_parity() ^ 1u);\n", "",
-                        PERSISTENT, "Q_EMPTY_MSG"),
+                        PERSISTENT, "mbarrier"),
     # the ring restarted at stage 0, round 0 for every item (on both sides)
     "ring-reset-per-item": ("    __device__ __forceinline__ void next_item() { ++item; }",
                             "    __device__ __forceinline__ void next_item() { ++item; chunk = 0; }",
-                            PERSISTENT, "RESET_MSG"),
+                            PERSISTENT, "mbarrier"),
     # Q's phase taken as the first item's for every item (on both sides)
     "q-phase-reset-per-item": ("        return static_cast<uint32_t>(item) & 1u;",
-                               "        return 0u;", PERSISTENT, "QPHASE_MSG"),
+                               "        return 0u;", PERSISTENT, "mbarrier"),
 }
 
 
