@@ -160,8 +160,8 @@ struct Sm90Ring {
 // slot, head) pairs is item num - 1 - p: slots in reverse order, as varlen_fwd takes them (a
 // sequence's later query tiles see more keys under a causal mask, so its heaviest tiles start
 // first; the unused slots, at the end of the table, are skipped first), the heads of a slot
-// together. Block b takes items b, b + gridDim.x, b + 2 gridDim.x, ... (num is read from the
-// kernel's parameters at each use: one register less in the producer's 24)
+// together. Block b takes items b, b + gridDim.x, b + 2 gridDim.x, ... (num is recomputed
+// from the kernel's parameters at each use, not held in a register)
 struct WorkItem {
     int index = static_cast<int>(blockIdx.x);
 
