@@ -266,6 +266,29 @@ def test_sm90_persistent_grid_is_one_block_per_sm_at_most():
     assert EmulatedRuntime(sm_count=2).sm_count() == 2
 
 
+def test_sm90_runtime_reads_the_sm_count_of_the_device_once(monkeypatch):
+    """The GPU runtime sizes the persistent grid from the device's MultiProcessorCount, read
+    once per device (CuPy's `Device.attributes` queries every attribute)."""
+    import types
+    from varlen.backends._cupy_sm90 import Runtime
+    reads = []
+
+    class Device:
+        def __init__(self):
+            self.id = 0
+
+        @property
+        def attributes(self):
+            reads.append(self.id)
+            return {"MultiProcessorCount": 132}
+
+    monkeypatch.setitem(sys.modules, "cupy",
+                        types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device)))
+    rt = Runtime()
+    assert rt.sm_count() == 132 and rt.sm_count() == 132
+    assert reads == [0]
+
+
 def test_sm90_key_chunk_is_128_where_it_fits():
     """Chunks of 128 keys by default at D 64 and 128 (pairs of the CuPy backend's 64-row key
     tiles), 64 at D 256, whose 128-key stages would not fit."""

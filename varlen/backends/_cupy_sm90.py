@@ -141,6 +141,7 @@ class Runtime:
 
     def __init__(self):
         self._functions = {}
+        self._sm_counts = {}
 
     def function(self, spec: Sm90Spec):
         if spec not in self._functions:
@@ -173,9 +174,13 @@ class Runtime:
         return arg
 
     def sm_count(self) -> int:
-        """The current device's SMs (`cudaDevAttrMultiProcessorCount`)."""
+        """The current device's SMs (`cudaDevAttrMultiProcessorCount`), read once per device
+        (`Device.attributes` queries every attribute)."""
         import cupy
-        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        dev = cupy.cuda.Device()
+        if dev.id not in self._sm_counts:
+            self._sm_counts[dev.id] = int(dev.attributes["MultiProcessorCount"])
+        return self._sm_counts[dev.id]
 
     def launch(self, spec: Sm90Spec, *, grid, args):
         self.function(spec)(grid, (spec.threads,), args, shared_mem=spec.smem)
