@@ -8,10 +8,11 @@
 // Persistent: a 1D grid of at most (SMs x CTAs per SM) blocks, each looping over the work items
 // (query tile slot, head) in varlen_fwd's order (reverse slot order: heaviest tiles of a
 // sequence first; WorkItem), block b taking items b, b + gridDim.x, b + 2 gridDim.x, ... (a
-// static stride: no counter to zero, no extra launch). Unused slots (seq -1) are skipped by every warpgroup alike. Before its
-// items each block writes the rows of no query tile (out 0, lse -inf) of the pad windows it owns,
-// the last blocks first (they get the shortest items of each round). Block: warpgroup 0 is the
-// producer, warpgroups 1 .. NC the consumers, each owning 64 query rows of a tile (BM = 64 NC).
+// static stride: no counter to zero, no extra launch). Unused slots (seq -1) are skipped by
+// every warpgroup alike. Before its items each block writes the rows of no query tile (out 0,
+// lse -inf) of the pad windows it owns, the last blocks first (they get the lighter items of
+// each round). Block: warpgroup 0 is the producer, warpgroups 1 .. NC the consumers, each
+// owning 64 query rows of a tile (BM = 64 NC).
 // Key chunks of KN rows (the wgmma N of S): KN = 128 at D <= 128, two of the plan's 64-row key
 // tiles when it has those; KN = 64 at D = 256. Shared memory, 1024-byte aligned, every tile in
 // boxes of 64 columns (128 bytes, 128B swizzle) written by TMA:

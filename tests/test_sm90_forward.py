@@ -348,9 +348,8 @@ MUTATIONS = {
     "no-q-empty-wait": ("            sm90::mbar_wait(sm.q_empty(), ring.q_parity() ^ 1u);\n", "",
                         PERSISTENT, "mbarrier"),
     # the ring restarted at stage 0, round 0 for every item (on both sides)
-    "ring-reset-per-item": ("    __device__ __forceinline__ void next_item() { ++item; }",
-                            "    __device__ __forceinline__ void next_item() { ++item; chunk = 0; }",
-                            PERSISTENT, "mbarrier"),
+    "ring-reset-per-item": ("void next_item() { ++item; }",
+                            "void next_item() { ++item; chunk = 0; }", PERSISTENT, "mbarrier"),
     # Q's phase taken as the first item's for every item (on both sides)
     "q-phase-reset-per-item": ("        return static_cast<uint32_t>(item) & 1u;",
                                "        return 0u;", PERSISTENT, "mbarrier"),
