@@ -5,17 +5,27 @@
 // issued with P V of this one, its softmax running while P V is in flight (Alg. 2, section 3.2).
 // docs/hopper.md, "The sm_90a forward", has the design and the schedule.
 //
-// Grid (num_q_tiles, Hq), as varlen_fwd. Block: warpgroup 0 is the producer, warpgroups 1 .. NC
-// the consumers, each owning 64 query rows of the tile (BM = 64 NC). Key chunks of KN rows (the
-// wgmma N of S): KN = 128 at D <= 128, two of the plan's 64-row key tiles when it has those;
-// KN = 64 at D = 256. Shared memory, 1024-byte aligned, every tile in boxes of 64 columns
-// (128 bytes, 128B swizzle) written by TMA:
+// Persistent: a 1D grid of at most (SMs x CTAs per SM) blocks, each looping over the work items
+// (query tile slot, head) in varlen_fwd's order (reverse slot order: heaviest tiles of a
+// sequence first; WorkItem), block b taking items b, b + gridDim.x, b + 2 gridDim.x, ... (a
+// static stride: no counter to zero, no extra launch). Unused slots (seq -1) are skipped by
+// every warpgroup alike. Before its items each block writes the rows of no query tile (out 0,
+// lse -inf) of the pad windows it owns, the last blocks first (they get the lighter items of
+// each round). Block: warpgroup 0 is the producer, warpgroups 1 .. NC the consumers, each
+// owning 64 query rows of a tile (BM = 64 NC).
+// Key chunks of KN rows (the wgmma N of S): KN = 128 at D <= 128, two of the plan's 64-row key
+// tiles when it has those; KN = 64 at D = 256. Shared memory, 1024-byte aligned, every tile in
+// boxes of 64 columns (128 bytes, 128B swizzle) written by TMA:
 //   Q [D / 64][BM][64], K and V [STAGES][D / 64][KN][64] each, the output stage [BM][D + 8],
 //   then the mbarriers.
-// The producer's thread 0 loads Q once, then K of chunk i ahead of V of chunk i - 1, into a ring
-// of STAGES stages (full barriers: k_full, v_full with transaction bytes; empty barriers apart
-// for K and V: every consumer thread arrives on k_empty once its S has retired, on v_empty once
-// its P V has, so K is refilled a P V earlier). TMA reads whole boxes of the packed arrays, so
+// The producer's thread 0 loads each item's Q once the consumers have released the last one
+// (q_empty: every consumer thread arrives once the item's last S has retired, before its last
+// P V and the epilogue, which thus overlap the next item's Q and first K loads), then K of chunk
+// i ahead of V of chunk i - 1, into a ring of STAGES stages (full barriers: k_full, v_full with
+// transaction bytes; empty barriers apart for K and V: every consumer thread arrives on k_empty
+// once its S has retired, on v_empty once its P V has, so K is refilled a P V earlier). The ring
+// and the phases run on across items (Sm90Ring): chunk c of the block, whatever its item, uses
+// stage c % STAGES in round c / STAGES. TMA reads whole boxes of the packed arrays, so
 // the rows of a chunk past its sequence's last key are another sequence's rows or padding: the
 // scores of those keys are masked by the selects of mask_scores (the chunk is partial), and
 // their V rows, which meet P = 0 in P V, are zeroed by the producer warpgroup before the chunk
@@ -64,8 +74,8 @@ struct FwdSm90Config {
     static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
     static constexpr int OFF_OUT = OFF_V + STAGES * KV_BYTES;
     static constexpr int OFF_BARS = (OFF_OUT + OUT_BYTES + 7) / 8 * 8;
-    // q_full, then k_full, v_full, ready, k_empty, v_empty per stage
-    static constexpr int NUM_BARS = 1 + 5 * STAGES;
+    // q_full, q_empty, then k_full, v_full, ready, k_empty, v_empty per stage
+    static constexpr int NUM_BARS = 2 + 5 * STAGES;
     // + ALIGN: the block rounds its base up to the swizzle's repeat (tiles start on it, the
     // descriptors' base offset is 0), whatever alignment the dynamic window has
     static constexpr int ALIGN = 1024;
@@ -73,12 +83,15 @@ struct FwdSm90Config {
     // Registers per thread after setmaxnreg: the producer gives its share to the consumers
     // (FlashAttention-3's split). setmaxnreg.inc draws on what the block's setmaxnreg.dec
     // released, so the split adds up to what the block is launched with: ENTRY_REGS per
-    // thread, the cap of __launch_bounds__(NUM_THREADS, 1). The pipeline holds O, S and P at
-    // once (160 registers at D = KN = 128): 232 spilled under a softcap, 240 do not.
+    // thread, the cap of __launch_bounds__(NUM_THREADS, 1): 40 + 2 x 232 = 504 = 3 x 168 with
+    // two consumers (CUTLASS's split). The persistent producer (the item loop's state beside the
+    // chunk cursor, the partial chunk's sanitising) spills at 24 and 32 registers, not at 40;
+    // the consumers (O, S and P at once: 160 registers at D = KN = 128) fit 232 without a spill
+    // (NVRTC, every variant; docs/hopper.md, "What is proven").
     static constexpr int ENTRY_REGS = 65536 / NUM_THREADS / 8 * 8 < 256
                                           ? 65536 / NUM_THREADS / 8 * 8 : 256;
-    static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 256 : 240;
+    static constexpr int PRODUCER_REGS = 40;
+    static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 256 : 232;
     // The ping-pong of two consumer warpgroups: named barrier TURN_BAR + c is consumer c's turn
     // at the tensor cores, counted over both consumer warpgroups (c waits, the other arrives).
     // Id 0 is __syncthreads'.
@@ -116,16 +129,55 @@ struct Sm90Smem {
         return reinterpret_cast<sm90::u64*>(base + Cfg::OFF_BARS) + i;
     }
     __device__ __forceinline__ sm90::u64* q_full() const { return bar(0); }
-    __device__ __forceinline__ sm90::u64* k_full(int s) const { return bar(1 + s); }
-    __device__ __forceinline__ sm90::u64* v_full(int s) const { return bar(1 + Cfg::STAGES + s); }
+    __device__ __forceinline__ sm90::u64* q_empty() const { return bar(1); }
+    __device__ __forceinline__ sm90::u64* k_full(int s) const { return bar(2 + s); }
+    __device__ __forceinline__ sm90::u64* v_full(int s) const { return bar(2 + Cfg::STAGES + s); }
     __device__ __forceinline__ sm90::u64* ready(int s) const {
-        return bar(1 + 2 * Cfg::STAGES + s);
+        return bar(2 + 2 * Cfg::STAGES + s);
     }
     __device__ __forceinline__ sm90::u64* k_empty(int s) const {
-        return bar(1 + 3 * Cfg::STAGES + s);
+        return bar(2 + 3 * Cfg::STAGES + s);
     }
     __device__ __forceinline__ sm90::u64* v_empty(int s) const {
-        return bar(1 + 4 * Cfg::STAGES + s);
+        return bar(2 + 4 * Cfg::STAGES + s);
+    }
+};
+
+// Where a warpgroup stands in the block's barrier phases, carried from one work item to the
+// next: the key chunks the block has passed through the K/V ring (its chunk c, of whichever
+// item, uses stage c % STAGES in round c / STAGES: round_parity) and the Q tiles it has loaded
+// (the q_full and q_empty phases). Producer and consumers count the same items and chunks.
+struct Sm90Ring {
+    int chunk = 0;      // the block's next key chunk
+    int item = 0;       // the block's next Q tile
+
+    __device__ __forceinline__ uint32_t q_parity() const {
+        return static_cast<uint32_t>(item) & 1u;
+    }
+    __device__ __forceinline__ void next_item() { ++item; }
+};
+
+// The work items of this block. Pair p = i_tile * Hq + i_head of the num_q_tiles x Hq (tile
+// slot, head) pairs is item num - 1 - p: slots in reverse order, as varlen_fwd takes them (a
+// sequence's later query tiles see more keys under a causal mask, so its heaviest tiles start
+// first; the unused slots, at the end of the table, are skipped first), the heads of a slot
+// together. Block b takes items b, b + gridDim.x, b + 2 gridDim.x, ... (num is recomputed
+// from the kernel's parameters at each use, not held in a register)
+struct WorkItem {
+    int index = static_cast<int>(blockIdx.x);
+
+    __device__ __forceinline__ static int num(const PlanView& plan, const CallParams& call) {
+        return plan.num_q_tiles * call.Hq;
+    }
+    __device__ __forceinline__ bool valid(const PlanView& plan, const CallParams& call) const {
+        return index < num(plan, call);
+    }
+    __device__ __forceinline__ void advance() { index += static_cast<int>(gridDim.x); }
+    __device__ __forceinline__ int tile(const PlanView& plan, const CallParams& call) const {
+        return (num(plan, call) - 1 - index) / call.Hq;
+    }
+    __device__ __forceinline__ int head(const PlanView& plan, const CallParams& call) const {
+        return (num(plan, call) - 1 - index) % call.Hq;
     }
 };
 
@@ -277,39 +329,51 @@ __device__ __forceinline__ void produce_v(const sm90::TensorMap* map_v, const Sm
     }
 }
 
-// The producer warpgroup: thread 0 issues the TMA loads of Q and of every key chunk of the
-// tile's schedule, K of chunk i before V of chunk i - 1 (K is released a P V earlier than V);
-// a full chunk is handed on (`ready`) with its K, a partial one once sanitised (produce_v).
+// The producer warpgroup over the block's work items: thread 0 issues the TMA loads of each
+// item's Q (once the consumers have released the last one: q_empty) and of every key chunk of
+// the tile's schedule, K of chunk i before V of chunk i - 1 (K is released a P V earlier than
+// V); a full chunk is handed on (`ready`) with its K, a partial one once sanitised (produce_v).
+// The last V of an item is issued before the next item's Q, so the consumers never wait on it
+// behind a Q load.
 template <typename T, typename Cfg>
 __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
                                                   const sm90::TensorMap* map_k,
                                                   const sm90::TensorMap* map_v,
                                                   const Sm90Smem<T, Cfg>& sm, const PlanView& plan,
-                                                  const TileInfo& tile, int i_tile, int i_head,
-                                                  int i_khead) {
+                                                  const CallParams& call) {
     constexpr int STAGES = Cfg::STAGES;
     const int t = threadIdx.x;
-    if (t == 0) {
-        sm90::mbar_arrive_expect_tx(sm.q_full(), Cfg::Q_BYTES);
-        load_rows<Cfg, Cfg::BM>(sm.q(), map_q, sm.q_full(), i_head, tile.row);
-    }
-    KeyChunks<Cfg> keys(plan, tile, i_tile);
-    Chunk prev{};
-    int i = 0;
-    for (; keys.valid(); ++i, keys.advance()) {
-        const Chunk c = keys.chunk();
-        const int s = i % STAGES;
-        // the consumers' S of this stage's previous round has retired (the first round passes)
-        sm90::mbar_wait(sm.k_empty(s), round_parity<STAGES>(i) ^ 1u);
+    Sm90Ring ring;
+    for (WorkItem work; work.valid(plan, call); work.advance()) {
+        const int i_tile = work.tile(plan, call);
+        const TileInfo tile = load_tile(plan.q_tiles, i_tile);
+        if (tile.seq < 0) continue;
+        const int i_head = work.head(plan, call), i_khead = i_head / (call.Hq / call.Hk);
         if (t == 0) {
-            sm90::mbar_arrive_expect_tx(sm.k_full(s), Cfg::KV_BYTES);
-            load_rows<Cfg, Cfg::KN>(sm.k(s), map_k, sm.k_full(s), i_khead + c.head, c.row);
+            // every consumer's last S of the previous item has retired (the first item passes)
+            sm90::mbar_wait(sm.q_empty(), ring.q_parity() ^ 1u);
+            sm90::mbar_arrive_expect_tx(sm.q_full(), Cfg::Q_BYTES);
+            load_rows<Cfg, Cfg::BM>(sm.q(), map_q, sm.q_full(), i_head, tile.row);
         }
-        if (c.full) sm90::mbar_arrive(sm.ready(s));
-        if (i > 0) produce_v<T, Cfg>(map_v, sm, prev, i - 1, i_khead, t);
-        prev = c;
+        KeyChunks<Cfg> keys(plan, tile, i_tile);
+        Chunk prev{};       // rows 0: none yet (a chunk has rows)
+        for (; keys.valid(); keys.advance(), ++ring.chunk) {
+            const Chunk c = keys.chunk();
+            const int i = ring.chunk;
+            const int s = i % STAGES;
+            // the consumers' S of this stage's previous round has retired (the first round passes)
+            sm90::mbar_wait(sm.k_empty(s), round_parity<STAGES>(i) ^ 1u);
+            if (t == 0) {
+                sm90::mbar_arrive_expect_tx(sm.k_full(s), Cfg::KV_BYTES);
+                load_rows<Cfg, Cfg::KN>(sm.k(s), map_k, sm.k_full(s), i_khead + c.head, c.row);
+            }
+            if (c.full) sm90::mbar_arrive(sm.ready(s));
+            if (prev.rows > 0) produce_v<T, Cfg>(map_v, sm, prev, i - 1, i_khead, t);
+            prev = c;
+        }
+        if (prev.rows > 0) produce_v<T, Cfg>(map_v, sm, prev, ring.chunk - 1, i_khead, t);
+        ring.next_item();
     }
-    if (i > 0) produce_v<T, Cfg>(map_v, sm, prev, i - 1, i_khead, t);
 }
 
 // S = Q K^T of chunk i (this warpgroup's 64 rows; both K-major: k16 steps of 32 bytes inside a
@@ -378,27 +442,27 @@ __device__ __forceinline__ void rescale(float (&acc_o)[NO][4], const float (&cor
     }
 }
 
-// One consumer warpgroup (rows 64 c .. 64 c + 63 of the tile), FlashAttention-3's Alg. 2 over
-// the key chunks 0 .. n - 1 with two S tiles, the fp32 accumulator of the next chunk's S and
-// this chunk's P packed to 16 bits:
+// One consumer warpgroup (rows 64 c .. 64 c + 63 of the tile) on one work item,
+// FlashAttention-3's Alg. 2 over its key chunks 0 .. n - 1 (the block's chunks ring.chunk
+// on) with two S tiles, the fp32 accumulator of the next chunk's S and this chunk's P packed
+// to 16 bits:
 //   S_0 = Q K_0^T; wait; softmax -> P_0
 //   for j = 0 .. n - 2: issue S_{j+1} = Q K_{j+1}^T, issue O += P_j V_j; wait<1> (S_{j+1}
 //     retired, P_j V_j in flight); release K_{j+1}; softmax of S_{j+1} (its O rescaling
 //     deferred); wait<0>; release V_j; rescale O; P_{j+1}
-//   O += P_{n-1} V_{n-1}; wait; release V_{n-1}
+//   release Q; O += P_{n-1} V_{n-1}; wait; release V_{n-1}
 // then O / l and lse through store_output. With two consumers each block of issues runs on the
-// warpgroup's turn (PingPong). `w` is the warp's slot among the consumer warps.
+// warpgroup's turn (PingPong). `w` is the warp's slot among the consumer warps. Moves `ring`
+// past the item.
 template <typename T, typename Cfg, bool HAS_SOFTCAP>
-__device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T* out, float* lse,
-                                                  const PlanView& plan, const CallParams& call,
-                                                  const TileInfo& tile, int i_tile, int i_head,
-                                                  int c_wg, const WarpSlot& w) {
+__device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm, T* out,
+                                                     float* lse, const PlanView& plan,
+                                                     const CallParams& call, const TileInfo& tile,
+                                                     int i_tile, int i_head, int c_wg,
+                                                     const WarpSlot& w, sm90::u64 desc_q,
+                                                     Sm90Ring& ring) {
     constexpr int STAGES = Cfg::STAGES, KN = Cfg::KN, D = Cfg::D;
     const SeqPolicy pol = SeqPolicy::load(plan, tile.seq);
-    // K-major A: this warpgroup's 64 rows of Q, 8-row atoms SBO apart
-    const sm90::u64 desc_q = sm90::smem_desc(reinterpret_cast<unsigned char*>(sm.q()) +
-                                                 c_wg * Cfg::WG_ROWS * Cfg::BOX_ROW_BYTES,
-                                             0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
 
     // [16, D] output rows and [16, KN] scores of this warp, as the warpgroup's wgmma D
     // fragments, and [16, KN] probabilities of the chunk before as wgmma A fragments
@@ -412,28 +476,28 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
     auto& s_frag = reinterpret_cast<float (&)[KN / 2]>(acc_s);
     const PingPong<Cfg> turn{c_wg};
 
-    sm90::mbar_wait(sm.q_full(), 0);
+    sm90::mbar_wait(sm.q_full(), ring.q_parity());
     KeyChunks<Cfg> keys(plan, tile, i_tile);
+    int i = ring.chunk;     // the block's chunk of P
     if (keys.valid()) {
         turn.start();
         // prologue: S_0
-        sm90::mbar_wait(sm.ready(0), 0);
-        sm90::mbar_wait(sm.k_full(0), 0);
+        sm90::mbar_wait(sm.ready(i % STAGES), round_parity<STAGES>(i));
+        sm90::mbar_wait(sm.k_full(i % STAGES), round_parity<STAGES>(i));
         turn.wait();
         sm90::wgmma_fence_operand(s_frag);
         sm90::wgmma_fence();
-        issue_s<T, Cfg>(s_frag, sm, desc_q, 0);
+        issue_s<T, Cfg>(s_frag, sm, desc_q, i);
         turn.pass(false);
         sm90::wgmma_wait<0>();
         sm90::wgmma_fence_operand(s_frag);
-        sm90::mbar_arrive(sm.k_empty(0));
+        sm90::mbar_arrive(sm.k_empty(i % STAGES));
         float corr[2];
         softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr,
                                       query_rows_mask(pol, tile.pos, w, keys.chunk()), call,
                                       w.lane);
         #pragma unroll
         for (int j = 0; j < KN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
-        int i = 0;      // the chunk of P
         for (keys.advance(); keys.valid(); keys.advance(), ++i) {
             const int n = i + 1;
             const uint32_t parity_n = round_parity<STAGES>(n);
@@ -464,6 +528,9 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
             #pragma unroll
             for (int j = 0; j < KN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
         }
+        // every S of the item has retired: Q may be refilled with the next item's while the
+        // last P V and the epilogue run
+        sm90::mbar_arrive(sm.q_empty());
         // epilogue: P V of the last chunk
         sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i));
         turn.wait();
@@ -474,10 +541,37 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
         sm90::wgmma_wait<0>();
         sm90::wgmma_fence_operand(o_frag);
         sm90::mbar_arrive(sm.v_empty(i % STAGES));
+        ++i;
+    } else {
+        sm90::mbar_arrive(sm.q_empty());
     }
     store_output<T, D, Cfg::OUT_STRIDE>(reinterpret_cast<const float (&)[1][D / 8][4]>(acc_o),
                                         softmax, sm.out(), head_rows<D>(out, call.Hq, i_head),
                                         lse + static_cast<int64_t>(i_head) * plan.rows_q, tile, w);
+    // the warp's rows of the output stage were read back by other lanes: the next item's
+    // staging must follow those reads
+    __syncwarp();
+    ring.chunk = i;
+    ring.next_item();
+}
+
+// One consumer warpgroup over the block's work items (the producer's, in the same order).
+template <typename T, typename Cfg, bool HAS_SOFTCAP>
+__device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T* out, float* lse,
+                                                  const PlanView& plan, const CallParams& call,
+                                                  int c_wg, const WarpSlot& w) {
+    // K-major A: this warpgroup's 64 rows of Q, 8-row atoms SBO apart
+    const sm90::u64 desc_q = sm90::smem_desc(reinterpret_cast<unsigned char*>(sm.q()) +
+                                                 c_wg * Cfg::WG_ROWS * Cfg::BOX_ROW_BYTES,
+                                             0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
+    Sm90Ring ring;
+    for (WorkItem work; work.valid(plan, call); work.advance()) {
+        const int i_tile = work.tile(plan, call);
+        const TileInfo tile = load_tile(plan.q_tiles, i_tile);
+        if (tile.seq < 0) continue;
+        fwd_sm90_consume_item<T, Cfg, HAS_SOFTCAP>(sm, out, lse, plan, call, tile, i_tile,
+                                                   work.head(plan, call), c_wg, w, desc_q, ring);
+    }
 }
 
 }  // namespace varlen
@@ -486,7 +580,8 @@ using namespace varlen;
 
 // Tensor maps (made by the launcher, varlen/backends/_cupy_sm90.py): 3D over the packed arrays,
 // dims (D, H, T) innermost first, box (64, 1, BM) for Q and (64, 1, KN) for K and V, 128B
-// swizzle, zero fill past row T. BN is the plan's key tile, KN the key chunk.
+// swizzle, zero fill past row T. BN is the plan's key tile, KN the key chunk. Grid (G, 1) with
+// G <= num_q_tiles x Hq work items (at most the SMs x CTAs per SM, at least 1).
 template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN = sm90_key_chunk(D)>
 __global__ void __launch_bounds__(FwdSm90Config<D, BM, BN, KN>::NUM_THREADS, 1)
 varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D]
@@ -496,22 +591,23 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
                 float* __restrict__ lse,                         // [Hq, Tq]
                 const PlanView plan, const CallParams call) {
     using Cfg = FwdSm90Config<D, BM, BN, KN>;
-    const int i_tile = blockIdx.x, i_head = blockIdx.y;
-    // Blocks past the tile slots write the rows of no tile (as varlen_fwd's pad blocks).
-    const int i_pad = pad_block_index(i_tile, plan.num_q_tiles);
-    if (i_pad >= 0) {
+    // The rows of no tile (as varlen_fwd's pad blocks, whose windows the block takes in turn:
+    // pad block i_pad of a grid of one row of blocks), by the whole block before its items.
+    // Block G - 1 - b takes the windows b, b + G, ...: the last blocks, whose items are the
+    // shortest of each round, go first.
+    #pragma unroll 1
+    for (int i_pad = static_cast<int>(gridDim.x - 1 - blockIdx.x);
+         static_cast<int64_t>(i_pad) * Cfg::NUM_THREADS * PAD_ROWS_PER_THREAD < plan.rows_q;
+         i_pad += static_cast<int>(gridDim.x)) {
         write_forward_pad_rows<D, Cfg::NUM_THREADS>(out, lse, plan, call, i_pad);
-        return;
     }
-    const TileInfo tile = load_tile(plan.q_tiles, i_tile);
-    if (tile.seq < 0) return;
-    const int i_khead = i_head / (call.Hq / call.Hk);
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t misalign = sm90::smem_addr(smem_raw) % Cfg::ALIGN;
     const Sm90Smem<T, Cfg> sm{smem_raw + (misalign ? Cfg::ALIGN - misalign : 0)};
     if (threadIdx.x == 0) {
         sm90::mbar_init(sm.q_full(), 1);
+        sm90::mbar_init(sm.q_empty(), Cfg::NUM_CONSUMERS * Cfg::WG_THREADS);
         #pragma unroll
         for (int s = 0; s < Cfg::STAGES; ++s) {
             sm90::mbar_init(sm.k_full(s), 1);
@@ -526,13 +622,11 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
 
     if (threadIdx.x < Cfg::WG_THREADS) {
         sm90::setmaxnreg<Cfg::PRODUCER_REGS, false>();
-        fwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, sm, plan, tile, i_tile, i_head,
-                                  i_khead);
+        fwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, sm, plan, call);
     } else {
         sm90::setmaxnreg<Cfg::CONSUMER_REGS, true>();
         const int t = threadIdx.x - Cfg::WG_THREADS;
         const WarpSlot w{t % WARP_SIZE, t / WARP_SIZE, (t / WARP_SIZE) * WARP_ROWS};
-        fwd_sm90_consumer<T, Cfg, HAS_SOFTCAP>(sm, out, lse, plan, call, tile, i_tile, i_head,
-                                               t / Cfg::WG_THREADS, w);
+        fwd_sm90_consumer<T, Cfg, HAS_SOFTCAP>(sm, out, lse, plan, call, t / Cfg::WG_THREADS, w);
     }
 }

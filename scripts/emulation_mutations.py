@@ -24,7 +24,9 @@ The sm_90a kernels (`fwd_sm90.cuh`, `bwd_sm90.cuh`) have sites of their own: eve
 `mbar_wait`, `wgmma_wait<N>`, `wgmma_fence`, named barrier (`named_bar_sync`/`named_bar_arrive`),
 `fence_proxy_async`, `fence_barrier_init` and `__syncthreads()` call. The forward's run the
 pipeline's case of tests/test_sm90_forward.py (two consumer warpgroups in ping-pong, 1 to 6 key
-chunks per query tile, partial chunks whose boxes hold NaN rows, a NaN in a present key), the
+chunks per query tile, partial chunks whose boxes hold NaN rows, a NaN in a present key; the
+persistent loop's 16 work items over 3 blocks, so Q's handshake and the ring's phases run
+across items), the
 backward's a case of tests/test_sm90_backward.py (two consumer warpgroups, four query chunks per
 key tile: the ring wraps twice; a partial query chunk and a ragged key tile, NaN in the pad
 rows), with the threads free-running:

@@ -1,6 +1,10 @@
 """The sm_90a forward kernel (kernels_cuda/fwd_sm90.cuh): its NVRTC build for sm_90a (registers,
 spills, shared memory) and its runs through the host emulation against the float64 reference on
-small adversarial packed batches, one process per case (the emulation replaces `cupy`)."""
+small adversarial packed batches, one process per case (the emulation replaces `cupy`).
+
+The kernel is persistent: the emulation's stand-in device has `EMULATED_SM_COUNT` (3) SMs, or
+the `ctas` of a case, so each block loops over several (tile slot, head) work items; the cases
+check that the launch had that many blocks."""
 from __future__ import annotations
 
 import math
@@ -16,8 +20,9 @@ from helpers import needs_cxx, run_case_ok, run_mutated_case
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
-# label -> case. Lengths keep the grids to a few CTAs: the emulation runs one OS thread per CUDA
-# thread (256 or 384 per block here).
+# label -> case. Lengths keep the work small: the emulation runs one OS thread per CUDA thread
+# (256 or 384 per block here), block after block. `ctas`: the SMs of the stand-in device (one
+# block each), EMULATED_SM_COUNT when absent.
 CASES = {
     # zero-length sequences (the last one too), length 1, lengths off the tile, a pad gap with
     # NaN in it, causal
@@ -33,10 +38,11 @@ CASES = {
         lengths_q=[3, 100], lengths_k=[150, 2], Hq=1, Hk=1, D=128, dtype="bfloat16",
         mask="full", gaps=True, softcap=0.0, block_m=128, nan_in_pad=True),
     # a NaN in a visible key of one sequence only, softcap, fp16 D = 128
+    # (and as many blocks as work items: each block runs one, the grid a non-persistent one has)
     "B2-fp16-D128-BM64-softcap-nan-visible": dict(
         lengths_q=[20, 9], lengths_k=[65, 9], Hq=1, Hk=1, D=128, dtype="float16",
         mask="causal_bottom_right", gaps=False, softcap=5.0, block_m=64, nan_in_pad=False,
-        nan_in_key=True),
+        nan_in_key=True, ctas=132),
     # key chunks of 128 (wgmma N = 128 for S), causal, a ragged last chunk
     "B2-bf16-D64-BM64-BN128-causal-gaps-nan": dict(
         lengths_q=[40, 90], lengths_k=[40, 150], Hq=1, Hk=1, D=64, dtype="bfloat16",
@@ -68,10 +74,35 @@ CASES = {
         lengths_q=[0, 1, 90, 140, 1], lengths_k=[0, 1, 300, 150, 0], Hq=2, Hk=1, D=128,
         dtype="float16", mask="causal_bottom_right", gaps=True, softcap=5.0, block_m=128,
         nan_in_pad=True, nan_in_key=True),
+    # The persistent loop. Two blocks over 2 x 3 heads of tiles with 1, 3 and 2 key chunks
+    # (pairs of 64-row tiles; the K/V ring's stages and phases run on across items, so items
+    # of odd chunk counts wrap it mid-item), zero-length and length-1 sequences, a slot whose
+    # tile has no keys, a gap after the last sequence (pad rows written by the blocks before
+    # their items, NaN in every row outside a sequence), GQA 3:1 (a block's items alternate
+    # over the heads of a slot: the next item's Q is another head's), mixed per-sequence masks,
+    # two consumer warpgroups in ping-pong (the turn restarts per item)
+    "P6-bf16-D64-BM128-2ctas-gqa-mixed": dict(
+        lengths_q=[130, 1, 0, 70, 5, 40], lengths_k=[300, 1, 20, 150, 0, 200], Hq=3, Hk=1,
+        D=64, dtype="bfloat16", mask=("mixed",), gaps=True, softcap=0.0, block_m=128,
+        nan_in_pad=True, ctas=2),
+    # one consumer warpgroup, D = 128 under a softcap, fp16, a NaN in a key of sequence 2 seen
+    # by some of its queries, GQA 2:1, three blocks over 18 items (6 of unused slots)
+    "P5-fp16-D128-BM64-3ctas-softcap-nan-key": dict(
+        lengths_q=[100, 0, 64, 1, 90], lengths_k=[140, 3, 64, 1, 200], Hq=2, Hk=1, D=128,
+        dtype="float16", mask="causal_bottom_right", gaps=True, softcap=5.0, block_m=64,
+        nan_in_pad=True, nan_in_key=2, ctas=3),
+    # D = 256 (chunks of 64 keys: 1 to 5 per tile), two blocks, GQA 2:1
+    "P4-bf16-D256-BM64-2ctas-causal": dict(
+        lengths_q=[130, 1, 0, 60], lengths_k=[250, 1, 0, 60], Hq=2, Hk=1, D=256,
+        dtype="bfloat16", mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64,
+        nan_in_pad=True, ctas=2),
 }
-QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan"]
-# the pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their boxes
+# the pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their boxes,
+# 16 work items (2 of an unused slot) over 3 blocks
 PIPELINE = "B7-bf16-D64-BM128-chunks-1-2-3-6"
+# the persistent loop's case: 21 work items (3 of an unused slot) over 2 blocks
+PERSISTENT = "P6-bf16-D64-BM128-2ctas-gqa-mixed"
+QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan", PERSISTENT]
 
 
 def _mask(spec, B):
@@ -98,9 +129,11 @@ def run_case(label: str, device: bool = False) -> float:
     c = dict(CASES[label])
     nan_in_pad, nan_in_key = c.pop("nan_in_pad"), c.pop("nan_in_key", False)
     block_m, block_n = c["block_m"], c.pop("block_n", 64)
+    ctas = c.pop("ctas", _cupy_sm90.EMULATED_SM_COUNT)
     if not device:
         _cupy_emulation.install_fake_cupy(block_m)
-        _cupy_sm90.use_runtime(_cupy_sm90.EmulatedRuntime())
+        rt = _cupy_sm90.EmulatedRuntime(sm_count=ctas)
+        _cupy_sm90.use_runtime(rt)
     rng = np.random.default_rng(0)
     mask = _mask(c["mask"], len(c["lengths_q"]))
     b = make_batch(rng, c["lengths_q"], c["lengths_k"], Hq=c["Hq"], Hk=c["Hk"], D=c["D"],
@@ -134,6 +167,10 @@ def run_case(label: str, device: bool = False) -> float:
         cupy.cuda.Device().synchronize()
         out, lse = cupy.asnumpy(out), cupy.asnumpy(lse)
     seconds = time.perf_counter() - t0
+    if not device:
+        # one launch of min(work items, SMs) blocks: with fewer SMs than items, blocks loop
+        items = plan.num_q_tiles * c["Hq"]
+        assert rt.grids == [(max(1, min(items, ctas)), 1)], (label, rt.grids, items)
     want_out, want_lse = b.ref_forward(softmax_scale=scale, softcap=c["softcap"])
     want_out, want_lse = np.asarray(want_out), np.asarray(want_lse)
     got_out = np.asarray(out).astype(np.float64)
@@ -214,6 +251,44 @@ def test_sm90_forward_compiles_for_sm90a_within_budget():
         assert not u["warnings"], f"{name}: ptxas warnings (setmaxnreg ignored?) {u['warnings']}"
 
 
+def test_sm90_persistent_grid_is_one_block_per_sm_at_most():
+    """The persistent forward's grid: one block per work item up to one per SM, at least one
+    (the blocks also write the pad rows); the emulation's stand-in device has few SMs, so that
+    its blocks loop."""
+    from varlen.backends._cupy_sm90 import (CTAS_PER_SM, EMULATED_SM_COUNT, EmulatedRuntime,
+                                            persistent_grid)
+    assert CTAS_PER_SM == 1
+    assert persistent_grid(0, 132) == 1
+    assert persistent_grid(7, 132) == 7
+    assert persistent_grid(5000, 132) == 132
+    assert persistent_grid(5000, 132) * CTAS_PER_SM <= 132
+    assert EmulatedRuntime().sm_count() == EMULATED_SM_COUNT <= 4
+    assert EmulatedRuntime(sm_count=2).sm_count() == 2
+
+
+def test_sm90_runtime_reads_the_sm_count_of_the_device_once(monkeypatch):
+    """The GPU runtime sizes the persistent grid from the device's MultiProcessorCount, read
+    once per device (CuPy's `Device.attributes` queries every attribute)."""
+    import types
+    from varlen.backends._cupy_sm90 import Runtime
+    reads = []
+
+    class Device:
+        def __init__(self):
+            self.id = 0
+
+        @property
+        def attributes(self):
+            reads.append(self.id)
+            return {"MultiProcessorCount": 132}
+
+    monkeypatch.setitem(sys.modules, "cupy",
+                        types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device)))
+    rt = Runtime()
+    assert rt.sm_count() == 132 and rt.sm_count() == 132
+    assert reads == [0]
+
+
 def test_sm90_key_chunk_is_128_where_it_fits():
     """Chunks of 128 keys by default at D 64 and 128 (pairs of the CuPy backend's 64-row key
     tiles), 64 at D 256, whose 128-key stages would not fit."""
@@ -241,17 +316,21 @@ def test_sm90_forward_under_thread_sanitizer(label):
 
 
 @needs_cxx
-@pytest.mark.parametrize("schedule, seed", [
-    ("random", "1"),
-    pytest.param("issue", "0", marks=pytest.mark.slow),
-    pytest.param("random", "2", marks=pytest.mark.slow),
-], ids=["random-1", "issue-0", "random-2"])
-def test_sm90_forward_under_landing_schedules(schedule, seed):
-    """The pipeline's case with TMA copies landing, and wgmma operands read, at issue or at
-    seeded random points between issue and the wait that needs them (the default is the
-    latest moment): a release or a wait out of place changes what a wgmma reads."""
-    assert "ok" in _run(PIPELINE, dict(VARLEN_EMULATION_SCHEDULE=schedule,
-                                       VARLEN_EMULATION_SEED=seed))
+@pytest.mark.parametrize("label, schedule, seed", [
+    (PIPELINE, "random", "1"),
+    pytest.param(PIPELINE, "issue", "0", marks=pytest.mark.slow),
+    pytest.param(PIPELINE, "random", "2", marks=pytest.mark.slow),
+    pytest.param(PERSISTENT, "issue", "0", marks=pytest.mark.slow),
+    pytest.param(PERSISTENT, "random", "1", marks=pytest.mark.slow),
+], ids=["random-1", "issue-0", "random-2", "persistent-issue-0", "persistent-random-1"])
+def test_sm90_forward_under_landing_schedules(label, schedule, seed):
+    """The pipeline's and the persistent loop's cases with TMA copies landing, and wgmma
+    operands read, at issue or at seeded random points between issue and the wait that needs
+    them (the default is the latest moment): a release or a wait out of place changes what a
+    wgmma reads. (The one-warp-at-a-time schedule cannot run warpgroup collectives or mbarrier
+    waits: docs/hopper.md, "What it does not model".)"""
+    assert "ok" in _run(label, dict(VARLEN_EMULATION_SCHEDULE=schedule,
+                                    VARLEN_EMULATION_SEED=seed))
 
 
 # Mutations of fwd_sm90.cuh that the cases above must catch: (old, new, case, what the failure
@@ -265,6 +344,15 @@ MUTATIONS = {
     "no-v-empty-wait": ("    sm90::mbar_wait(sm.v_empty(s), parity ^ 1u);\n", "",
                         PIPELINE, "mbarrier"),
     "no-deferred-rescale": ("            rescale(acc_o, corr);\n", "", PIPELINE, "max abs error"),
+    # the persistent loop: the next item's Q loaded over the one the consumers still read
+    "no-q-empty-wait": ("            sm90::mbar_wait(sm.q_empty(), ring.q_parity() ^ 1u);\n", "",
+                        PERSISTENT, "mbarrier"),
+    # the ring restarted at stage 0, round 0 for every item (on both sides)
+    "ring-reset-per-item": ("void next_item() { ++item; }",
+                            "void next_item() { ++item; chunk = 0; }", PERSISTENT, "mbarrier"),
+    # Q's phase taken as the first item's for every item (on both sides)
+    "q-phase-reset-per-item": ("        return static_cast<uint32_t>(item) & 1u;",
+                               "        return 0u;", PERSISTENT, "mbarrier"),
 }
 
 

@@ -3,17 +3,22 @@
 Opt-in only: the mma.sync kernels of `_cupy_kernels.py` stay the default everywhere. With
 `VARLEN_CUPY_PATH=sm90a` in the environment (`selected()`), the CuPy backend's forward runs
 this kernel instead of `_cupy_kernels.forward` on a compute capability 9.0 GPU and refuses any
-other (see docs/hopper.md, "The sm_90a forward"). Backward passes are unaffected.
+other (see docs/hopper.md, "The sm_90a forward"); the atomic backward's sm_90a kernel has
+its own launcher, `_cupy_sm90_bwd`.
 
-The kernel reads the same `PlanView` and `CallParams` as `varlen_fwd` and three CUDA tensor maps
-over the packed q, k, v (3D: (D, H, T) innermost first, boxes of 64 head-dim columns x 1 head x
-BM rows for q, KN rows for k and v, 128B swizzle, zero fill past row T). KN, the key chunk of
-the kernel's pipeline, is 128 rows at D <= 128 (two of the plan's 64-row key tiles, or one of
-128) and 64 at D = 256 (`default_key_chunk`). It is compiled by NVRTC for `sm_90a` (CuPy
-would pick the architecture from the device, without the `a` suffix that wgmma and setmaxnreg
-need) and loaded as a cubin; the tensor maps come from the driver's `cuTensorMapEncodeTiled`.
-A `Runtime` does both; `EmulatedRuntime` runs the kernel through the host emulation instead
-(tests/test_sm90_forward.py).
+The kernel is persistent: a grid of at most (SMs x `CTAS_PER_SM`) blocks (`persistent_grid`; the
+runtime says how many SMs the device has), each looping with a static stride over the work
+items (query tile slot, head) in reverse slot order, as `varlen_fwd` takes them (a sequence's
+heaviest tiles first under a causal mask). It reads the same `PlanView` and `CallParams` as
+`varlen_fwd` and three CUDA tensor maps over the packed q, k, v (3D: (D, H, T) innermost
+first, boxes of 64 head-dim columns x 1 head x BM rows for q, KN rows for k and v, 128B
+swizzle, zero fill past row T). KN, the key chunk of the kernel's pipeline, is 128 rows at
+D <= 128 (two of the plan's 64-row key tiles, or one of 128) and 64 at D = 256
+(`default_key_chunk`). It is compiled by NVRTC for `sm_90a` (CuPy would pick the architecture
+from the device, without the `a` suffix that wgmma and setmaxnreg need) and loaded as a cubin;
+the tensor maps come from the driver's `cuTensorMapEncodeTiled`. A `Runtime` does both;
+`EmulatedRuntime` runs the kernel through the host emulation instead, on a stand-in device of
+`EMULATED_SM_COUNT` SMs (tests/test_sm90_forward.py).
 """
 from __future__ import annotations
 
@@ -32,7 +37,13 @@ WG_THREADS = 128              # a warpgroup
 WG_ROWS = 64                  # query rows per consumer warpgroup (wgmma M)
 BOX_COLS = 64                 # head-dim columns per TMA box: 128 bytes, the 128B swizzle width
 STAGES = 2                    # K/V ring (FwdSm90Config::STAGES)
-NUM_BARRIERS = 1 + 5 * STAGES  # q_full; k_full, v_full, ready, k_empty, v_empty per stage
+NUM_BARRIERS = 2 + 5 * STAGES  # q_full, q_empty; k_full, v_full, ready, k_empty, v_empty per stage
+# Blocks of the kernel an SM holds: its register file (`__launch_bounds__(threads, 1)`: 255
+# registers x 256 threads, 168 x 384) takes all 64 K registers of an SM.
+CTAS_PER_SM = 1
+# The SMs of the emulation's stand-in device (`EmulatedRuntime`): few, so that its blocks loop
+# over several work items each.
+EMULATED_SM_COUNT = 3
 SMEM_ALIGN = 1024             # slack to round the shared window up to the 128B swizzle's repeat
 SWIZZLE_128B = 3              # CU_TENSOR_MAP_SWIZZLE_128B
 OPTIN_SMEM = 227 * 1024
@@ -110,6 +121,12 @@ def spec_for(plan, q, softcap: float) -> Sm90Spec:
                     bool(softcap > 0))
 
 
+def persistent_grid(work_items: int, sm_count: int) -> int:
+    """Blocks of the persistent grid: one per work item up to `CTAS_PER_SM` per SM, at least one
+    (it also writes the pad rows)."""
+    return max(1, min(work_items, sm_count * CTAS_PER_SM))
+
+
 def map_layout(a, box_rows: int):
     """The tensor map of a packed [T, H, D] array as (dims, byte strides of dims 1 and 2, box),
     innermost first."""
@@ -124,6 +141,7 @@ class Runtime:
 
     def __init__(self):
         self._functions = {}
+        self._sm_counts = {}
 
     def function(self, spec: Sm90Spec):
         if spec not in self._functions:
@@ -154,6 +172,15 @@ class Runtime:
         arg = np.zeros((), TENSOR_MAP_DTYPE)
         arg["opaque"] = np.asarray(tmap.opaque, dtype=np.uint64)
         return arg
+
+    def sm_count(self) -> int:
+        """The current device's SMs (`cudaDevAttrMultiProcessorCount`), read once per device
+        (`Device.attributes` queries every attribute)."""
+        import cupy
+        dev = cupy.cuda.Device()
+        if dev.id not in self._sm_counts:
+            self._sm_counts[dev.id] = int(dev.attributes["MultiProcessorCount"])
+        return self._sm_counts[dev.id]
 
     def launch(self, spec: Sm90Spec, *, grid, args):
         self.function(spec)(grid, (spec.threads,), args, shared_mem=spec.smem)
@@ -187,6 +214,14 @@ class EmulatedRuntime:
 
     MAX_PARAMS = 16
     ENTRY = b"varlen_fwd_sm90"          # the kernel's name in the emulation's sm90 table
+
+    def __init__(self, sm_count: int = EMULATED_SM_COUNT):
+        self._sm_count = sm_count
+        self.grids = []                 # the grid of each launch, in order
+
+    def sm_count(self) -> int:
+        """The stand-in device's SMs: `EMULATED_SM_COUNT` unless the constructor was told."""
+        return self._sm_count
 
     def _build_args(self, spec: Sm90Spec) -> tuple:
         """`_cupy_emulation._build`'s (type, D, BM, BN, BQ, softcap) of the build holding the
@@ -245,6 +280,7 @@ class EmulatedRuntime:
                 ctypes.memmove(addr, ctypes.addressof(v), size)
             addresses.append(addr)
         params = (ctypes.c_void_p * n)(*addresses)
+        self.grids.append(tuple(grid))
         rc = lib.emu_sm90_launch(key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
                                  ctypes.c_uint(spec.threads), ctypes.c_size_t(spec.smem), params)
         assert rc == 0, f"{spec.name}: no such entry point in the emulation"
@@ -268,10 +304,10 @@ def use_runtime(rt) -> None:
 
 def forward(plan, q, k, v, *, softmax_scale: float, softcap: float):
     """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf),
-    as `_cupy_kernels.forward`, by the sm_90a kernel: one launch, no fill (the blocks past the
-    tile slots write the rows of no tile)."""
+    as `_cupy_kernels.forward`, by the sm_90a kernel: one launch of `persistent_grid` blocks
+    over num_q_tiles x Hq work items, no fill (the blocks also write the rows of no tile)."""
     import cupy
-    from ._cupy_kernels import _check_heads, _data, call_params_arg, pad_blocks, plan_view_arg
+    from ._cupy_kernels import _check_heads, _data, call_params_arg, plan_view_arg
     q, k, v = _data(q), _data(k), _data(v)
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
@@ -287,7 +323,8 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float):
     plan_arg = plan_view_arg(plan)
     maps = (rt.tensor_map(q, spec.block_m), rt.tensor_map(k, spec.key_chunk),
             rt.tensor_map(v, spec.key_chunk))
-    rt.launch(spec, grid=(plan.num_q_tiles + pad_blocks(Tq, Hq, spec.threads), Hq),
+    grid = persistent_grid(int(plan.num_q_tiles) * Hq, rt.sm_count())
+    rt.launch(spec, grid=(grid, 1),
               args=(*maps, out, lse, plan_arg.struct,
                     call_params_arg(Hq, Hk, softmax_scale, softcap)))
     return out, lse
