@@ -2,7 +2,9 @@
 """Analytical performance model of the CuPy kernels (bf16, D=128): per tile pair, the
 shared-memory bytes, tensor-pipe cycles, special-function and FP32 cycles and barriers, for the
 current kernels and for the FlashAttention-2 design point, on H100 SXM and A100 SXM; the
-ceilings and predicted TFLOP/s they give (docs/cupy_backend.md, "Performance model").
+ceilings and predicted TFLOP/s they give (docs/cupy_backend.md, "Performance model"). Then the
+shipped dK/dV kernel's step at plan tiles (128, 64) and (128, 128) for every head dim up to
+128, and the default tiles it implies (`preferred_blocks`).
 
     python scripts/perf_model.py                  # the table (the figures of the doc)
     python scripts/perf_model.py --json model.json

@@ -54,7 +54,7 @@ def wide_key_tile_cases():
                    bottom_right=np.array([0, 0, 1, 1], np.int32))
     base = dict(block_m=128, block_n=128, gaps=True, garbage=np.nan)
     return [
-        dict(label="B4-gqa-perseq-nangaps-bf16-D128-BN128", lengths_q=[0, 1, 130, 9],
+        dict(label="B4-gqa-perseq-nangaps-bf16-D128-BN128", lengths_q=[0, 1, 100, 9],
              lengths_k=[2, 1, 135, 0], Hq=2, Hk=1, D=128, dtype="bfloat16", mask=per_seq,
              softcap=0.0, **base),
         # bottom-right causal with Lq > Lk: key tile 0 meets query rows 60 .. 199, 2 tiles
