@@ -51,6 +51,12 @@ struct DkdvConfig {
     static constexpr int DQ_GROUPS = BQ / WARP_ROWS;
     static constexpr int DQ_SPLIT = NUM_WARPS / DQ_GROUPS;
     static constexpr int DQ_COLS = 16;
+    // Query columns of a warp's register tiles S^T, dP^T [16, BQ_REG]: the chunk, or at D > 64
+    // 32 of its columns at a time (SUBTILES per chunk), so that they and dK, dV (D registers
+    // per lane) fit beside each other: a chunk of 64 at once spilled 8-176 B at D = 96 and 128
+    // (BN = 128). The chunk's loads, barriers and dQ phase stay those of BQ rows.
+    static constexpr int BQ_REG = D > 64 && BQ > 32 ? 32 : BQ;
+    static constexpr int SUBTILES = BQ / BQ_REG;
     // Passes over the query chunks, each accumulating DC = D / D_PARTS columns of dK and dV:
     // a warp's dK and dV of 16 rows take D registers per lane, 256 at D = 256. Each pass
     // recomputes S^T and dP^T in full (the D-wide products); dQ (ATOMIC_DQ) is added once, in
@@ -59,13 +65,18 @@ struct DkdvConfig {
     // through shared memory in the last pass only spilled 8 bytes on sm_80 at D = 256).
     static constexpr int D_PARTS = D > 128 ? 2 : 1;
     static constexpr int DC = D / D_PARTS;
+    // Ordered dQ hands its turn on by storing rank + 1, the rank kept in a register (4 warps up
+    // to D = 128), or by a release increment (bwd_dq_ordered.cuh): whichever ptxas allocates
+    // without a spill.
+    static constexpr bool CARRY_RANK = D_PARTS == 1 && NUM_WARPS <= 4;
     // Blocks per SM the register budget must allow. Two (of 128 threads) leave ptxas all 255
     // registers; stated, it keeps ptxas from squeezing D = 32 under 168 registers for a third
-    // block with a spill on sm_80. On sm_90 D = 32 fits three blocks without one.
+    // block with a spill on sm_80. On sm_90 D = 32 fits three blocks without one. With 8 warps
+    // (BN = 128) one block: 256 threads of up to 255 registers fill the register file.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    static constexpr int MIN_BLOCKS = D <= 32 ? 3 : 2;
+    static constexpr int MIN_BLOCKS = NUM_WARPS > 4 ? 1 : D <= 32 ? 3 : 2;
 #else
-    static constexpr int MIN_BLOCKS = 2;
+    static constexpr int MIN_BLOCKS = NUM_WARPS > 4 ? 1 : 2;
 #endif
     static constexpr int T_ELEMS = 2 * BN * STRIDE + 2 * STAGES * BQ * STRIDE +
                                    (ATOMIC_DQ ? BN * DS_STRIDE : 0);
@@ -78,6 +89,7 @@ struct DkdvConfig {
     static_assert(NUM_WARPS % DQ_GROUPS == 0 && D % (DQ_COLS * DQ_SPLIT) == 0,
                   "every warp takes an equal part of dQ: whole row groups, whole column slices");
     static_assert(DC % 16 == 0, "whole pairs of n-blocks per part");
+    static_assert(BQ % BQ_REG == 0 && BQ_REG % 16 == 0, "whole register tiles of k-steps");
 };
 
 // lse2 and delta of the chunk's query rows, one per column of the transposed tiles.
@@ -192,11 +204,13 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[NB][4], const
 // dQ += dS K for one query chunk with fp32 atomics: dS^T [BN, BQ] goes through shared memory,
 // then every warp takes a [16, D / DQ_SPLIT] part of dQ [BQ, D]: the 16 query rows qg = warp %
 // DQ_GROUPS, columns split DQ_SPLIT ways, DQ_COLS at a time. The warp's dS fragments (A operand,
-// BN / 16 k-steps) are read once and kept for all its column slices. `order` (UnorderedDq or
+// BN / 16 k-steps) are read once and kept for all its column slices (DS_HELD) or read per
+// slice. `order` (UnorderedDq or
 // OrderedDq) makes the block wait for its turn at the chunk before the first addition and hand
 // it on after the last.
-template <typename T, typename Cfg, typename Order>
-__device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4], T* s_ds,
+// With SUBTILES > 1 the caller has staged dS^T already and ds_t is not read.
+template <typename T, typename Cfg, bool DS_HELD, typename Order>
+__device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ_REG / 8][4], T* s_ds,
                                               const T* s_k, const HeadRows<float>& dq_accum,
                                               const Chunk& c, const WarpSlot& w,
                                               const Order& order) {
@@ -205,16 +219,20 @@ __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4
     constexpr int SLICES = Cfg::D / Cfg::DQ_COLS / Cfg::DQ_SPLIT;    // per warp
     const float one[2] = {1.f, 1.f};
     const int turn = order.acquire(c);
-    stage_rows<T, Cfg::BQ / 8, Cfg::DS_STRIDE>(ds_t, one, s_ds, w.row0, w.lane);
+    if constexpr (Cfg::SUBTILES == 1)
+        stage_rows<T, Cfg::BQ / 8, Cfg::DS_STRIDE>(ds_t, one, s_ds, w.row0, w.lane);
     __syncthreads();
     const int qg = w.warp % Cfg::DQ_GROUPS;
     const int part = w.warp / Cfg::DQ_GROUPS;
-    // [16, BN] dS of rows qg, as KSTEPS A fragments
-    uint32_t a_ds[KSTEPS][4];
-    #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-        ldmatrix_block<Cfg::DS_STRIDE, X4::COLS_FIRST, true>(a_ds[kk], s_ds, kk * 16,
-                                                             qg * WARP_ROWS, w.lane);
+    // [16, BN] dS of rows qg, as KSTEPS A fragments held for every slice (DS_HELD), or read
+    // again per slice
+    uint32_t a_ds[DS_HELD ? KSTEPS : 1][4];
+    if constexpr (DS_HELD) {
+        #pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            ldmatrix_block<Cfg::DS_STRIDE, X4::COLS_FIRST, true>(a_ds[kk], s_ds, kk * 16,
+                                                                 qg * WARP_ROWS, w.lane);
+        }
     }
     #pragma unroll
     for (int i = 0; i < SLICES; ++i) {
@@ -223,14 +241,19 @@ __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ / 8][4
         float acc_q[NB][4];
         zero_acc(acc_q);
         gemm_16<T, NB, KSTEPS, Cfg::STRIDE, false>(acc_q, [&](uint32_t (&a)[4], int kk) {
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) a[j] = a_ds[kk][j];
+            if constexpr (DS_HELD) {
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) a[j] = a_ds[kk][j];
+            } else {
+                ldmatrix_block<Cfg::DS_STRIDE, X4::COLS_FIRST, true>(a, s_ds, kk * 16,
+                                                                     qg * WARP_ROWS, w.lane);
+            }
         }, s_k, col0, w.lane);
         atomic_add_rows(acc_q, dq_accum, c.row + qg * WARP_ROWS, c.rows - qg * WARP_ROWS, col0,
                         w.lane);
     }
-    // the rank in a register up to D = 128, the counter's increment above (bwd_dq_ordered.cuh)
-    order.template release<Cfg::D_PARTS == 1>(c, turn);
+    // the rank in a register or the counter's increment (CARRY_RANK, bwd_dq_ordered.cuh)
+    order.template release<Cfg::CARRY_RANK>(c, turn);
 }
 
 }  // namespace varlen
@@ -254,6 +277,19 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                 const PlanView plan, const CallParams call) {
     using Cfg = DkdvConfig<D, BN, BQ, ATOMIC_DQ>;
     static_assert(ATOMIC_DQ || !ORDERED_DQ, "ordered dQ is atomic dQ in a fixed order");
+    // How the register tiles of a chunk are walked and whether the dQ phase keeps its dS
+    // fragments: with 8 warps (BN = 128) the choice ptxas allocates without a spill. On sm_80
+    // the ordered kernel without a softcap needs the tiles unrolled and dS read per slice (every
+    // other combination spilled 8-88 B at D = 128 in one of the four kernels); the others, and
+    // every kernel on sm_90, one tile at a time with dS held. (The host emulation runs the
+    // sm_80 choice.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr bool WIDE_ORDERED = false;
+#else
+    constexpr bool WIDE_ORDERED = Cfg::NUM_WARPS > 4 && ORDERED_DQ && !HAS_SOFTCAP;
+#endif
+    constexpr int SUB_UNROLL = WIDE_ORDERED ? Cfg::SUBTILES : 1;
+    constexpr bool DS_HELD = !WIDE_ORDERED;
     const TileBlock<true> b(plan, call);
     if (b.tile.seq < 0) return;
     const WarpSlot& w = b.w;
@@ -296,25 +332,44 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                 qs.zero_nonfinite(c, stage);
             }
         }, [&](const Chunk& c, int stage) {
-            // [16, BQ] S^T, then P^T, and dP^T, then dS^T, of this warp's key rows
-            float acc_s[BQ / 8][4];
-            float acc_dp[BQ / 8][4];
-            recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, smem.k, smem.v, qs.q_at(stage),
-                                              qs.do_at(stage),
-                                              key_rows_mask<BN>(pol, b.tile, w, c),
-                                              qs.stats_at(stage), call, w);
-            gemm_pb<T, DC / 8, BQ / 8, Cfg::STRIDE>(acc_dv, acc_s, qs.do_at(stage) + col0,
-                                                    w.lane);
-            gemm_pb<T, DC / 8, BQ / 8, Cfg::STRIDE>(acc_dk, acc_dp, qs.q_at(stage) + col0,
-                                                    w.lane);
+            // [16, BQ_REG] S^T, then P^T, and dP^T, then dS^T, of this warp's key rows, for
+            // query columns col .. col + BQ_REG - 1 of the chunk
+            constexpr int BQ_REG = Cfg::BQ_REG;
+            float acc_s[BQ_REG / 8][4];
+            float acc_dp[BQ_REG / 8][4];
+            #pragma unroll (SUB_UNROLL)
+            for (int sub = 0; sub < Cfg::SUBTILES; ++sub) {
+                const int col = sub * BQ_REG;
+                // the columns as a chunk of their own (no rows: all masked, P^T = dS^T = 0)
+                const Chunk cols{c.row + col, c.rows - col, c.pos + col, c.head, c.full};
+                ColStats stats = qs.stats_at(stage);
+                stats.s_lse2 += col;
+                stats.s_delta += col;
+                const T* s_q = qs.q_at(stage) + col * Cfg::STRIDE;
+                const T* s_do = qs.do_at(stage) + col * Cfg::STRIDE;
+                recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, smem.k, smem.v, s_q, s_do,
+                                                  key_rows_mask<BN>(pol, b.tile, w, cols), stats,
+                                                  call, w);
+                gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dv, acc_s, s_do + col0, w.lane);
+                gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dk, acc_dp, s_q + col0, w.lane);
+                if constexpr (ATOMIC_DQ && Cfg::SUBTILES > 1) {
+                    // these columns of dS^T to shared memory for the dQ phase: s_ds was
+                    // released by the barrier that ended the last step
+                    if (part == 0) {
+                        const float one[2] = {1.f, 1.f};
+                        stage_rows<T, BQ_REG / 8, Cfg::DS_STRIDE>(acc_dp, one, smem.ds + col,
+                                                                   w.row0, w.lane);
+                    }
+                }
+            }
             if constexpr (ATOMIC_DQ) {
                 if (part == 0) {
                     const auto dq_rows = head_rows<D>(dq_accum, call.Hq, qs.head0 + c.head);
                     if constexpr (ORDERED_DQ) {
-                        add_dq_atomic<T, Cfg>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
+                        add_dq_atomic<T, Cfg, DS_HELD>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
                                               OrderedDq{dq_order, plan, call, b.tile, qs.head0});
                     } else {
-                        add_dq_atomic<T, Cfg>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
+                        add_dq_atomic<T, Cfg, DS_HELD>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
                                               UnorderedDq{});
                     }
                 }

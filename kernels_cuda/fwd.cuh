@@ -5,9 +5,9 @@
 // fragment read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP).
 // Q's fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
-// [KN][D+8] and V [KN][D+8] (KN = BN, or BN / 2 at D >= 96, BM = 128 and at D > 128, where
-// BM = 64 only); K and V wait
-// separately (KvPipeline), so Q K^T starts while V is in flight.
+// [KN][D+8] and V [KN][D+8] (KN = 64, or 32 at D >= 96, BM = 128 and at D > 128, where
+// BM = 64 only; a plan tile of BN = 128 keys is 2 or 4 chunks); K and V wait separately
+// (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
 // and lse; hidden keys never reach it (mask_scores, KvStages::zero_nonfinite).
@@ -32,11 +32,13 @@ struct FwdConfig {
     static constexpr int WARP_M = BM / NUM_WARPS;      // query rows per warp
     static constexpr int MT = WARP_M / WARP_ROWS;       // m16 tiles per warp
     static constexpr int STRIDE = smem_stride<D>();
-    // Keys per chunk: a plan tile, or half of one where the fp32 accumulators O and S of a
-    // whole tile take 160 or more registers per lane, too many for the rest (D = 96 and 128 at
-    // BM = 128), and at D > 128 (BM = 64 only: O alone takes D / 2 registers), where half-tile
-    // stages also keep two blocks per SM (D = 192: 76 800 B instead of 128 000 B).
-    static constexpr int KN = MT * (D + BN) / 2 >= 160 || D > 128 ? BN / 2 : BN;
+    // Keys per chunk: those of a 64-key plan tile (a 128-key tile is walked in the same
+    // chunks): 64, or 32 where the fp32 accumulators O and S of 64 keys take 160 or more
+    // registers per lane, too many for the rest (D = 96 and 128 at BM = 128), and at D > 128
+    // (BM = 64 only: O alone takes D / 2 registers), where half-tile stages also keep two
+    // blocks per SM (D = 192: 76 800 B instead of 128 000 B).
+    static constexpr int KN_64 = MT * (D + 64) / 2 >= 160 || D > 128 ? 32 : 64;
+    static constexpr int KN = BN < KN_64 ? BN : KN_64;
     // Registers per lane of Q's fragments and of the accumulators. Q stays in registers when
     // both leave ~48 for addresses, softmax state and the cursor; the softcap's tanh keeps a
     // second fp32 value per score live (MT * KN / 2 more), which moves Q to shared memory at

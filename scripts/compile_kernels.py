@@ -9,6 +9,8 @@
     python scripts/compile_kernels.py             # a table; exit status 1 on a spill or an
                                                   #   over-budget kernel
     python scripts/compile_kernels.py --only 'fwd-float16-D64-*' --arch sm_80   # a subset
+    python scripts/compile_kernels.py --only '*-float16-*' --doc-table
+        # the compile-budget table of docs/cupy_backend.md (float16 kernels, both archs)
 
 Progress (one line per compiled program, with the elapsed time) goes to stderr in both modes.
 
@@ -23,6 +25,7 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -41,6 +44,9 @@ def parse_args(argv):
     ap.add_argument("--only", action="append", metavar="GLOB",
                     help="only the variants whose label matches, e.g. fwd-float16-D64-BM64-BN64 "
                          "or 'bwd-*-D128-*'; repeat for several (default: every variant)")
+    ap.add_argument("--doc-table", action="store_true",
+                    help="print the Markdown table of docs/cupy_backend.md, \"Compile budget\" "
+                         "(float16 kernels, registers on sm_80 and sm_90)")
     ap.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
                     help="parallel NVRTC processes (default: the CPU count)")
     args = ap.parse_args(argv)
@@ -71,6 +77,29 @@ def compile_all(jobs, workers: int, start: float) -> list:
     return rows
 
 
+def _natural(name: str):
+    """Sort key of a kernel name with its numbers compared as numbers (D = 32 before 128)."""
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name)]
+
+
+def doc_table(rows) -> str:
+    """The compile-budget table of docs/cupy_backend.md: one line per float16 kernel, its
+    registers on sm_80 and sm_90, the larger spill and the shared bytes."""
+    by_kernel = {}
+    for r in rows:
+        if "__half" in r["kernel"]:
+            by_kernel.setdefault(r["kernel"], {})[r["arch"]] = r
+    lines = ["| kernel (float16; bfloat16 within a few registers) | sm_80 regs | sm_90 regs | "
+             "spills | shared bytes |", "|---|---|---|---|---|"]
+    for name in sorted(by_kernel, key=_natural):
+        arch = by_kernel[name]
+        regs = [str(arch[a]["registers"]) if a in arch else "-" for a in ("sm_80", "sm_90")]
+        spills = max(r["spill_bytes"] for r in arch.values())
+        shared = max(r["shared_bytes"] for r in arch.values())
+        lines.append(f"| `{name}` | {regs[0]} | {regs[1]} | {spills} | {shared} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     archs = tuple(args.arch) if args.arch else _cupy_spec.ARCHS
@@ -83,6 +112,8 @@ def main(argv=None) -> int:
     bad = [r for r in rows if r["spill_bytes"] or r["shared_bytes"] > r["shared_budget"]]
     if args.json:
         print(json.dumps(rows, indent=1))
+    elif args.doc_table:
+        print(doc_table(rows))
     else:
         print(f"{'arch':6} {'regs':>4} {'spill':>5} {'smem':>7} {'CTAs/SM (regs, smem)':>20}"
               f"  kernel")

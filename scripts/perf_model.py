@@ -2,7 +2,9 @@
 """Analytical performance model of the CuPy kernels (bf16, D=128): per tile pair, the
 shared-memory bytes, tensor-pipe cycles, special-function and FP32 cycles and barriers, for the
 current kernels and for the FlashAttention-2 design point, on H100 SXM and A100 SXM; the
-ceilings and predicted TFLOP/s they give (docs/cupy_backend.md, "Performance model").
+ceilings and predicted TFLOP/s they give (docs/cupy_backend.md, "Performance model"). Then the
+shipped dK/dV kernel's step at plan tiles (128, 64) and (128, 128) for every head dim up to
+128, and the default tiles it implies (`preferred_blocks`).
 
     python scripts/perf_model.py                  # the table (the figures of the doc)
     python scripts/perf_model.py --json model.json
@@ -81,10 +83,11 @@ class Design(NamedTuple):
     smem: int              # shared memory per CTA, bytes
     exposed: int = 0       # clocks of latency nothing hides, per step
     note: str = ""
+    head_dim: int = D
 
     @property
     def flop(self):
-        return self.gemms * 2 * self.pair[0] * self.pair[1] * D
+        return self.gemms * 2 * self.pair[0] * self.pair[1] * self.head_dim
 
     @property
     def mma(self):
@@ -193,6 +196,89 @@ def wide_table():
     return [dkdv_work(d) for d in (192, 256)]
 
 
+# ---- dK/dV key tiles: BN = 64 against BN = 128 -------------------------------------------------
+
+# Registers per thread of the bfloat16 dK/dV kernel (atomic dQ, no softcap) as NVRTC 13.5
+# compiles it for (sm_80, sm_90), by (D, BN): with the shared memory they set the CTAs per SM
+# (tests/test_cupy_compile.py checks them against scripts/compile_kernels.py's report).
+DKDV_REGISTERS = {(32, 64): (192, 164), (64, 64): (243, 253), (96, 64): (244, 248),
+                  (128, 64): (255, 255), (32, 128): (217, 219), (64, 128): (255, 253),
+                  (96, 128): (236, 239), (128, 128): (255, 254)}
+TILE_HEAD_DIMS = (32, 64, 96, 128)
+# A difference of predictions below this fraction is not one this uncalibrated model can make.
+MARGIN = 0.05
+
+
+def dkdv_design(head_dim: int, block_n: int, arch: str) -> Design:
+    """One step of the shipped dK/dV kernel (kernels_cuda/bwd_dkdv.cuh) at plan tiles
+    (128, block_n): BN = block_n keys on BN / 16 warps of 16 key rows, a chunk of BQ queries
+    (KernelSpec.bwd_query_chunk), bf16. Per warp, by ldmatrix: its K and V rows (A of S^T and
+    dP^T) once per register tile of the chunk (two of 32 columns for BQ = 64 at D > 64:
+    DkdvConfig::SUBTILES), the chunk's Q and dO twice each (B of S^T and dP^T, then of dK and
+    dV), its dS fragments [16, BN] and a [BN, D / DQ_SPLIT] slice of K for the dQ phase,
+    DQ_SPLIT = warps per 16 query rows. Written: Q and dO by cp.async, dS^T, lse2 and delta.
+    Three barriers (two of the loop step, the one publishing dS^T)."""
+    from varlen.backends._cupy_spec import KernelSpec
+    spec = KernelSpec("bwd", "bfloat16", head_dim, 128, block_n, False)
+    bq, d = spec.bwd_query_chunk, head_dim
+    warps = block_n // 16
+    dq_split = warps // (bq // 16)
+    subtiles = 2 if d > 64 and bq > 32 else 1
+    per_warp = (2 * 16 * d * subtiles + 4 * bq * d + 16 * block_n + block_n * d // dq_split) * E
+    regs = DKDV_REGISTERS[(head_dim, block_n)][0 if arch == "sm_80" else 1]
+    return Design(f"dkdv-D{d}-BN{block_n}", f"BN={block_n} on {warps} warps, BQ={bq}",
+                  (bq, block_n), 5, ldsm_bytes=warps * per_warp,
+                  smem_write_bytes=(2 * bq * d + block_n * bq) * E + 2 * bq * 4,
+                  exps=bq * block_n, fp32_ops=bq * block_n * 6, barriers=3,
+                  threads=warps * 32, registers=regs, smem=spec.dkdv_smem(), head_dim=d)
+
+
+def tile_rows():
+    """The model at tiles (128, 64) and (128, 128) for every head dim up to 128, on each GPU;
+    each row also counts the fp32 dQ additions per query-key pair (D / BN: not priced)."""
+    rows = []
+    for gpu in GPUS:
+        for d in TILE_HEAD_DIMS:
+            for bn in (64, 128):
+                r = evaluate(dkdv_design(d, bn, gpu.arch), gpu)
+                r.update(head_dim=d, block_n=bn, block_q=dkdv_design(d, bn, gpu.arch).pair[0],
+                         dq_adds_per_pair=d / bn)
+                rows.append(r)
+    return rows
+
+
+def preferred_blocks(rows) -> dict:
+    """{head dim: plan tiles}: (128, 128) where its predicted dK/dV TFLOP/s beat (128, 64)'s by
+    more than MARGIN on every GPU of the model, else (128, 64). (The forward walks both in
+    the same key chunks: KernelSpec.fwd_chunk.)"""
+    pred = {(r["gpu"], r["head_dim"], r["block_n"]): r["predicted_tflops"] for r in rows}
+    return {d: (128, 128) if all(pred[(g.name, d, 128)] > (1 + MARGIN) * pred[(g.name, d, 64)]
+                                 for g in GPUS) else (128, 64)
+            for d in TILE_HEAD_DIMS}
+
+
+def format_tiles(rows) -> str:
+    head = (f"{'dK/dV':10} {'BQ':>3} {'gpu':5} {'regs':>4} {'CTA':>3} {'KB/MF':>6} "
+            f"{'tensor':>7} {'smem':>6} {'bar':>5} {'bound':>6} {'predict':>8} {'dQ+/pair':>8}")
+    lines = ["dK/dV kernel per plan key tile, bf16, tiles (128, BN): clocks per step per SM, "
+             "predicted TFLOP/s", head, "-" * len(head)]
+    for r in rows:
+        c = r["clocks"]
+        kb_per_mflop = (r["smem_read_bytes"] + r["smem_write_bytes"]) / 1024 / (
+            r["flop_per_pair"] / 1e6)
+        regs = DKDV_REGISTERS[(r["head_dim"], r["block_n"])][0 if r["gpu"] == "A100" else 1]
+        lines.append(
+            f"{'D' + str(r['head_dim']) + '-BN' + str(r['block_n']):10} {r['block_q']:3d} "
+            f"{r['gpu']:5} {regs:4d} {r['ctas_per_sm']:3d} {kb_per_mflop:6.1f} "
+            f"{c['tensor']:7d} {c['smem']:6d} {c['barriers']:5d} {r['bound']:>6} "
+            f"{r['predicted_tflops']:8.0f} {r['dq_adds_per_pair']:8.1f}")
+    chosen = preferred_blocks(rows)
+    lines.append("default plan tiles by the model (dK/dV faster by more than "
+                 f"{MARGIN:.0%} on both GPUs): "
+                 + ", ".join(f"D={d} {chosen[d]}" for d in TILE_HEAD_DIMS))
+    return "\n".join(lines)
+
+
 # ---- against a measurement ----------------------------------------------------------------
 
 MEASURE_LENGTHS = (8192, 16384)
@@ -256,6 +342,7 @@ def main(argv=None) -> int:
     rows = table()
     print(format_table(rows))
     print(format_wide(wide_table()))
+    print(format_tiles(tile_rows()))
     if args.measure:
         return measure(args.json or os.path.join(ROOT, "out", "bench", "perf_model.json"),
                        args.iters)
@@ -263,7 +350,10 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"gpus": [g._asdict() for g in GPUS], "targets": TARGETS,
                        "designs": [d._asdict() for d in DESIGNS], "rows": rows,
-                       "wide_head_dims": wide_table()}, f, indent=1)
+                       "wide_head_dims": wide_table(), "dkdv_tiles": tile_rows(),
+                       "preferred_blocks": {str(d): b for d, b in
+                                            preferred_blocks(tile_rows()).items()}},
+                      f, indent=1)
     return 0
 
 

@@ -101,6 +101,45 @@ def test_performance_model_table_is_the_documented_one():
     assert not missing, "regenerate the table in docs/cupy_backend.md:\n" + "\n".join(missing)
 
 
+def _perf_model():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import perf_model
+    return perf_model
+
+
+def test_performance_model_dkdv_step_is_the_hand_counted_one():
+    """The model's dK/dV step of the shipped kernel (perf_model.dkdv_design) counts, at D = 128
+    and tiles (128, 64), what the hand-counted `bwd-current` design does."""
+    pm = _perf_model()
+    cur = next(d for d in pm.DESIGNS if d.name == "bwd-current")
+    fields = ("pair", "gemms", "ldsm_bytes", "smem_write_bytes", "exps", "fp32_ops", "barriers",
+              "threads", "smem", "flop")
+    for arch in _cupy_spec.ARCHS:
+        got = pm.dkdv_design(128, 64, arch)
+        assert [getattr(got, f) for f in fields] == [getattr(cur, f) for f in fields], arch
+
+
+def test_performance_model_registers_give_the_compiled_ctas(report):
+    """The registers the model's dK/dV rows use give the CTAs per SM of the compiled kernels,
+    and the backend's default tiles are the model's choice."""
+    from varlen.backends._cupy_compile import ctas_per_sm
+    from varlen.backends.cupy_backend import _default_blocks_for
+    pm = _perf_model()
+    by_name = {(r["arch"], r["kernel"]): r for r in report}
+    for (D, block_n), regs in pm.DKDV_REGISTERS.items():
+        name = KernelSpec("bwd", "bfloat16", D, 128, block_n, False).dkdv_name()
+        for arch, reg in zip(("sm_80", "sm_90"), regs):
+            design = pm.dkdv_design(D, block_n, arch)
+            got = ctas_per_sm(arch, reg, design.threads, design.smem)["ctas_per_sm"]
+            assert got == by_name[(arch, name)]["ctas_per_sm"], (
+                f"{arch} {name}: the model's {reg} registers give {got} CTAs per SM, the "
+                f"compiled kernel's {by_name[(arch, name)]['registers']} "
+                f"{by_name[(arch, name)]['ctas_per_sm']}: update perf_model.DKDV_REGISTERS")
+    chosen = pm.preferred_blocks(pm.tile_rows())
+    for D in pm.TILE_HEAD_DIMS:
+        assert _default_blocks_for(D) == chosen[D], D
+
+
 def test_host_smem_matches_kernel_layout():
     """The host's dynamic shared-memory sizes equal the kernels' own layout constants."""
     from varlen.backends._cupy_compile import program_options
@@ -132,7 +171,11 @@ def test_host_smem_matches_kernel_layout():
     (dict(kind="fwd", has_softcap=1), "has_softcap"),
     (dict(kind="fwd", head_dim=256, block_m=128), r"head_dim=256: above 128 .* \(64, 64\)"),
     (dict(kind="bwd", head_dim=192, block_m=128), r"head_dim=192: above 128"),
-], ids=["dtype", "head-dim", "blocks", "kind", "softcap-flag", "wide-fwd-128", "wide-bwd-128"])
+    (dict(kind="bwd", head_dim=256, block_m=128, block_n=128),
+     r"blocks \(128, 128\) .* head_dim=256: above 128 .* \(64, 64\)"),
+    (dict(kind="fwd", block_m=64, block_n=128), r"blocks \(64, 128\) are not supported"),
+], ids=["dtype", "head-dim", "blocks", "kind", "softcap-flag", "wide-fwd-128", "wide-bwd-128",
+        "wide-bwd-128-128", "64-128"])
 def test_spec_rejects_invalid(kw, match):
     base = dict(kind="fwd", dtype="float16", head_dim=64, block_m=64, block_n=64,
                 has_softcap=False)
@@ -158,6 +201,32 @@ def test_wide_head_dims_take_64_64_tiles():
     spec = KernelSpec("bwd", "float16", 256, 64, 64, False)
     assert (spec.bwd_query_chunk, spec.dkdv_parts) == (16, 2)
     assert KernelSpec("fwd", "float16", 256, 64, 64, False).fwd_chunk == 32
+
+
+def test_128_key_tiles():
+    """Tiles (128, 128), up to D = 128: the dK/dV kernel on 8 warps with query chunks of 64 in
+    155 KiB at D = 128 (inside the A100's 163 KiB), the forward in the key chunks of (128, 64)
+    (the same shared memory); on a 99 KiB GPU choose_blocks falls back to (128, 64) where
+    (128, 128) does not fit, and keeps it where it does."""
+    from varlen.backends._cupy_spec import DeviceInfo, choose_blocks
+    assert (128, 128) in _cupy_spec.BLOCKS
+    for D in (32, 64, 96, 128):
+        bwd = KernelSpec("bwd", "bfloat16", D, 128, 128, False)
+        assert (bwd.bwd_query_chunk, bwd.dkdv_threads, bwd.dkdv_parts) == (64, 256, 1)
+        fwd, narrow = (KernelSpec("fwd", "bfloat16", D, 128, bn, False) for bn in (128, 64))
+        assert (fwd.fwd_chunk, fwd.fwd_smem()) == (narrow.fwd_chunk, narrow.fwd_smem())
+        assert bwd.dkdv_smem() <= _cupy_spec.SMEM_BUDGET["sm_80"]
+    spec = KernelSpec("bwd", "bfloat16", 128, 128, 128, False)
+    assert spec.dkdv_smem() == 158720
+    assert spec.kernels()["dkdv_ordered"].name == (
+        "varlen_bwd_dkdv<__nv_bfloat16, 128, 128, 64, false, true, true>")
+    assert KernelSpec("fwd", "float16", 64, 128, 128, True).name_expressions == (
+        "varlen_fwd<__half, 64, 128, 128, true>",)
+    small = DeviceInfo((8, 9), 99 * 1024)
+    for D, want in ((32, (128, 128)), (64, (128, 128)), (96, (128, 64)), (128, (128, 64))):
+        assert choose_blocks(small, "float16", D, (128, 128)) == want, D
+    for device in (DeviceInfo((8, 0), 163 * 1024), DeviceInfo((9, 0), 227 * 1024)):
+        assert choose_blocks(device, "bfloat16", 128, (128, 128)) == (128, 128)
 
 
 def test_spec_names_and_cache_key():

@@ -7,8 +7,9 @@ process (the emulation replaces `cupy` there), run by this file's __main__.
   schedules (cp.async copies landing at seeded random points, warps one at a time in seeded
   orders), and equal to the atomic mode's (which the emulation runs in the same block order),
   on adversarial batches checked against the float64 reference: float16 and bfloat16, D = 64
-  and 128, GQA, per-sequence causal, bidirectional and windowed masks, zero- and one-row
-  sequences, pad gaps holding NaN. NaN in the rows of another sequence changes no bit of the
+  and 128, key tiles of 64 and of 128 (8 warps, query chunks of 64), GQA, per-sequence
+  causal, bidirectional and windowed masks, zero- and one-row sequences, pad gaps holding
+  NaN. NaN in the rows of another sequence changes no bit of the
   gradients of the others.
 * The order: every wait of a block is satisfied by blocks of smaller linear index (the
   emulation runs blocks in that order and its spin-wait aborts when the value is not there
@@ -48,16 +49,23 @@ BATCHES = {
         ([-1, -1, 20, -1, -1, 0, 5], [0, -1, 0, -1, 0, 0, 2], [0, 0, 1, 1, 0, 1, 0]), 64),
     "B4-causal_br-mqa-bf16-D128-BM128": (
         [1, 200, 0, 97], [30, 260, 4, 97], 2, 1, 128, "bfloat16", "causal_bottom_right", 128),
+    "B4-perseq-gqa-fp16-D128-BN128": (
+        [0, 1, 140, 9], [2, 1, 200, 0], 2, 1, 128, "float16",
+        ([-1, 3, -1, 0], [0, -1, -1, 0], [0, 0, 1, 1]), 128),
 }
+# block_n of the batches whose plans do not take 64-key tiles.
+BLOCK_N = {"B4-perseq-gqa-fp16-D128-BN128": 128}
 # The sequence whose rows get NaN in the poisoned run of each batch.
-POISONED = {"B7-perseq-gqa-fp16-D64": 2, "B4-causal_br-mqa-bf16-D128-BM128": 0}
+POISONED = {"B7-perseq-gqa-fp16-D64": 2, "B4-causal_br-mqa-bf16-D128-BM128": 0,
+            "B4-perseq-gqa-fp16-D128-BN128": 2}
 # The emulation schedule of the run after the first (which has the default: copies land at their
 # wait, warps free-running), by case: (landing of the copies, seed), warps one at a time in a
-# seeded order. One per case, each case another, so that the file covers both landings and three
+# seeded order. One per case, each case another, so that the file covers both landings and four
 # seeds at one extra backward per case (an emulated backward under a schedule costs the most of
 # this file's time).
 SCHEDULES = {"B7-perseq-gqa-fp16-D64": ("random", 1),
-             "B4-causal_br-mqa-bf16-D128-BM128": ("issue", 2), "cp": ("random", 3)}
+             "B4-causal_br-mqa-bf16-D128-BM128": ("issue", 2),
+             "B4-perseq-gqa-fp16-D128-BN128": ("random", 4), "cp": ("random", 3)}
 
 
 @needs_cxx
@@ -211,12 +219,14 @@ def _case_repeat(label, once=""):
     from varlen.backends import _cupy_emulation as emu
     from varlen.backends.cupy_backend import BACKEND
     from varlen.testing import check_against_reference
+    from varlen.backends._cupy_spec import bwd_query_chunk
     b, block_m = _batch(label, np.random.default_rng(7))
-    emu.install_fake_cupy(block_m)
+    block_n = BLOCK_N.get(label, 64)
+    emu.install_fake_cupy(block_m, block_n)
     seen = _capture_dq_order()
     plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
                        mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
-                       block_m=block_m, block_n=64)
+                       block_m=block_m, block_n=block_n)
     kw = dict(softmax_scale=1.0 / math.sqrt(b.q.shape[2]), softcap=0.0)
     out, lse = BACKEND.forward(plan, b.q, b.k, b.v, **kw)
 
@@ -225,7 +235,7 @@ def _case_repeat(label, once=""):
                                 deterministic=det, **kw)
     first = backward(b, True)
     Hq, D = b.q.shape[1], b.q.shape[2]
-    bq = 32 if D > 64 else 64                         # KernelSpec.bwd_query_chunk
+    bq = bwd_query_chunk(D, block_n)
     assert len(seen) == 1, f"{label}: {len(seen)} int32 buffers, expected dq_order only"
     _check_dq_order(label, seen[0], plan, Hq, bq)
     if once:

@@ -391,9 +391,12 @@ H100 = DeviceInfo((9, 0), 227 * KIB, "NVIDIA H100")
 T4 = DeviceInfo((7, 5), 64 * KIB, "Tesla T4")
 # The tiles the backend's plans get, by head dim: (128, 64) up to D = 128, where the forward
 # and the backward (both dQ modes run the same dK/dV kernel) take at most 69632 and 75264 B, so
-# they fit 99 KiB too. Above D = 128 only (64, 64) compiles, and its dK/dV kernel needs more than
-# 99 KiB (108032 B at D = 192, 104704 B at D = 256): no tiles there (None).
-BIG_TILES = {D: (128, 64) if D <= 128 else (64, 64) for D in _cupy_spec.HEAD_DIMS}
+# they fit 99 KiB too; (128, 128) at D = 96 and 128 where it fits (dK/dV: 125952 and 158720 B,
+# not in 99 KiB, which falls back to (128, 64)). Above D = 128 only (64, 64) compiles, and its
+# dK/dV kernel needs more than 99 KiB (108032 B at D = 192, 104704 B at D = 256): no tiles there
+# (None).
+BIG_TILES = {D: (128, 128) if D in (96, 128) else (128, 64) if D <= 128 else (64, 64)
+             for D in _cupy_spec.HEAD_DIMS}
 SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_spec.HEAD_DIMS}
 # A stand-in GPU with less shared memory per block than any shipped one: 64 KiB.
 SMALL_SMEM = DeviceInfo((8, 9), 64 * KIB, "a GPU with 64 KiB per block")

@@ -1,12 +1,13 @@
-"""The shipped default kernel variants (bfloat16, every head dim up to 128, tiles (128, 64))
+"""The kernel variants of tiles (128, 64) (bfloat16, every head dim up to 128)
 through the host emulation, forward and both backward modes, against the float64 reference: one
 process per case (the emulation replaces `cupy` in its process), so the cases can run in
 parallel. Among them, a grid of more CTAs than the SMs of the GPU the emulation stands for, and
 blocks that visit three or more partner tiles (the barrier that ends each loop step only
 matters from the third). The head dims above 128 (tiles (64, 64) only: one m16 tile per warp
-in the forward, dK/dV in two passes over halves of the head dim) run under the strict modes:
-warps one at a time in a seeded order, copies landing at random points, a cp.async bank
-conflict fatal, no ldmatrix bank conflict."""
+in the forward, dK/dV in two passes over halves of the head dim) and the tiles (128, 128)
+(dK/dV on 8 warps of 16 keys, query chunks of 64) run under the strict modes: warps one at a
+time in a seeded order, copies landing at random points, a cp.async bank conflict fatal, no
+ldmatrix bank conflict."""
 from __future__ import annotations
 
 import os
@@ -18,12 +19,13 @@ import pytest
 from varlen.backends import _cupy_spec
 from varlen.backends._emulation_cases import (DEFAULT_BLOCKS, EMULATED_SM_COUNT,
                                               default_variant_cases, grid_figures,
-                                              wide_head_dim_cases)
+                                              wide_head_dim_cases, wide_key_tile_cases)
 
 from helpers import ROOT, needs_cxx
 
 CASES = default_variant_cases()
 WIDE_CASES = wide_head_dim_cases()
+WIDE_KEY_CASES = wide_key_tile_cases()
 
 RUNNER = """
 import sys
@@ -56,6 +58,27 @@ def test_cases_cover_the_shipped_defaults():
         "no dK/dV block visits 2 query tiles (3 or more chunks)")
 
 
+def test_wide_key_tile_cases_are_adversarial():
+    """The (128, 128) cases: both dtypes, D = 64 and 128, zero- and one-row sequences, a length
+    that is no multiple of 128, NaN pad gaps, GQA, a per-sequence mask and a softcap, and a key
+    tile whose dK/dV block takes more than 2 query chunks (in one query head)."""
+    import numpy as np
+    cases = WIDE_KEY_CASES
+    assert all((c["block_m"], c["block_n"]) == (128, 128) for c in cases)
+    assert all(_cupy_spec.KernelSpec("bwd", c["dtype"], c["D"], 128, 128, False)
+               .bwd_query_chunk == 64 for c in cases)
+    assert {c["dtype"] for c in cases} == set(_cupy_spec.DTYPES)
+    assert {64, 128} <= {c["D"] for c in cases}
+    lengths = [n for c in cases for n in (*c["lengths_q"], *c["lengths_k"])]
+    assert 0 in lengths and 1 in lengths and any(n > 128 and n % 128 for n in lengths)
+    assert all(c["gaps"] and np.isnan(c["garbage"]) for c in cases)
+    assert any(c["Hq"] > c["Hk"] for c in cases) and any(c["softcap"] > 0 for c in cases)
+    assert any(not isinstance(c["mask"], str) for c in cases)
+    # two query tiles of 128 rows: the first 2 chunks of 64, the second 1 or 2
+    assert max(grid_figures(c)["max_query_tiles"] for c in cases) >= 2, (
+        "no dK/dV block takes more than 2 query chunks")
+
+
 @pytest.mark.slow
 @needs_cxx
 @pytest.mark.parametrize("label", [c["label"] for c in CASES])
@@ -66,9 +89,7 @@ def test_default_variant_on_host_emulation(label):
                                   f"{proc.stderr[-3000:]}")
 
 
-@needs_cxx
-@pytest.mark.parametrize("label", [c["label"] for c in WIDE_CASES])
-def test_wide_head_dim_on_strict_host_emulation(label):
+def _run_strict(label):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VARLEN_EMULATION_")}
     env.update(STRICT_ENV)
     if "VARLEN_EMULATION_SOURCE_DIR" in os.environ:
@@ -77,3 +98,15 @@ def test_wide_head_dim_on_strict_host_emulation(label):
                           text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, (f"{label} (strict host emulation):\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-3000:]}")
+
+
+@needs_cxx
+@pytest.mark.parametrize("label", [c["label"] for c in WIDE_CASES])
+def test_wide_head_dim_on_strict_host_emulation(label):
+    _run_strict(label)
+
+
+@needs_cxx
+@pytest.mark.parametrize("label", [c["label"] for c in WIDE_KEY_CASES])
+def test_wide_key_tiles_on_strict_host_emulation(label):
+    _run_strict(label)

@@ -164,7 +164,7 @@ class _Kernel:
 
     MAX_PARAMS = 32
 
-    def __init__(self, name: str, block_m: int):
+    def __init__(self, name: str, block_m: int, block_n: int = 64):
         self.name = name
         self.max_dynamic_shared_size_bytes = 0
         from ._cupy_plan import KERNELS as PLAN_KERNELS
@@ -173,7 +173,7 @@ class _Kernel:
             return
         kind, args = re.fullmatch(r"(\w+)<(.*)>", name).groups()
         a = [x.strip() for x in args.split(",")]
-        T, D, BM, BN, SC = a[0], 64, block_m, 64, "false"
+        T, D, BM, BN, SC = a[0], 64, block_m, block_n, "false"
         if kind == "varlen_fwd":
             D, BM, BN, SC = int(a[1]), int(a[2]), int(a[3]), a[4]
         elif kind == "varlen_bwd_dkdv":
@@ -184,7 +184,9 @@ class _Kernel:
             D = int(a[1])
         elif kind != "varlen_bwd_dq_convert":
             raise AssertionError(f"unknown kernel {name}")
-        bq = int(a[3]) if kind.startswith("varlen_bwd_dkdv") else (32 if D > 64 else 64)
+        # the dK/dV kernel's query chunk everywhere, so that one library serves the variant
+        bq = (int(a[3]) if kind.startswith("varlen_bwd_dkdv")
+              else _cupy_spec.bwd_query_chunk(D, BN))
         self._bind(kind, T, D, BM, BN, bq, SC)
 
     def _bind(self, kind, T, D, BM, BN, bq, SC):
@@ -330,8 +332,9 @@ class _Device:
         self.id = 0
 
 
-def install_fake_cupy(block_m: int):
-    """Replace `cupy` by NumPy plus an emulating RawModule (this process only)."""
+def install_fake_cupy(block_m: int, block_n: int = 64):
+    """Replace `cupy` by NumPy plus an emulating RawModule (this process only), for plans of
+    tiles (block_m, block_n)."""
     fake = types.ModuleType("cupy")
     for n in ("int32", "float32", "int64", "uint64", "uint16", "ndarray"):
         setattr(fake, n, getattr(np, n))
@@ -360,7 +363,7 @@ def install_fake_cupy(block_m: int):
 
         def get_function(self, name):
             assert name in self.names, f"{name} is not among the name expressions"
-            return _Kernel(name, block_m)
+            return _Kernel(name, block_m, block_n)
 
     fake.RawModule = RawModule
     fake.cuda = types.SimpleNamespace(Device=_Device, runtime=types.SimpleNamespace(
@@ -378,19 +381,20 @@ def install_fake_cupy(block_m: int):
 
 
 def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softcap, block_m,
-             seed=0):
+             block_n=64, garbage=1e4, seed=0):
     """Forward and both backward modes of one batch through the emulated kernels, checked
-    against the float64 reference. Raises AssertionError on a mismatch."""
+    against the float64 reference; `garbage` fills the pad rows (make_batch). Raises
+    AssertionError on a mismatch."""
     import varlen
     from ..testing import check_against_reference, make_batch
     from .cupy_backend import BACKEND
-    install_fake_cupy(block_m)
+    install_fake_cupy(block_m, block_n)
     rng = np.random.default_rng(seed)
     b = make_batch(rng, lengths_q, lengths_k, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
-                   gaps=gaps)
+                   gaps=gaps, garbage=garbage)
     plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
                        mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
-                       block_m=block_m, block_n=64)
+                       block_m=block_m, block_n=block_n)
     scale = 1.0 / math.sqrt(D)
     out, lse = BACKEND.forward(plan, b.q, b.k, b.v, softmax_scale=scale, softcap=softcap)
     for det in (False, True):

@@ -25,8 +25,11 @@ ENTRY_FILE = "varlen_attention.cu"
 DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # (block_m, block_n) tile sizes a plan may use with this backend. (64, 64) is varlen.plan's
-# default; (128, 64) gives 8 warps per query tile.
-BLOCKS = ((64, 64), (128, 64))
+# default; (128, 64) gives the forward 32 query rows per warp; (128, 128) gives the dK/dV
+# kernel 128 keys on 8 warps with query chunks of 64 (FlashAttention-2's backward design point:
+# per key, half the dQ atomics and half the Q/dO/lse/delta traffic of BN = 64). In increasing
+# size: choose_blocks falls back from the largest down.
+BLOCKS = ((64, 64), (128, 64), (128, 128))
 # Above this head dim the forward's O accumulators of 16 rows take D / 2 fp32 registers per
 # lane (128 at D = 256): a warp holds one m16 tile, so block_m = 64 only, and the dK/dV kernel
 # splits the head dim of its dK, dV accumulators over passes (KernelSpec.dkdv_parts).
@@ -73,6 +76,15 @@ class KernelLaunch(NamedTuple):
     name: str       # template name expression, e.g. varlen_fwd<__half, 64, 64, 64, false>
     threads: int    # per block
     smem: int       # dynamic shared memory per block, bytes
+
+
+def bwd_query_chunk(head_dim: int, block_n: int) -> int:
+    """Query rows per step of the dK/dV kernel of key tiles of `block_n` rows: 64, except with
+    64-key tiles 32 for D > 64 and 16 for D > 192, which keep it free of spills (128-key tiles,
+    D <= 128 only: 64 on 8 warps)."""
+    if block_n == 128:
+        return 64
+    return 16 if head_dim > 192 else 32 if head_dim > 64 else 64
 
 
 def _cxx_bool(flag: bool) -> str:
@@ -127,9 +139,8 @@ class KernelSpec:
 
     @property
     def bwd_query_chunk(self) -> int:
-        """Query rows per step of the dK/dV kernel: 32 for D > 64 and 16 for D > 192 keep it
-        free of spills."""
-        return 16 if self.head_dim > 192 else 32 if self.head_dim > 64 else 64
+        """Query rows per step of the dK/dV kernel (bwd_query_chunk)."""
+        return bwd_query_chunk(self.head_dim, self.block_n)
 
     @property
     def fwd_threads(self) -> int:
@@ -137,13 +148,14 @@ class KernelSpec:
 
     @property
     def fwd_chunk(self) -> int:
-        """Keys per step of the forward: a plan tile, or half of one where the fp32
-        accumulators of a whole one would take 160 or more registers per lane, and at
-        D > 128, where half-tile stages keep two blocks per SM (FwdConfig::KN)."""
+        """Keys per step of the forward (FwdConfig::KN): at most 64, the chunk of a 64-key tile,
+        which is 32 where the fp32 accumulators of 64 keys would take 160 or more registers per
+        lane, and at D > 128, where half-tile stages keep two blocks per SM. A 128-key plan
+        tile is walked in the chunks of a 64-key one (the same registers)."""
         warp_tiles = self.block_m // (FWD_WARPS * WARP_ROWS)
-        acc_regs = warp_tiles * (self.head_dim + self.block_n) // 2
+        acc_regs = warp_tiles * (self.head_dim + 64) // 2
         wide = self.head_dim > MAX_WIDE_HEAD_DIM
-        return self.block_n // 2 if acc_regs >= 160 or wide else self.block_n
+        return min(self.block_n, 32 if acc_regs >= 160 or wide else 64)
 
     @property
     def dkdv_parts(self) -> int:
@@ -268,12 +280,13 @@ def blocks_for(head_dim: int) -> tuple:
 
 def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tuple):
     """The plan tiles for `device`: the first of `preferred`, then the other BLOCKS (of those
-    `head_dim` compiles with, blocks_for), under which every kernel fits its shared memory;
-    else the first under which the forward and the atomic-dQ backward fit (the deterministic
-    backward is then refused); None if none does."""
+    `head_dim` compiles with, blocks_for) from the largest down, under which every kernel fits
+    its shared memory; else the first under which the forward and the atomic-dQ backward fit
+    (the deterministic backward is then refused); None if none does. So (128, 128), which
+    needs 155 KiB for dK/dV at D = 128, falls back to (128, 64) on a 99 KiB GPU."""
     allowed = blocks_for(head_dim)
-    order = tuple(b for b in (tuple(preferred), *(b for b in BLOCKS if b != tuple(preferred)))
-                  if b in allowed)
+    others = (b for b in reversed(BLOCKS) if b != tuple(preferred))
+    order = tuple(b for b in (tuple(preferred), *others) if b in allowed)
 
     def fits(blocks, role_sets):
         return all(smem_refusal(KernelSpec(kind, dtype, head_dim, *blocks, False), device,

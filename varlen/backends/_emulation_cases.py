@@ -1,9 +1,10 @@
 """The batches the host emulation runs the CuPy kernels on (`python -m
 varlen.backends._cupy_emulation [--quick]`): each a dict of `run_case`'s arguments.
 
-`default_variant_cases()` are the shipped default variants (bfloat16, every head dim of
-`_cupy_spec.HEAD_DIMS`, the backend's default tiles (128, 64): BQ = 32 query chunks and the
-dQ phase with two warps per 16 query rows at D > 64), forward and both backward modes; among
+`default_variant_cases()` are the variants of tiles (128, 64) (bfloat16, every head dim up to
+128: the backend's default up to D = 64, and at D = 96 and 128 the tiles a 99 KiB GPU falls
+back to; BQ = 32 query chunks and the dQ phase with two warps per 16 query rows at D > 64),
+forward and both backward modes; `wide_key_tile_cases()` those of (128, 128); among
 them a batch with more CTAs than the SMs the emulation stands for (EMULATED_SM_COUNT, an H100
 SXM) and blocks that visit three or more partner tiles. CI runs each in its own process (tests/test_emulation_variants.py).
 """
@@ -38,7 +39,29 @@ def cases(quick: bool):
             dict(label="B3-mqa-causal_br-fp16-D128", lengths_q=[1, 97, 113],
                  lengths_k=[30, 3, 200], Hq=2, Hk=1, D=128, dtype="float16",
                  mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64),
-            *default_variant_cases(), *wide_head_dim_cases()]
+            *default_variant_cases(), *wide_head_dim_cases(), *wide_key_tile_cases()]
+
+
+def wide_key_tile_cases():
+    """Tiles (128, 128): the dK/dV kernel on 8 warps of 16 keys with query chunks of 64 (two
+    per query tile; dQ on every warp, two warps per 16 query rows), the forward walking a
+    128-key tile in the chunks of a 64-key one. Zero- and one-row sequences, lengths that are
+    no multiple of 128, pad gaps holding NaN, GQA, per-sequence masks, a softcap, and a key
+    tile that meets 2 query tiles (4 chunks: the barrier ending a loop step matters from the
+    third); small enough for a strict run."""
+    per_seq = Mask(window_left=np.array([-1, 3, -1, 0], np.int32),
+                   window_right=np.array([0, -1, 5, 0], np.int32),
+                   bottom_right=np.array([0, 0, 1, 1], np.int32))
+    base = dict(block_m=128, block_n=128, gaps=True, garbage=np.nan)
+    return [
+        dict(label="B4-gqa-perseq-nangaps-bf16-D128-BN128", lengths_q=[0, 1, 100, 9],
+             lengths_k=[2, 1, 135, 0], Hq=2, Hk=1, D=128, dtype="bfloat16", mask=per_seq,
+             softcap=0.0, **base),
+        # bottom-right causal with Lq > Lk: key tile 0 meets query rows 60 .. 199, 2 tiles
+        dict(label="B3-causal_br-softcap-fp16-D64-BN128", lengths_q=[1, 200, 0],
+             lengths_k=[3, 140, 1], Hq=1, Hk=1, D=64, dtype="float16",
+             mask="causal_bottom_right", softcap=5.0, **base),
+    ]
 
 
 def wide_head_dim_cases():
@@ -111,7 +134,7 @@ def grid_figures(c: dict) -> dict:
     lk = c["lengths_k"] if c["lengths_k"] is not None else c["lengths_q"]
     cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
     view = varlen.plan(cu_q, cu_k, mask=c["mask"], block_m=c["block_m"],
-                       block_n=DEFAULT_BLOCKS[1]).view()
+                       block_n=c.get("block_n", 64)).view()
     q_sched, k_sched = np.asarray(view.q_sched), np.asarray(view.k_sched)
     return {"q_ctas": int(view.num_q_tiles) * c["Hq"],
             "k_ctas": int(view.num_k_tiles) * c["Hk"],

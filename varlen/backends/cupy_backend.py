@@ -16,14 +16,19 @@ from .base import Backend
 from ._cupy_spec import (BLOCKS, DTYPES, HEAD_DIMS, ROLES, DeviceInfo, KernelSpec, blocks_for,
                          choose_blocks, smem_refusal, unsupported_device)
 
-# Tile sizes of plans this backend builds by default: 8 warps of 16 query rows per block;
-# (64, 64) above D = 128 (_cupy_spec.blocks_for).
+# Tile sizes of plans this backend builds by default: 32 query rows per warp in the forward;
+# (64, 64) above D = 128 (_cupy_spec.blocks_for). Head dims where scripts/perf_model.py
+# predicts the dK/dV kernel faster with 128-key tiles (by more than its margin, on H100 and
+# A100) take (128, 128) (docs/cupy_backend.md, "Performance model"); the forward runs both in
+# the same key chunks. (128, 128) stays selectable at every head dim up to 128.
 DEFAULT_BLOCKS = (128, 64)
+DEFAULT_BLOCKS_BY_HEAD_DIM = {96: (128, 128), 128: (128, 128)}
 
 
 def _default_blocks_for(head_dim: int) -> tuple:
     allowed = blocks_for(head_dim)
-    return DEFAULT_BLOCKS if DEFAULT_BLOCKS in allowed else allowed[0]
+    preferred = DEFAULT_BLOCKS_BY_HEAD_DIM.get(head_dim, DEFAULT_BLOCKS)
+    return preferred if preferred in allowed else allowed[0]
 
 
 def _cupy_missing():
@@ -102,7 +107,8 @@ class CupyBackend(Backend):
 
     def _fits(self, device, call):
         """Why the kernels of `call` do not fit the shared memory of `device` (None: they do)."""
-        blocks = choose_blocks(device, call.dtype, call.head_dim, DEFAULT_BLOCKS)
+        blocks = choose_blocks(device, call.dtype, call.head_dim,
+                               _default_blocks_for(call.head_dim))
         if blocks is None:
             # the forward or the atomic-dQ backward of the smallest tiles does not fit
             smallest = blocks_for(call.head_dim)[0]
@@ -118,9 +124,10 @@ class CupyBackend(Backend):
         return None
 
     def default_blocks(self, dtype, head_dim):
-        """(128, 64) ((64, 64) above D = 128, the only tiles there), or the tiles whose kernels
-        fit the current GPU's shared memory (`_cupy_spec.choose_blocks`: (64, 64) for D = 96
-        on a 99 KiB sm_86/sm_89)."""
+        """(128, 64), or (128, 128) at the head dims of DEFAULT_BLOCKS_BY_HEAD_DIM ((64, 64)
+        above D = 128, the only tiles there), or else the largest tiles whose kernels fit the
+        current GPU's shared memory (`_cupy_spec.choose_blocks`: (128, 64) for (128, 128) at
+        D = 96 and 128 on a 99 KiB sm_86/sm_89)."""
         device, _ = self.device()
         if dtype not in DTYPES or head_dim not in HEAD_DIMS:
             return DEFAULT_BLOCKS
