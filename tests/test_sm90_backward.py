@@ -289,7 +289,8 @@ def test_sm90_backward_removed_ds_barrier_is_caught():
 def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
     """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's atomic backward to the sm_90a dK/dV
     kernel on a compute capability 9.0 GPU and refuses any other GPU naming the variable; the
-    deterministic backward, and any backward without the variable, runs the mma.sync kernels."""
+    deterministic backward, a backward the sm_90a kernel has no variant for (with a warning)
+    and any backward without the variable run the mma.sync kernels."""
     from varlen.backends import _cupy_kernels, _cupy_sm90_bwd
     from varlen.backends._cupy_spec import DeviceInfo
     from varlen.backends.cupy_backend import BACKEND
@@ -315,7 +316,12 @@ def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
     with BACKEND.stand_in_device(a100), pytest.raises(RuntimeError,
                                                       match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
         BACKEND.backward(*args, **call)
-    assert ran == [("mma", False), "sm90a", ("mma", True)]
+    # a head dim the sm_90a backward does not take: the mma.sync kernels, with a warning
+    x256 = np.zeros((4, 2, 256), np.float16)
+    with BACKEND.stand_in_device(h100), pytest.warns(RuntimeWarning,
+                                                     match=r"sm_90a backward.*D = 64 or 128"):
+        assert BACKEND.backward(plan, x256, x256, x256, x256, x256, lse, **call) == "mma"
+    assert ran == [("mma", False), "sm90a", ("mma", True), ("mma", False)]
 
 
 if __name__ == "__main__":

@@ -419,7 +419,8 @@ def test_sm90_forward_on_hopper(label):
 def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
     """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's forward to the sm_90a kernel on a
     compute capability 9.0 GPU, refuses any other GPU with an error naming the variable, and
-    without it the mma.sync forward runs."""
+    without it, or for a call it has no variant for (with a warning), the mma.sync forward
+    runs."""
     from varlen.backends import _cupy_kernels, _cupy_sm90
     from varlen.backends._cupy_spec import DeviceInfo
     from varlen.backends.cupy_backend import BACKEND
@@ -441,7 +442,12 @@ def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
     with BACKEND.stand_in_device(a100), pytest.raises(RuntimeError,
                                                       match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
         BACKEND.forward(plan, q, q, q, **call)
-    assert ran == ["mma", "sm90a"]
+    # a head dim the sm_90a forward does not take: the mma.sync forward, with a warning
+    q96 = np.zeros((4, 2, 96), np.float16)
+    with BACKEND.stand_in_device(h100), pytest.warns(RuntimeWarning,
+                                                     match=r"sm_90a forward.*D = 64, 128 or 256"):
+        assert BACKEND.forward(plan, q96, q96, q96, **call) == "mma"
+    assert ran == ["mma", "sm90a", "mma"]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 from .._validate import dtype_name
 from ..plan import Plan, plan_from_cu_seqlens
@@ -23,6 +24,8 @@ from ._cupy_spec import (BLOCKS, DTYPES, HEAD_DIMS, ROLES, DeviceInfo, KernelSpe
 # the same key chunks. (128, 128) stays selectable at every head dim up to 128.
 DEFAULT_BLOCKS = (128, 64)
 DEFAULT_BLOCKS_BY_HEAD_DIM = {96: (128, 128), 128: (128, 128)}
+# The reasons already warned of, that the sm_90a kernels have no variant for a call.
+_SM90_WARNED = set()
 
 
 def _default_blocks_for(head_dim: int) -> tuple:
@@ -174,13 +177,30 @@ class CupyBackend(Backend):
                 f"{_cupy_sm90.ENV_PATH}=sm90a runs wgmma/TMA kernels built for sm_90a "
                 f"(H100/H200); this GPU is {why or device.describe()}: unset it")
 
+    def _sm90_variant(self, module, what, plan, q, softcap) -> bool:
+        """Under `VARLEN_CUPY_PATH=sm90a`: True when `module` (the sm_90a forward or backward)
+        has a variant for this call, after checking the GPU (`_require_sm90`); else the
+        mma.sync kernels run the call, as on every other GPU, with a warning (once per reason)
+        that names what the sm_90a kernels do not take."""
+        from . import _cupy_sm90
+        self._require_sm90()
+        try:
+            module.spec_for(plan, q, softcap)
+        except ValueError as e:
+            why = f"{_cupy_sm90.ENV_PATH}=sm90a: the sm_90a {what} has no variant for this call " \
+                  f"({e}); the mma.sync kernels run it"
+            if why not in _SM90_WARNED:
+                _SM90_WARNED.add(why)
+                warnings.warn(why, RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
     def forward(self, plan, q, k, v, *, softmax_scale, softcap):
         """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf.
         With `VARLEN_CUPY_PATH=sm90a` the sm_90a kernel runs it (`_cupy_sm90`, opt-in until
         a GPU has passed scripts/gpu_check.sh); it refuses any GPU but compute capability 9.0."""
         from . import _cupy_kernels, _cupy_sm90
-        if _cupy_sm90.selected():
-            self._require_sm90()
+        if _cupy_sm90.selected() and self._sm90_variant(_cupy_sm90, "forward", plan, q, softcap):
             return _cupy_sm90.forward(plan, q, k, v, softmax_scale=softmax_scale,
                                       softcap=softcap)
         spec = spec_for(plan, q, kind="fwd", softcap=softcap)
@@ -196,8 +216,8 @@ class CupyBackend(Backend):
         With `VARLEN_CUPY_PATH=sm90a` the atomic mode runs the sm_90a dK/dV kernel
         (`_cupy_sm90_bwd`; the deterministic mode stays on the mma.sync kernels)."""
         from . import _cupy_kernels, _cupy_sm90, _cupy_sm90_bwd
-        if _cupy_sm90.selected() and not deterministic:
-            self._require_sm90()
+        if (_cupy_sm90.selected() and not deterministic
+                and self._sm90_variant(_cupy_sm90_bwd, "backward", plan, q, softcap)):
             return _cupy_sm90_bwd.backward(plan, dout, q, k, v, out, lse,
                                            softmax_scale=softmax_scale, softcap=softcap)
         spec = spec_for(plan, q, kind="bwd", softcap=softcap)
