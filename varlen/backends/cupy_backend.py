@@ -24,8 +24,6 @@ from ._cupy_spec import (BLOCKS, DTYPES, HEAD_DIMS, ROLES, DeviceInfo, KernelSpe
 # the same key chunks. (128, 128) stays selectable at every head dim up to 128.
 DEFAULT_BLOCKS = (128, 64)
 DEFAULT_BLOCKS_BY_HEAD_DIM = {96: (128, 128), 128: (128, 128)}
-# The reasons already warned of, that the sm_90a kernels have no variant for a call.
-_SM90_WARNED = set()
 
 
 def _default_blocks_for(head_dim: int) -> tuple:
@@ -180,18 +178,16 @@ class CupyBackend(Backend):
     def _sm90_variant(self, module, what, plan, q, softcap) -> bool:
         """Under `VARLEN_CUPY_PATH=sm90a`: True when `module` (the sm_90a forward or backward)
         has a variant for this call, after checking the GPU (`_require_sm90`); else the
-        mma.sync kernels run the call, as on every other GPU, with a warning (once per reason)
-        that names what the sm_90a kernels do not take."""
+        mma.sync kernels run the call, as on every other GPU, with a RuntimeWarning that names
+        what the sm_90a kernels do not take (Python's default filter shows each once)."""
         from . import _cupy_sm90
         self._require_sm90()
         try:
             module.spec_for(plan, q, softcap)
         except ValueError as e:
-            why = f"{_cupy_sm90.ENV_PATH}=sm90a: the sm_90a {what} has no variant for this call " \
-                  f"({e}); the mma.sync kernels run it"
-            if why not in _SM90_WARNED:
-                _SM90_WARNED.add(why)
-                warnings.warn(why, RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{_cupy_sm90.ENV_PATH}=sm90a: the sm_90a {what} has no variant for "
+                          f"this call ({e}); the mma.sync kernels run it", RuntimeWarning,
+                          stacklevel=3)
             return False
         return True
 
