@@ -1004,7 +1004,7 @@ def main(argv=None) -> int:
     import varlen  # noqa: F401 - fail early when the package does not import
     cases = plan_cases(args)
     tick = Progress(count_steps(args, cases), not args.no_progress)
-    from varlen.backends import _cpu_kernels  # noqa: F401 - loads SciPy's BLAS for machine()
+    from varlen.backends import _cpu_kernels  # noqa: F401 - loads the kernels' BLAS for machine()
     report = dict(command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
                   machine=machine(), method=__doc__.split("Method: ")[1].split("\n\n")[0],
                   threads=args.threads, parity_tolerance=PARITY_TOL, results=[])

@@ -481,6 +481,24 @@ def test_nonfinite_patterns_in_float32(tensor):
                 f"{tensor}={value}: NaN pattern of {name}"
 
 
+def test_tile_products_use_the_openblas_wheel_when_installed():
+    """With `scipy-openblas32` installed the kernels call its ?gemm (faster tile products than
+    SciPy's older OpenBLAS), and the controller that holds BLAS at one thread inside a call
+    sees that library."""
+    wheel = pytest.importorskip("scipy_openblas32")
+    pytest.importorskip("threadpoolctl")
+    import ctypes
+    import os
+    import llvmlite.binding as llvm
+    path = os.path.join(wheel.get_lib_dir(), wheel.get_library(fullname=True))
+    lib = ctypes.CDLL(path)
+    for dtype, name in (("float32", "scipy_sgemm_"), ("float64", "scipy_dgemm_")):
+        want = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        assert llvm.address_of_symbol(K.GEMM_SYMBOLS[dtype]) == want, dtype
+    held = [c.filepath for c in _cpu_threads._blas_controller().lib_controllers]
+    assert any(os.path.samefile(p, path) for p in held), held
+
+
 def test_not_the_default_without_blas(monkeypatch):
     """Without SciPy's BLAS (or threadpoolctl to hold it at one thread) the backend's own loops
     are slower than the numpy backend: it runs by name but is not chosen by default."""

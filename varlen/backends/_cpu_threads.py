@@ -87,12 +87,23 @@ def worker_scope(items: int):
 
 
 def _blas_controller():
+    """threadpoolctl's controller of the BLAS libraries in this process, made once, after the
+    kernels' BLAS and SciPy's are loaded (a controller made before would not see them)."""
+    global _controller
     tpc = _threadpoolctl()
     if tpc is None:
         return None
-    import scipy.linalg.cython_blas  # noqa: F401  (load SciPy's BLAS before looking for it)
-    ctl = tpc.get_cached_controller().select(user_api="blas")
-    return ctl if ctl.lib_controllers else None
+    if _controller is None:
+        from . import _cpu_kernels  # noqa: F401  (loads the kernels' BLAS)
+        try:
+            import scipy.linalg.cython_blas  # noqa: F401  (and SciPy's, when it is not that)
+        except ImportError:
+            pass
+        _controller = tpc.ThreadpoolController().select(user_api="blas")
+    return _controller if _controller.lib_controllers else None
+
+
+_controller = None
 
 
 def blas_controllable() -> bool:
