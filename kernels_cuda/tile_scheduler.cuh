@@ -13,6 +13,7 @@ namespace varlen {
 
 constexpr int TILE_FIELDS = 5;
 constexpr int SCHED_FIELDS = 4;
+constexpr int ROW_SCHED_FIELDS = 5;      // plan.ROW_SCHED_FIELDS: q_row_sched / k_row_sched
 
 struct TileInfo {
     int seq;    // sequence b, -1 for an unused slot
