@@ -278,18 +278,13 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
     using Cfg = DkdvConfig<D, BN, BQ, ATOMIC_DQ>;
     static_assert(ATOMIC_DQ || !ORDERED_DQ, "ordered dQ is atomic dQ in a fixed order");
     // How the register tiles of a chunk are walked and whether the dQ phase keeps its dS
-    // fragments: with 8 warps (BN = 128) the choice ptxas allocates without a spill. On sm_80
-    // the ordered kernel without a softcap needs the tiles unrolled and dS read per slice (every
-    // other combination spilled 8-88 B at D = 128 in one of the four kernels); the others, and
-    // every kernel on sm_90, one tile at a time with dS held. (The host emulation runs the
-    // sm_80 choice.)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr bool WIDE_ORDERED = false;
-#else
-    constexpr bool WIDE_ORDERED = Cfg::NUM_WARPS > 4 && ORDERED_DQ && !HAS_SOFTCAP;
-#endif
-    constexpr int SUB_UNROLL = WIDE_ORDERED ? Cfg::SUBTILES : 1;
-    constexpr bool DS_HELD = !WIDE_ORDERED;
+    // fragments: the choice ptxas allocates without a spill, on sm_80 and sm_90 alike (so the
+    // host emulation runs the GPUs' choice). One register tile at a time; at D = 128 with 8
+    // warps (BN = 128) the unordered kernel without a softcap reads dS per slice (holding it
+    // spilled 108 B on sm_90; reading it per slice at D = 64, 32 B), every other kernel holds
+    // it. (Unrolling the tiles with dS per slice was the sm_80 ordered kernel's choice while
+    // the cursor walked the tile schedule.)
+    constexpr bool DS_HELD = !(Cfg::NUM_WARPS > 4 && D > 96 && !ORDERED_DQ && !HAS_SOFTCAP);
     const TileBlock<true> b(plan, call);
     if (b.tile.seq < 0) return;
     const WarpSlot& w = b.w;
@@ -306,7 +301,7 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
     #pragma unroll 1
     for (int part = 0; part < Cfg::D_PARTS; ++part) {
         const int col0 = part * DC;
-        PartnerCursor<BQ> queries = query_cursor<BQ>(plan, b.tile, b.i_tile, b.group);
+        PartnerCursor<BQ> queries = query_cursor<BQ>(plan, b.i_tile, b.group);
         // [16, DC] dK and dV accumulators of this warp's key rows, columns col0 ..
         float acc_dk[DC / 8][4];
         float acc_dv[DC / 8][4];
@@ -337,7 +332,7 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
             constexpr int BQ_REG = Cfg::BQ_REG;
             float acc_s[BQ_REG / 8][4];
             float acc_dp[BQ_REG / 8][4];
-            #pragma unroll (SUB_UNROLL)
+            #pragma unroll 1
             for (int sub = 0; sub < Cfg::SUBTILES; ++sub) {
                 const int col = sub * BQ_REG;
                 // the columns as a chunk of their own (no rows: all masked, P^T = dS^T = 0)

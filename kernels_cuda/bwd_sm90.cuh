@@ -216,7 +216,7 @@ __device__ __forceinline__ void bwd_sm90_producer(
     sm90::fence_proxy_async();
     sm90::mbar_arrive(sm.kv_ready());
 
-    PartnerCursor<BQ> queries = query_cursor<BQ>(plan, tile, i_tile, group);
+    PartnerCursor<BQ> queries = query_cursor<BQ>(plan, i_tile, group);
     for (int i = 0;; ++i, queries.advance()) {
         const int s = i % STAGES;
         const uint32_t parity = round_parity<STAGES>(i);

@@ -6,7 +6,8 @@
 // Q's fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
 // [KN][D+8] and V [KN][D+8] (KN = 64, or 32 at D >= 96, BM = 128 and at D > 128, where
-// BM = 64 only; a plan tile of BN = 128 keys is 2 or 4 chunks); K and V wait separately
+// BM = 64 only; the chunks walk the plan's row schedule, which does not depend on its key
+// tile: a tile of BN = 128 keys is 2 or 4 chunks); K and V wait separately
 // (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
@@ -44,11 +45,18 @@ struct FwdConfig {
     // second fp32 value per score live (MT * KN / 2 more), which moves Q to shared memory at
     // D = 64, BM = 128 (48 bytes of spill on sm_90 otherwise). At D = 256 (64 + 144 = 208)
     // Q in registers spills too (224 bytes on sm_80, 364 on sm_90): it is read from shared
-    // memory above D = 192. Fitted to ptxas: every other variant keeps its placement.
+    // memory above D = 192. On sm_80 the budget is one register less: D = 96, BM = 128 with a
+    // softcap (48 + 128 + 32 = 208) spilled 8 bytes there with Q in registers. Fitted to
+    // ptxas: every other variant keeps its placement.
     static constexpr int Q_REGS = MT * D / 4;
     static constexpr int ACC_REGS = MT * (D + KN) / 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static constexpr int Q_BUDGET = 208;
+#else
+    static constexpr int Q_BUDGET = 207;
+#endif
     __host__ __device__ static constexpr bool q_in_regs(bool has_softcap) {
-        return D <= 192 && Q_REGS + ACC_REGS + (has_softcap ? MT * KN / 2 : 0) <= 208;
+        return D <= 192 && Q_REGS + ACC_REGS + (has_softcap ? MT * KN / 2 : 0) <= Q_BUDGET;
     }
     // Three K/V stages where two blocks of them still fit an A100 SM (164 KiB, 1 KiB reserved
     // per block), else two: a third stage never costs a block per SM.
@@ -177,7 +185,7 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
                                                                call.Hk, b.i_khead);
     b.template load_rows<BM, D, Cfg::NUM_THREADS>(s_q, q, call.Hq);
     cp_async_commit();
-    PartnerCursor<KN> keys = key_cursor<BN, KN>(plan, b.tile, b.i_tile);
+    PartnerCursor<KN> keys = key_cursor<KN>(plan, b.i_tile);
     using Pipeline = KvPipeline<Cfg::STAGES, KN>;
     Pipeline pipe;
     pipe.start(keys, kv);

@@ -188,46 +188,11 @@ __device__ __forceinline__ uint32_t round_parity(int i) {
     return static_cast<uint32_t>(i / STAGES) & 1u;
 }
 
-// The key chunks of KN rows of query tile i_tile, in the order of the plan's walk (key_cursor).
-// When KN divides the plan's key tiles, each tile is KN-row chunks; when KN is two tiles, two
-// consecutive tiles of one partner segment make a chunk (full when both are), and a tile that
-// is the last of its segment's range makes one alone, partial: its rows past the tile are
-// masked and their V rows zeroed like those past a sequence's end.
-template <typename Cfg>
-struct KeyChunks {
-    static constexpr bool PAIRS = Cfg::KN == 2 * Cfg::BN;
-    static constexpr int STEP = PAIRS ? Cfg::BN : Cfg::KN;
-    PartnerCursor<STEP> keys;
-
-    __device__ __forceinline__ KeyChunks(const PlanView& plan, const TileInfo& tile, int i_tile)
-        : keys(key_cursor<Cfg::BN, STEP>(plan, tile, i_tile)) {}
-
-    __device__ __forceinline__ bool valid() const { return keys.valid(); }
-
-    // Whether the plan tile after this one belongs to the same chunk.
-    __device__ __forceinline__ bool paired() const { return PAIRS && keys.c + 1 < keys.c_end; }
-
-    __device__ __forceinline__ Chunk chunk() const {
-        Chunk c = keys.chunk();
-        if constexpr (PAIRS) {
-            if (paired()) {
-                // rows of the next tile, which follows this one's STEP rows in the segment
-                const int rows = min(STEP, keys.left - STEP);
-                c.full = c.full && keys.c + 1 >= keys.f_begin && keys.c + 1 < keys.f_end &&
-                         rows == STEP;
-                c.rows += rows;
-            } else {
-                c.full = false;
-            }
-        }
-        return c;
-    }
-
-    __device__ __forceinline__ void advance() {
-        if (paired()) keys.advance();
-        keys.advance();
-    }
-};
+// The key chunks of KN rows of query tile i_tile walk the plan's row schedule (key_cursor),
+// which does not depend on the chunk: when KN divides the plan's key tiles each tile is KN-row
+// chunks; when KN is two tiles, a chunk is two consecutive tiles of one partner segment (full
+// when both are), and the last tile of a segment's range, alone, makes a partial chunk: its
+// rows past the tile are masked and their V rows zeroed like those past a sequence's end.
 
 // FlashAttention-3's ping-pong (section 3.1) of the two consumer warpgroups of BM = 128: each
 // issues a block of GEMMs only on its turn and then hands the turn over, so that one's softmax
@@ -355,7 +320,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
             sm90::mbar_arrive_expect_tx(sm.q_full(), Cfg::Q_BYTES);
             load_rows<Cfg, Cfg::BM>(sm.q(), map_q, sm.q_full(), i_head, tile.row);
         }
-        KeyChunks<Cfg> keys(plan, tile, i_tile);
+        PartnerCursor<Cfg::KN> keys = key_cursor<Cfg::KN>(plan, i_tile);
         Chunk prev{};       // rows 0: none yet (a chunk has rows)
         for (; keys.valid(); keys.advance(), ++ring.chunk) {
             const Chunk c = keys.chunk();
@@ -477,7 +442,7 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
     const PingPong<Cfg> turn{c_wg};
 
     sm90::mbar_wait(sm.q_full(), ring.q_parity());
-    KeyChunks<Cfg> keys(plan, tile, i_tile);
+    PartnerCursor<Cfg::KN> keys = key_cursor<Cfg::KN>(plan, i_tile);
     int i = ring.chunk;     // the block's chunk of P
     if (keys.valid()) {
         turn.start();

@@ -4,8 +4,9 @@
 //   varlen_plan_scan   one block: the segments of both sides (from cu_seqlens and offsets, or
 //                      given), the mask policy arrays, and per side the inclusive prefix sum
 //                      `ends` of tiles per segment; sets the device-error flags.
-//   varlen_plan_tiles  a grid over the tile slots of both sides: each slot's tile-table row and
-//                      its partner-tile ranges (`q_sched` / `k_sched`).
+//   varlen_plan_tiles  a grid over the tile slots of both sides: each slot's tile-table row,
+//                      its partner-tile ranges (`q_sched` / `k_sched`) and the same ranges in
+//                      packed partner rows (`q_row_sched` / `k_row_sched`).
 //
 // Every size (slots, segments, threads) is host-known; nothing is read back. Arithmetic is in
 // 64-bit with floor division where the NumPy code divides (`//` floors negative numerators),
@@ -28,6 +29,8 @@ struct PlanSide {
     int64_t* ends;             // [B * m] scratch: inclusive prefix sum of tiles per segment
     int* tiles;                // [num_slots, 5] (seq, seg, row, rows, pos)
     int* sched;                // [num_slots, m of the other side, 4] partner-tile ranges
+    int* row_sched;            // [num_slots, m of the other side, 5] the same in partner rows,
+                               // and pos - row of the partner segment
     unsigned char* outside;    // bool: a sequence lies outside the buffer (set, never cleared;
                                // null when the segments are given)
     unsigned char* overflow;   // bool: more tiles than slots (lengths past max_seqlen)
@@ -134,17 +137,19 @@ __device__ __forceinline__ int64_t count_last_le(int64_t f, int64_t n, int64_t b
 constexpr int64_t UNBOUNDED = int64_t(1) << 40;
 
 // Tile slot t of side `own` against the segments of `partner` (masks.key_band for query
-// tiles, masks.query_band for key tiles): its table row and ranges (plan._tile_table,
-// plan._schedule, plan._ranges).
+// tiles, masks.query_band for key tiles): its table row, ranges and row ranges
+// (plan._tile_table, plan._schedule, plan._ranges, plan.row_schedule).
 __device__ void plan_slot(const PlanBuildParams& p, const PlanSide& own, const PlanSide& partner,
                           bool own_is_k, int64_t t) {
     int* tile = own.tiles + t * TILE_FIELDS;
     int* sched = own.sched + t * partner.m * SCHED_FIELDS;
+    int* row_sched = own.row_sched + t * partner.m * ROW_SCHED_FIELDS;
     const int64_t S = static_cast<int64_t>(p.batch) * own.m;
     const int64_t s = segment_of(own.ends, S, t);
     if (s >= S) {
         tile[0] = -1; tile[1] = -1; tile[2] = 0; tile[3] = 0; tile[4] = 0;
         for (int i = 0; i < partner.m * SCHED_FIELDS; ++i) sched[i] = 0;
+        for (int i = 0; i < partner.m * ROW_SCHED_FIELDS; ++i) row_sched[i] = 0;
         return;
     }
     const int64_t L = own.len[s];
@@ -177,6 +182,7 @@ __device__ void plan_slot(const PlanBuildParams& p, const PlanSide& own, const P
     const int64_t pb = partner.block;
     for (int i = 0; i < partner.m; ++i) {
         const int64_t ppos = partner.pos[static_cast<int64_t>(b) * partner.m + i];
+        const int64_t prow = partner.row[static_cast<int64_t>(b) * partner.m + i];
         const int64_t n = partner.len[static_cast<int64_t>(b) * partner.m + i];
         const int64_t nt = tiles_of(n, partner.block);
         int64_t begin = first_last_ge(lo0 - ppos, n, pb, nt);
@@ -198,6 +204,13 @@ __device__ void plan_slot(const PlanBuildParams& p, const PlanSide& own, const P
         r[1] = static_cast<int>(fbegin);
         r[2] = static_cast<int>(fend);
         r[3] = static_cast<int>(end);
+        // Each bound as a packed row, clipped to the segment: prow + min(tile * pb, n).
+        int* rr = row_sched + i * ROW_SCHED_FIELDS;
+        rr[0] = static_cast<int>(prow + min(begin * pb, n));
+        rr[1] = static_cast<int>(prow + min(fbegin * pb, n));
+        rr[2] = static_cast<int>(prow + min(fend * pb, n));
+        rr[3] = static_cast<int>(prow + min(end * pb, n));
+        rr[4] = static_cast<int>(ppos - prow);
     }
 }
 

@@ -25,6 +25,9 @@ struct PlanView {
     const int* window_left;    // [B] keys visible left of the diagonal, < 0: unbounded
     const int* window_right;   // [B] keys visible right of the diagonal, < 0: unbounded
     const int* bottom_right;   // [B] 1: the diagonal ends at the last query and key
+    const int* q_row_sched;    // [num_q_tiles, mk, 5] q_sched as packed key rows (row_begin,
+                               // row_full_begin, row_full_end, row_end) and pos - row per segment
+    const int* k_row_sched;    // [num_k_tiles, mq, 5] k_sched as packed query rows, pos - row
     int batch;                 // B
     int mq;                    // query segments per sequence
     int mk;                    // key segments per sequence

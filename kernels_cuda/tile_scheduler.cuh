@@ -4,7 +4,9 @@
 // unused slot. q_sched / k_sched: int32 [num_tiles, m, 4] = (begin, full_begin, full_end, end)
 // partner-tile indices per partner segment: [begin, end) holds a visible pair, [full_begin,
 // full_end) only visible pairs, the rest of [begin, end) is partially masked and everything
-// outside is skipped (never loaded).
+// outside is skipped (never loaded). q_row_sched / k_row_sched: int32 [num_tiles, m, 5] = the
+// same ranges as packed partner rows clipped to each segment, and pos - row of the segment
+// (what PartnerCursor walks).
 #pragma once
 
 #include "common.cuh"
@@ -13,6 +15,7 @@ namespace varlen {
 
 constexpr int TILE_FIELDS = 5;
 constexpr int SCHED_FIELDS = 4;
+constexpr int ROW_SCHED_FIELDS = 5;      // plan.ROW_SCHED_FIELDS: q_row_sched / k_row_sched
 
 struct TileInfo {
     int seq;    // sequence b, -1 for an unused slot
@@ -40,56 +43,43 @@ struct Chunk {
 
 // Iterates over the partner chunks of one tile: for each of NUM_HEADS head offsets (the
 // query heads sharing a key head in dK/dV; 1 elsewhere), each partner segment and each chunk
-// of CHUNK rows inside the scheduled range. A plan tile of partner rows splits into `ratio`
-// chunks (plan tile = ratio * CHUNK rows, checked on the host), each inheriting its tile's
-// full/partial flag. Every thread of a block holds the same cursor state (uniform control
-// flow).
+// of CHUNK rows inside the scheduled range. It walks the plan's row schedule (q_row_sched /
+// k_row_sched: [num_segments, 5] = (row_begin, row_full_begin, row_full_end, row_end,
+// pos_delta) per partner segment, the tile ranges of the schedule as packed rows clipped to
+// the segment): chunks start at row_begin and every CHUNK rows after it, the last one cut at
+// row_end. A chunk is full when its CHUNK rows all lie in [row_full_begin, row_full_end), so a
+// chunk that crosses a bound, or the short last chunk of a segment, takes the mask
+// arithmetic; with CHUNK dividing the plan's partner tile, the chunks of a tile inherit its
+// full/partial flag. The bounds do not depend on CHUNK: one plan serves every chunk size.
+// Every thread of a block holds the same cursor state (uniform control flow).
 template <int CHUNK>
 struct PartnerCursor {
 
-    const int* p_sched;    // [num_segments, 4] schedule row of this tile
-    const int* p_row;      // [num_segments] partner segments of this sequence
-    const int* p_len;
-    const int* p_pos;
+    const int* p_rows;     // [num_segments, ROW_SCHED_FIELDS] row schedule of this tile
     int num_segments;
     int num_heads;
-    int ratio;
 
-    int head, seg, c, c_end, f_begin, f_end;
-    int row, pos, left;    // chunk c's first packed row and position, rows of the segment from it
+    int head, seg;
+    int row;               // the current chunk's first packed row
+    int row_end;           // of the current segment
 
-    // The schedule row `sched` of a tile of sequence b against the partner segments
-    // [b * segments, (b + 1) * segments) of `row`, `len` and `pos`.
-    __device__ __forceinline__ PartnerCursor(const int* sched, const int* row0, const int* len,
-                                             const int* pos0, int b, int segments, int heads,
-                                             int chunks_per_tile) {
-        const int64_t first = static_cast<int64_t>(b) * segments;
-        p_sched = sched; p_row = row0 + first; p_len = len + first; p_pos = pos0 + first;
-        num_segments = segments; num_heads = heads; ratio = chunks_per_tile;
+    // Row schedule `row_sched` ([segments, 5]) of one tile, walked `heads` times.
+    __device__ __forceinline__ PartnerCursor(const int* row_sched, int segments, int heads) {
+        p_rows = row_sched;
+        num_segments = segments; num_heads = heads;
         head = 0; seg = 0;
         enter();
     }
 
-    // Moves to the first non-empty chunk range at or after (head, seg) and reads that segment's
-    // first row and position once: moving inside a segment is then a compare and an add.
+    // Moves to the first non-empty range at or after (head, seg) and reads its bounds once:
+    // moving inside a segment is then a compare and an add.
     __device__ __forceinline__ void enter() {
         while (head < num_heads) {
             while (seg < num_segments) {
-                const int* s = p_sched + seg * SCHED_FIELDS;
-                const int len = p_len[seg];
-                // not (len + CHUNK - 1) / CHUNK, which overflows for len > 2^31 - CHUNK
-                const int num_chunks = len / CHUNK + (len % CHUNK != 0);
-                c = s[0] * ratio;
-                c_end = min(s[3] * ratio, num_chunks);
-                f_begin = s[1] * ratio;
-                f_end = s[2] * ratio;
-                if (c < c_end) {
-                    const int offset = c * CHUNK;      // < len: no overflow
-                    row = p_row[seg] + offset;
-                    pos = p_pos[seg] + offset;
-                    left = len - offset;
-                    return;
-                }
+                const int* r = p_rows + seg * ROW_SCHED_FIELDS;
+                row = r[0];
+                row_end = r[3];
+                if (row < row_end) return;
                 ++seg;
             }
             ++head;
@@ -99,20 +89,23 @@ struct PartnerCursor {
 
     __device__ __forceinline__ bool valid() const { return head < num_heads; }
 
+    // Compares before it adds, and against row_end - CHUNK (>= -CHUNK): row + CHUNK overflows
+    // int32 past the last chunk of a buffer of nearly 2^31 rows.
     __device__ __forceinline__ void advance() {
-        if (++c >= c_end) {
+        if (row >= row_end - CHUNK) {
             ++seg;
             enter();
         } else {
             row += CHUNK;
-            pos += CHUNK;
-            left -= CHUNK;
         }
     }
 
+    // The segment's other fields are read again (L1) rather than held in registers across
+    // the chunk's work.
     __device__ __forceinline__ Chunk chunk() const {
-        const int rows = min(CHUNK, left);
-        return Chunk{row, rows, pos, head, c >= f_begin && c < f_end && rows == CHUNK};
+        const int* r = p_rows + seg * ROW_SCHED_FIELDS;
+        return Chunk{row, min(CHUNK, row_end - row), row + r[4], head,
+                     row >= r[1] && row <= r[2] - CHUNK};
     }
 };
 
@@ -192,25 +185,20 @@ __device__ __forceinline__ void zero_rows(T* base, int64_t row_elems, int64_t be
     for (int64_t i = 0; i < n; ++i) p[i] = uint4{0u, 0u, 0u, 0u};
 }
 
-// The key chunks of KN rows of query tile i_tile (forward, dQ): the host compiles BN =
-// plan.block_n (KernelSpec), and a plan tile is BN / KN chunks.
-template <int BN, int KN = BN>
-__device__ __forceinline__ PartnerCursor<KN> key_cursor(const PlanView& plan, const TileInfo& tile,
-                                                        int i_tile) {
-    static_assert(BN % KN == 0, "a plan tile of keys is a whole number of chunks");
-    return PartnerCursor<KN>(plan.q_sched + static_cast<int64_t>(i_tile) * plan.mk * SCHED_FIELDS,
-                             plan.k_row, plan.k_len, plan.k_pos, tile.seq, plan.mk, 1, BN / KN);
+// The key chunks of KN rows of query tile i_tile (forward, dQ).
+template <int KN>
+__device__ __forceinline__ PartnerCursor<KN> key_cursor(const PlanView& plan, int i_tile) {
+    return PartnerCursor<KN>(
+        plan.q_row_sched + static_cast<int64_t>(i_tile) * plan.mk * ROW_SCHED_FIELDS, plan.mk, 1);
 }
 
-// The query chunks of key tile i_tile (dK/dV) for each of `heads` query heads; a plan tile of
-// block_m query rows is block_m / BQ chunks (a whole number, checked by KernelSpec).
+// The query chunks of BQ rows of key tile i_tile (dK/dV) for each of `heads` query heads.
 template <int BQ>
-__device__ __forceinline__ PartnerCursor<BQ> query_cursor(const PlanView& plan,
-                                                          const TileInfo& tile, int i_tile,
+__device__ __forceinline__ PartnerCursor<BQ> query_cursor(const PlanView& plan, int i_tile,
                                                           int heads) {
-    return PartnerCursor<BQ>(plan.k_sched + static_cast<int64_t>(i_tile) * plan.mq * SCHED_FIELDS,
-                             plan.q_row, plan.q_len, plan.q_pos, tile.seq, plan.mq, heads,
-                             plan.block_m / BQ);
+    return PartnerCursor<BQ>(
+        plan.k_row_sched + static_cast<int64_t>(i_tile) * plan.mq * ROW_SCHED_FIELDS, plan.mq,
+        heads);
 }
 
 }  // namespace varlen

@@ -220,13 +220,31 @@ def test_128_key_tiles():
     assert spec.dkdv_smem() == 158720
     assert spec.kernels()["dkdv_ordered"].name == (
         "varlen_bwd_dkdv<__nv_bfloat16, 128, 128, 64, false, true, true>")
-    assert KernelSpec("fwd", "float16", 64, 128, 128, True).name_expressions == (
-        "varlen_fwd<__half, 64, 128, 128, true>",)
+    # the forward of 128-key tiles is the forward of 64-key tiles (the row schedule does not
+    # depend on the key tile): one module, one kernel
+    fwd = KernelSpec("fwd", "float16", 64, 128, 128, True)
+    assert fwd.compiled() == KernelSpec("fwd", "float16", 64, 128, 64, True)
+    assert fwd.name_expressions == fwd.compiled().name_expressions == (
+        "varlen_fwd<__half, 64, 128, 64, true>",)
+    assert KernelSpec("bwd", "float16", 64, 128, 128, True).compiled().block_n == 128
     small = DeviceInfo((8, 9), 99 * 1024)
     for D, want in ((32, (128, 128)), (64, (128, 128)), (96, (128, 64)), (128, (128, 64))):
         assert choose_blocks(small, "float16", D, (128, 128)) == want, D
     for device in (DeviceInfo((8, 0), 163 * 1024), DeviceInfo((9, 0), 227 * 1024)):
         assert choose_blocks(device, "bfloat16", 128, (128, 128)) == (128, 128)
+
+
+def test_128_key_tile_forward_compiles_no_kernel_of_its_own():
+    """Every spec's kernels are compiled, each once: the forwards of (128, 128) add none."""
+    from varlen.backends import _cupy_compile
+    names = {(arch, n) for arch, group, _ in _cupy_compile.compile_groups() for n in group}
+    specs = _cupy_spec.all_specs()
+    assert {(arch, n) for s in specs for n in s.name_expressions
+            for arch in _cupy_spec.ARCHS} == names
+    wide = [s for s in specs if s.kind == "fwd" and s.block_n == 128]
+    assert wide and all(s.compiled() in specs for s in wide)
+    # varlen_fwd<T, D, BM, BN, HAS_SOFTCAP>
+    assert not [n for _, n in names if n.startswith("varlen_fwd<") and n.split(", ")[3] == "128"]
 
 
 def test_spec_names_and_cache_key():

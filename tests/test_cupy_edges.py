@@ -306,7 +306,8 @@ def _case_large_pad_offsets():
                           q_len=i32([0]), q_pos=i32([0]), k_row=i32([0]), k_len=i32([0]),
                           k_pos=i32([0]), seqlen_q=i32(0), seqlen_k=i32(0),
                           window_left=i32(-1), window_right=i32(-1), bottom_right=i32(0),
-                          batch=1, mq=1, mk=1, num_q_tiles=1, num_k_tiles=1, block_m=128,
+                          q_row_sched=np.zeros((1, 1, 5), np.int32),
+                          k_row_sched=np.zeros((1, 1, 5), np.int32), batch=1, mq=1, mk=1, num_q_tiles=1, num_k_tiles=1, block_m=128,
                           block_n=64, rows_q=rows_q, rows_k=rows_k)
         return _cupy_kernels.plan_view_arg(type("HandPlan", (), {"view": lambda self: view})())
     call = _cupy_kernels.call_params_arg(H, H, 1.0 / math.sqrt(D), 0.0)
@@ -341,7 +342,7 @@ def _case_long_sequence():
     from varlen import reference
     from varlen.backends import _cupy_kernels
     from varlen.backends._cupy_spec import KernelSpec
-    from varlen.plan import KernelView
+    from varlen.plan import KernelView, Segments, row_schedule
     Hq, Hk, D, Lq, left, bn = 2, 1, 32, 64, 100, 64
     Lk = 2 ** 31 - 1
     first = Lk - Lq - left                        # the first key query 0 sees
@@ -354,13 +355,19 @@ def _case_long_sequence():
     def i32(*rows):
         return np.array(rows, np.int32)
     tiles = (first // bn, -(-Lk // bn))           # [begin, end) key tiles, none fully visible
-    view = KernelView(q_tiles=i32([0, 0, 0, Lq, 0]), q_sched=i32([tiles[0], tiles[0], tiles[0],
-                                                                   tiles[1]]).reshape(1, 1, 4),
+    q_tiles = i32([0, 0, 0, Lq, 0])
+    q_sched = i32([tiles[0], tiles[0], tiles[0], tiles[1]]).reshape(1, 1, 4)
+    # in rows: [first // bn * bn, Lk), the last chunk ending at row 2**31 - 1
+    keys = Segments(i32([0]), i32([Lk]), i32([0]), i32(Lk), Lk)       # [B = 1, m = 1]
+    q_row_sched = row_schedule(q_tiles, q_sched, keys, bn)
+    assert q_row_sched[0, 0, 3] == Lk
+    view = KernelView(q_tiles=q_tiles, q_sched=q_sched,
                       k_tiles=np.zeros((0, 5), np.int32), k_sched=np.zeros((0, 1, 4), np.int32),
                       q_row=i32([0]), q_len=i32([Lq]), q_pos=i32([0]),
                       k_row=i32([0]), k_len=i32([Lk]), k_pos=i32([0]),
                       seqlen_q=i32(Lq), seqlen_k=i32(Lk), window_left=i32(left),
-                      window_right=i32(0), bottom_right=i32(1), batch=1, mq=1, mk=1,
+                      window_right=i32(0), bottom_right=i32(1), q_row_sched=q_row_sched,
+                      k_row_sched=np.zeros((0, 1, 5), np.int32), batch=1, mq=1, mk=1,
                       num_q_tiles=1, num_k_tiles=0, block_m=64, block_n=bn, rows_q=Lq, rows_k=Lk)
     plan = type("HandPlan", (), {"view": lambda self: view})()
     plan_arg = _cupy_kernels.plan_view_arg(plan)

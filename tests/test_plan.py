@@ -221,3 +221,178 @@ def test_device_errors_are_recorded_then_raised():
         varlen.check_device_errors()
     assert "never set" not in str(e.value)
     varlen.check_device_errors()                              # cleared by the check
+
+
+# --------------------------------------------------------------------------------------------
+# The row schedules (q_row_sched / k_row_sched): what the CUDA kernels' cursor walks
+# --------------------------------------------------------------------------------------------
+
+def _row_table_by_loops(tiles, sched, partner: Segments, block):
+    """The row schedule from its definition, element by element: each partner-tile bound as a
+    packed row clipped to its segment, and the segment's pos - row; zeros in unused slots."""
+    num, m = sched.shape[:2]
+    out = np.zeros((num, m, 5), np.int64)
+    for t in range(num):
+        b = int(tiles[t, TILE_SEQ])
+        if b < 0:
+            continue
+        for i in range(m):
+            row, n = int(partner.row[b, i]), int(partner.length[b, i])
+            for f in range(4):
+                out[t, i, f] = row + min(int(sched[t, i, f]) * block, n)
+            out[t, i, 4] = int(partner.pos[b, i]) - row
+    return out
+
+
+def _walk_tiles(tiles, sched, partner: Segments, block, chunk, heads=1, with_seg=False):
+    """The chunks of each tile as the kernels' cursor walked the tile schedule before the row
+    schedule: tile indices times block / chunk, cut at the segment's last chunk, full when the
+    chunk's tile is in the full range and the chunk has all its rows. `with_seg`: each chunk
+    also names its partner segment."""
+    assert block % chunk == 0
+    ratio = block // chunk
+    walks = []
+    for t in range(tiles.shape[0]):
+        b = int(tiles[t, TILE_SEQ])
+        walk = []
+        for h in range(heads if b >= 0 else 0):
+            for i in range(sched.shape[1]):
+                n = int(partner.length[b, i])
+                c0, fb, fe, c1 = (int(x) * ratio for x in sched[t, i])
+                for c in range(c0, min(c1, -(-n // chunk))):
+                    rows = min(chunk, n - c * chunk)
+                    walk.append((h, int(partner.row[b, i]) + c * chunk, rows,
+                                 int(partner.pos[b, i]) + c * chunk,
+                                 fb <= c < fe and rows == chunk) + ((i,) if with_seg else ()))
+        walks.append(walk)
+    return walks
+
+
+def _walk_rows(table, chunk, heads=1):
+    """The chunks of each tile as PartnerCursor<chunk> (kernels_cuda/tile_scheduler.cuh) walks
+    the row schedule: from row_begin in steps of chunk, the last one cut at row_end."""
+    walks = []
+    for t in range(table.shape[0]):
+        walk = []
+        for h in range(heads):
+            for rb, fb, fe, re, delta in (tuple(int(x) for x in r) for r in table[t]):
+                row = rb
+                while row < re:
+                    walk.append((h, row, min(chunk, re - row), row + delta,
+                                 row >= fb and row <= fe - chunk))
+                    row += chunk
+        walks.append(walk)
+    return walks
+
+
+def _walk_pairs(tiles, sched, partner: Segments, block):
+    """The sm_90 forward's chunks of two key tiles as it walked the tile schedule: two
+    consecutive tiles of a segment's range (full when both are), the last one alone (never
+    full)."""
+    walks = []
+    for tile_walk in _walk_tiles(tiles, sched, partner, block, block, with_seg=True):
+        walk, j = [], 0
+        while j < len(tile_walk):
+            h, row, rows, pos, full, seg = tile_walk[j]
+            nxt = tile_walk[j + 1] if j + 1 < len(tile_walk) else None
+            if nxt is not None and (nxt[0], nxt[5]) == (h, seg) and nxt[1] == row + block:
+                walk.append((h, row, rows + nxt[2], pos, full and nxt[4]))
+                j += 2
+            else:
+                walk.append((h, row, rows, pos, False))
+                j += 1
+        walks.append(walk)
+    return walks
+
+
+def _cp_plans():
+    """Context-parallel plans (two segments per sequence, skipped segments, empty ranks' rows):
+    zigzag shards against each other and against the gathered keys, and a document split."""
+    from varlen import comm
+    cu = np.array([0, 37, 37, 200, 201, 291], np.int32)
+    plans = []
+    for scheme, cp in (("zigzag", 2), ("zigzag", 3), ("document", 2)):
+        part = comm.partition(cu, cp, scheme)
+        for r in range(cp):
+            for keys in (part.segments((r + 1) % cp), part.gathered_segments()):
+                plans.append((f"{scheme}-cp{cp}-rank{r}",
+                              build_plan(part.segments(r), keys, "causal", block_m=16,
+                                         block_n=8)))
+    return plans
+
+
+def _adversarial_plans():
+    rng = np.random.default_rng(7)
+    plans = []
+    for seed in range(6):
+        B = int(rng.integers(1, 6))
+        mq, mk = int(rng.choice([1, 2])), int(rng.choice([1, 2]))
+        q = _random_segments(rng, B, mq, 23, gaps=seed % 2 == 0)
+        k = _random_segments(rng, B, mk, 29, gaps=seed % 3 == 0)
+        plans.append((f"random{seed}-m{mq}x{mk}",
+                      build_plan(q, k, _random_mask(rng, B), block_m=int(rng.choice([4, 8])),
+                                 block_n=int(rng.choice([4, 8])))))
+    cu_q = np.array([0, 0, 1, 9, 9, 26, 40, 40], np.int32)
+    cu_k = np.array([0, 3, 3, 20, 21, 30, 30, 30], np.int32)
+    for mask in ("causal", varlen.Mask(window_left=2, window_right=3, bottom_right=True)):
+        plans.append(("cu-zero-lengths", varlen.plan(cu_q, cu_k, mask=mask, block_m=4,
+                                                     block_n=8)))
+    return plans + _cp_plans()
+
+
+PLANS = _adversarial_plans()
+
+
+@pytest.mark.parametrize("label,plan", PLANS, ids=[label for label, _ in PLANS])
+def test_row_schedule_values(label, plan):
+    """Both row schedules against their definition from the tile schedules and segments; the
+    batch holds what makes them interesting (skipped segments, ragged last tiles, empty
+    segments, unused slots)."""
+    for name, tiles, sched, partner, block in (
+            ("q_row_sched", plan.q_tiles, plan.q_sched, plan.k, plan.block_n),
+            ("k_row_sched", plan.k_tiles, plan.k_sched, plan.q, plan.block_m)):
+        got = getattr(plan, name)
+        assert (got.dtype, got.shape) == (np.int32, (*sched.shape[:2], 5)), (
+            f"{label}: {name} is {got.dtype}{got.shape}")
+        want = _row_table_by_loops(tiles, sched, partner, block)
+        bad = np.argwhere(got != want)
+        assert bad.size == 0, (f"{label}: {name} differs at {tuple(bad[0])}: "
+                               f"{got[tuple(bad[0])]} != {want[tuple(bad[0])]}")
+        used = tiles[:, TILE_SEQ] >= 0
+        r = got[used]
+        assert (r[..., 0] <= r[..., 3]).all(), f"{label}: {name} has a reversed range"
+        assert (view := plan.view()) and getattr(view, name) is got
+
+
+def test_row_schedule_plans_are_adversarial():
+    """The plans above hold skipped and empty partner segments, ragged last tiles and
+    unused slots, so the tests on them mean something."""
+    skipped = empty = ragged = unused = 0
+    for _, p in PLANS:
+        for tiles, sched, partner, block in ((p.q_tiles, p.q_sched, p.k, p.block_n),
+                                             (p.k_tiles, p.k_sched, p.q, p.block_m)):
+            used = tiles[:, TILE_SEQ] >= 0
+            skipped += int((sched[used][..., 0] == sched[used][..., 3]).sum())
+            unused += int((~used).sum())
+            empty += int((partner.length == 0).sum())
+            ragged += int((partner.length % block != 0).sum())
+    assert min(skipped, empty, ragged, unused) > 0, (skipped, empty, ragged, unused)
+    assert any(p.q.per_seq == 2 for _, p in PLANS), "no context-parallel plan"
+
+
+@pytest.mark.parametrize("label,plan", PLANS, ids=[label for label, _ in PLANS])
+def test_row_cursor_walks_the_tile_schedule(label, plan):
+    """The cursor over the row schedule visits the chunks the tile-schedule cursor visited,
+    in the same order, with the same rows, positions and full flags, for every chunk size
+    that divides the partner tile (and, several heads, for the dK/dV walk); chunks of two
+    tiles are the sm_90 forward's pairs."""
+    for tiles, sched, table, partner, block in (
+            (plan.q_tiles, plan.q_sched, plan.q_row_sched, plan.k, plan.block_n),
+            (plan.k_tiles, plan.k_sched, plan.k_row_sched, plan.q, plan.block_m)):
+        for chunk in (c for c in (1, 2, 4, 8) if block % c == 0):
+            for heads in (1, 3):
+                assert _walk_rows(table, chunk, heads) == _walk_tiles(
+                    tiles, sched, partner, block, chunk, heads), (
+                    f"{label}: chunks of {chunk} over tiles of {block}, {heads} heads")
+        assert _walk_rows(table, 2 * block) == _walk_pairs(tiles, sched, partner, block), (
+            f"{label}: chunks of two tiles of {block}")

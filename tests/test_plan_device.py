@@ -2,7 +2,8 @@
 (launched by `varlen/backends/_cupy_plan.py`), on a CPU through the host emulation: each case
 in its own process (the emulation replaces `cupy`), run by this file's __main__.
 
-* The arrays equal those of `varlen.plan`'s NumPy array code exactly (dtype, shape, every
+* The arrays equal those of `varlen.plan`'s NumPy array code exactly (every array of the
+  kernel view, the row schedules `q_row_sched`/`k_row_sched` included: dtype, shape, every
   value; fresh integer buffers are poisoned, so an element no kernel writes shows) on
   adversarial batches: zero-length and length-1 sequences (the last one too), lengths off the
   tile sizes, padding gaps and a first offset > 0, per-sequence causal, full, windowed and
@@ -156,6 +157,7 @@ def _plan_arrays(plan):
 def _assert_same_plan(label, got, want):
     ga, gs = _plan_arrays(got)
     wa, ws = _plan_arrays(want)
+    assert {"q_row_sched", "k_row_sched"} <= set(wa), f"{label}: no row schedule compared"
     assert gs == ws, f"{label}: sizes {gs} != {ws}"
     for name, w in wa.items():
         g = ga[name]

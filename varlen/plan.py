@@ -14,6 +14,9 @@ in `docs/plan.md`; in short:
   `[full_begin, full_end)` hold only visible pairs (no mask arithmetic needed), the rest of
   `[begin, end)` are partially masked, and every tile outside is skipped. The transposed
   schedule (for each key tile, the query tiles of each query segment) drives dK/dV.
+* **Row schedule**: the same ranges as packed partner rows, clipped to each partner segment,
+  and the segment's `pos - row`: what the CUDA kernels walk, in chunks of any size dividing
+  the partner tile, with a compare and an add per chunk.
 """
 from __future__ import annotations
 
@@ -27,13 +30,18 @@ from ._device_errors import record
 from .masks import Mask, as_mask, key_band, query_band
 
 __all__ = ["Segments", "Plan", "KernelView", "build_plan", "plan_from_cu_seqlens",
-           "layout_segments", "segments_from_cu_seqlens", "tile_bound", "TILE_FIELDS", "SCHED_FIELDS"]
+           "layout_segments", "segments_from_cu_seqlens", "tile_bound", "TILE_FIELDS", "SCHED_FIELDS",
+           "ROW_SCHED_FIELDS"]
 
 # Columns of the tile tables `q_tiles` / `k_tiles` (int32 [num_tiles, 5]).
 TILE_FIELDS = ("seq", "seg", "row", "rows", "pos")
 TILE_SEQ, TILE_SEG, TILE_ROW, TILE_ROWS, TILE_POS = range(5)
 # Last axis of the schedules `q_sched` [num_q_tiles, mk, 4] / `k_sched` [num_k_tiles, mq, 4].
 SCHED_FIELDS = ("begin", "full_begin", "full_end", "end")
+# Last axis of the row schedules `q_row_sched` [num_q_tiles, mk, 5] / `k_row_sched`
+# [num_k_tiles, mq, 5]: the schedule's ranges in packed partner rows (each bound
+# `row + min(tile * block, length)` of its segment), and `pos - row` of the segment.
+ROW_SCHED_FIELDS = ("row_begin", "row_full_begin", "row_full_end", "row_end", "pos_delta")
 
 
 def _xp(a):
@@ -167,6 +175,11 @@ class Plan:
         k_tiles, k_sched: the same for key tiles against query segments (dK/dV).
         fingerprint: what the plan was built from, cheap to compare on the host (set by
             `varlen.plan`; None for plans built from segments directly).
+        q_row_sched: int32 `[num_q_tiles, mk, 5]` (row_begin, row_full_begin, row_full_end,
+            row_end, pos_delta): `q_sched`'s ranges as packed key rows, clipped to each key
+            segment, and the segment's `pos - row` (zeros in unused slots).
+        k_row_sched: int32 `[num_k_tiles, mq, 5]`, the same of `k_sched` in query rows.
+        Both row schedules are derived from the schedules when not given (`row_schedule`).
     """
 
     q: Segments
@@ -181,6 +194,16 @@ class Plan:
     k_tiles: object
     k_sched: object
     fingerprint: tuple | None = None
+    q_row_sched: object = None
+    k_row_sched: object = None
+
+    def __post_init__(self):
+        if self.q_row_sched is None:
+            object.__setattr__(self, "q_row_sched", row_schedule(
+                self.q_tiles, self.q_sched, self.k, self.block_n))
+        if self.k_row_sched is None:
+            object.__setattr__(self, "k_row_sched", row_schedule(
+                self.k_tiles, self.k_sched, self.q, self.block_m))
 
     @property
     def batch(self) -> int:
@@ -204,7 +227,8 @@ class Plan:
         q, k = self.q, self.k
         return KernelView(self.q_tiles, self.q_sched, self.k_tiles, self.k_sched, q.row,
                           q.length, q.pos, k.row, k.length, k.pos, q.seqlen, k.seqlen,
-                          self.window_left, self.window_right, self.bottom_right, self.batch,
+                          self.window_left, self.window_right, self.bottom_right,
+                          self.q_row_sched, self.k_row_sched, self.batch,
                           q.per_seq, k.per_seq, self.num_q_tiles, self.num_k_tiles,
                           self.block_m, self.block_n, q.num_rows, k.num_rows)
 
@@ -218,7 +242,8 @@ class Plan:
             return Segments(h(s.row), h(s.length), h(s.pos), h(s.seqlen), s.num_rows)
         return Plan(hs(self.q), hs(self.k), h(self.window_left), h(self.window_right),
                     h(self.bottom_right), self.block_m, self.block_n, h(self.q_tiles),
-                    h(self.q_sched), h(self.k_tiles), h(self.k_sched), self.fingerprint)
+                    h(self.q_sched), h(self.k_tiles), h(self.k_sched), self.fingerprint,
+                    h(self.q_row_sched), h(self.k_row_sched))
 
 
 class KernelView(NamedTuple):
@@ -244,6 +269,8 @@ class KernelView(NamedTuple):
     window_left: object    # [B] mask policy (masks.MASK_FIELDS)
     window_right: object   # [B]
     bottom_right: object   # [B]
+    q_row_sched: object    # [num_q_tiles, mk, 5] q_sched in key rows, and pos - row per segment
+    k_row_sched: object    # [num_k_tiles, mq, 5] k_sched in query rows, and pos - row
     batch: int             # B
     mq: int                # query segments per sequence
     mk: int                # key segments per sequence
@@ -254,7 +281,7 @@ class KernelView(NamedTuple):
     rows_q: int            # Tq, rows of the packed query array
     rows_k: int            # Tk
 
-    NUM_ARRAYS = 15
+    NUM_ARRAYS = 17
 
     def map_arrays(self, fn) -> "KernelView":
         """The same view with `fn` applied to every array (move, cast, make contiguous)."""
@@ -376,6 +403,29 @@ def _schedule(xp, tiles, q: Segments, k: Segments, pol, block, band, partner: Se
     return _ranges(xp, begin, end, fbegin, fend)
 
 
+def row_schedule(tiles, sched, partner: Segments, block: int):
+    """int32 `[n, m, 5]`: schedule `sched` of tile table `tiles` as packed partner rows.
+
+    For each tile and partner segment (row `r`, `n` rows, position `p`): each range bound `t`
+    (a partner-tile index of `block` rows) as the row `r + min(t * block, n)`, so that the
+    last range ends at the segment's last row and an empty range stays empty, and `p - r`.
+    Unused slots are zeros. NumPy or CuPy arrays (the fused device builder writes the same
+    values in `varlen_plan_tiles`); Numba device arrays: computed by the Numba plan kernels.
+    """
+    xp = _xp(sched)
+    num, m = int(sched.shape[0]), int(sched.shape[1])
+    if partner.batch == 0 or num == 0:
+        return xp.zeros((num, m, len(ROW_SCHED_FIELDS)), dtype=np.int32)
+    used = tiles[:, TILE_SEQ] >= 0
+    b = xp.maximum(tiles[:, TILE_SEQ], 0).astype(np.int64)
+    row = partner.row.astype(np.int64)[b]                              # [num, m]
+    length = partner.length.astype(np.int64)[b]
+    delta = partner.pos.astype(np.int64)[b] - row
+    bounds = row[..., None] + xp.minimum(sched.astype(np.int64) * block, length[..., None])
+    table = xp.concatenate([bounds, delta[..., None]], axis=-1)
+    return xp.where(used[:, None, None], table, 0).astype(np.int32)
+
+
 def _policy_arrays(xp, mask: Mask, B: int):
     """The three policy fields as int32 `[B]` arrays in module `xp` (scalars broadcast)."""
     return tuple(xp.full(B, int(f), dtype=np.int32) if np.ndim(f) == 0 else f.astype(np.int32)
@@ -408,7 +458,9 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
     k_sched = _schedule(xp, k_tiles, q, k, pol, block_m, query_band, partner=q)
     return Plan(q=q, k=k, window_left=pol[0], window_right=pol[1], bottom_right=pol[2],
                 block_m=int(block_m), block_n=int(block_n), q_tiles=q_tiles, q_sched=q_sched,
-                k_tiles=k_tiles, k_sched=k_sched)
+                k_tiles=k_tiles, k_sched=k_sched,
+                q_row_sched=row_schedule(q_tiles, q_sched, k, block_n),
+                k_row_sched=row_schedule(k_tiles, k_sched, q, block_m))
 
 
 def plan_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,

@@ -19,7 +19,7 @@ from numba_testing import two_segments
 from helpers import make_batch
 
 FIELDS = ("window_left", "window_right", "bottom_right", "q_tiles", "q_sched", "k_tiles",
-          "k_sched")
+          "k_sched", "q_row_sched", "k_row_sched")
 
 
 def _lengths(rng, B, hi):

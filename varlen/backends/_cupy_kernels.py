@@ -67,6 +67,9 @@ class _Module:
 
 
 def module(spec: KernelSpec) -> _Module:
+    """The module of `spec`, shared with the specs that compile to the same kernels
+    (`KernelSpec.compiled`)."""
+    spec = spec.compiled()
     mod = _modules.get(spec)
     if mod is None:
         with _lock:

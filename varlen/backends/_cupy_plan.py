@@ -6,7 +6,8 @@ launches, the same int32 arrays as `varlen.plan`'s array code, bit for bit.
 
 1. `varlen_plan_scan`, one block: the segments of each side (from `cu_seqlens`/offsets, or
    given), the three mask policy arrays, and per side the prefix sum of tiles per segment.
-2. `varlen_plan_tiles`, a grid over every tile slot of both sides: tile tables and schedules.
+2. `varlen_plan_tiles`, a grid over every tile slot of both sides: tile tables, schedules and
+   row schedules.
 
 Every size comes from the host: `B`, the rows of the packed arrays, the block sizes and the
 `varlen.plan.tile_bound` slots (with `max_seqlen_*` when given); nothing is read back, so a plan
@@ -29,8 +30,8 @@ import numpy as np
 from .._array import alloc
 from .._device_errors import accumulator, record
 from ..masks import Mask
-from ..plan import (SCHED_FIELDS, TILE_FIELDS, Plan, Segments, outside_message, overflow_message,
-                    tile_bound)
+from ..plan import (ROW_SCHED_FIELDS, SCHED_FIELDS, TILE_FIELDS, Plan, Segments,
+                    outside_message, overflow_message, tile_bound)
 
 KERNELS = ("varlen_plan_scan", "varlen_plan_tiles")
 SOURCE = '#include "plan_build.cuh"\n'
@@ -42,7 +43,7 @@ MAX_TILE_BLOCKS = 4096             # varlen_plan_tiles is grid-stride beyond thi
 _U64, _I32 = np.uint64, np.int32
 PLAN_SIDE_DTYPE = np.dtype(
     [(name, _U64) for name in ("cu", "off", "row", "len", "pos", "seqlen", "ends", "tiles",
-                               "sched", "outside", "overflow")]
+                               "sched", "row_sched", "outside", "overflow")]
     + [(name, _I32) for name in ("num_rows", "m", "block", "num_slots")], align=True)
 PLAN_BUILD_DTYPE = np.dtype([("q", PLAN_SIDE_DTYPE), ("k", PLAN_SIDE_DTYPE),
                              ("mask_in", _U64, (3,)), ("mask_value", _I32, (3,)),
@@ -101,6 +102,7 @@ class _Side:
         self.ends = alloc(cupy, (max(batch * m, 1),), np.int64)
         self.tiles = alloc(cupy, (slots, len(TILE_FIELDS)), np.int32)
         self.sched = alloc(cupy, (slots, partner_m, len(SCHED_FIELDS)), np.int32)
+        self.row_sched = alloc(cupy, (slots, partner_m, len(ROW_SCHED_FIELDS)), np.int32)
 
     def segments(self) -> Segments:
         return Segments(*self.seg_arrays, num_rows=int(self.num_rows))
@@ -108,8 +110,9 @@ class _Side:
     def write_struct(self, rec, outside, overflow):
         """This side's `PlanSide` fields into `rec` (flag addresses given)."""
         for field, a in zip(("cu", "off", "row", "len", "pos", "seqlen", "ends", "tiles",
-                             "sched"), (self.cu, self.off, *self.seg_arrays, self.ends,
-                                        self.tiles, self.sched)):
+                             "sched", "row_sched"), (self.cu, self.off, *self.seg_arrays,
+                                                     self.ends, self.tiles, self.sched,
+                                                     self.row_sched)):
             rec[field] = _address(a)
         rec["outside"], rec["overflow"] = outside, overflow
         rec["num_rows"], rec["m"], rec["block"], rec["num_slots"] = (
@@ -162,7 +165,8 @@ def _build(q: _Side, k: _Side, mask: Mask, batch: int, *, host: bool, block_m, b
             record(np, flag, msg)
     return Plan(q=q.segments(), k=k.segments(), window_left=policy[0], window_right=policy[1],
                 bottom_right=policy[2], block_m=block_m, block_n=block_n, q_tiles=q.tiles,
-                q_sched=q.sched, k_tiles=k.tiles, k_sched=k.sched)
+                q_sched=q.sched, k_tiles=k.tiles, k_sched=k.sched, q_row_sched=q.row_sched,
+                k_row_sched=k.row_sched)
 
 
 def plan_from_cu_seqlens(cu_q, cu_k, off_q, off_k, num_rows_q: int, num_rows_k: int,
@@ -194,4 +198,5 @@ def build_plan(q: Segments, k: Segments, mask: Mask, *, block_m: int, block_n: i
     return Plan(q=q, k=k, window_left=plan.window_left, window_right=plan.window_right,
                 bottom_right=plan.bottom_right, block_m=block_m, block_n=block_n,
                 q_tiles=plan.q_tiles, q_sched=plan.q_sched, k_tiles=plan.k_tiles,
-                k_sched=plan.k_sched)
+                k_sched=plan.k_sched, q_row_sched=plan.q_row_sched,
+                k_row_sched=plan.k_row_sched)

@@ -46,6 +46,7 @@ PREPROCESS_WARPS = 4              # kernels_cuda/bwd_preprocess.cuh
 CONVERT_THREADS = 256
 STAGES = 2                        # K/V (Q/dO) stages of the backward kernels
 FWD_WARPS = 4                     # kernels_cuda/fwd.cuh FwdConfig
+FWD_MAX_CHUNK = 64                # keys per step of the forward, at most (FwdConfig::KN_64)
 # An A100 SM's shared memory and what the driver reserves per block: the forward takes a third
 # K/V stage only where two blocks of it still fit there (FwdConfig::STAGES).
 SM_SMEM_A100 = 164 * 1024
@@ -155,7 +156,7 @@ class KernelSpec:
         warp_tiles = self.block_m // (FWD_WARPS * WARP_ROWS)
         acc_regs = warp_tiles * (self.head_dim + 64) // 2
         wide = self.head_dim > MAX_WIDE_HEAD_DIM
-        return min(self.block_n, 32 if acc_regs >= 160 or wide else 64)
+        return min(self.block_n, 32 if acc_regs >= 160 or wide else FWD_MAX_CHUNK)
 
     @property
     def dkdv_parts(self) -> int:
@@ -189,8 +190,24 @@ class KernelSpec:
 
     # ---- names --------------------------------------------------------------------------
 
+    @property
+    def fwd_block_n(self) -> int:
+        """The key tile the forward is compiled for: 64 for plans of 128-key tiles too. The
+        forward walks key chunks of at most 64 rows (fwd_chunk) through the plan's row
+        schedule, whose bounds do not depend on the key tile, so both kernels would be the same
+        code."""
+        return min(self.block_n, FWD_MAX_CHUNK)
+
+    def compiled(self) -> "KernelSpec":
+        """The spec whose module runs this one: a forward of 128-key tiles runs the module of
+        64-key tiles (fwd_block_n); every other spec its own."""
+        if self.kind == "fwd" and self.block_n != self.fwd_block_n:
+            return KernelSpec(self.kind, self.dtype, self.head_dim, self.block_m,
+                              self.fwd_block_n, self.has_softcap)
+        return self
+
     def fwd_name(self) -> str:
-        return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+        return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.fwd_block_n}, "
                 f"{_cxx_bool(self.has_softcap)}>")
 
     def dkdv_name(self, ordered_dq: bool = False) -> str:

@@ -346,9 +346,10 @@ def _write_tile(tiles, t, b, sg, row, rows, pos):
 
 
 @cuda.jit
-def tiles_and_schedule(ends, seg_row, seg_len, seg_pos, part_len, part_pos, mask, block,
-                       part_block, is_k, tiles, sched):
-    """One thread per tile slot: its (seq, seg, row, rows, pos) and its partner-tile ranges.
+def tiles_and_schedule(ends, seg_row, seg_len, seg_pos, part_row, part_len, part_pos, mask,
+                       block, part_block, is_k, tiles, sched, row_sched):
+    """One thread per tile slot: its (seq, seg, row, rows, pos), its partner-tile ranges and
+    the same ranges as packed partner rows with the segment's `pos - row` (`plan.row_schedule`).
 
     For query tiles (`is_k == 0`) the partners are key tiles, reached through `key_band`; for
     key tiles they are query tiles, through `query_band`. `mask` is a `SeqMask`.
@@ -363,6 +364,8 @@ def tiles_and_schedule(ends, seg_row, seg_len, seg_pos, part_len, part_pos, mask
         for i in range(sched.shape[1]):
             for f in range(4):
                 sched[t, i, f] = 0
+            for f in range(5):
+                row_sched[t, i, f] = 0
         return
     b = s // m
     sg = s - b * m
@@ -378,8 +381,12 @@ def tiles_and_schedule(ends, seg_row, seg_len, seg_pos, part_len, part_pos, mask
         ppos = int64(part_pos[b, i])
         r = _tile_ranges((band0[0] - ppos, band0[1] - ppos), (band1[0] - ppos, band1[1] - ppos),
                          int64(part_len[b, i]), part_block)
+        prow = int64(part_row[b, i])
+        plen = int64(part_len[b, i])
         for f in range(4):
             sched[t, i, f] = r[f]
+            row_sched[t, i, f] = prow + min(int64(r[f]) * part_block, plen)
+        row_sched[t, i, 4] = ppos - prow
 
 
 # --------------------------------------------------------------------------------------------

@@ -259,12 +259,13 @@ def _tiles(ctx: Context, side, own: Segments, part: Segments, seq_mask, blk, par
                              f"{n} slots of {blk} rows (rows past them were not computed)")
     tiles = ctx.alloc((n, 5), np.int32)
     sched = ctx.alloc((n, part.per_seq, 4), np.int32)
+    row_sched = ctx.alloc((n, part.per_seq, 5), np.int32)
     if n:
         threads = min(32 if ctx.sim else 128, n)
         ctx.launch(K.tiles_and_schedule, -(-n // threads), threads, ends, own.row,
-                   own.length, own.pos, part.length, part.pos, seq_mask, blk, part_blk,
-                   int(side == "k"), tiles, sched)
-    return tiles, sched
+                   own.length, own.pos, part.row, part.length, part.pos, seq_mask, blk,
+                   part_blk, int(side == "k"), tiles, sched, row_sched)
+    return tiles, sched, row_sched
 
 
 def device_plan(ctx: Context, q: Segments, k: Segments, mask, *, block_m, block_n,
@@ -272,11 +273,14 @@ def device_plan(ctx: Context, q: Segments, k: Segments, mask, *, block_m, block_
     """The plan of `build_plan`, computed by kernels; its arrays beside `ctx`'s data (device)."""
     pol = _policy(ctx, mask, q.batch)
     seq_mask = K.SeqMask(*pol, q.seqlen, k.seqlen)
-    q_tiles, q_sched = _tiles(ctx, "q", q, k, seq_mask, block_m, block_n, max_seqlen_q)
-    k_tiles, k_sched = _tiles(ctx, "k", k, q, seq_mask, block_n, block_m, max_seqlen_k)
+    q_tiles, q_sched, q_row_sched = _tiles(ctx, "q", q, k, seq_mask, block_m, block_n,
+                                           max_seqlen_q)
+    k_tiles, k_sched, k_row_sched = _tiles(ctx, "k", k, q, seq_mask, block_n, block_m,
+                                           max_seqlen_k)
     return Plan(q=q, k=k, window_left=pol[0], window_right=pol[1], bottom_right=pol[2],
                 block_m=int(block_m), block_n=int(block_n), q_tiles=q_tiles, q_sched=q_sched,
-                k_tiles=k_tiles, k_sched=k_sched)
+                k_tiles=k_tiles, k_sched=k_sched, q_row_sched=q_row_sched,
+                k_row_sched=k_row_sched)
 
 
 # --------------------------------------------------------------------------------------------
