@@ -56,7 +56,7 @@ def a3(t):
 
 # The plan record as the kernels receive it: the arrays of `KernelView`, then its sizes.
 VIEW = nt.NamedTuple([a2(i32), a3(i32), a2(i32), a3(i32)] + [a2(i32)] * 6 + [a1(i32)] * 5 +
-                     [i64] * 9, KernelView)
+                     [a3(i32)] * 2 + [i64] * 9, KernelView)
 SEQ_MASK = nt.NamedUniTuple(a1(i32), len(K.SeqMask._fields), K.SeqMask)
 
 
@@ -70,8 +70,8 @@ def kernels(quick: bool):
         ("or_flag", K.or_flag, (a1(i32), a1(i32))),
         ("tile_scan", K.tile_scan, (a2(i32), i64, i64, a1(i64), a1(i32))),
         ("tiles_and_schedule", K.tiles_and_schedule,
-         (a1(i64), a2(i32), a2(i32), a2(i32), a2(i32), a2(i32), SEQ_MASK, i64, i64, i64,
-          a2(i32), a3(i32))),
+         (a1(i64), a2(i32), a2(i32), a2(i32), a2(i32), a2(i32), a2(i32), SEQ_MASK, i64, i64,
+          i64, a2(i32), a3(i32), a3(i32))),
     ]
     for dt, el in ELEM.items():
         out.append((f"fill[{dt}]", K.fill, (a1(el), el)))
