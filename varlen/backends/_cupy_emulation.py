@@ -460,10 +460,20 @@ def strict_cases():
     partner chunks (the barrier that ends a loop step only matters from the third: the prefetch
     issued in step two refills the stage of step one), partially masked and ragged chunks, GQA
     (the dK/dV blocks loop over two query heads, with atomic dQ), and a query tile without a
-    visible key (its own tile's copies are drained after an empty loop)."""
+    visible key (its own tile's copies are drained after an empty loop).
+
+    The first case's forward keeps Q in registers, whose load waits for Q's copies before any
+    chunk, so the drain after an empty loop only matters where Q is read from shared memory:
+    the second case (a softcap at D = 64, BM = 128, FwdConfig::q_in_regs), whose keyless tile
+    stages its output through Q's rows while, without the drain, Q's copies may still land.
+    Its last sequence has keys but no queries: a key tile without query chunks, whose dK and dV
+    (zero) are staged through the rows of K and V still in flight without the dK/dV drain."""
     return [dict(label="B2-strict-3chunks-causal_br-fp16-D64", lengths_q=[80, 20],
                  lengths_k=[200, 0], Hq=2, Hk=1, D=64, dtype="float16",
-                 mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64)]
+                 mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64),
+            dict(label="B2-strict-keyless-softcap-fp16-D64-BM128", lengths_q=[20, 20, 0],
+                 lengths_k=[40, 0, 30], Hq=2, Hk=1, D=64, dtype="float16",
+                 mask="causal_bottom_right", gaps=True, softcap=30.0, block_m=128)]
 
 
 def _parse(argv):
