@@ -44,12 +44,13 @@ __device__ __forceinline__ void spin_wait_equal(const int* counter, int value, c
 }
 
 // Adds 1 to a counter with release semantics (at the device's coherence point, so no stale
-// cached copy of it is ever read).
-__device__ __forceinline__ void release_increment_gpu(int* p) {
+// cached copy of it is ever read). `fenced_by`: the threads whose fenced additions it
+// publishes (the emulation checks that each has fenced).
+__device__ __forceinline__ void release_increment_gpu(int* p, int /*fenced_by*/) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" :: "l"(p) : "memory");
 }
 
-__device__ __forceinline__ void store_release_gpu(int* p, int value) {
+__device__ __forceinline__ void store_release_gpu(int* p, int value, int /*fenced_by*/) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(value) : "memory");
 }
 #endif
@@ -63,7 +64,8 @@ struct UnorderedDq {
 
 // The turn of one dK/dV block (a key tile of one key head) at the dQ of each query chunk. It
 // holds references only: the plan and the call are kernel parameters, the tile is the
-// block's; ranks are computed by thread 0 when it waits.
+// block's; ranks are computed by the leader (thread 0 of the block, or of the threads that
+// add: the sm_90a kernel's consumer warpgroups) when it waits.
 struct OrderedDq {
     int* dq_order;            // [Hq + 1, Tq]
     const PlanView& plan;
@@ -89,33 +91,45 @@ struct OrderedDq {
         return before + tile - s[seg * SCHED_FIELDS];
     }
 
-    // Thread 0 waits for the block's turn at chunk c and returns its rank; every thread must
-    // pass a barrier after it before adding (the one that publishes dS^T).
-    __device__ __forceinline__ int acquire(const Chunk& c) const {
+    // The leader waits for the block's turn at chunk c and returns its rank; every thread
+    // that adds must pass a barrier after it before adding (in the mma.sync kernel, the one
+    // that publishes dS^T).
+    __device__ __forceinline__ int acquire(const Chunk& c,
+                                           bool leader = threadIdx.x == 0) const {
         int turn = 0;
-        if (threadIdx.x == 0) {
+        if (leader) {
             turn = rank(c);
             spin_wait_equal(dq_order + counter(c), turn, "dq_order", counter(c));
         }
         return turn;
     }
 
-    // After the block's additions to chunk c: each thread's are performed before the barrier,
-    // then thread 0 hands the turn on: it stores rank + 1 (CARRY_RANK: `turn` kept in a
-    // register across the additions) or adds 1 to the counter, which holds the rank. The two
-    // differ only in ptxas' register allocation: carrying the rank spills 12 B in the D = 256
-    // softcap kernel on sm_90, the increment 8 B in the D = 128 softcap kernel on sm_80.
-    template <bool CARRY_RANK>
-    __device__ __forceinline__ void release(const Chunk& c, int turn) const {
+    // After the block's additions to chunk c by `adders` threads: each thread's are performed
+    // (fence) before `barrier()`, which all of them pass, then the leader hands the turn on: it
+    // stores rank + 1 (CARRY_RANK: `turn` kept in a register across the additions) or adds 1
+    // to the counter, which holds the rank. The two differ only in ptxas' register allocation:
+    // carrying the rank spills 12 B in the D = 256 softcap kernel on sm_90, the increment 8 B
+    // in the D = 128 softcap kernel on sm_80.
+    template <bool CARRY_RANK, typename Barrier>
+    __device__ __forceinline__ void release(const Chunk& c, int turn, bool leader, int adders,
+                                            Barrier&& barrier) const {
         __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
+        barrier();
+        if (leader) {
             if constexpr (CARRY_RANK) {
-                store_release_gpu(dq_order + counter(c), turn + 1);
+                store_release_gpu(dq_order + counter(c), turn + 1, adders);
             } else {
-                release_increment_gpu(dq_order + counter(c));
+                release_increment_gpu(dq_order + counter(c), adders);
             }
         }
+    }
+
+    // The whole block adds; thread 0 leads.
+    template <bool CARRY_RANK>
+    __device__ __forceinline__ void release(const Chunk& c, int turn) const {
+        release<CARRY_RANK>(c, turn, threadIdx.x == 0, static_cast<int>(blockDim.x), [] {
+            __syncthreads();
+        });
     }
 };
 

@@ -20,6 +20,13 @@
 // varlen_bwd_dq_convert serve both unchanged). With two consumer warpgroups each adds its own
 // keys' part: two reductions per dQ element and chunk.
 //
+// ORDERED_DQ (deterministic=True): the additions to one query chunk's dQ happen in a fixed
+// order, as in the mma.sync kernel (bwd_dq_ordered.cuh): the key tiles in slot order, and
+// inside a tile the first consumer warpgroup's part of each column slice before the second's.
+// The first consumer thread waits for the tile's turn, the consumer warpgroups pass a barrier
+// of their own (the producer goes on loading), and after the last slice every consumer thread
+// fences, passes it again, and the first one hands the turn on.
+//
 // Non-finite values follow the mma.sync kernel (docs/semantics.md): the producer zeroes the K
 // rows past the tile (another sequence's rows or padding, which dQ += dS K meets with dS = 0) and
 // moves a NaN or inf of a present K row into its V row, which meets queries only pair by pair in
@@ -28,6 +35,7 @@
 #pragma once
 
 #include "bwd_dkdv.cuh"
+#include "bwd_dq_ordered.cuh"
 #include "common.cuh"
 #include "fwd_sm90.cuh"
 #include "mask.cuh"
@@ -79,6 +87,9 @@ struct BwdSm90Config {
     static constexpr int OFF_BARS = OFF_CHUNKS + STAGES * sizeof(StagedChunk);
     // kv_full, kv_ready, then q_full, ready, empty per stage
     static constexpr int NUM_BARS = 2 + 3 * STAGES;
+    // Named barriers: 0 is __syncthreads, 1 .. NUM_CONSUMERS one per consumer warpgroup, then
+    // one over every consumer thread (ordered dQ)
+    static constexpr uint32_t CONSUMERS_BAR = 1 + NUM_CONSUMERS;
     // + ALIGN: the block rounds its base up to the swizzle's repeat (see FwdSm90Config)
     static constexpr int ALIGN = 1024;
     static constexpr int SMEM_BYTES = OFF_BARS + 8 * NUM_BARS + ALIGN;
@@ -272,9 +283,10 @@ __device__ __forceinline__ void store_fragment_rows(const float (&acc)[NB][4],
 
 // One consumer warpgroup (key rows 64 c .. 64 c + 63 of the tile). `w` is the warp's slot among
 // the consumer warps (row0 = 16 warp: the key row of its fragment's row 0 in the tile).
-template <typename T, typename Cfg, bool HAS_SOFTCAP>
+template <typename T, typename Cfg, bool HAS_SOFTCAP, bool ORDERED_DQ>
 __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm, T* dk, T* dv,
-                                                  float* dq_accum, const PlanView& plan,
+                                                  float* dq_accum, int* dq_order,
+                                                  const PlanView& plan,
                                                   const CallParams& call, const TileInfo& tile,
                                                   int i_khead, int group, int c_wg,
                                                   const WarpSlot& w) {
@@ -303,6 +315,9 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
     static_assert(Cfg::DS_BYTES == Cfg::WG_ROWS * ROW, "dS and K move alike per warpgroup");
     const sm90::u64 desc_ds = sm90::desc_advance(desc_k, Cfg::OFF_DS);
     const uint32_t bar_id = 1 + c_wg;           // named barrier of this warpgroup
+    constexpr int ADDERS = Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;     // ordered dQ
+    // the first consumer thread leads (read where used: no register held across the chunk)
+    const auto leader = [] { return threadIdx.x == Cfg::WG_THREADS; };
 
     // [64, D] dK and dV of this warpgroup's keys (this warp: 16 rows), as wgmma D fragments
     float acc_dk[D / 8][4];
@@ -406,6 +421,11 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
 
         // dQ [BQ, D] += dS K over this warpgroup's 64 keys, DQ_COLS columns at a time
         const HeadRows<float> dq_rows = head_rows<D>(dq_accum, call.Hq, i_khead * group + c.head);
+        const OrderedDq order{dq_order, plan, call, tile, i_khead * group};
+        if constexpr (ORDERED_DQ) {
+            order.acquire(c, leader());
+            sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);   // every adder after the wait
+        }
         #pragma unroll
         for (int n = 0; n < D / Cfg::DQ_COLS; ++n) {
             float acc_dq[Cfg::DQ_COLS / 8][4];
@@ -420,8 +440,17 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
             sm90::wgmma_commit();
             sm90::wgmma_wait<0>();
             sm90::wgmma_fence_operand(dq_frag);
+            // ordered: the second warpgroup adds this slice once the first has added it
+            constexpr bool HAND_OVER = ORDERED_DQ && Cfg::NUM_CONSUMERS > 1;
+            if (HAND_OVER && c_wg == 1) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
             atomic_add_rows(acc_dq, dq_rows, c.row + 16 * wg_warp, c.rows - 16 * wg_warp,
                             n * Cfg::DQ_COLS, w.lane);
+            if (HAND_OVER && c_wg == 0) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
+        }
+        if constexpr (ORDERED_DQ) {
+            order.release<false>(c, 0, leader(), ADDERS, [] {
+                sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
+            });
         }
     }
     store_fragment_rows<T>(acc_dk, head_rows<D>(dk, call.Hk, i_khead), tile.row + w.row0,
@@ -437,7 +466,7 @@ using namespace varlen;
 // Tensor maps (made by the launcher, varlen/backends/_cupy_sm90_bwd.py): 3D over the packed
 // arrays, dims (D, H, T) innermost first, box (64, 1, BQ) for Q and dO and (64, 1, BN) for K and
 // V, 128B swizzle, zero fill past row T.
-template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP>
+template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ORDERED_DQ>
 __global__ void __launch_bounds__(BwdSm90Config<D, BN, BQ>::NUM_THREADS, 1)
 varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq, Hq, D]
                      const __grid_constant__ sm90::TensorMap map_k,    // k [Tk, Hk, D]
@@ -448,6 +477,7 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
                      T* __restrict__ dk,                 // [Tk, Hk, D]
                      T* __restrict__ dv,                 // [Tk, Hk, D]
                      float* __restrict__ dq_accum,       // [Tq, Hq, D]
+                     int* __restrict__ dq_order,         // [Hq + 1, Tq]: ORDERED_DQ only
                      const PlanView plan, const CallParams call) {
     using Cfg = BwdSm90Config<D, BN, BQ>;
     const int i_tile = blockIdx.x, i_khead = blockIdx.y;
@@ -479,7 +509,8 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
         sm90::setmaxnreg<Cfg::CONSUMER_REGS, true>();
         const int t = threadIdx.x - Cfg::WG_THREADS;
         const WarpSlot w{t % WARP_SIZE, t / WARP_SIZE, (t / WARP_SIZE) * WARP_ROWS};
-        bwd_sm90_consumer<T, Cfg, HAS_SOFTCAP>(sm, dk, dv, dq_accum, plan, call, tile, i_khead,
-                                               group, t / Cfg::WG_THREADS, w);
+        bwd_sm90_consumer<T, Cfg, HAS_SOFTCAP, ORDERED_DQ>(sm, dk, dv, dq_accum, dq_order, plan,
+                                                           call, tile, i_khead, group,
+                                                           t / Cfg::WG_THREADS, w);
     }
 }

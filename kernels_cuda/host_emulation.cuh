@@ -241,6 +241,7 @@ struct ThreadState {
     std::deque<std::vector<AsyncCopy>> committed;
     uint64_t rng = 0;
     uint64_t collectives = 0;
+    uint64_t fences = 0;                                         // __threadfence calls
     std::vector<std::pair<const void*, uint32_t>> copy_sites;    // ordinal per call site
     std::vector<CopyRecord> copies;
 };
@@ -315,17 +316,45 @@ __attribute__((noinline)) inline float __shfl_xor_sync(unsigned, float x, int m)
     return r;
 }
 
+namespace hostemu {
+// The turn a block last waited for (spin_wait_equal), written by the waiting thread and read by
+// every fp32 atomic as plain memory: under ThreadSanitizer an addition not ordered after the
+// wait by a barrier is a race on it (in atomic mode nobody writes it).
+inline int g_turn = 0;
+inline thread_local int t_turn_seen = 0;
+}  // namespace hostemu
+
+// fp32 atomics (dQ). With random landing a thread yields before one at seeded random, so
+// that the order of two threads' additions to an element varies between runs as on a GPU
+// (an unordered sum then differs in its last bits; the deterministic mode's must not).
 inline float atomicAdd(float* p, float v) {
+    hostemu::t_turn_seen = hostemu::g_turn;
+    if (hostemu::g_config.landing == hostemu::LAND_RANDOM) {
+        hostemu::ThreadState& s = hostemu::t_state;
+        s.rng = hostemu::splitmix(s.rng);
+        if (s.rng & 1) std::this_thread::yield();
+    }
     std::atomic_ref<float> ref(*p);
     return ref.fetch_add(v);
 }
 
-// __threadfence calls of the block being run (reset per block), for the releases' check.
+// __threadfence calls, and counter releases (bwd_dq_ordered.cuh), of the block being run
+// (reset per block), for the releases' checks.
 inline std::atomic<uint64_t> g_block_fences{0};
+inline std::atomic<uint64_t> g_block_releases{0};
 
+// The k-th fence of a thread orders its additions before the k-th release of its block: a
+// thread fencing after that release added past the hand-on (a missing barrier before it).
 inline void __threadfence() {
     std::atomic_thread_fence(std::memory_order_seq_cst);
     g_block_fences.fetch_add(1);
+    const uint64_t mine = ++hostemu::t_state.fences;
+    if (g_block_releases.load() >= mine) {
+        hostemu::fail("thread %u fenced its additions for the %llu-th time after the block "
+                      "handed the counter on for the %llu-th time (a missing barrier before "
+                      "the release)", threadIdx.x, static_cast<unsigned long long>(mine),
+                      static_cast<unsigned long long>(g_block_releases.load()));
+    }
 }
 
 namespace varlen {
@@ -343,29 +372,32 @@ inline void spin_wait_equal(const int* counter, int value, const char* what, int
                       "which no earlier block provides (a wait on a later block, or a wrong "
                       "rank)", what, static_cast<long long>(index), got, value);
     }
+    hostemu::g_turn = value;
 }
 
-// The release that hands a counter on (bwd_dq_ordered.cuh) follows a fence by every thread of
-// the block and a barrier: every thread must have fenced as often as the others. A release
-// without the barrier shows here when another warp has not reached its fence yet (with the
-// turnstile, whenever the releasing warp runs first). Two releases: a store of the next value,
-// or an increment.
-inline void check_block_fenced() {
+// The release that hands a counter on (bwd_dq_ordered.cuh) follows a fence by each of the
+// `fenced_by` threads that add (the whole block, or its consumer warpgroups) and a barrier:
+// each must have fenced as often as the others (the others never fence). A release without the
+// barrier shows here when another thread has not reached its fence yet (with the turnstile,
+// whenever the releasing warp runs first), or at that thread's fence (above). Two releases: a
+// store of the next value, or an increment.
+inline void check_block_fenced(int fenced_by) {
     const uint64_t fences = g_block_fences.load();
-    if (fences % blockDim.x != 0) {
-        hostemu::fail("release of a counter after %llu fences of the block's %u threads: some "
+    if (fences % static_cast<uint64_t>(fenced_by) != 0) {
+        hostemu::fail("release of a counter after %llu fences of the %d threads that add: some "
                       "thread has not fenced its additions yet (a missing barrier)",
-                      static_cast<unsigned long long>(fences), blockDim.x);
+                      static_cast<unsigned long long>(fences), fenced_by);
     }
+    g_block_releases.fetch_add(1);
 }
 
-inline void store_release_gpu(int* p, int value) {
-    check_block_fenced();
+inline void store_release_gpu(int* p, int value, int fenced_by) {
+    check_block_fenced(fenced_by);
     std::atomic_ref<int>(*p).store(value, std::memory_order_release);
 }
 
-inline void release_increment_gpu(int* p) {
-    check_block_fenced();
+inline void release_increment_gpu(int* p, int fenced_by) {
+    check_block_fenced(fenced_by);
     std::atomic_ref<int>(*p).fetch_add(1, std::memory_order_release);
 }
 
@@ -629,6 +661,7 @@ inline void thread_start(unsigned t, unsigned bx, unsigned by) {
     blockIdx = dim3e{bx, by, 0};
     ThreadState& s = t_state;
     s.collectives = 0;
+    s.fences = 0;
     s.copy_sites.clear();
     s.copies.clear();
     s.rng = splitmix(g_config.seed ^ splitmix(((uint64_t)by << 40) ^ ((uint64_t)bx << 16) ^ t));
@@ -678,6 +711,7 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
             }
             g_sync.copies.assign(threads, {});
             g_block_fences.store(0);
+            g_block_releases.store(0);
             start.arrive_and_wait();
             end.arrive_and_wait();
             for (unsigned w = 0; w < (threads + 31) / 32; ++w) {

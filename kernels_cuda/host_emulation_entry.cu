@@ -111,7 +111,9 @@ namespace {
 const Kernel SM90_KERNELS[] = {
     VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC>),
 #if EMU_D <= 128 && EMU_BN <= 128
-    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90", varlen_bwd_dkdv_sm90<T, D, BN, 64, SC>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90", varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, false>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90_ordered",
+                      varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, true>),
 #endif
 };
 }  // namespace

@@ -27,9 +27,10 @@ pipeline's case of tests/test_sm90_forward.py (two consumer warpgroups in ping-p
 chunks per query tile, partial chunks whose boxes hold NaN rows, a NaN in a present key; the
 persistent loop's 16 work items over 3 blocks, so Q's handshake and the ring's phases run
 across items), the
-backward's a case of tests/test_sm90_backward.py (two consumer warpgroups, four query chunks per
-key tile: the ring wraps twice; a partial query chunk and a ragged key tile, NaN in the pad
-rows), with the threads free-running:
+backward's two cases of tests/test_sm90_backward.py (two consumer warpgroups, four query chunks
+per key tile: the ring wraps twice; a partial query chunk and a ragged key tile, NaN in the pad
+rows; then the deterministic mode, whose consumers' barrier orders the dQ additions), with the
+threads free-running:
 
 1. TMA copies landing and wgmma operands read at the latest moment (`wait`);
 2. both at seeded random points (`random`, seed 1);
@@ -71,15 +72,16 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
         ("race", [*EMULATION, "--race"], {}),
         ("schedule, NaN case", EDGE_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"}),
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
-SM90_CASES = {"fwd_sm90.cuh": ("test_sm90_forward.py", "B7-bf16-D64-BM128-chunks-1-2-3-6"),
-              "bwd_sm90.cuh": ("test_sm90_backward.py", "B2-bf16-D128-BN128-full-gqa")}
+SM90_CASES = {"fwd_sm90.cuh": ("test_sm90_forward.py", ("B7-bf16-D64-BM128-chunks-1-2-3-6",)),
+              "bwd_sm90.cuh": ("test_sm90_backward.py", ("B2-bf16-D128-BN128-full-gqa",
+                                                         "B3-fp16-D64-BN128-deterministic-gqa"))}
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def sm90_runs(name):
     """The runs of the case of sm_90a kernel source `name`."""
-    test, label = SM90_CASES[name]
-    case = [sys.executable, os.path.join(ROOT, "tests", test), label]
+    test, labels = SM90_CASES[name]
+    case = [sys.executable, os.path.join(ROOT, "tests", test), *labels]
     return (("sm90 wait-landing", case, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "wait"}),
             ("sm90 random-landing", case, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "random",
                                            "VARLEN_EMULATION_SEED": "1"}),

@@ -273,7 +273,7 @@ def _ci_sites():
             lines = f.readlines()
         if name == "pipeline.cuh" and "cp_async_wait<1>" in call:
             chosen.append(s)
-        elif name == "bwd_dq_ordered.cuh" and "__threadfence" in lines[line - 2]:
+        elif name == "bwd_dq_ordered.cuh" and "__syncthreads" in call:
             chosen.append(s)
         elif name == "bwd_dkdv.cuh" and "stage_rows" in lines[line - 2]:
             chosen.append(s)

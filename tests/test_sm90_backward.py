@@ -4,8 +4,10 @@ float64 reference on small adversarial packed batches, one process per case (the
 replaces `cupy`)."""
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -47,6 +49,18 @@ CASES = {
         lengths_q=[40, 90], lengths_k=[40, 150], Hq=1, Hk=1, D=64, dtype="bfloat16",
         mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64, block_n=128,
         nan_in_pad=True),
+    # deterministic dQ: three key tiles meet each query tile of the long sequence (ranks 0-2,
+    # sequence 1's tiles after sequence 0's slots), two consumer warpgroups hand each column
+    # slice over, GQA 2:1 (the chunks of two query heads per key tile), a softcap
+    "B3-fp16-D64-BN128-deterministic-gqa": dict(
+        lengths_q=[30, 130, 0], lengths_k=[20, 300, 5], Hq=2, Hk=1, D=64, dtype="float16",
+        mask="full", gaps=True, softcap=5.0, block_m=128, block_n=128, nan_in_pad=True,
+        deterministic=True),
+    # deterministic dQ with one consumer warpgroup, D = 128, causal: ranks of a triangle
+    "B2-bf16-D128-BN64-deterministic-causal": dict(
+        lengths_q=[150, 7], lengths_k=[150, 70], Hq=1, Hk=1, D=128, dtype="bfloat16",
+        mask="causal_bottom_right", gaps=False, softcap=0.0, block_m=64, block_n=64,
+        nan_in_pad=False, deterministic=True),
 }
 QUICK = ["B4-fp16-D64-BN64-causal-gaps-nan"]
 
@@ -76,6 +90,7 @@ def run_case(label: str, device: bool = False) -> float:
     from varlen.testing import assert_close, covered_rows, make_batch, naive_same_dtype
     c = dict(CASES[label])
     nan_in_pad = c.pop("nan_in_pad")
+    deterministic = c.pop("deterministic", False)
     nan_k, nan_q, nan_dout = (c.pop(key, None) for key in ("nan_k", "nan_q", "nan_dout"))
     block_m, block_n = c["block_m"], c["block_n"]
     if not device:
@@ -102,6 +117,9 @@ def run_case(label: str, device: bool = False) -> float:
     scale = 1.0 / math.sqrt(c["D"])
     kw = dict(softmax_scale=scale, softcap=c["softcap"])
     ref_out, ref_lse = b.ref_forward(**kw)
+    if deterministic:
+        ranks = _ranks(plan)
+        assert ranks.max() >= 2, f"{label}: at most {ranks.max() + 1} key tiles per query tile"
     out = np.asarray(ref_out).astype(b.q.dtype)
     lse = np.asarray(ref_lse).astype(np.float32)
     if nan_q:
@@ -112,11 +130,14 @@ def run_case(label: str, device: bool = False) -> float:
         import cupy
         args = tuple(cupy.asarray(a) for a in args)
     t0 = time.perf_counter()
-    grads = _cupy_sm90_bwd.backward(plan, *args, **kw)
+    grads = _cupy_sm90_bwd.backward(plan, *args, deterministic=deterministic, **kw)
     if device:
         cupy.cuda.Device().synchronize()
         grads = tuple(cupy.asnumpy(g) for g in grads)
     seconds = time.perf_counter() - t0
+    # the gradients' bits, for the comparison between schedules
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(g).tobytes() for g in grads))
+    print("digest", label, digest.hexdigest()[:16], flush=True)
     # (the out and lse the backward is given carry a NaN of the forward to the query rows)
     ref_grads = [np.asarray(g) for g in b.ref_backward(out=out, lse=lse, **kw)]
     # the tolerances of check_against_reference: a same-dtype computation's error, relative to
@@ -141,6 +162,13 @@ def run_case(label: str, device: bool = False) -> float:
                      naive_err=rel * max(float(np.max(np.abs(want0), initial=0.0)), 1e-30),
                      factor=3.0, floor=16.0, magnitude=magnitude)
     return seconds
+
+
+def _ranks(plan):
+    """Key tiles per used query tile, minus one: the highest rank of an ordered dQ addition."""
+    sched = np.asarray(plan.q_sched)
+    used = np.asarray(plan.q_tiles)[:, 0] >= 0
+    return (sched[..., 3] - sched[..., 0]).sum(-1)[used] - 1
 
 
 def _run(label, env=None):
@@ -174,8 +202,27 @@ def test_sm90_backward_on_hopper(label):
 
 def _specs():
     from varlen.backends._cupy_sm90_bwd import BwdSm90Spec
-    return [BwdSm90Spec(dt, d, bn, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
-            for bn in (64, 128) for sc in (False, True)]
+    return [BwdSm90Spec(dt, d, bn, sc, ordered) for dt in ("float16", "bfloat16")
+            for d in (64, 128) for bn in (64, 128) for sc in (False, True)
+            for ordered in (False, True)]
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_sm90_deterministic_backward_is_bitwise_repeatable():
+    """The deterministic case gives the same bits under two more schedules (copies landing and
+    wgmma operands read at seeded random points, threads free-running). Under these two seeds
+    the case's gradients differ in atomic mode, and so they do without the hand-over between
+    the two consumer warpgroups (each measured): the order in which the warpgroups add to a
+    dQ element changes with the schedule. (The order between key tiles cannot vary in the
+    emulation, which runs blocks one after the other; there a rank that waits for a later
+    block stops the run.)"""
+    label = "B3-fp16-D64-BN128-deterministic-gqa"
+    digests = set()
+    for seed in ("1", "3"):
+        out = _run(label, dict(VARLEN_EMULATION_SCHEDULE="random", VARLEN_EMULATION_SEED=seed))
+        digests.add(re.search(rf"digest {label} (\w+)", out).group(1))
+    assert len(digests) == 1, f"{label}: the gradients differ between schedules: {digests}"
 
 
 def test_sm90_backward_spec_rejects_what_the_kernel_does_not_take():
@@ -279,7 +326,7 @@ def test_sm90_backward_removed_ds_barrier_is_caught():
                                     "scripts"))
     import emulation_mutations
     chosen = [s for s in emulation_mutations.sites()
-              if s[0] == "bwd_sm90.cuh" and "named_bar_sync" in s[2]]
+              if s[0] == "bwd_sm90.cuh" and "named_bar_sync(bar_id" in s[2]]
     assert len(chosen) == 2, f"the two dS barriers expected (kernel rewritten?): {chosen}"
     by, seconds = emulation_mutations.check(chosen[0], timeout=900)
     assert by is not None and "stmatrix" in by, (
@@ -287,15 +334,17 @@ def test_sm90_backward_removed_ds_barrier_is_caught():
 
 
 def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
-    """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's atomic backward to the sm_90a dK/dV
-    kernel on a compute capability 9.0 GPU and refuses any other GPU naming the variable; the
-    deterministic backward, a backward the sm_90a kernel has no variant for (with a warning)
-    and any backward without the variable run the mma.sync kernels."""
+    """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's backward, atomic or deterministic, to
+    the sm_90a dK/dV kernel on a compute capability 9.0 GPU and refuses any other GPU naming the
+    variable; a backward the sm_90a kernel has no variant for (with a warning) and any backward
+    without the variable run the mma.sync kernels."""
     from varlen.backends import _cupy_kernels, _cupy_sm90_bwd
     from varlen.backends._cupy_spec import DeviceInfo
     from varlen.backends.cupy_backend import BACKEND
     ran = []
-    monkeypatch.setattr(_cupy_sm90_bwd, "backward", lambda *a, **k: ran.append("sm90a") or "sm90a")
+    monkeypatch.setattr(_cupy_sm90_bwd, "backward",
+                        lambda *a, deterministic, **k: ran.append(("sm90a", deterministic))
+                        or "sm90a")
     monkeypatch.setattr(_cupy_kernels, "backward",
                         lambda *a, deterministic, **k: ran.append(("mma", deterministic)) or "mma")
     monkeypatch.setattr(BACKEND, "_require_fit", lambda *a: None)
@@ -312,7 +361,7 @@ def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
     monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90a")
     with BACKEND.stand_in_device(h100):
         assert BACKEND.backward(*args, **call) == "sm90a"
-        assert BACKEND.backward(*args, deterministic=True, **call) == "mma"
+        assert BACKEND.backward(*args, deterministic=True, **call) == "sm90a"
     with BACKEND.stand_in_device(a100), pytest.raises(RuntimeError,
                                                       match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
         BACKEND.backward(*args, **call)
@@ -321,7 +370,7 @@ def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
     with BACKEND.stand_in_device(h100), pytest.warns(RuntimeWarning,
                                                      match=r"sm_90a backward.*D = 64 or 128"):
         assert BACKEND.backward(plan, x256, x256, x256, x256, x256, lse, **call) == "mma"
-    assert ran == [("mma", False), "sm90a", ("mma", True), ("mma", False)]
+    assert ran == [("mma", False), ("sm90a", False), ("sm90a", True), ("mma", False)]
 
 
 if __name__ == "__main__":

@@ -160,10 +160,10 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics, added in a fixed order when
     `deterministic` (bitwise repeatable).
 
-    `dkdv`, when given, launches the dK/dV step in place of this module's atomic kernel (the
-    sm_90a kernel, `_cupy_sm90_bwd`): `dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum,
+    `dkdv`, when given, launches the dK/dV step in place of this module's kernels (the sm_90a
+    kernel, `_cupy_sm90_bwd`): `dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, dq_order,
     plan_struct, call)`, with the same contract (its key tiles' rows of dk and dv, dQ added to
-    the zeroed fp32 `dq_accum`); atomic mode only.
+    the zeroed fp32 `dq_accum`, in the order `dq_order` sets when `deterministic`, else None).
 
     Three launches, no fill. The preprocessing computes delta and the base-2 lse and writes
     what the next two kernels do not: the zeroed fp32 dQ accumulator, the pad rows of dk and dv
@@ -174,8 +174,6 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     is 0.
     """
     import cupy
-    if dkdv is not None and deterministic:
-        raise ValueError("a dK/dV kernel given in place of the atomic one runs atomic dQ only")
     q, k, v, dout, out = _data(q), _data(k), _data(v), _data(dout), _data(out)
     lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
     Tq, Hq, D = q.shape
@@ -206,7 +204,7 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     inputs = (q, k, v, dout, lse2, delta)
     if keys and plan.num_k_tiles:
         if dkdv is not None:
-            dkdv(*inputs, dk, dv, dq_accum, plan_arg.struct, call)
+            dkdv(*inputs, dk, dv, dq_accum, _pointer(dq_order), plan_arg.struct, call)
         else:
             role = "dkdv_ordered" if deterministic else "dkdv_atomic"
             mod.launch(role, grid=(plan.num_k_tiles, Hk),

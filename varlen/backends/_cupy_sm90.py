@@ -232,6 +232,10 @@ class EmulatedRuntime:
         return (spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq,
                 "true" if spec.softcap else "false")
 
+    def entry(self, spec) -> bytes:
+        """The kernel of `spec` in the emulation's sm90 table."""
+        return self.ENTRY
+
     def _lib(self, spec):
         from ._cupy_emulation import LANDING, _build, _mode
         lib = _build(*self._build_args(spec))
@@ -260,7 +264,7 @@ class EmulatedRuntime:
     def launch(self, spec, *, grid, args):
         from ._cupy_emulation import OPTIN_SMEM as EMU_OPTIN, _Kernel
         lib = self._lib(spec)
-        key = self.ENTRY
+        key = self.entry(spec)
         sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
         n = lib.emu_sm90_param_sizes(key, sizes)
         assert n == len(args), f"{spec.name}: {len(args)} arguments for {n} parameters"

@@ -1,8 +1,9 @@
 """Launcher of the sm_90a backward kernel (`kernels_cuda/bwd_sm90.cuh`): wgmma, TMA, mbarriers.
 
-`backward` runs what `_cupy_kernels.backward` runs with atomic dQ: the preprocessing (delta,
-lse2), then `varlen_bwd_dkdv_sm90` in place of the mma.sync `varlen_bwd_dkdv<..., true>` (dK, dV
-and dQ by fp32 reductions into the same `dq_accum`), then the dQ conversion. The preprocessing
+`backward` runs what `_cupy_kernels.backward` runs: the preprocessing (delta, lse2, and with
+`deterministic` the order of the dQ additions), then `varlen_bwd_dkdv_sm90` in place of the
+mma.sync dK/dV kernel (dK, dV and dQ by fp32 reductions into the same `dq_accum`, in a fixed
+order with `deterministic`), then the dQ conversion. The preprocessing
 and the conversion are the mma.sync module's kernels, unchanged (`_cupy_kernels.backward` runs
 all three, this kernel passed in as its `dkdv`). The CuPy backend runs it with
 `VARLEN_CUPY_PATH=sm90a`, like the sm_90a forward (see docs/hopper.md, "The sm_90a backward,
@@ -31,12 +32,14 @@ KERNEL = "varlen_bwd_dkdv_sm90"
 
 @dataclass(frozen=True)
 class BwdSm90Spec:
-    """One variant of `varlen_bwd_dkdv_sm90`: element type, head dim, key tile, softcap."""
+    """One variant of `varlen_bwd_dkdv_sm90`: element type, head dim, key tile, softcap, and
+    whether dQ is added in a fixed order (`deterministic=True`)."""
 
     dtype: str          # "float16" | "bfloat16"
     head_dim: int
     block_n: int
     softcap: bool
+    ordered_dq: bool = False
 
     def __post_init__(self):
         if self.dtype not in _cupy_spec.DTYPES:
@@ -70,13 +73,18 @@ class BwdSm90Spec:
     @property
     def name(self) -> str:
         return (f"{KERNEL}<{self.ctype}, {self.head_dim}, {self.block_n}, {BQ}, "
-                f"{'true' if self.softcap else 'false'}>")
+                f"{_flag(self.softcap)}, {_flag(self.ordered_dq)}>")
 
 
-def spec_for(plan, q, softcap: float) -> BwdSm90Spec:
+def _flag(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def spec_for(plan, q, softcap: float, deterministic: bool = False) -> BwdSm90Spec:
     if plan.block_m % BQ:
         raise ValueError(f"{plan.block_m=} does not split into query chunks of {BQ}")
-    return BwdSm90Spec(str(q.dtype), int(q.shape[2]), int(plan.block_n), bool(softcap > 0))
+    return BwdSm90Spec(str(q.dtype), int(q.shape[2]), int(plan.block_n), bool(softcap > 0),
+                       bool(deterministic))
 
 
 def compile_report(specs) -> dict:
@@ -90,8 +98,10 @@ class EmulatedRuntime(_cupy_sm90.EmulatedRuntime):
     ENTRY = KERNEL.encode()
 
     def _build_args(self, spec: BwdSm90Spec) -> tuple:
-        return (spec.ctype, spec.head_dim, 64, spec.block_n, BQ,
-                "true" if spec.softcap else "false")
+        return (spec.ctype, spec.head_dim, 64, spec.block_n, BQ, _flag(spec.softcap))
+
+    def entry(self, spec: BwdSm90Spec) -> bytes:
+        return self.ENTRY + (b"_ordered" if spec.ordered_dq else b"")
 
 
 _runtime = None
@@ -109,24 +119,26 @@ def use_runtime(rt) -> None:
     _runtime = rt
 
 
-def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float):
-    """`(dq, dk, dv)` in the input dtype, as `_cupy_kernels.backward` with atomic dQ: dq
-    [Tq, Hq, D], dk and dv [Tk, Hk, D]; pad rows and rows without a visible pair 0. The same
-    three launches, `varlen_bwd_dkdv_sm90` in place of the mma.sync dK/dV kernel."""
+def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
+             deterministic: bool = False):
+    """`(dq, dk, dv)` in the input dtype, as `_cupy_kernels.backward`: dq [Tq, Hq, D], dk and
+    dv [Tk, Hk, D]; pad rows and rows without a visible pair 0; dQ's additions in a fixed order
+    with `deterministic` (bitwise repeatable). The same three launches, `varlen_bwd_dkdv_sm90`
+    in place of the mma.sync dK/dV kernel."""
     from . import _cupy_kernels
-    spec = spec_for(plan, q, softcap)
+    spec = spec_for(plan, q, softcap, deterministic)
     # the preprocessing and the conversion depend on the element type and head dim only
     aux = _cupy_spec.KernelSpec("bwd", spec.dtype, spec.head_dim, 64, 64, False)
 
-    def dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, plan_struct, call):
+    def dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, dq_order, plan_struct, call):
         rt = runtime()
         if hasattr(rt, "prepare"):
             rt.prepare(spec)
         maps = (rt.tensor_map(q, BQ), rt.tensor_map(k, spec.block_n),
                 rt.tensor_map(v, spec.block_n), rt.tensor_map(dout, BQ))
         rt.launch(spec, grid=(plan.num_k_tiles, k.shape[1]),
-                  args=(*maps, lse2, delta, dk, dv, dq_accum, plan_struct, call))
+                  args=(*maps, lse2, delta, dk, dv, dq_accum, dq_order, plan_struct, call))
 
     return _cupy_kernels.backward(aux, plan, dout, q, k, v, out, lse,
                                   softmax_scale=softmax_scale, softcap=softcap,
-                                  deterministic=False, dkdv=dkdv)
+                                  deterministic=bool(deterministic), dkdv=dkdv)

@@ -209,13 +209,14 @@ class CupyBackend(Backend):
         """`(dq, dk, dv)` in the input dtype. dK/dV are always deterministic (one writer per
         row); dQ uses fp32 atomics, added in a fixed order when `deterministic` (bitwise
         repeatable).
-        With `VARLEN_CUPY_PATH=sm90a` the atomic mode runs the sm_90a dK/dV kernel
-        (`_cupy_sm90_bwd`; the deterministic mode stays on the mma.sync kernels)."""
+        With `VARLEN_CUPY_PATH=sm90a` both modes run the sm_90a dK/dV kernel
+        (`_cupy_sm90_bwd`)."""
         from . import _cupy_kernels, _cupy_sm90, _cupy_sm90_bwd
-        if (_cupy_sm90.selected() and not deterministic
+        if (_cupy_sm90.selected()
                 and self._sm90_variant(_cupy_sm90_bwd, "backward", plan, q, softcap)):
             return _cupy_sm90_bwd.backward(plan, dout, q, k, v, out, lse,
-                                           softmax_scale=softmax_scale, softcap=softcap)
+                                           softmax_scale=softmax_scale, softcap=softcap,
+                                           deterministic=bool(deterministic))
         spec = spec_for(plan, q, kind="bwd", softcap=softcap)
         self._require_fit(spec, "bwd-deterministic" if deterministic else "bwd")
         return _cupy_kernels.backward(spec, plan, dout, q, k, v, out, lse,
