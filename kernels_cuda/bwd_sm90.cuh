@@ -23,9 +23,9 @@
 // ORDERED_DQ (deterministic=True): the additions to one query chunk's dQ happen in a fixed
 // order, as in the mma.sync kernel (bwd_dq_ordered.cuh): the key tiles in slot order, and
 // inside a tile the first consumer warpgroup's part of each column slice before the second's.
-// The first consumer thread waits for the tile's turn, the consumer warpgroups pass a barrier
-// of their own (the producer goes on loading), and after the last slice every consumer thread
-// fences, passes it again, and the first one hands the turn on.
+// The first thread of the last consumer warpgroup waits for the tile's turn, the consumer
+// warpgroups pass a barrier of their own (the producer goes on loading), and after the last
+// slice every consumer thread fences, passes it again, and the same thread hands the turn on.
 //
 // Non-finite values follow the mma.sync kernel (docs/semantics.md): the producer zeroes the K
 // rows past the tile (another sequence's rows or padding, which dQ += dS K meets with dS = 0) and
@@ -316,8 +316,13 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
     const sm90::u64 desc_ds = sm90::desc_advance(desc_k, Cfg::OFF_DS);
     const uint32_t bar_id = 1 + c_wg;           // named barrier of this warpgroup
     constexpr int ADDERS = Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;     // ordered dQ
-    // the first consumer thread leads (read where used: no register held across the chunk)
-    const auto leader = [] { return threadIdx.x == Cfg::WG_THREADS; };
+    // The first thread of the last consumer warpgroup leads (read where used: no register held
+    // across the chunk). With two consumers the first warpgroup, which adds first, learns of
+    // the turn only through the barrier after the wait (in the emulation a wgmma synchronises
+    // its own warpgroup, which would hide a missing barrier from a leader among the adders).
+    const auto leader = [] {
+        return threadIdx.x == Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;
+    };
 
     // [64, D] dK and dV of this warpgroup's keys (this warp: 16 rows), as wgmma D fragments
     float acc_dk[D / 8][4];

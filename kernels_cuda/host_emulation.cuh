@@ -44,6 +44,7 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <chrono>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -322,13 +323,26 @@ namespace hostemu {
 // wait by a barrier is a race on it (in atomic mode nobody writes it).
 inline int g_turn = 0;
 inline thread_local int t_turn_seen = 0;
+// fp32 atomics to global memory of the block being run, per epoch, the epoch of a thread being
+// one more than its __threadfence calls so far (ordered dQ: a thread fences once per chunk,
+// after its additions, so epoch k holds its additions to the k-th chunk the block waited for).
+// Reset per block.
+constexpr int MAX_EPOCHS = 4096;
+inline std::atomic<int> g_adds_in_epoch[MAX_EPOCHS];
 }  // namespace hostemu
 
-// fp32 atomics (dQ). With random landing a thread yields before one at seeded random, so
-// that the order of two threads' additions to an element varies between runs as on a GPU
-// (an unordered sum then differs in its last bits; the deterministic mode's must not).
+// fp32 atomics: dQ in global memory, and the non-finite flags of a chunk's rows in shared
+// memory. With random landing a thread yields before one at seeded random, so that the order
+// of two threads' additions to an element varies between runs as on a GPU (an unordered sum
+// then differs in its last bits; the deterministic mode's must not). Only the additions to
+// global memory take part in the ordered-dQ checks.
 inline float atomicAdd(float* p, float v) {
-    hostemu::t_turn_seen = hostemu::g_turn;
+    const long offset = hostemu::smem_offset(p);
+    if (offset < 0 || static_cast<size_t>(offset) >= hostemu::g_block.smem_bytes) {
+        hostemu::t_turn_seen = hostemu::g_turn;
+        const uint64_t epoch = hostemu::t_state.fences + 1;
+        if (epoch < hostemu::MAX_EPOCHS) hostemu::g_adds_in_epoch[epoch].fetch_add(1);
+    }
     if (hostemu::g_config.landing == hostemu::LAND_RANDOM) {
         hostemu::ThreadState& s = hostemu::t_state;
         s.rng = hostemu::splitmix(s.rng);
@@ -342,6 +356,9 @@ inline float atomicAdd(float* p, float v) {
 // (reset per block), for the releases' checks.
 inline std::atomic<uint64_t> g_block_fences{0};
 inline std::atomic<uint64_t> g_block_releases{0};
+namespace hostemu {
+inline std::atomic<uint64_t> g_block_waits{0};      // spin_wait_equal calls, reset per block
+}  // namespace hostemu
 
 // The k-th fence of a thread orders its additions before the k-th release of its block: a
 // thread fencing after that release added past the hand-on (a missing barrier before it).
@@ -363,14 +380,31 @@ namespace varlen {
 // other here, so the value a block waits for must already be there at the first poll; if it is
 // not, the block would wait for a later block (on a GPU, a possible deadlock: blocks are
 // dispatched in order of their linear index) or its rank is wrong. Either way the run stops,
-// naming the kernel, the block and the counter.
+// naming the kernel, the block and the counter. On a GPU the wait may last while an earlier
+// block adds: under random landing the waiting thread lets the others run first (a few ms),
+// and an addition to the chunk made before the wait returns stops the run (a thread that did
+// not wait for its block's turn: a missing barrier after the wait).
 inline void spin_wait_equal(const int* counter, int value, const char* what, int64_t index) {
+    const uint64_t epoch = hostemu::g_block_waits.fetch_add(1) + 1;
+    if (hostemu::g_config.landing == hostemu::LAND_RANDOM) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     int& value_now = *const_cast<int*>(counter);
     const int got = std::atomic_ref<int>(value_now).load(std::memory_order_acquire);
     if (got != value) {
         hostemu::fail("spin-wait on %s counter %lld: it holds %d and the block waits for %d, "
                       "which no earlier block provides (a wait on a later block, or a wrong "
                       "rank)", what, static_cast<long long>(index), got, value);
+    }
+    if (epoch < hostemu::MAX_EPOCHS) {
+        const int early = hostemu::g_adds_in_epoch[epoch].load();
+        if (early > 0) {
+            hostemu::fail("%d fp32 additions to the dQ of the block's chunk %llu made before its "
+                          "wait on %s counter %lld returned (a thread that did not wait for the "
+                          "block's turn: a missing barrier after the wait)", early,
+                          static_cast<unsigned long long>(epoch), what,
+                          static_cast<long long>(index));
+        }
     }
     hostemu::g_turn = value;
 }
@@ -712,6 +746,8 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
             g_sync.copies.assign(threads, {});
             g_block_fences.store(0);
             g_block_releases.store(0);
+            g_block_waits.store(0);
+            for (std::atomic<int>& n : g_adds_in_epoch) n.store(0);
             start.arrive_and_wait();
             end.arrive_and_wait();
             for (unsigned w = 0; w < (threads + 31) / 32; ++w) {

@@ -40,7 +40,8 @@ A removed wait shows as a wrong or NaN output (a wgmma reads a poisoned stage or
 an abort of the emulated protocol (an arrival on an mbarrier with none pending, a thread
 arriving twice at a named barrier in one phase, a wgmma without a fence, a wgmma operand whose
 generic-proxy store no fence.proxy.async published or whose reader has not synchronised with
-a fence after it, an stmatrix over an operand read by a thread it has not synchronised with),
+a fence after it, an stmatrix over an operand read by a thread it has not synchronised with;
+in ordered dQ, an addition made before its block's turn or a release before every adder fenced),
 a deadlock reported after VARLEN_EMULATION_TIMEOUT (20 s here), or a race.
 """
 from __future__ import annotations

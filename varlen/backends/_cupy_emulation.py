@@ -467,13 +467,20 @@ def strict_cases():
     the second case (a softcap at D = 64, BM = 128, FwdConfig::q_in_regs), whose keyless tile
     stages its output through Q's rows while, without the drain, Q's copies may still land.
     Its last sequence has keys but no queries: a key tile without query chunks, whose dK and dV
-    (zero) are staged through the rows of K and V still in flight without the dK/dV drain."""
+    (zero) are staged through the rows of K and V still in flight without the dK/dV drain.
+
+    The third case runs D = 256, where the dK/dV kernel walks its query chunks twice (two
+    halves of the head dim) and only the first walk adds dQ, whose barriers otherwise also
+    release the stage: in the second walk only the barrier that ends a loop step does."""
     return [dict(label="B2-strict-3chunks-causal_br-fp16-D64", lengths_q=[80, 20],
                  lengths_k=[200, 0], Hq=2, Hk=1, D=64, dtype="float16",
                  mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64),
             dict(label="B2-strict-keyless-softcap-fp16-D64-BM128", lengths_q=[20, 20, 0],
                  lengths_k=[40, 0, 30], Hq=2, Hk=1, D=64, dtype="float16",
-                 mask="causal_bottom_right", gaps=True, softcap=30.0, block_m=128)]
+                 mask="causal_bottom_right", gaps=True, softcap=30.0, block_m=128),
+            dict(label="B2-strict-D256-two-walks-fp16", lengths_q=[130, 20],
+                 lengths_k=[60, 0], Hq=1, Hk=1, D=256, dtype="float16", mask="full",
+                 gaps=True, softcap=0.0, block_m=64)]
 
 
 def _parse(argv):

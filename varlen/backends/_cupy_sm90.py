@@ -3,7 +3,7 @@
 Opt-in only: the mma.sync kernels of `_cupy_kernels.py` stay the default everywhere. With
 `VARLEN_CUPY_PATH=sm90a` in the environment (`selected()`), the CuPy backend's forward runs
 this kernel instead of `_cupy_kernels.forward` on a compute capability 9.0 GPU and refuses any
-other (see docs/hopper.md, "The sm_90a forward"); the atomic backward's sm_90a kernel has
+other (see docs/hopper.md, "The sm_90a forward"); the backward's sm_90a kernel has
 its own launcher, `_cupy_sm90_bwd`.
 
 The kernel is persistent: a grid of at most (SMs x `CTAS_PER_SM`) blocks (`persistent_grid`; the
