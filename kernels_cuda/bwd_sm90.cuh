@@ -5,24 +5,30 @@
 // has the design.
 //
 // Grid (num_k_tiles, Hk), as varlen_bwd_dkdv. Block: warpgroup 0 is the producer, warpgroups
-// 1 .. NC the consumers, each owning 64 key rows of the tile (BN = 64 NC). Shared memory,
+// 1 .. NC the consumers, each owning 64 key rows of the tile (BN = 64 NC) and, at D = 256, half
+// of the head dim: two consumers share the 64 keys of a tile (BN = 64), each with dK, dV and dQ
+// of 128 columns (dK and dV of all 256 would take 256 accumulator registers per thread), both
+// computing the tile's S^T and dP^T over all 256, in query subtiles of 32. Shared memory,
 // 1024-byte aligned, every tile in boxes of 64 columns (128 bytes, 128B swizzle):
 //   K, V [D / 64][BN][64] (TMA, once); Q, dO [STAGES][D / 64][BQ][64] (TMA, per query chunk);
 //   dS [NC][BQ][64] (per consumer: its keys' dS, written by stmatrix.trans); lse2, delta
 //   [STAGES][BQ] (plain loads by the producer); the chunk of each stage; the mbarriers.
-// Per query chunk, consumer warpgroup c (keys 64 c .. 64 c + 63 of the tile, rows = keys):
+// Per query chunk, consumer warpgroup c (keys 64 c .. 64 c + 63 of the tile, rows = keys; at
+// D = 256 keys 0 .. 63 and columns DC c .. DC c + DC - 1, DC = D / 2, elsewhere DC = D):
 //     S^T  = K Q^T, dP^T = V dO^T                      wgmma SS, both K-major   [64, BQ]
 //     P^T, dS^T = softmax_backward (mask.cuh, softmax.cuh unchanged)
-//     dV  += P^T dO, dK += dS^T Q                      wgmma RS, B MN-major     [64, D]
+//     dV  += P^T dO, dK += dS^T Q                      wgmma RS, B MN-major     [64, DC]
 //     dQ  += dS K  (this warpgroup's 64 keys)          wgmma SS, A = dS K-major from shared
 //                                                      memory, B = K MN-major   [BQ, 64] slices
+//                                                      of its DC columns
 // and dQ goes to dq_accum by fp32 reductions, as in the mma.sync kernel (the preprocessing and
 // varlen_bwd_dq_convert serve both unchanged). With two consumer warpgroups each adds its own
-// keys' part: two reductions per dQ element and chunk.
+// keys' part: two reductions per dQ element and chunk (at D = 256 each adds its own columns).
 //
 // ORDERED_DQ (deterministic=True): the additions to one query chunk's dQ happen in a fixed
 // order, as in the mma.sync kernel (bwd_dq_ordered.cuh): the key tiles in slot order, and
-// inside a tile the first consumer warpgroup's part of each column slice before the second's.
+// inside a tile the first consumer warpgroup's part of each column slice before the second's
+// (at D = 256 the two add disjoint columns: no order between them).
 // The first thread of the last consumer warpgroup waits for the tile's turn, the consumer
 // warpgroups pass a barrier of their own (the producer goes on loading), and after the last
 // slice every consumer thread fences, passes it again, and the same thread hands the turn on.
@@ -66,7 +72,14 @@ struct BwdSm90Config {
     static constexpr int BQ = BQ_;
     static constexpr int WG_THREADS = 128;               // a warpgroup: 4 warps
     static constexpr int WG_ROWS = 64;                   // the M of wgmma: key rows per consumer
-    static constexpr int NUM_CONSUMERS = BN / WG_ROWS;
+    static constexpr int KEY_GROUPS = BN / WG_ROWS;      // consumers' groups of 64 key rows
+    static constexpr int COL_PARTS = D == 256 ? 2 : 1;   // consumers per group, by column
+    static constexpr int DC = D / COL_PARTS;             // dK, dV, dQ columns per consumer
+    static constexpr int NUM_CONSUMERS = KEY_GROUPS * COL_PARTS;
+    // Query subtiles per chunk: at D = 256 two of 32 queries, so that S^T and dP^T take 32
+    // registers each beside dK and dV's 128 (wgmma N = 32)
+    static constexpr int SUBTILES = COL_PARTS;
+    static constexpr int BQS = BQ / SUBTILES;
     static constexpr int NUM_THREADS = WG_THREADS * (1 + NUM_CONSUMERS);
     static constexpr int STAGES = 2;
     static constexpr int BOX_COLS = 64;                  // 128 bytes of 16-bit elements
@@ -103,8 +116,9 @@ struct BwdSm90Config {
 
     static_assert(BN == 64 || BN == 128, "one or two consumer warpgroups of 64 key rows");
     static_assert(BQ == 64, "query chunks of 64 rows: the N of S^T and the M of dQ");
-    static_assert(D == 64 || D == 128, "head dim in boxes of 64; dK and dV of D = 256 would "
-                  "need 256 accumulator registers per thread");
+    static_assert(D == 64 || D == 128 || D == 256, "head dim in boxes of 64");
+    static_assert(NUM_CONSUMERS <= 2, "at D = 256 two consumers split the 64 keys' columns: "
+                  "a key tile of 64 rows");
     static_assert(BQ <= WG_THREADS && BN <= WG_THREADS, "one producer thread per row");
     static_assert(PRODUCER_REGS + NUM_CONSUMERS * CONSUMER_REGS <=
                   (1 + NUM_CONSUMERS) * ENTRY_REGS,
@@ -281,8 +295,9 @@ __device__ __forceinline__ void store_fragment_rows(const float (&acc)[NB][4],
     }
 }
 
-// One consumer warpgroup (key rows 64 c .. 64 c + 63 of the tile). `w` is the warp's slot among
-// the consumer warps (row0 = 16 warp: the key row of its fragment's row 0 in the tile).
+// One consumer warpgroup c: key rows 64 g .. 64 g + 63 of the tile and head-dim columns
+// DC p .. DC p + DC - 1 (g = c / COL_PARTS, p = c % COL_PARTS). `w` is the warp's slot among
+// the consumer warps (row0: the key row of its fragment's row 0 in the tile).
 template <typename T, typename Cfg, bool HAS_SOFTCAP, bool ORDERED_DQ>
 __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm, T* dk, T* dv,
                                                   float* dq_accum, int* dq_order,
@@ -290,14 +305,16 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
                                                   const CallParams& call, const TileInfo& tile,
                                                   int i_khead, int group, int c_wg,
                                                   const WarpSlot& w) {
-    constexpr int STAGES = Cfg::STAGES, BN = Cfg::BN, BQ = Cfg::BQ, D = Cfg::D;
+    constexpr int STAGES = Cfg::STAGES, BN = Cfg::BN, BQ = Cfg::BQ, D = Cfg::D, DC = Cfg::DC;
     constexpr uint32_t ROW = Cfg::BOX_ROW_BYTES;
     constexpr uint32_t BOX_KV = BN * ROW;       // bytes per box of 64 columns
     constexpr uint32_t BOX_Q = BQ * ROW;
     constexpr uint32_t KSTEP_MN = 16 * ROW;     // a k16 step of an MN-major operand: 16 rows
     const SeqPolicy pol = SeqPolicy::load(plan, tile.seq);
     const int wg_warp = w.warp % 4;             // the warp's slot in its warpgroup
-    const uint32_t own_rows = c_wg * Cfg::WG_ROWS * ROW;
+    const int key_group = c_wg / Cfg::COL_PARTS;
+    const int col_box0 = c_wg % Cfg::COL_PARTS * (DC / Cfg::BOX_COLS);   // its first column box
+    const uint32_t own_rows = key_group * Cfg::WG_ROWS * ROW;
     // K and V as K-major A of S^T and dP^T (this warpgroup's 64 rows); K as the MN-major B of dQ
     // (N = head dim: the next 64 columns one box further, k16 steps of 16 key rows).
     const sm90::u64 desc_k = sm90::smem_desc(reinterpret_cast<unsigned char*>(sm.k()) + own_rows,
@@ -313,7 +330,8 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
     unsigned char* p_ds_row = sm.ds(c_wg) + ds_row * ROW +
                               (((2 * wg_warp + (w.lane / 8) % 2) ^ (ds_row % 8)) << 4);
     static_assert(Cfg::DS_BYTES == Cfg::WG_ROWS * ROW, "dS and K move alike per warpgroup");
-    const sm90::u64 desc_ds = sm90::desc_advance(desc_k, Cfg::OFF_DS);
+    const sm90::u64 desc_ds = sm90::desc_advance(
+        desc_k, Cfg::OFF_DS + (c_wg - key_group) * Cfg::DS_BYTES);     // sm.ds(c_wg)
     const uint32_t bar_id = 1 + c_wg;           // named barrier of this warpgroup
     constexpr int ADDERS = Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;     // ordered dQ
     // The first thread of the last consumer warpgroup leads (read where used: no register held
@@ -324,13 +342,14 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         return threadIdx.x == Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;
     };
 
-    // [64, D] dK and dV of this warpgroup's keys (this warp: 16 rows), as wgmma D fragments
-    float acc_dk[D / 8][4];
-    float acc_dv[D / 8][4];
+    // [64, DC] dK and dV of this warpgroup's keys and columns (this warp: 16 rows), as wgmma D
+    // fragments
+    float acc_dk[DC / 8][4];
+    float acc_dv[DC / 8][4];
     zero_acc(acc_dk);
     zero_acc(acc_dv);
-    auto& dk_frag = reinterpret_cast<float (&)[D / 2]>(acc_dk);
-    auto& dv_frag = reinterpret_cast<float (&)[D / 2]>(acc_dv);
+    auto& dk_frag = reinterpret_cast<float (&)[DC / 2]>(acc_dk);
+    auto& dv_frag = reinterpret_cast<float (&)[DC / 2]>(acc_dv);
 
     sm90::mbar_wait(sm.kv_full(), 0);
     sm90::mbar_wait(sm.kv_ready(), 0);
@@ -340,91 +359,114 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         sm90::mbar_wait(sm.ready(s), parity);
         if (!sm.chunk(s)->valid) break;
         sm90::mbar_wait(sm.q_full(s), parity);
-        // Q and dO as K-major B (N = the chunk's queries) and as MN-major B (N = head dim)
+        // Q and dO as K-major B (N = the chunk's queries) and as MN-major B (N = this
+        // warpgroup's columns of the head dim)
         const sm90::u64 desc_q = sm90::smem_desc(sm.q(s), 0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
         const sm90::u64 desc_do = sm90::smem_desc(sm.dout(s), 0, Cfg::ATOM_BYTES,
                                                   sm90::Swizzle::B128);
-        const sm90::u64 desc_q_mn = sm90::smem_desc(sm.q(s), BOX_Q, Cfg::ATOM_BYTES,
-                                                    sm90::Swizzle::B128);
-        const sm90::u64 desc_do_mn = sm90::smem_desc(sm.dout(s), BOX_Q, Cfg::ATOM_BYTES,
+        const sm90::u64 desc_q_mn = sm90::smem_desc(sm.q(s) + col_box0 * BQ * Cfg::BOX_COLS,
+                                                    BOX_Q, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
+        const sm90::u64 desc_do_mn = sm90::smem_desc(sm.dout(s) + col_box0 * BQ * Cfg::BOX_COLS,
+                                                     BOX_Q, Cfg::ATOM_BYTES,
                                                      sm90::Swizzle::B128);
 
-        // [64, BQ] S^T = K Q^T, then P^T, and dP^T = V dO^T, then dS^T
-        float acc_s[BQ / 8][4];
-        float acc_dp[BQ / 8][4];
-        auto& s_frag = reinterpret_cast<float (&)[BQ / 2]>(acc_s);
-        auto& dp_frag = reinterpret_cast<float (&)[BQ / 2]>(acc_dp);
-        sm90::wgmma_fence_operand(s_frag);
-        sm90::wgmma_fence_operand(dp_frag);
-        sm90::wgmma_fence();
+        // Per subtile of BQS queries (the whole chunk but at D = 256, where two halves keep S^T
+        // and dP^T to 32 registers each beside dK and dV):
         #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t step = (kk % 4) * 32;      // k16 steps inside a box of 64 columns
-            sm90::wgmma_ss<T, BQ, false, false>(
-                s_frag, sm90::desc_advance(desc_k, (kk / 4) * BOX_KV + step),
-                sm90::desc_advance(desc_q, (kk / 4) * BOX_Q + step), kk > 0);
-        }
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t step = (kk % 4) * 32;
-            sm90::wgmma_ss<T, BQ, false, false>(
-                dp_frag, sm90::desc_advance(desc_v, (kk / 4) * BOX_KV + step),
-                sm90::desc_advance(desc_do, (kk / 4) * BOX_Q + step), kk > 0);
-        }
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        sm90::wgmma_fence_operand(s_frag);
-        sm90::wgmma_fence_operand(dp_frag);
+        for (int sub = 0; sub < Cfg::SUBTILES; ++sub) {
+            constexpr int BQS = Cfg::BQS;
+            const int col = sub * BQS;               // the subtile's first query of the chunk
+            // [64, BQS] S^T = K Q^T, then P^T, and dP^T = V dO^T, then dS^T
+            float acc_s[BQS / 8][4];
+            float acc_dp[BQS / 8][4];
+            auto& s_frag = reinterpret_cast<float (&)[BQS / 2]>(acc_s);
+            auto& dp_frag = reinterpret_cast<float (&)[BQS / 2]>(acc_dp);
+            sm90::wgmma_fence_operand(s_frag);
+            sm90::wgmma_fence_operand(dp_frag);
+            sm90::wgmma_fence();
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                // k16 steps inside a box of 64 columns; the subtile's rows of Q and dO
+                const uint32_t step = (kk / 4) * BOX_Q + col * ROW + (kk % 4) * 32;
+                sm90::wgmma_ss<T, BQS, false, false>(
+                    s_frag, sm90::desc_advance(desc_k, (kk / 4) * BOX_KV + (kk % 4) * 32),
+                    sm90::desc_advance(desc_q, step), kk > 0);
+            }
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const uint32_t step = (kk / 4) * BOX_Q + col * ROW + (kk % 4) * 32;
+                sm90::wgmma_ss<T, BQS, false, false>(
+                    dp_frag, sm90::desc_advance(desc_v, (kk / 4) * BOX_KV + (kk % 4) * 32),
+                    sm90::desc_advance(desc_do, step), kk > 0);
+            }
+            sm90::wgmma_commit();
+            sm90::wgmma_wait<0>();
+            sm90::wgmma_fence_operand(s_frag);
+            sm90::wgmma_fence_operand(dp_frag);
 
-        softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp,
-                                      key_rows_mask<BN>(pol, tile, w, sm.chunk(s)->load()),
-                                      ColStats{sm.lse2(s), sm.delta(s)}, call, w.lane);
-        // P^T and dS^T as BQ / 16 A fragments (k = queries), all written before the wgmma.fence
-        uint32_t p_frag[BQ / 16][4];
-        uint32_t ds_frag[BQ / 16][4];
-        #pragma unroll
-        for (int j = 0; j < BQ / 16; ++j) {
-            c_to_a<T>(p_frag[j], acc_s, j);
-            c_to_a<T>(ds_frag[j], acc_dp, j);
-        }
+            // the subtile's queries as a chunk of their own (none left: all masked, P^T =
+            // dS^T = 0), as in the mma.sync kernel
+            const Chunk staged = sm.chunk(s)->load();
+            const Chunk cols{staged.row + col, staged.rows - col, staged.pos + col, staged.head,
+                             staged.full};
+            softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp, key_rows_mask<BN>(pol, tile, w, cols),
+                                          ColStats{sm.lse2(s) + col, sm.delta(s) + col}, call,
+                                          w.lane);
+            // P^T and dS^T as BQS / 16 A fragments (k = queries), all written before the
+            // wgmma.fence
+            uint32_t p_frag[BQS / 16][4];
+            uint32_t ds_frag[BQS / 16][4];
+            #pragma unroll
+            for (int j = 0; j < BQS / 16; ++j) {
+                c_to_a<T>(p_frag[j], acc_s, j);
+                c_to_a<T>(ds_frag[j], acc_dp, j);
+            }
 
-        // dS^T -> dS [BQ][64 keys] by stmatrix.trans: the A fragment of k-step j is the x4 set
-        // of matrices (queries 16 j + 8 (i / 2) .., keys 16 warp + 8 (i % 2) ..), i = 0..3, each
-        // transposed into 8 query rows of 8 keys (16 bytes, their 128B-swizzled chunk). The
-        // warpgroup's last dQ product has retired in every warp before the buffer is rewritten.
-        sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
-        #pragma unroll
-        for (int j = 0; j < BQ / 16; ++j) {
-            sm90::stmatrix_x4_trans(p_ds_row + j * 16 * ROW, ds_frag[j]);
-        }
-        sm90::fence_proxy_async();
-        sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
+            // dS^T -> dS [BQ][64 keys] by stmatrix.trans: the A fragment of k-step j is the x4
+            // set of matrices (queries col + 16 j + 8 (i / 2) .., keys 16 warp + 8 (i % 2) ..),
+            // i = 0..3, each transposed into 8 query rows of 8 keys (16 bytes, their
+            // 128B-swizzled chunk). The warpgroup's last dQ product has retired in every warp
+            // before the buffer is rewritten (the barrier before the first subtile's stores);
+            // the barrier after the last one publishes them.
+            if (sub == 0) sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
+            #pragma unroll
+            for (int j = 0; j < BQS / 16; ++j) {
+                sm90::stmatrix_x4_trans(p_ds_row + (col + j * 16) * ROW, ds_frag[j]);
+            }
+            if (sub == Cfg::SUBTILES - 1) {
+                sm90::fence_proxy_async();
+                sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
+            }
 
-        // dV += P^T dO, dK += dS^T Q: A from registers, dO and Q MN-major (k16 steps of 16 rows,
-        // the next 64 columns of the head dim one box further)
-        sm90::wgmma_fence_operand(dv_frag);
-        sm90::wgmma_fence_operand(dk_frag);
-        sm90::wgmma_fence();
-        #pragma unroll
-        for (int j = 0; j < BQ / 16; ++j) {
-            sm90::wgmma_rs<T, D, true>(dv_frag, p_frag[j],
-                                       sm90::desc_advance(desc_do_mn, j * KSTEP_MN), true);
+            // dV += P^T dO, dK += dS^T Q: A from registers, dO and Q MN-major (k16 steps of 16
+            // rows, the next 64 columns of the head dim one box further)
+            sm90::wgmma_fence_operand(dv_frag);
+            sm90::wgmma_fence_operand(dk_frag);
+            sm90::wgmma_fence();
+            #pragma unroll
+            for (int j = 0; j < BQS / 16; ++j) {
+                sm90::wgmma_rs<T, DC, true>(dv_frag, p_frag[j],
+                                            sm90::desc_advance(desc_do_mn, (col + 16 * j) * ROW),
+                                            true);
+            }
+            #pragma unroll
+            for (int j = 0; j < BQS / 16; ++j) {
+                sm90::wgmma_rs<T, DC, true>(dk_frag, ds_frag[j],
+                                            sm90::desc_advance(desc_q_mn, (col + 16 * j) * ROW),
+                                            true);
+            }
+            sm90::wgmma_commit();
+            // retired before the next subtile and dQ: the P^T and dS^T fragments they read free
+            // their registers
+            sm90::wgmma_wait<0>();
+            sm90::wgmma_fence_operand(dv_frag);
+            sm90::wgmma_fence_operand(dk_frag);
         }
-        #pragma unroll
-        for (int j = 0; j < BQ / 16; ++j) {
-            sm90::wgmma_rs<T, D, true>(dk_frag, ds_frag[j],
-                                       sm90::desc_advance(desc_q_mn, j * KSTEP_MN), true);
-        }
-        sm90::wgmma_commit();
-        // retired before dQ: the P^T and dS^T fragments they read free their registers
-        sm90::wgmma_wait<0>();
-        sm90::wgmma_fence_operand(dv_frag);
-        sm90::wgmma_fence_operand(dk_frag);
         // the stage's Q, dO, lse2, delta and chunk are no longer read
         const Chunk c = sm.chunk(s)->load();
         sm90::mbar_arrive(sm.empty(s));
 
-        // dQ [BQ, D] += dS K over this warpgroup's 64 keys, DQ_COLS columns at a time
+        // dQ [BQ, DC] += dS K over this warpgroup's 64 keys and columns, DQ_COLS at a time
         const HeadRows<float> dq_rows = head_rows<D>(dq_accum, call.Hq, i_khead * group + c.head);
         const OrderedDq order{dq_order, plan, call, tile, i_khead * group};
         if constexpr (ORDERED_DQ) {
@@ -432,7 +474,7 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
             sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);   // every adder after the wait
         }
         #pragma unroll
-        for (int n = 0; n < D / Cfg::DQ_COLS; ++n) {
+        for (int n = 0; n < DC / Cfg::DQ_COLS; ++n) {
             float acc_dq[Cfg::DQ_COLS / 8][4];
             auto& dq_frag = reinterpret_cast<float (&)[Cfg::DQ_COLS / 2]>(acc_dq);
             sm90::wgmma_fence();
@@ -440,16 +482,17 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
             for (int j = 0; j < Cfg::WG_ROWS / 16; ++j) {
                 sm90::wgmma_ss<T, Cfg::DQ_COLS, false, true>(
                     dq_frag, sm90::desc_advance(desc_ds, j * 32),
-                    sm90::desc_advance(desc_k_mn, n * BOX_KV + j * KSTEP_MN), j > 0);
+                    sm90::desc_advance(desc_k_mn, (col_box0 + n) * BOX_KV + j * KSTEP_MN),
+                    j > 0);
             }
             sm90::wgmma_commit();
             sm90::wgmma_wait<0>();
             sm90::wgmma_fence_operand(dq_frag);
             // ordered: the second warpgroup adds this slice once the first has added it
-            constexpr bool HAND_OVER = ORDERED_DQ && Cfg::NUM_CONSUMERS > 1;
+            constexpr bool HAND_OVER = ORDERED_DQ && Cfg::KEY_GROUPS > 1;
             if (HAND_OVER && c_wg == 1) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
             atomic_add_rows(acc_dq, dq_rows, c.row + 16 * wg_warp, c.rows - 16 * wg_warp,
-                            n * Cfg::DQ_COLS, w.lane);
+                            (col_box0 + n) * Cfg::DQ_COLS, w.lane);
             if (HAND_OVER && c_wg == 0) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
         }
         if constexpr (ORDERED_DQ) {
@@ -458,10 +501,12 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
             });
         }
     }
-    store_fragment_rows<T>(acc_dk, head_rows<D>(dk, call.Hk, i_khead), tile.row + w.row0,
-                           tile.rows - w.row0, w.lane);
-    store_fragment_rows<T>(acc_dv, head_rows<D>(dv, call.Hk, i_khead), tile.row + w.row0,
-                           tile.rows - w.row0, w.lane);
+    HeadRows<T> dk_rows = head_rows<D>(dk, call.Hk, i_khead);
+    HeadRows<T> dv_rows = head_rows<D>(dv, call.Hk, i_khead);
+    dk_rows.p += col_box0 * Cfg::BOX_COLS;
+    dv_rows.p += col_box0 * Cfg::BOX_COLS;
+    store_fragment_rows<T>(acc_dk, dk_rows, tile.row + w.row0, tile.rows - w.row0, w.lane);
+    store_fragment_rows<T>(acc_dv, dv_rows, tile.row + w.row0, tile.rows - w.row0, w.lane);
 }
 
 }  // namespace varlen
@@ -513,9 +558,15 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
     } else {
         sm90::setmaxnreg<Cfg::CONSUMER_REGS, true>();
         const int t = threadIdx.x - Cfg::WG_THREADS;
-        const WarpSlot w{t % WARP_SIZE, t / WARP_SIZE, (t / WARP_SIZE) * WARP_ROWS};
+        // the key rows of warp t / 32: its group's 64, 16 per warp of the warpgroup (written
+        // apart for one consumer per group: the general form cost 4 B of spills at D = 128,
+        // BN = 128 with a softcap, ordered)
+        const int c_wg = t / Cfg::WG_THREADS;
+        const int key_warp = Cfg::COL_PARTS == 1 ? t / WARP_SIZE
+                                                 : c_wg / Cfg::COL_PARTS * 4 + t / WARP_SIZE % 4;
+        const WarpSlot w{t % WARP_SIZE, t / WARP_SIZE, key_warp * WARP_ROWS};
         bwd_sm90_consumer<T, Cfg, HAS_SOFTCAP, ORDERED_DQ>(sm, dk, dv, dq_accum, dq_order, plan,
-                                                           call, tile, i_khead, group,
-                                                           t / Cfg::WG_THREADS, w);
+                                                           call, tile, i_khead, group, c_wg,
+                                                           w);
     }
 }

@@ -1090,7 +1090,8 @@ inline void wgmma_fence_operand(uint32_t (&)[R][4]) {}
 
 template <typename T, int N, bool TRANS_A, bool TRANS_B>
 void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool scale_d, VARLEN_EMU_SITE) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma m64nNk16: N of 64, 128 or 256");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 256,
+                  "wgmma m64nNk16: N of 32, 64, 128 or 256");
     hostemu::sm90::issue_wgmma(d, N, ElemTraits<T>::IS_BF16, nullptr, desc_a, TRANS_A, desc_b,
                                TRANS_B, scale_d, {file, line});
 }
@@ -1098,7 +1099,8 @@ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool scale_d, VARLEN_EM
 template <typename T, int N, bool TRANS_B>
 void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], u64 desc_b, bool scale_d,
               VARLEN_EMU_SITE) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma m64nNk16: N of 64, 128 or 256");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 256,
+                  "wgmma m64nNk16: N of 32, 64, 128 or 256");
     hostemu::sm90::issue_wgmma(d, N, ElemTraits<T>::IS_BF16, a, 0, false, desc_b, TRANS_B,
                                scale_d, {file, line});
 }

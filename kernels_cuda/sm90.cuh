@@ -197,6 +197,7 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&a)[R][4]) {
 // Accumulator operand lists and their placeholders: N / 2 floats.
 #define VARLEN_WG_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
     "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define VARLEN_WG_F16 VARLEN_WG_F8(0), VARLEN_WG_F8(8)
 #define VARLEN_WG_F32(i) VARLEN_WG_F8(i), VARLEN_WG_F8(i + 8), VARLEN_WG_F8(i + 16), \
     VARLEN_WG_F8(i + 24)
 #define VARLEN_WG_F64 VARLEN_WG_F32(0), VARLEN_WG_F32(32)
@@ -204,6 +205,7 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&a)[R][4]) {
 #define VARLEN_WG_S10(t) "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" \
     #t "7, %" #t "8, %" #t "9"
 #define VARLEN_WG_S0_9 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9"
+#define VARLEN_WG_D16 VARLEN_WG_S0_9 ", %10, %11, %12, %13, %14, %15"
 #define VARLEN_WG_D32 VARLEN_WG_S0_9 ", " VARLEN_WG_S10(1) ", " VARLEN_WG_S10(2) ", %30, %31"
 #define VARLEN_WG_D64 VARLEN_WG_S0_9 ", " VARLEN_WG_S10(1) ", " VARLEN_WG_S10(2) ", " \
     VARLEN_WG_S10(3) ", " VARLEN_WG_S10(4) ", " VARLEN_WG_S10(5) ", %60, %61, %62, %63"
@@ -236,9 +238,16 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&a)[R][4]) {
 template <typename T, int N, bool TRANS_A, bool TRANS_B>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b,
                                          bool scale_d) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma m64nNk16: N of 64, 128 or 256");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 256,
+                  "wgmma m64nNk16: N of 32, 64, 128 or 256");
     constexpr bool BF16 = ElemTraits<T>::IS_BF16;
-    if constexpr (N == 64 && BF16) {
+    if constexpr (N == 32 && BF16) {
+        VARLEN_WGMMA_SS("m64n32k16", "bf16", VARLEN_WG_D16, "16", "17", "18", "19", "20",
+                        VARLEN_WG_F16);
+    } else if constexpr (N == 32) {
+        VARLEN_WGMMA_SS("m64n32k16", "f16", VARLEN_WG_D16, "16", "17", "18", "19", "20",
+                        VARLEN_WG_F16);
+    } else if constexpr (N == 64 && BF16) {
         VARLEN_WGMMA_SS("m64n64k16", "bf16", VARLEN_WG_D32, "32", "33", "34", "35", "36",
                         VARLEN_WG_F32(0));
     } else if constexpr (N == 64) {
@@ -263,9 +272,16 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc
 template <typename T, int N, bool TRANS_B>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], u64 desc_b,
                                          bool scale_d) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma m64nNk16: N of 64, 128 or 256");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 256,
+                  "wgmma m64nNk16: N of 32, 64, 128 or 256");
     constexpr bool BF16 = ElemTraits<T>::IS_BF16;
-    if constexpr (N == 64 && BF16) {
+    if constexpr (N == 32 && BF16) {
+        VARLEN_WGMMA_RS("m64n32k16", "bf16", VARLEN_WG_D16, "16, %17, %18, %19", "20", "21", "22",
+                        VARLEN_WG_F16);
+    } else if constexpr (N == 32) {
+        VARLEN_WGMMA_RS("m64n32k16", "f16", VARLEN_WG_D16, "16, %17, %18, %19", "20", "21", "22",
+                        VARLEN_WG_F16);
+    } else if constexpr (N == 64 && BF16) {
         VARLEN_WGMMA_RS("m64n64k16", "bf16", VARLEN_WG_D32, "32, %33, %34, %35", "36", "37", "38",
                         VARLEN_WG_F32(0));
     } else if constexpr (N == 64) {

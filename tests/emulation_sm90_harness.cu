@@ -369,8 +369,8 @@ WgKernel wg_kernel(int mode) {
 
 template <typename T>
 WgKernel wg_kernel(int n, int mode) {
-    return n == 64 ? wg_kernel<T, 64>(mode) : n == 128 ? wg_kernel<T, 128>(mode)
-         : n == 256 ? wg_kernel<T, 256>(mode) : nullptr;
+    return n == 32 ? wg_kernel<T, 32>(mode) : n == 64 ? wg_kernel<T, 64>(mode)
+         : n == 128 ? wg_kernel<T, 128>(mode) : n == 256 ? wg_kernel<T, 256>(mode) : nullptr;
 }
 
 }  // namespace

@@ -398,6 +398,8 @@ WGMMA_CASES = [
     (64, "SS_KK", "128B", 4, "float16"),
     (128, "SS_KK", "128B", 4, "bfloat16"),
     (256, "SS_KK", "128B", 1, "float16"),
+    (32, "SS_KK", "128B", 4, "bfloat16"),
+    (32, "RS_N", "128B", 2, "float16"),
     (64, "SS_KN", "128B", 4, "bfloat16"),
     (128, "SS_KN", "128B", 2, "float16"),
     (256, "SS_KN", "128B", 1, "bfloat16"),
@@ -621,7 +623,7 @@ def test_device_side_assembles_for_sm90a():
         src = f.read()
     err, prog = nvrtc.nvrtcCreateProgram(src, b"emulation_sm90_harness.cu", 0, [], [])
     names = [f"sm90_wgmma<{t}, {n}, {m}>" for t in ("__half", "__nv_bfloat16")
-             for n in (64, 128, 256) for m in MODES.values()]
+             for n in (32, 64, 128, 256) for m in MODES.values()]
     names += ["sm90_attention_tile<__half>", "sm90_attention_tile<__nv_bfloat16>"]
     try:
         for name in names:

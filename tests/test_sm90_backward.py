@@ -61,6 +61,19 @@ CASES = {
         lengths_q=[150, 7], lengths_k=[150, 70], Hq=1, Hk=1, D=128, dtype="bfloat16",
         mask="causal_bottom_right", gaps=False, softcap=0.0, block_m=64, block_n=64,
         nan_in_pad=False, deterministic=True),
+    # D = 256: two consumer warpgroups share the 64 keys of a tile, each with half the columns
+    # of dK, dV and dQ, in two query subtiles of 32 per chunk; lengths off the subtile (a chunk
+    # of 20 rows: its second subtile empty), GQA 2:1, a softcap, NaN in the pad rows
+    "B3-bf16-D256-softcap-gqa-nan": dict(
+        lengths_q=[20, 0, 75], lengths_k=[70, 3, 40], Hq=2, Hk=1, D=256, dtype="bfloat16",
+        mask="causal_bottom_right", gaps=True, softcap=5.0, block_m=64, block_n=64,
+        nan_in_pad=True),
+    # D = 256, deterministic: three key tiles meet the long sequence's query tiles, and NaN in
+    # a key, a q row and a dout row
+    "B2-fp16-D256-deterministic-nan": dict(
+        lengths_q=[130, 9], lengths_k=[150, 9], Hq=1, Hk=1, D=256, dtype="float16",
+        mask="full", gaps=False, softcap=0.0, block_m=64, block_n=64, nan_in_pad=False,
+        nan_k=(1, 8), nan_q=(0, 40), nan_dout=(0, 50), deterministic=True),
 }
 QUICK = ["B4-fp16-D64-BN64-causal-gaps-nan"]
 
@@ -203,8 +216,8 @@ def test_sm90_backward_on_hopper(label):
 def _specs():
     from varlen.backends._cupy_sm90_bwd import BwdSm90Spec
     return [BwdSm90Spec(dt, d, bn, sc, ordered) for dt in ("float16", "bfloat16")
-            for d in (64, 128) for bn in (64, 128) for sc in (False, True)
-            for ordered in (False, True)]
+            for d in (64, 128, 256) for bn in ((64,) if d == 256 else (64, 128))
+            for sc in (False, True) for ordered in (False, True)]
 
 
 @pytest.mark.slow
@@ -227,8 +240,8 @@ def test_sm90_deterministic_backward_is_bitwise_repeatable():
 
 def test_sm90_backward_spec_rejects_what_the_kernel_does_not_take():
     from varlen.backends._cupy_sm90_bwd import BwdSm90Spec
-    for bad in (dict(dtype="float32"), dict(head_dim=96), dict(head_dim=256), dict(block_n=32),
-                dict(block_n=256)):
+    for bad in (dict(dtype="float32"), dict(head_dim=96), dict(head_dim=512),
+                dict(head_dim=256, block_n=128), dict(block_n=32), dict(block_n=256)):
         kw = {**dict(dtype="bfloat16", head_dim=64, block_n=64, softcap=False), **bad}
         with pytest.raises(ValueError):
             BwdSm90Spec(**kw)
@@ -295,6 +308,17 @@ MUTATIONS = {
     # warpgroup's last collective and returned, at that collective (seen under heavy load)
     "no-empty-wait": ("        sm90::mbar_wait(sm.empty(s), parity ^ 1u);\n", "",
                       "B2-bf16-D128-BN128-full-gqa", ("mbarrier", "of the warpgroup has exited")),
+    # D = 256: the second query subtile's dS stored over the first's rows
+    "ds-subtiles-overlap": ("sm90::stmatrix_x4_trans(p_ds_row + (col + j * 16) * ROW, ds_frag[j]);",
+                            "sm90::stmatrix_x4_trans(p_ds_row + j * 16 * ROW, ds_frag[j]);",
+                            "B3-bf16-D256-softcap-gqa-nan", "dq: NaN pattern differs"),
+    # D = 256: the second warpgroup's dK columns stored over the first's
+    "dk-columns-at-0": ("    dk_rows.p += col_box0 * Cfg::BOX_COLS;\n", "",
+                        "B3-bf16-D256-softcap-gqa-nan", "dk: NaN pattern differs"),
+    # D = 256: the second subtile's softmax with the lse2 and delta of the chunk's first rows
+    "subtile-stats-at-row-0": ("ColStats{sm.lse2(s) + col, sm.delta(s) + col}",
+                               "ColStats{sm.lse2(s), sm.delta(s)}",
+                               "B3-bf16-D256-softcap-gqa-nan", "dq: NaN pattern differs"),
 }
 
 
@@ -365,12 +389,16 @@ def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
     with BACKEND.stand_in_device(a100), pytest.raises(RuntimeError,
                                                       match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
         BACKEND.backward(*args, **call)
-    # a head dim the sm_90a backward does not take: the mma.sync kernels, with a warning
+    # D = 256 (plans of 64-key tiles, as the mma.sync kernels take it too) runs on sm_90a; a
+    # head dim the sm_90a backward does not take runs the mma.sync kernels, with a warning
     x256 = np.zeros((4, 2, 256), np.float16)
-    with BACKEND.stand_in_device(h100), pytest.warns(RuntimeWarning,
-                                                     match=r"sm_90a backward.*D = 64 or 128"):
-        assert BACKEND.backward(plan, x256, x256, x256, x256, x256, lse, **call) == "mma"
-    assert ran == [("mma", False), ("sm90a", False), ("sm90a", True), ("mma", False)]
+    x96 = np.zeros((4, 2, 96), np.float16)
+    with BACKEND.stand_in_device(h100):
+        assert BACKEND.backward(plan, x256, x256, x256, x256, x256, lse, **call) == "sm90a"
+        with pytest.warns(RuntimeWarning, match=r"sm_90a backward.*D = 64, 128 or 256"):
+            assert BACKEND.backward(plan, x96, x96, x96, x96, x96, lse, **call) == "mma"
+    assert ran == [("mma", False), ("sm90a", False), ("sm90a", True), ("sm90a", False),
+                   ("mma", False)]
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from ._cupy_sm90 import OPTIN_SMEM, SMEM_ALIGN, WG_THREADS
 
 BQ = 64                        # query rows per chunk (BwdSm90Config::BQ): wgmma N of S^T, M of dQ
 WG_ROWS = 64                   # key rows per consumer warpgroup (wgmma M)
+SPLIT_HEAD_DIM = 256           # from this D two consumer warpgroups split the head dim's columns
 STAGES = 2                     # Q/dO ring (BwdSm90Config::STAGES)
 NUM_BARRIERS = 2 + 3 * STAGES
 CHUNK_BYTES = 24               # StagedChunk: the query chunk a stage holds
@@ -44,10 +45,13 @@ class BwdSm90Spec:
     def __post_init__(self):
         if self.dtype not in _cupy_spec.DTYPES:
             raise ValueError(f"{self.dtype=}: the sm_90a backward takes float16 or bfloat16")
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"{self.head_dim=}: the sm_90a backward takes D = 64 or 128")
+        if self.head_dim not in (64, 128, 256):
+            raise ValueError(f"{self.head_dim=}: the sm_90a backward takes D = 64, 128 or 256")
         if self.block_n not in (64, 128):
             raise ValueError(f"{self.block_n=}: one or two consumer warpgroups of 64 key rows")
+        if self.head_dim >= SPLIT_HEAD_DIM and self.block_n != WG_ROWS:
+            raise ValueError(f"{self.block_n=} at D = {self.head_dim}: the sm_90a backward's two "
+                             f"consumer warpgroups split the columns of a {WG_ROWS}-key tile")
         if self.smem > OPTIN_SMEM:
             raise ValueError(f"{self}: {self.smem} B of shared memory exceed {OPTIN_SMEM}")
 
@@ -56,9 +60,15 @@ class BwdSm90Spec:
         return _cupy_spec.DTYPES[self.dtype]
 
     @property
+    def consumers(self) -> int:
+        """Consumer warpgroups: one per 64 key rows, two (one per half of the columns) at
+        D = 256."""
+        return self.block_n // WG_ROWS * (2 if self.head_dim >= SPLIT_HEAD_DIM else 1)
+
+    @property
     def threads(self) -> int:
-        """A producer warpgroup and one consumer warpgroup per 64 key rows."""
-        return WG_THREADS * (1 + self.block_n // WG_ROWS)
+        """A producer warpgroup and the consumers."""
+        return WG_THREADS * (1 + self.consumers)
 
     @property
     def smem(self) -> int:
@@ -67,7 +77,7 @@ class BwdSm90Spec:
         align the window."""
         e = _cupy_spec.ELEM_BYTES
         data = (2 * self.block_n + 2 * STAGES * BQ) * self.head_dim * e
-        data += self.block_n // WG_ROWS * BQ * WG_ROWS * e + STAGES * (2 * BQ * 4 + CHUNK_BYTES)
+        data += self.consumers * BQ * WG_ROWS * e + STAGES * (2 * BQ * 4 + CHUNK_BYTES)
         return data + 8 * NUM_BARRIERS + SMEM_ALIGN
 
     @property
