@@ -75,7 +75,8 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
 SM90_CASES = {"fwd_sm90.cuh": ("test_sm90_forward.py", ("B7-bf16-D64-BM128-chunks-1-2-3-6",)),
               "bwd_sm90.cuh": ("test_sm90_backward.py", ("B2-bf16-D128-BN128-full-gqa",
-                                                         "B3-fp16-D64-BN128-deterministic-gqa"))}
+                                                         "B3-fp16-D64-BN128-deterministic-gqa",
+                                                         "B3-bf16-D256-softcap-gqa-nan"))}
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
 
 
