@@ -383,22 +383,21 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
             auto& dp_frag = reinterpret_cast<float (&)[BQS / 2]>(acc_dp);
             sm90::wgmma_fence_operand(s_frag);
             sm90::wgmma_fence_operand(dp_frag);
+            // frag = X Y^T over the head dim: X = K or V (this warpgroup's keys), Y = the
+            // subtile's rows of Q or dO, in k16 steps inside boxes of 64 columns
+            const auto product_t = [&](float (&frag)[BQS / 2], sm90::u64 desc_x,
+                                       sm90::u64 desc_y) {
+                #pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const uint32_t step = (kk % 4) * 32;
+                    sm90::wgmma_ss<T, BQS, false, false>(
+                        frag, sm90::desc_advance(desc_x, (kk / 4) * BOX_KV + step),
+                        sm90::desc_advance(desc_y, (kk / 4) * BOX_Q + col * ROW + step), kk > 0);
+                }
+            };
             sm90::wgmma_fence();
-            #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                // k16 steps inside a box of 64 columns; the subtile's rows of Q and dO
-                const uint32_t step = (kk / 4) * BOX_Q + col * ROW + (kk % 4) * 32;
-                sm90::wgmma_ss<T, BQS, false, false>(
-                    s_frag, sm90::desc_advance(desc_k, (kk / 4) * BOX_KV + (kk % 4) * 32),
-                    sm90::desc_advance(desc_q, step), kk > 0);
-            }
-            #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const uint32_t step = (kk / 4) * BOX_Q + col * ROW + (kk % 4) * 32;
-                sm90::wgmma_ss<T, BQS, false, false>(
-                    dp_frag, sm90::desc_advance(desc_v, (kk / 4) * BOX_KV + (kk % 4) * 32),
-                    sm90::desc_advance(desc_do, step), kk > 0);
-            }
+            product_t(s_frag, desc_k, desc_q);
+            product_t(dp_frag, desc_v, desc_do);
             sm90::wgmma_commit();
             sm90::wgmma_wait<0>();
             sm90::wgmma_fence_operand(s_frag);

@@ -184,8 +184,12 @@ struct Turnstile {
     unsigned phase = 0;
     std::mt19937_64 rng;
 
-    Turnstile(int warps, uint64_t seed)
-        : num_warps(warps), order(warps), live(warps, 32), arrived(warps, 0), rng(seed) {
+    // `threads` of the block: its last warp may be partial (a block of 8 threads is one warp
+    // of 8 live lanes).
+    Turnstile(int threads, uint64_t seed)
+        : num_warps((threads + 31) / 32), order(num_warps), live(num_warps, 32),
+          arrived(num_warps, 0), rng(seed) {
+        live[num_warps - 1] = threads - 32 * (num_warps - 1);
         shuffle();
     }
     void shuffle() {
@@ -741,7 +745,7 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
             g_sync.turnstile.reset();
             if (g_config.turnstile) {
                 g_sync.turnstile = std::make_unique<Turnstile>(
-                    (threads + 31) / 32, splitmix(g_config.seed ^ (((uint64_t)by << 32) | bx)));
+                    threads, splitmix(g_config.seed ^ (((uint64_t)by << 32) | bx)));
             }
             g_sync.copies.assign(threads, {});
             g_block_fences.store(0);

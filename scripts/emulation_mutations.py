@@ -16,6 +16,11 @@ the sources in a temporary directory, which the emulation then compiles
 4. the non-finite backward case of tests/test_cupy_edges.py (NaN in q) under both modes above:
    the barrier that orders the first chunk's delta stores before a NaN flag only matters there.
 
+The device plan's kernels (`plan_build.cuh`) run a case of tests/test_plan_device.py instead
+(300 sequences over the shipped scan and tile blocks, several warps each, so that every thread
+has partial sums to publish), compared with the NumPy plan: with warps one at a time in a
+seeded order, then under ThreadSanitizer.
+
 A mutation no run catches is a gap of the emulation (exit status 1). The strict cases reach three
 partner chunks per block, so the barrier that ends a loop step is exercised (it only matters
 from the third). Prints one line per mutation: the site, caught or not, by what, and the time.
@@ -78,6 +83,11 @@ SM90_CASES = {"fwd_sm90.cuh": ("test_sm90_forward.py", ("B7-bf16-D64-BM128-chunk
                                                          "B3-fp16-D64-BN128-deterministic-gqa",
                                                          "B3-bf16-D256-softcap-gqa-nan"))}
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
+PLAN_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_plan_device.py"), "layout",
+             "B300-many-mixed-16x8-shipped-threads"]
+PLAN_RUNS = (("plan schedule", PLAN_CASE, {"VARLEN_EMULATION_SCHEDULE": "random",
+                                           "VARLEN_EMULATION_SEED": "1"}),
+             ("plan race", PLAN_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
 
 
 def sm90_runs(name):
@@ -124,7 +134,9 @@ def sites(source_dir=SOURCE_DIR):
 
 def runs_for(site):
     """The runs that exercise the kernel of `site`."""
-    return sm90_runs(site[0]) if site[0] in SM90_FILES else RUNS
+    if site[0] in SM90_FILES:
+        return sm90_runs(site[0])
+    return PLAN_RUNS if site[0] == "plan_build.cuh" else RUNS
 
 
 def site_id(site):
@@ -195,7 +207,8 @@ def main(argv=None):
     p.add_argument("--sites", nargs="*", help="only sites whose file:line:call contains one of these")
     p.add_argument("--list", action="store_true", help="list the sites and exit")
     p.add_argument("--runs", nargs="*", help="only the runs whose label contains one of these "
-                   f"(labels: {', '.join(r[0] for r in RUNS + sm90_runs(SM90_FILES[0]))})")
+                   "(labels: " + ", ".join(r[0] for r in RUNS + sm90_runs(SM90_FILES[0])
+                                           + PLAN_RUNS) + ")")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     args = p.parse_args(argv)
     todo = [s for s in sites()

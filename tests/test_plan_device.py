@@ -362,6 +362,19 @@ def test_fused_plan_equals_array_code(label):
 
 
 @needs_cxx
+@pytest.mark.parametrize("label", ["B40-many-mixed-4x4-maxlen-small-threads",
+                                   "B300-many-mixed-16x8-shipped-threads"])
+def test_fused_plan_under_a_permuted_warp_schedule(label, monkeypatch):
+    """Warps one at a time in a seeded order (the schedule that catches a removed barrier of
+    the scan kernel, scripts/emulation_mutations.py): the same plan, with blocks of 8 threads
+    (one partial warp, on which that schedule once waited for 32 lanes forever) and of the
+    shipped sizes (several warps)."""
+    monkeypatch.setenv("VARLEN_EMULATION_SCHEDULE", "random")
+    monkeypatch.setenv("VARLEN_EMULATION_SEED", "1")
+    _emulate("layout", label, timeout=180)
+
+
+@needs_cxx
 @pytest.mark.parametrize("label", SEGMENT_CASES)
 def test_fused_plan_of_given_segments_equals_array_code(label):
     _emulate("segments", label)
