@@ -129,6 +129,12 @@ inline uint64_t splitmix(uint64_t x) {
 // Offset of p from the block's shared memory, for messages.
 inline long smem_offset(const void* p) { return (const unsigned char*)p - g_block.smem; }
 
+// Whether `bytes` from p lie in the block's shared memory.
+inline bool in_smem(const void* p, size_t bytes = 1) {
+    const long off = smem_offset(p);
+    return off >= 0 && static_cast<size_t>(off) + bytes <= g_block.smem_bytes;
+}
+
 // ---- warps -----------------------------------------------------------------------------
 enum Kind : int { K_NONE, K_LDSM, K_LDSM_T, K_MMA, K_SHFL, K_EXITED };
 inline const char* kind_name(int k) {
@@ -341,8 +347,7 @@ inline std::atomic<int> g_adds_in_epoch[MAX_EPOCHS];
 // then differs in its last bits; the deterministic mode's must not). Only the additions to
 // global memory take part in the ordered-dQ checks.
 inline float atomicAdd(float* p, float v) {
-    const long offset = hostemu::smem_offset(p);
-    if (offset < 0 || static_cast<size_t>(offset) >= hostemu::g_block.smem_bytes) {
+    if (!hostemu::in_smem(p)) {
         hostemu::t_turn_seen = hostemu::g_turn;
         const uint64_t epoch = hostemu::t_state.fences + 1;
         if (epoch < hostemu::MAX_EPOCHS) hostemu::g_adds_in_epoch[epoch].fetch_add(1);

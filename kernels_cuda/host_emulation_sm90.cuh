@@ -255,7 +255,7 @@ inline size_t block_threads() { return g_sync.copies.size(); }
 // Shared-memory offset of p, which must lie in the block's shared memory with `bytes` after it.
 inline long smem_check(const void* p, size_t bytes, const char* what) {
     const long off = smem_offset(p);
-    if (off < 0 || static_cast<size_t>(off) + bytes > g_block.smem_bytes) {
+    if (!in_smem(p, bytes)) {
         fail("%s: shared-memory bytes [%ld, %ld) outside the block's %zu bytes", what, off,
              off + (long)bytes, g_block.smem_bytes);
     }
