@@ -111,25 +111,55 @@ struct QOperand {
     }
 };
 
+// Where a query tile's output goes: row r of the tile is position first + r / PACK of query
+// head head0 + r % PACK (PACK > 1: the packed heads of fwd_sm90), `rows` of them present.
+// 64-bit offsets (T * H * D may exceed 2^31).
+template <typename T, int D, int PACK = 1>
+struct TileOutput {
+    T* out;               // out [0][head0]
+    float* lse;           // lse [head0][0]
+    int64_t out_stride;   // Hq D: one position further
+    int64_t lse_stride;   // Tq: one head further
+    int first;            // the tile's first packed row
+    int rows;
+
+    __device__ __forceinline__ T* row(int r) const {
+        return out + static_cast<int64_t>(first + r / PACK) * out_stride + (r % PACK) * D;
+    }
+    __device__ __forceinline__ float* lse_at(int r) const {
+        return lse + static_cast<int64_t>(r % PACK) * lse_stride + (first + r / PACK);
+    }
+};
+
+template <typename T, int D, int PACK = 1>
+__device__ __forceinline__ TileOutput<T, D, PACK> tile_output(T* out, float* lse,
+                                                              const PlanView& plan,
+                                                              const CallParams& call,
+                                                              const TileInfo& tile, int head0) {
+    return TileOutput<T, D, PACK>{out + static_cast<int64_t>(head0) * D,
+                                  lse + static_cast<int64_t>(head0) * plan.rows_q,
+                                  static_cast<int64_t>(call.Hq) * D, plan.rows_q, tile.row,
+                                  tile.rows * PACK};
+}
+
 // O / l of this warp's rows, through its rows of the Q buffer, and their natural-log lse (one
 // lane per quad writes it), both NaN for a row that saw a NaN or inf; rows past the tile are
 // not written.
-template <typename T, int D, int STRIDE, int MT>
+template <typename T, int D, int STRIDE, int MT, int PACK>
 __device__ __forceinline__ void store_output(const float (&acc_o)[MT][D / 8][4],
                                              const OnlineSoftmax (&softmax)[MT], T* s_stage,
-                                             const HeadRows<T>& out, float* p_lse,
-                                             const TileInfo& tile, const WarpSlot& w) {
+                                             const TileOutput<T, D, PACK>& dst,
+                                             const WarpSlot& w) {
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         float inv_l[2], row_lse[2];
         softmax[mt].finish(acc_o[mt], inv_l, row_lse);
         const int row0 = w.row0 + WARP_ROWS * mt;
-        store_rows<T, D / 8, STRIDE>(acc_o[mt], inv_l, s_stage, row0, out, tile.row, tile.rows,
-                                     w.lane);
+        store_rows<T, D / 8, STRIDE>(acc_o[mt], inv_l, s_stage, row0, dst, 0, dst.rows, w.lane);
         const int r = row0 + w.lane / 4;
         if (w.lane % 4 == 0) {
-            if (r < tile.rows) p_lse[tile.row + r] = row_lse[0];
-            if (r + 8 < tile.rows) p_lse[tile.row + r + 8] = row_lse[1];
+            if (r < dst.rows) *dst.lse_at(r) = row_lse[0];
+            if (r + 8 < dst.rows) *dst.lse_at(r + 8) = row_lse[1];
         }
     }
 }
@@ -229,7 +259,6 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
             c_to_a<T>(a, acc_s[mt], kk);
         }, kv.v_at(stage), 0, w.lane);
     });
-    store_output<T, D, Cfg::STRIDE>(acc_o, softmax, s_q, head_rows<D>(out, call.Hq, b.i_head),
-                                    lse + static_cast<int64_t>(b.i_head) * plan.rows_q, b.tile,
-                                    w);
+    store_output<T, D, Cfg::STRIDE>(acc_o, softmax, s_q,
+                                    tile_output<T, D>(out, lse, plan, call, b.tile, b.i_head), w);
 }

@@ -6,8 +6,9 @@
 // docs/hopper.md, "The sm_90a forward", has the design and the schedule.
 //
 // Persistent: a 1D grid of at most (SMs x CTAs per SM) blocks, each looping over the work items
-// (query tile slot, head) in varlen_fwd's order (reverse slot order: heaviest tiles of a
-// sequence first; WorkItem), block b taking items b, b + gridDim.x, b + 2 gridDim.x, ... (a
+// (query tile slot, head; or head group under GQA packing: PACK heads of one key head as the
+// rows of a tile, FwdSm90Config::PACK) in varlen_fwd's order (reverse slot order: heaviest
+// tiles of a sequence first; WorkItem), block b taking items b, b + gridDim.x, ... (a
 // static stride: no counter to zero, no extra launch). Unused slots (seq -1) are skipped by
 // every warpgroup alike. Before its items each block writes the rows of no query tile (out 0,
 // lse -inf) of the pad windows it owns, the last blocks first (they get the lighter items of
@@ -51,12 +52,16 @@ namespace varlen {
 // (D <= 128), 64 at D = 256.
 __host__ __device__ constexpr int sm90_key_chunk(int d) { return d <= 128 ? 128 : 64; }
 
-template <int D_, int BM_, int BN_, int KN_>
+template <int D_, int BM_, int BN_, int KN_, int PACK_ = 1>
 struct FwdSm90Config {
     static constexpr int D = D_;
-    static constexpr int BM = BM_;
+    static constexpr int BM = BM_;                       // rows of a tile (wgmma M per consumer)
     static constexpr int BN = BN_;                       // the plan's key tiles
     static constexpr int KN = KN_;                       // rows of a key chunk, a K or V stage
+    // Query heads per position in a tile: 1, or PACK heads of one key head packed into the M
+    // of a tile of BM / PACK positions (the plan's query tiles), its row r position r / PACK of
+    // head r % PACK ("GQA packing" in docs/hopper.md)
+    static constexpr int PACK = PACK_;
     static constexpr int WG_THREADS = 128;               // a warpgroup: 4 warps
     static constexpr int WG_ROWS = 64;                   // the M of wgmma
     static constexpr int NUM_CONSUMERS = BM / WG_ROWS;
@@ -105,6 +110,9 @@ struct FwdSm90Config {
     static_assert(BN % KN == 0 || KN == 2 * BN,
                   "a key chunk is a part of a plan tile or two of them");
     static_assert(D == 64 || D == 128 || D == 256, "head dim in boxes of 64, wgmma N of P V");
+    static_assert(PACK == 1 || PACK == 2 || PACK == 4 || PACK == 8,
+                  "packed heads: a power of two up to 8 (the Q box's heads, row g + 8 a whole "
+                  "step on)");
     static_assert(PRODUCER_REGS + NUM_CONSUMERS * CONSUMER_REGS <=
                       (1 + NUM_CONSUMERS) * ENTRY_REGS,
                   "the register split must fit the registers the block is launched with");
@@ -157,27 +165,31 @@ struct Sm90Ring {
     __device__ __forceinline__ void next_item() { ++item; }
 };
 
-// The work items of this block. Pair p = i_tile * Hq + i_head of the num_q_tiles x Hq (tile
-// slot, head) pairs is item num - 1 - p: slots in reverse order, as varlen_fwd takes them (a
-// sequence's later query tiles see more keys under a causal mask, so its heaviest tiles start
-// first; the unused slots, at the end of the table, are skipped first), the heads of a slot
-// together. Block b takes items b, b + gridDim.x, b + 2 gridDim.x, ... (num is recomputed
-// from the kernel's parameters at each use, not held in a register)
+// The work items of this block. Pair p = i_tile * G + i_group of the num_q_tiles x G (tile
+// slot, head group) pairs is item num - 1 - p: slots in reverse order, as varlen_fwd takes
+// them (a sequence's later query tiles see more keys under a causal mask, so its heaviest
+// tiles start first; the unused slots, at the end of the table, are skipped first), the heads
+// of a slot together. A group is PACK consecutive query heads (G = Hq / PACK), all of one key
+// head. Block b takes items b, b + gridDim.x, b + 2 gridDim.x, ... (num is recomputed from the
+// kernel's parameters at each use, not held in a register)
+template <int PACK>
 struct WorkItem {
     int index = static_cast<int>(blockIdx.x);
 
+    __device__ __forceinline__ static int groups(const CallParams& call) { return call.Hq / PACK; }
     __device__ __forceinline__ static int num(const PlanView& plan, const CallParams& call) {
-        return plan.num_q_tiles * call.Hq;
+        return plan.num_q_tiles * groups(call);
     }
     __device__ __forceinline__ bool valid(const PlanView& plan, const CallParams& call) const {
         return index < num(plan, call);
     }
     __device__ __forceinline__ void advance() { index += static_cast<int>(gridDim.x); }
     __device__ __forceinline__ int tile(const PlanView& plan, const CallParams& call) const {
-        return (num(plan, call) - 1 - index) / call.Hq;
+        return (num(plan, call) - 1 - index) / groups(call);
     }
+    // the group's first query head
     __device__ __forceinline__ int head(const PlanView& plan, const CallParams& call) const {
-        return (num(plan, call) - 1 - index) % call.Hq;
+        return (num(plan, call) - 1 - index) % groups(call) * PACK;
     }
 };
 
@@ -309,7 +321,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
     constexpr int STAGES = Cfg::STAGES;
     const int t = threadIdx.x;
     Sm90Ring ring;
-    for (WorkItem work; work.valid(plan, call); work.advance()) {
+    for (WorkItem<Cfg::PACK> work; work.valid(plan, call); work.advance()) {
         const int i_tile = work.tile(plan, call);
         const TileInfo tile = load_tile(plan.q_tiles, i_tile);
         if (tile.seq < 0) continue;
@@ -417,8 +429,8 @@ __device__ __forceinline__ void rescale(float (&acc_o)[NO][4], const float (&cor
 //     deferred); wait<0>; release V_j; rescale O; P_{j+1}
 //   release Q; O += P_{n-1} V_{n-1}; wait; release V_{n-1}
 // then O / l and lse through store_output. With two consumers each block of issues runs on the
-// warpgroup's turn (PingPong). `w` is the warp's slot among the consumer warps. Moves `ring`
-// past the item.
+// warpgroup's turn (PingPong). `w` is the warp's slot among the consumer warps, `i_head` the
+// item's first query head (of PACK). Moves `ring` past the item.
 template <typename T, typename Cfg, bool HAS_SOFTCAP>
 __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm, T* out,
                                                      float* lse, const PlanView& plan,
@@ -440,6 +452,10 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
     auto& o_frag = reinterpret_cast<float (&)[D / 2]>(acc_o);
     auto& s_frag = reinterpret_cast<float (&)[KN / 2]>(acc_s);
     const PingPong<Cfg> turn{c_wg};
+    // the mask of this warp's rows against a key chunk
+    const auto rows_mask = [&](const Chunk& c) {
+        return query_rows_mask<Cfg::PACK>(pol, tile.pos, w, c);
+    };
 
     sm90::mbar_wait(sm.q_full(), ring.q_parity());
     PartnerCursor<Cfg::KN> keys = key_cursor<Cfg::KN>(plan, i_tile);
@@ -458,8 +474,7 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
         sm90::wgmma_fence_operand(s_frag);
         sm90::mbar_arrive(sm.k_empty(i % STAGES));
         float corr[2];
-        softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr,
-                                      query_rows_mask(pol, tile.pos, w, keys.chunk()), call,
+        softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr, rows_mask(keys.chunk()), call,
                                       w.lane);
         #pragma unroll
         for (int j = 0; j < KN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
@@ -482,9 +497,8 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
             sm90::wgmma_wait<1>();
             sm90::wgmma_fence_operand(s_frag);
             sm90::mbar_arrive(sm.k_empty(n % STAGES));
-            softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr,
-                                          query_rows_mask(pol, tile.pos, w, keys.chunk()), call,
-                                          w.lane);
+            softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr, rows_mask(keys.chunk()),
+                                          call, w.lane);
             sm90::wgmma_wait<0>();
             sm90::wgmma_fence_operand(o_frag);
             sm90::wgmma_fence_operand(p_frag);
@@ -511,8 +525,10 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
         sm90::mbar_arrive(sm.q_empty());
     }
     store_output<T, D, Cfg::OUT_STRIDE>(reinterpret_cast<const float (&)[1][D / 8][4]>(acc_o),
-                                        softmax, sm.out(), head_rows<D>(out, call.Hq, i_head),
-                                        lse + static_cast<int64_t>(i_head) * plan.rows_q, tile, w);
+                                        softmax, sm.out(),
+                                        tile_output<T, D, Cfg::PACK>(out, lse, plan, call, tile,
+                                                                     i_head),
+                                        w);
     // the warp's rows of the output stage were read back by other lanes: the next item's
     // staging must follow those reads
     __syncwarp();
@@ -530,7 +546,7 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
                                                  c_wg * Cfg::WG_ROWS * Cfg::BOX_ROW_BYTES,
                                              0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
     Sm90Ring ring;
-    for (WorkItem work; work.valid(plan, call); work.advance()) {
+    for (WorkItem<Cfg::PACK> work; work.valid(plan, call); work.advance()) {
         const int i_tile = work.tile(plan, call);
         const TileInfo tile = load_tile(plan.q_tiles, i_tile);
         if (tile.seq < 0) continue;
@@ -544,18 +560,21 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
 using namespace varlen;
 
 // Tensor maps (made by the launcher, varlen/backends/_cupy_sm90.py): 3D over the packed arrays,
-// dims (D, H, T) innermost first, box (64, 1, BM) for Q and (64, 1, KN) for K and V, 128B
-// swizzle, zero fill past row T. BN is the plan's key tile, KN the key chunk. Grid (G, 1) with
-// G <= num_q_tiles x Hq work items (at most the SMs x CTAs per SM, at least 1).
-template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN = sm90_key_chunk(D)>
-__global__ void __launch_bounds__(FwdSm90Config<D, BM, BN, KN>::NUM_THREADS, 1)
+// dims (D, H, T) innermost first, box (64, PACK, BM / PACK) for Q (PACK heads of BM / PACK
+// positions: row r of the box is position r / PACK of head r % PACK, the plan's query tiles
+// being BM / PACK rows) and (64, 1, KN) for K and V, 128B swizzle, zero fill past row T. BN is
+// the plan's key tile, KN the key chunk. PACK divides Hq / Hk. Grid (G, 1) with
+// G <= num_q_tiles x Hq / PACK work items (at most the SMs x CTAs per SM, at least 1).
+template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN = sm90_key_chunk(D),
+          int PACK = 1>
+__global__ void __launch_bounds__(FwdSm90Config<D, BM, BN, KN, PACK>::NUM_THREADS, 1)
 varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D]
                 const __grid_constant__ sm90::TensorMap map_k,   // k [Tk, Hk, D]
                 const __grid_constant__ sm90::TensorMap map_v,   // v [Tk, Hk, D]
                 T* __restrict__ out,                             // [Tq, Hq, D]
                 float* __restrict__ lse,                         // [Hq, Tq]
                 const PlanView plan, const CallParams call) {
-    using Cfg = FwdSm90Config<D, BM, BN, KN>;
+    using Cfg = FwdSm90Config<D, BM, BN, KN, PACK>;
     // The rows of no tile (as varlen_fwd's pad blocks, whose windows the block takes in turn:
     // pad block i_pad of a grid of one row of blocks), by the whole block before its items.
     // Block G - 1 - b takes the windows b, b + G, ...: the last blocks, whose items are the

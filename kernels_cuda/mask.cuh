@@ -57,18 +57,21 @@ __device__ __forceinline__ Band query_band(const SeqPolicy& pol, int j, int q_lo
 // The mask of a warp's [16, N] tile in C-fragment layout, whose columns are one partner chunk:
 // rows are queries and columns keys (forward, dQ), or, transposed, rows are keys and columns
 // queries (dK/dV). A lane holds rows g and g + 8 (`half` 0 and 1); `band(half)` gives the
-// column positions its row sees, computed once per row, and `visible` tests one column.
+// column positions its row sees, computed once per row, and `visible` tests one column. In a
+// tile of packed query heads (fwd_sm90's PACK heads per position) row g + 8 is 8 / PACK
+// positions further (none at PACK = 16).
 template <bool ROWS_ARE_KEYS>
 struct TileMask {
     SeqPolicy pol;
-    int row_pos;      // global position of this lane's row g; row g + 8 is 8 further
+    int row_pos;      // global position of this lane's row g
     int rows_left;    // rows of the tile present from row g on (key rows past them see nothing)
     int col_pos0;     // global position of column 0
     int cols;         // columns present
     bool partial;     // false: every pair of the tile is visible and nothing is tested
+    int half_step = 8;  // positions from row g to row g + 8
 
     __device__ __forceinline__ Band band(int half) const {
-        const int pos = row_pos + 8 * half;
+        const int pos = row_pos + half_step * half;
         const int col_last = col_pos0 + cols - 1;
         if constexpr (ROWS_ARE_KEYS) {
             if (8 * half >= rows_left) return Band{1, 0};
@@ -83,14 +86,18 @@ struct TileMask {
     }
 };
 
-// Rows are the queries of a tile at position q_pos0 + row0 on (forward, dQ), in m16 tile
-// `m_tile` of the warp's rows; `keys` the chunk. Query rows past the tile need no mask: nothing
-// of them is written.
+// Rows are the queries of a tile at position q_pos0 on (forward, dQ), in m16 tile `m_tile` of
+// the warp's rows; `keys` the chunk. With PACK > 1 (a power of two) the tile holds PACK query
+// heads per position: its row r is position q_pos0 + r / PACK. Query rows past the tile need no
+// mask: nothing of them is written.
+template <int PACK = 1>
 __device__ __forceinline__ TileMask<false> query_rows_mask(const SeqPolicy& pol, int q_pos0,
                                                            const WarpSlot& w, const Chunk& keys,
                                                            int m_tile = 0) {
-    return TileMask<false>{pol, q_pos0 + w.row0 + WARP_ROWS * m_tile + w.lane / 4, WARP_ROWS,
-                           keys.pos, keys.rows, !keys.full};
+    static_assert(PACK >= 1 && PACK <= 16 && (PACK & (PACK - 1)) == 0,
+                  "packed rows: a power of two of heads per position, row g + 8 a whole step on");
+    return TileMask<false>{pol, q_pos0 + (w.row0 + WARP_ROWS * m_tile + w.lane / 4) / PACK,
+                           WARP_ROWS, keys.pos, keys.rows, !keys.full, 8 / PACK};
 }
 
 // Rows are the keys of a tile of BN rows (dK/dV); `queries` the chunk. A ragged key tile is

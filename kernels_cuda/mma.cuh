@@ -280,10 +280,11 @@ __device__ __forceinline__ void stage_rows(const float (&acc)[NB][4], const floa
 
 // Writes a warp's [16, D = 8 NB] fp32 tile, scaled per row, to rows row .. row + 15 of a head
 // (those < valid_rows) through the warp's rows row0.. of a padded shared tile, in 16-byte
-// stores. Only this warp touches these shared rows; nobody else reads them any more.
-template <typename T, int NB, int STRIDE>
+// stores. Only this warp touches these shared rows; nobody else reads them any more. `Rows`
+// gives the address of a row (`row(r)`): HeadRows, or a forward tile's TileOutput.
+template <typename T, int NB, int STRIDE, typename Rows>
 __device__ __forceinline__ void store_rows(const float (&acc)[NB][4], const float (&row_scale)[2],
-                                           T* s_stage, int row0, const HeadRows<T>& dst, int row,
+                                           T* s_stage, int row0, const Rows& dst, int row,
                                            int valid_rows, int lane) {
     stage_rows<T, NB, STRIDE>(acc, row_scale, s_stage, row0, lane);
     __syncwarp();

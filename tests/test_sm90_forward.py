@@ -96,13 +96,36 @@ CASES = {
         lengths_q=[130, 1, 0, 60], lengths_k=[250, 1, 0, 60], Hq=2, Hk=1, D=256,
         dtype="bfloat16", mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64,
         nan_in_pad=True, ctas=2),
+    # GQA packing (`pack` query heads of one key head per position, the plan's query tiles
+    # block_m / pack rows; "auto": the launcher's choice, `expect_pack`). Decoding-like: one to
+    # three queries per sequence against up to 200 keys, GQA 8:2 packed by 4 (two consumer
+    # warpgroups, 32 positions per tile), a zero-length sequence, NaN in every row outside a
+    # sequence and in one visible key, bottom-right causal
+    "G6-fp16-D64-BM128-pack4-decode-nan-key": dict(
+        lengths_q=[1, 1, 0, 3, 2, 1], lengths_k=[50, 130, 0, 3, 200, 1], Hq=8, Hk=2, D=64,
+        dtype="float16", mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=128,
+        nan_in_pad=True, nan_in_key=4, pack="auto", expect_pack=4),
+    # packed by 2 at D = 128 (one consumer warpgroup, tiles of 32 positions: rows g and g + 8
+    # 4 positions apart), per-sequence full / causal / sliding masks over sequences longer than
+    # a tile, a softcap
+    "G4-bf16-D128-BM64-pack2-mixed-softcap": dict(
+        lengths_q=[5, 70, 17, 45], lengths_k=[9, 70, 80, 100], Hq=4, Hk=2, D=128,
+        dtype="bfloat16", mask=("mixed",), gaps=True, softcap=5.0, block_m=64, nan_in_pad=True,
+        pack=2),
+    # packed by 8 (GQA 8:1, tiles of 16 positions: rows g and g + 8 one position apart), causal
+    # top-left with sequences of 1 to 3 tiles, two blocks of the persistent loop
+    "G4-bf16-D64-BM128-pack8-causal-2ctas": dict(
+        lengths_q=[20, 7, 1, 40], lengths_k=[20, 7, 1, 40], Hq=8, Hk=1, D=64,
+        dtype="bfloat16", mask="causal", gaps=True, softcap=0.0, block_m=128, nan_in_pad=True,
+        pack=8, ctas=2),
 }
 # the pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their boxes,
 # 16 work items (2 of an unused slot) over 3 blocks
 PIPELINE = "B7-bf16-D64-BM128-chunks-1-2-3-6"
 # the persistent loop's case: 21 work items (3 of an unused slot) over 2 blocks
 PERSISTENT = "P6-bf16-D64-BM128-2ctas-gqa-mixed"
-QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan", PERSISTENT]
+PACKED = "G6-fp16-D64-BM128-pack4-decode-nan-key"
+QUICK = ["B4-fp16-D64-BM64-causal-gaps-nan", PERSISTENT, PACKED]
 
 
 def _mask(spec, B):
@@ -130,6 +153,7 @@ def run_case(label: str, device: bool = False) -> float:
     nan_in_pad, nan_in_key = c.pop("nan_in_pad"), c.pop("nan_in_key", False)
     block_m, block_n = c["block_m"], c.pop("block_n", 64)
     ctas = c.pop("ctas", _cupy_sm90.EMULATED_SM_COUNT)
+    pack, expect_pack = c.pop("pack", 1), c.pop("expect_pack", None)
     if not device:
         _cupy_emulation.install_fake_cupy(block_m)
         rt = _cupy_sm90.EmulatedRuntime(sm_count=ctas)
@@ -162,14 +186,22 @@ def run_case(label: str, device: bool = False) -> float:
         import cupy
         q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
     t0 = time.perf_counter()
-    out, lse = _cupy_sm90.forward(plan, q, k, v, softmax_scale=scale, softcap=c["softcap"])
+    chosen = None if pack == "auto" else pack
+    if pack == "auto":
+        pack = _cupy_sm90.pack_for(plan, q.shape[0], c["Hq"], c["Hk"], block_m)
+        assert pack == expect_pack, (label, pack, expect_pack)
+    out, lse = _cupy_sm90.forward(plan, q, k, v, softmax_scale=scale, softcap=c["softcap"],
+                                  pack=chosen)
     if device:
         cupy.cuda.Device().synchronize()
         out, lse = cupy.asnumpy(out), cupy.asnumpy(lse)
     seconds = time.perf_counter() - t0
     if not device:
-        # one launch of min(work items, SMs) blocks: with fewer SMs than items, blocks loop
-        items = plan.num_q_tiles * c["Hq"]
+        # one launch of min(work items, SMs) blocks: with fewer SMs than items, blocks loop;
+        # packed, over the plan of block_m / pack query rows, a work item per group of heads
+        kplan = _cupy_sm90.packed_plan(plan, pack)
+        assert kplan.block_m == block_m // pack, (label, kplan.block_m)
+        items = kplan.num_q_tiles * (c["Hq"] // pack)
         assert rt.grids == [(max(1, min(items, ctas)), 1)], (label, rt.grids, items)
     want_out, want_lse = b.ref_forward(softmax_scale=scale, softcap=c["softcap"])
     want_out, want_lse = np.asarray(want_out), np.asarray(want_lse)
@@ -214,7 +246,8 @@ def test_sm90_forward_on_host_emulation(label):
 
 def _specs():
     """The default key chunk (128 at D <= 128, 64 at D = 256) over plans of 64- and 128-row key
-    tiles, every dtype, D, BM and softcap; and chunks of 64 at D <= 128 for comparison."""
+    tiles, every dtype, D, BM and softcap; chunks of 64 at D <= 128 for comparison; query heads
+    packed by 2, 4 and 8 under a softcap."""
     from varlen.backends._cupy_sm90 import Sm90Spec
     return ([Sm90Spec(dt, d, bm, 64, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
              for bm in (64, 128) for sc in (False, True)] +
@@ -224,7 +257,10 @@ def _specs():
              for sc in (False, True)] +
             [Sm90Spec("bfloat16", 256, 64, 128, False)] +
             [Sm90Spec("bfloat16", d, bm, 64, False, key_chunk=64) for d in (64, 128)
-             for bm in (64, 128)])
+             for bm in (64, 128)] +
+            [Sm90Spec("bfloat16", d, bm, 64, True, pack=p) for d in (64, 128) for bm in (64, 128)
+             for p in (2, 4, 8)] +
+            [Sm90Spec("float16", 256, 64, 64, True, pack=2)])
 
 
 def test_sm90_spec_rejects_what_the_kernel_does_not_take():
@@ -232,7 +268,8 @@ def test_sm90_spec_rejects_what_the_kernel_does_not_take():
     for bad in (dict(dtype="float32"), dict(head_dim=96), dict(block_m=32), dict(block_n=32),
                 dict(head_dim=256, block_m=128),      # 259 KiB of shared memory
                 dict(head_dim=256, key_chunk=128),    # 322 KiB
-                dict(block_n=128, key_chunk=256), dict(key_chunk=32)):
+                dict(block_n=128, key_chunk=256), dict(key_chunk=32), dict(pack=3),
+                dict(pack=16)):
         kw = {**dict(dtype="bfloat16", head_dim=64, block_m=64, block_n=64, softcap=False), **bad}
         with pytest.raises(ValueError):
             Sm90Spec(**kw)
@@ -249,6 +286,65 @@ def test_sm90_forward_compiles_for_sm90a_within_budget():
         assert u["registers"] * u["threads"] <= 65536, f"{name}: registers exceed an SM: {u}"
         assert u["smem"] + u["static_smem"] <= OPTIN_SMEM, f"{name}: shared memory {u}"
         assert not u["warnings"], f"{name}: ptxas warnings (setmaxnreg ignored?) {u['warnings']}"
+
+
+def test_sm90_gqa_packing_is_chosen_where_it_fills_the_tiles():
+    """`choose_pack` doubles the heads packed per position while the estimated fill of the
+    tiles' rows grows by PACK_GAIN: decoding (one query per sequence) packs as far as the group
+    and MAX_PACK allow, long sequences not at all, lengths in between part way; `pack_for`
+    refuses a pack that does not divide the group or the tile."""
+    import types
+    from varlen.backends._cupy_sm90 import MAX_PACK, choose_pack, pack_for, row_fill
+    assert MAX_PACK == 8
+    assert row_fill(64, 64, 128) == 1 / 128 and row_fill(0, 3, 128) == 1.0
+    # 64 sequences of 128 rows: 64 + 64 x 127 / 256 = 95.75 tiles expected (lengths unknown)
+    assert row_fill(64 * 128, 64, 128) == 64 * 128 / (95.75 * 128)
+    assert row_fill(64 * 128, 64, 128) < row_fill(64 * 128, 64, 64) < 1
+    for group, want in ((1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 8), (16, 8)):
+        assert choose_pack(64, 64, group, 128) == want, (group, want)   # 64 one-row sequences
+    assert choose_pack(64, 64, 8, 64) == 8
+    # 8 sequences of mean length L, GQA 8:1, 128-row tiles: estimated fill by pack 1, 2, 4, 8
+    assert choose_pack(8 * 8192, 8, 8, 128) == 1          # 0.99 -> 1.00
+    assert choose_pack(8 * 1000, 8, 8, 128) == 1          # 0.94 -> 0.97: < 10 %
+    assert choose_pack(8 * 300, 8, 8, 128) == 1           # 0.83 -> 0.91: 9.7 %
+    assert choose_pack(8 * 200, 8, 8, 128) == 2           # 0.76 -> 0.86 -> 0.93: 7 %
+    assert choose_pack(8 * 100, 8, 8, 128) == 4           # 0.61 -> 0.76 -> 0.87 -> 0.93: 7 %
+    plan = types.SimpleNamespace(batch=64, q=types.SimpleNamespace(per_seq=1))
+    assert pack_for(plan, 64, 8, 2, 128) == 4
+    assert pack_for(plan, 64, 8, 2, 128, pack=2) == 2
+    for bad in (3, 8, 16, 0):
+        with pytest.raises(ValueError, match="packed per position"):
+            pack_for(plan, 64, 8, 2, 128, pack=bad)
+
+
+def test_sm90_cubins_are_kept_on_disk_between_processes(tmp_path, monkeypatch):
+    """`cubin_path` builds a kernel's cubin once into the cache folder and serves it after that
+    without NVRTC; other build options (a kernel source changed: they carry its hash) make
+    another key. `warm` builds in worker processes; `dispatched_specs` lists every variant the
+    backend can run under VARLEN_CUPY_PATH=sm90a with its default tiles, packs included."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
+    from varlen.backends import _cupy_compile, _cupy_sm90
+    from varlen.backends._cupy_sm90 import CACHE_ENV, Sm90Spec, cubin_path, dispatched_specs
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    specs = dispatched_specs()
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names)) == 72
+    assert {s.pack for s in specs if isinstance(s, Sm90Spec)} == {1, 2, 4, 8}
+    assert _cupy_sm90.warm(2, specs[:2]) == 2
+    assert len(list(tmp_path.glob("*.cubin"))) == 2
+    path, lowered = cubin_path(names[0])
+    assert path.startswith(str(tmp_path)) and lowered.startswith("_Z15varlen_fwd_sm90")
+    with open(path, "rb") as f:
+        assert f.read(4) == b"\x7fELF"
+
+    def no_build(*a, **k):
+        raise AssertionError("built again")
+    monkeypatch.setattr(_cupy_compile, "build_program", no_build)
+    assert cubin_path(names[0]) == (path, lowered)
+    options = _cupy_compile.program_options
+    monkeypatch.setattr(_cupy_compile, "program_options", lambda arch: [*options(arch), "-DX"])
+    with pytest.raises(AssertionError, match="built again"):
+        cubin_path(names[0])
 
 
 def test_sm90_persistent_grid_is_one_block_per_sm_at_most():
@@ -338,9 +434,16 @@ def test_sm90_forward_under_landing_schedules(label, schedule, seed):
 MUTATIONS = {
     "no-v-row-zeroing": ("        if (r < rows && !bad) continue;", "        continue;",
                          QUICK[0], "NaN pattern of out differs"),
-    "no-mask": ("query_rows_mask(pol, tile.pos, w, keys.chunk())",
-                "query_rows_mask(pol, tile.pos, w, full_chunk(keys.chunk()))",
+    "no-mask": ("query_rows_mask<Cfg::PACK>(pol, tile.pos, w, c)",
+                "query_rows_mask<Cfg::PACK>(pol, tile.pos, w, full_chunk(c))",
                 "B3-bf16-D64-BM64-mixed-masks-gqa", "differs"),
+    # GQA packing: a packed row's mask taken at position row (not row / pack), its output
+    # written as an unpacked tile's
+    "pack-mask-by-row": ("query_rows_mask<Cfg::PACK>(pol, tile.pos, w, c)",
+                         "query_rows_mask<1>(pol, tile.pos, w, c)",
+                         "G4-bf16-D128-BM64-pack2-mixed-softcap", "max abs error"),
+    "pack-store-unpacked": ("tile_output<T, D, Cfg::PACK>(", "tile_output<T, D, 1>(", PACKED,
+                            "differs"),
     "no-v-empty-wait": ("    sm90::mbar_wait(sm.v_empty(s), parity ^ 1u);\n", "",
                         PIPELINE, "mbarrier"),
     "no-deferred-rescale": ("            rescale(acc_o, corr);\n", "", PIPELINE, "max abs error"),
@@ -448,6 +551,51 @@ def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
                                                      match=r"sm_90a forward.*D = 64, 128 or 256"):
         assert BACKEND.forward(plan, q96, q96, q96, **call) == "mma"
     assert ran == ["mma", "sm90a", "mma"]
+
+
+def test_sm90a_becomes_the_default_on_sm90_by_one_switch(monkeypatch):
+    """`DEFAULT_ON_SM90` (False until the GPU check has passed on a GPU): with it, an unset
+    VARLEN_CUPY_PATH runs the sm_90a kernels on compute capability 9.0 only, silently falling
+    back where they have no variant; `mma` keeps the mma.sync kernels; another value is refused
+    with the variable's name and the values it takes."""
+    from varlen.backends import _cupy_kernels, _cupy_sm90, _cupy_sm90_bwd
+    from varlen.backends._cupy_spec import DeviceInfo
+    from varlen.backends.cupy_backend import BACKEND
+    assert _cupy_sm90.DEFAULT_ON_SM90 is False      # no GPU has passed scripts/gpu_check.sh
+    ran = []
+    monkeypatch.setattr(_cupy_sm90, "forward", lambda *a, **k: ran.append("sm90a") or "sm90a")
+    monkeypatch.setattr(_cupy_kernels, "forward", lambda *a, **k: ran.append("mma") or "mma")
+    monkeypatch.setattr(_cupy_sm90_bwd, "backward", lambda *a, **k: "sm90a")
+    monkeypatch.setattr(_cupy_kernels, "backward", lambda *a, **k: "mma")
+    monkeypatch.setattr(BACKEND, "_require_fit", lambda *a: None)
+    q = np.zeros((4, 2, 64), np.float16)
+    q96 = np.zeros((4, 2, 96), np.float16)
+    plan = type("P", (), {"block_m": 64, "block_n": 64})()
+    h100 = DeviceInfo((9, 0), 227 * 1024, "NVIDIA H100")
+    l40 = DeviceInfo((8, 9), 99 * 1024, "NVIDIA L40S")
+    call = dict(softmax_scale=0.125, softcap=0.0)
+    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
+
+    def fwd(device, x=q):
+        with BACKEND.stand_in_device(device):
+            return BACKEND.forward(plan, x, x, x, **call)
+
+    def bwd(device):
+        with BACKEND.stand_in_device(device):
+            return BACKEND.backward(plan, q, q, q, q, q, None, **call)
+    assert fwd(h100) == "mma" and bwd(h100) == "mma"
+    monkeypatch.setattr(_cupy_sm90, "DEFAULT_ON_SM90", True)
+    assert fwd(h100) == "sm90a" and bwd(h100) == "sm90a"
+    assert fwd(l40) == "mma" and bwd(l40) == "mma"              # no error off sm_90
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fwd(h100, q96) == "mma"                          # no variant: silently
+    monkeypatch.setenv("VARLEN_CUPY_PATH", "mma")
+    assert fwd(h100) == "mma" and bwd(h100) == "mma"
+    monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90")
+    with pytest.raises(ValueError, match=r"VARLEN_CUPY_PATH='sm90'.*'sm90a', 'mma' or unset"):
+        fwd(h100)
 
 
 if __name__ == "__main__":

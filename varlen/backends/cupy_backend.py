@@ -175,12 +175,26 @@ class CupyBackend(Backend):
                 f"{_cupy_sm90.ENV_PATH}=sm90a runs wgmma/TMA kernels built for sm_90a "
                 f"(H100/H200); this GPU is {why or device.describe()}: unset it")
 
+    def _compute_capability(self):
+        device, _ = self.device()
+        return None if device is None else device.compute_capability
+
     def _sm90_variant(self, module, what, plan, q, softcap) -> bool:
-        """Under `VARLEN_CUPY_PATH=sm90a`: True when `module` (the sm_90a forward or backward)
-        has a variant for this call, after checking the GPU (`_require_sm90`); else the
-        mma.sync kernels run the call, as on every other GPU, with a RuntimeWarning that names
-        what the sm_90a kernels do not take (Python's default filter shows each once)."""
+        """Whether the sm_90a `module` (forward or backward) runs this call. Under
+        `VARLEN_CUPY_PATH=sm90a`: when it has a variant for it, after checking the GPU
+        (`_require_sm90`); else the mma.sync kernels run the call, as on every other GPU, with a
+        RuntimeWarning that names what the sm_90a kernels do not take (Python's default filter
+        shows each once). Unset, on an sm_90 GPU once the sm_90a kernels are the default there
+        (`_cupy_sm90.by_default`): when it has a variant, silently otherwise. `mma`: never."""
         from . import _cupy_sm90
+        if not _cupy_sm90.selected():
+            if not _cupy_sm90.by_default(self._compute_capability):
+                return False
+            try:
+                module.spec_for(plan, q, softcap)
+            except ValueError:
+                return False
+            return True
         self._require_sm90()
         try:
             module.spec_for(plan, q, softcap)
@@ -196,7 +210,7 @@ class CupyBackend(Backend):
         With `VARLEN_CUPY_PATH=sm90a` the sm_90a kernel runs it (`_cupy_sm90`, opt-in until
         a GPU has passed scripts/gpu_check.sh); it refuses any GPU but compute capability 9.0."""
         from . import _cupy_kernels, _cupy_sm90
-        if _cupy_sm90.selected() and self._sm90_variant(_cupy_sm90, "forward", plan, q, softcap):
+        if self._sm90_variant(_cupy_sm90, "forward", plan, q, softcap):
             return _cupy_sm90.forward(plan, q, k, v, softmax_scale=softmax_scale,
                                       softcap=softcap)
         spec = spec_for(plan, q, kind="fwd", softcap=softcap)
@@ -211,9 +225,8 @@ class CupyBackend(Backend):
         repeatable).
         With `VARLEN_CUPY_PATH=sm90a` both modes run the sm_90a dK/dV kernel
         (`_cupy_sm90_bwd`)."""
-        from . import _cupy_kernels, _cupy_sm90, _cupy_sm90_bwd
-        if (_cupy_sm90.selected()
-                and self._sm90_variant(_cupy_sm90_bwd, "backward", plan, q, softcap)):
+        from . import _cupy_kernels, _cupy_sm90_bwd
+        if self._sm90_variant(_cupy_sm90_bwd, "backward", plan, q, softcap):
             return _cupy_sm90_bwd.backward(plan, dout, q, k, v, out, lse,
                                            softmax_scale=softmax_scale, softcap=softcap,
                                            deterministic=bool(deterministic))
