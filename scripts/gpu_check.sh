@@ -8,6 +8,8 @@
 #   scripts/gpu_check.sh --cupy     # the same (scripts/gpu_check_cupy.sh)
 #   scripts/gpu_check.sh --numba    # the Numba suite instead: tests/numba, the other `gpu`
 #                                   # tests, scripts/bench_numba.py --quick
+#   scripts/gpu_check.sh --sm90a    # the sm_90a kernels (H100/H200 only; docs/hopper.md):
+#                                   # steps sm90_* below, bench_sm90a.json
 #
 # Steps, each under its own timeout (a hang costs that step, not the run; limits add up to
 # 450 s):
@@ -24,6 +26,21 @@
 #               compiled flex_attention against this backend at 8k and 16k tokens per sequence
 #               (bf16, D=128, 16 heads; parity-gated), with the measured bf16 matmul peak, each
 #               figure beside the performance model's prediction (docs/cupy_backend.md)
+# --sm90a (limits add up to 490 s; every step that runs varlen under VARLEN_CUPY_PATH=sm90a):
+#   install      as above
+#   sm90_device  compute capability 9.0 (else nothing more runs, and the check fails)
+#   sm90_warm    every sm_90a variant the backend dispatches, built by NVRTC in parallel into
+#                the cubin cache (python -m varlen.backends._cupy_sm90)
+#   sm90_tests   the `gpu` cases of tests/test_sm90_forward.py and test_sm90_backward.py: the
+#                emulated cases' batches through the cubins and the driver's tensor maps
+#   sm90_parity  tests/test_cupy_gpu.py's reference parity (GQA packing chosen as it falls),
+#                deterministic repeatability, graph capture and the callers' stream
+#   sm90_{memcheck,synccheck}
+#                compute-sanitizer on tests/test_cupy_gpu.py::test_one_small_case_per_kernel
+#   sm90_bench   scripts/perf_model.py --measure: the sm_90a kernels as the cupy runner against
+#                torch SDPA, varlen_attn and compiled flex_attention (bf16, D=128, 8k and 16k)
+# Passing it is what makes the sm_90a kernels the default on sm_90 (docs/hopper.md,
+# "Dispatch").
 # summary.json lists each step's exit status and duration; verdict.txt is the screen printed
 # last. Exit status 0 only if every step passed. Without a usable GPU the script says so,
 # writes summary.json with "gpu": false and exits 0.
@@ -33,7 +50,8 @@ MODE=cupy
 case "${1:-}" in
     --cupy|"") ;;
     --numba) MODE=numba ;;
-    *) echo "usage: $0 [--cupy | --numba]" >&2; exit 2 ;;
+    --sm90a) MODE=sm90a ;;
+    *) echo "usage: $0 [--cupy | --numba | --sm90a]" >&2; exit 2 ;;
 esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,6 +86,7 @@ run_step() {  # name timeout_s command...
     record "$name" "$rc" "$(( $(date +%s) - t0 ))"
     tail -n 3 "$LOGS/$name.log"
     echo "== $name: rc=$rc"
+    return "$rc"
 }
 
 write_summary() {  # gpu(true|false)
@@ -149,7 +168,8 @@ sys.exit(1)
 EOF
 }
 
-sanitize() {  # tool: the small case under compute-sanitizer; it must run, not skip
+sanitize() {  # tool: the small case under compute-sanitizer; it must run, not skip (the
+              # environment chooses the kernels: VARLEN_CUPY_PATH=sm90a for the sm_90a ones)
     local log rc
     log=$("$SANITIZER" --tool "$1" --error-exitcode 3 --print-limit 20 "$PY" -m pytest -q -x \
         "tests/test_cupy_gpu.py::test_one_small_case_per_kernel" 2>&1)
@@ -161,7 +181,40 @@ sanitize() {  # tool: the small case under compute-sanitizer; it must run, not s
 }
 export -f sanitize
 
-if [ "$MODE" = numba ]; then
+sm90_device() {  # compute capability 9.0, or the sm_90a kernels cannot run here
+    "$PY" -c 'import cupy, sys
+cc = cupy.cuda.Device().compute_capability
+print("compute capability", cc, "(the sm_90a kernels need 90)")
+sys.exit(cc != "90")'
+}
+export -f sm90_device
+
+if [ "$MODE" = sm90a ] && ! run_step sm90_device 20 bash -c sm90_device; then
+    echo "gpu_check --sm90a: not an sm_90 GPU; nothing else runs"
+elif [ "$MODE" = sm90a ]; then
+    export VARLEN_CUPY_PATH=sm90a
+    export VARLEN_SM90A_CACHE="${VARLEN_SM90A_CACHE:-${TMPDIR:-/tmp}/varlen_sm90a_cache}"
+    run_step sm90_warm 50 "$PY" -m varlen.backends._cupy_sm90 16
+    run_step sm90_tests 120 "$PY" -m pytest -q -rfEs -m gpu tests/test_sm90_forward.py \
+        tests/test_sm90_backward.py --junitxml="$LOGS/sm90_tests.xml"
+    grep -q "[0-9] passed" "$LOGS/sm90_tests.log" || record sm90_tests_ran 5 0
+    run_step sm90_parity 100 "$PY" -m pytest -q -rfEs tests/test_cupy_gpu.py \
+        -k "matches_reference or deterministic or graph_capture or callers_stream" \
+        --junitxml="$LOGS/sm90_parity.xml"
+    grep -q "[0-9] passed" "$LOGS/sm90_parity.log" || record sm90_parity_ran 5 0
+    SANITIZER="$(find_sanitizer)"
+    if [ -z "$SANITIZER" ]; then
+        echo "compute-sanitizer not found (PATH, CUDA_HOME, wheels)" >"$LOGS/sanitizer.log"
+        record sanitizer 1 0
+    else
+        export SANITIZER
+        for tool in memcheck synccheck; do
+            run_step "sm90_$tool" 40 bash -c 'sanitize "$0"' "$tool"
+        done
+    fi
+    run_step sm90_bench 90 "$PY" scripts/perf_model.py --measure --json "$OUT_DIR/bench_sm90a.json"
+    grep -q "^predicted vs measured" "$LOGS/sm90_bench.log" || record sm90_bench_ran 5 0
+elif [ "$MODE" = numba ]; then
     # Limits add up to 260 s.
     run_step numba_tests 150 "$PY" -m pytest -q -rfEs tests/numba \
         --junitxml="$LOGS/numba_tests.xml"
@@ -199,7 +252,9 @@ fi
         last=$(grep -v '^\s*$' "$LOGS/$name.log" 2>/dev/null | tail -n 1 | cut -c1-60)
         printf '%-22s %5s %6s  %s\n' "$name" "$rc" "$secs" "$last"
     done
-    [ -f "$LOGS/bench.log" ] && sed -n '/^predicted vs measured/,$p' "$LOGS/bench.log"
+    for b in bench sm90_bench; do
+        [ -f "$LOGS/$b.log" ] && sed -n '/^predicted vs measured/,$p' "$LOGS/$b.log"
+    done
     grep -ho "mma: .*\|ex2 max .*" "$LOGS/gpu_tests.log" 2>/dev/null
     failed=0
     for s in ${STEPS[@]+"${STEPS[@]}"}; do
