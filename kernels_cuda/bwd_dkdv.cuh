@@ -336,7 +336,7 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
             for (int sub = 0; sub < Cfg::SUBTILES; ++sub) {
                 const int col = sub * BQ_REG;
                 // the columns as a chunk of their own (no rows: all masked, P^T = dS^T = 0)
-                const Chunk cols{c.row + col, c.rows - col, c.pos + col, c.head, c.full};
+                const Chunk cols = c.from(col);
                 ColStats stats = qs.stats_at(stage);
                 stats.s_lse2 += col;
                 stats.s_delta += col;

@@ -405,9 +405,7 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
 
             // the subtile's queries as a chunk of their own (none left: all masked, P^T =
             // dS^T = 0), as in the mma.sync kernel
-            const Chunk staged = sm.chunk(s)->load();
-            const Chunk cols{staged.row + col, staged.rows - col, staged.pos + col, staged.head,
-                             staged.full};
+            const Chunk cols = sm.chunk(s)->load().from(col);
             softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp, key_rows_mask<BN>(pol, tile, w, cols),
                                           ColStats{sm.lse2(s) + col, sm.delta(s) + col}, call,
                                           w.lane);

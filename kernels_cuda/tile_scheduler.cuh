@@ -39,6 +39,12 @@ struct Chunk {
     int pos;
     int head;
     bool full;
+
+    // Its rows from `col` on as a chunk of their own (a subtile of a chunk's query columns in
+    // dK/dV; none left when col >= rows: every pair masked)
+    __device__ __forceinline__ Chunk from(int col) const {
+        return Chunk{row + col, rows - col, pos + col, head, full};
+    }
 };
 
 // Iterates over the partner chunks of one tile: for each of NUM_HEADS head offsets (the
