@@ -181,6 +181,22 @@ sanitize() {  # tool: the small case under compute-sanitizer; it must run, not s
 }
 export -f sanitize
 
+sanitizer_steps() {  # prefix limit tool...: a step PREFIX_TOOL per tool, or one failed step
+                     # `sanitizer` when compute-sanitizer is nowhere to be found
+    local prefix="$1" limit="$2" tool
+    shift 2
+    SANITIZER="$(find_sanitizer)"
+    if [ -z "$SANITIZER" ]; then
+        echo "compute-sanitizer not found (PATH, CUDA_HOME, wheels)" >"$LOGS/sanitizer.log"
+        record sanitizer 1 0
+        return
+    fi
+    export SANITIZER
+    for tool in "$@"; do
+        run_step "${prefix}_$tool" "$limit" bash -c 'sanitize "$0"' "$tool"
+    done
+}
+
 sm90_device() {  # compute capability 9.0, or the sm_90a kernels cannot run here
     "$PY" -c 'import cupy, sys
 cc = cupy.cuda.Device().compute_capability
@@ -202,16 +218,7 @@ elif [ "$MODE" = sm90a ]; then
         -k "matches_reference or deterministic or graph_capture or callers_stream" \
         --junitxml="$LOGS/sm90_parity.xml"
     grep -q "[0-9] passed" "$LOGS/sm90_parity.log" || record sm90_parity_ran 5 0
-    SANITIZER="$(find_sanitizer)"
-    if [ -z "$SANITIZER" ]; then
-        echo "compute-sanitizer not found (PATH, CUDA_HOME, wheels)" >"$LOGS/sanitizer.log"
-        record sanitizer 1 0
-    else
-        export SANITIZER
-        for tool in memcheck synccheck; do
-            run_step "sm90_$tool" 40 bash -c 'sanitize "$0"' "$tool"
-        done
-    fi
+    sanitizer_steps sm90 40 memcheck synccheck
     run_step sm90_bench 90 "$PY" scripts/perf_model.py --measure --json "$OUT_DIR/bench_sm90a.json"
     grep -q "^predicted vs measured" "$LOGS/sm90_bench.log" || record sm90_bench_ran 5 0
 elif [ "$MODE" = numba ]; then
@@ -223,16 +230,7 @@ elif [ "$MODE" = numba ]; then
     run_step bench_numba 50 "$PY" scripts/bench_numba.py --quick --json "$LOGS/bench_numba.json"
 else
     run_step warm_cache 60 "$PY" -m varlen.backends._cupy_kernels 16
-    SANITIZER="$(find_sanitizer)"
-    if [ -z "$SANITIZER" ]; then
-        echo "compute-sanitizer not found (PATH, CUDA_HOME, wheels)" >"$LOGS/sanitizer.log"
-        record sanitizer 1 0
-    else
-        export SANITIZER
-        for tool in memcheck racecheck synccheck initcheck; do
-            run_step "sanitizer_$tool" 35 bash -c 'sanitize "$0"' "$tool"
-        done
-    fi
+    sanitizer_steps sanitizer 35 memcheck racecheck synccheck initcheck
     run_step gpu_tests 120 "$PY" -m pytest -q -rfEs -s tests/test_cupy_gpu.py \
         --junitxml="$LOGS/gpu_tests.xml"
     grep -q "[0-9] passed" "$LOGS/gpu_tests.log" || record gpu_tests_ran 5 0

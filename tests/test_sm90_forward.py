@@ -519,11 +519,9 @@ def test_sm90_forward_on_hopper(label):
     run_case(label, device=True)
 
 
-def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
-    """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's forward to the sm_90a kernel on a
-    compute capability 9.0 GPU, refuses any other GPU with an error naming the variable, and
-    without it, or for a call it has no variant for (with a warning), the mma.sync forward
-    runs."""
+def _stubbed_backend(monkeypatch):
+    """The CuPy backend with both forwards stubbed to name themselves (each run listed in
+    `ran`), VARLEN_CUPY_PATH unset: (backend, ran, q, plan, an H100, the call's scalars)."""
     from varlen.backends import _cupy_kernels, _cupy_sm90
     from varlen.backends._cupy_spec import DeviceInfo
     from varlen.backends.cupy_backend import BACKEND
@@ -531,12 +529,21 @@ def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
     monkeypatch.setattr(_cupy_sm90, "forward", lambda *a, **k: ran.append("sm90a") or "sm90a")
     monkeypatch.setattr(_cupy_kernels, "forward", lambda *a, **k: ran.append("mma") or "mma")
     monkeypatch.setattr(BACKEND, "_require_fit", lambda *a: None)
+    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
     q = np.zeros((4, 2, 64), np.float16)
     plan = type("P", (), {"block_m": 64, "block_n": 64})()
     h100 = DeviceInfo((9, 0), 227 * 1024, "NVIDIA H100")
+    return BACKEND, ran, q, plan, h100, dict(softmax_scale=0.125, softcap=0.0)
+
+
+def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
+    """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's forward to the sm_90a kernel on a
+    compute capability 9.0 GPU, refuses any other GPU with an error naming the variable, and
+    without it, or for a call it has no variant for (with a warning), the mma.sync forward
+    runs."""
+    from varlen.backends._cupy_spec import DeviceInfo
+    BACKEND, ran, q, plan, h100, call = _stubbed_backend(monkeypatch)
     a100 = DeviceInfo((8, 0), 163 * 1024, "NVIDIA A100")
-    call = dict(softmax_scale=0.125, softcap=0.0)
-    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
     with BACKEND.stand_in_device(h100):
         assert BACKEND.forward(plan, q, q, q, **call) == "mma"
     monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90a")
@@ -560,21 +567,12 @@ def test_sm90a_becomes_the_default_on_sm90_by_one_switch(monkeypatch):
     with the variable's name and the values it takes."""
     from varlen.backends import _cupy_kernels, _cupy_sm90, _cupy_sm90_bwd
     from varlen.backends._cupy_spec import DeviceInfo
-    from varlen.backends.cupy_backend import BACKEND
     assert _cupy_sm90.DEFAULT_ON_SM90 is False      # no GPU has passed scripts/gpu_check.sh
-    ran = []
-    monkeypatch.setattr(_cupy_sm90, "forward", lambda *a, **k: ran.append("sm90a") or "sm90a")
-    monkeypatch.setattr(_cupy_kernels, "forward", lambda *a, **k: ran.append("mma") or "mma")
+    BACKEND, _, q, plan, h100, call = _stubbed_backend(monkeypatch)
     monkeypatch.setattr(_cupy_sm90_bwd, "backward", lambda *a, **k: "sm90a")
     monkeypatch.setattr(_cupy_kernels, "backward", lambda *a, **k: "mma")
-    monkeypatch.setattr(BACKEND, "_require_fit", lambda *a: None)
-    q = np.zeros((4, 2, 64), np.float16)
     q96 = np.zeros((4, 2, 96), np.float16)
-    plan = type("P", (), {"block_m": 64, "block_n": 64})()
-    h100 = DeviceInfo((9, 0), 227 * 1024, "NVIDIA H100")
     l40 = DeviceInfo((8, 9), 99 * 1024, "NVIDIA L40S")
-    call = dict(softmax_scale=0.125, softcap=0.0)
-    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
 
     def fwd(device, x=q):
         with BACKEND.stand_in_device(device):
