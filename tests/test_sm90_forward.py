@@ -418,7 +418,9 @@ def test_sm90_forward_under_thread_sanitizer(label):
     pytest.param(PIPELINE, "random", "2", marks=pytest.mark.slow),
     pytest.param(PERSISTENT, "issue", "0", marks=pytest.mark.slow),
     pytest.param(PERSISTENT, "random", "1", marks=pytest.mark.slow),
-], ids=["random-1", "issue-0", "random-2", "persistent-issue-0", "persistent-random-1"])
+    pytest.param(PACKED, "random", "1", marks=pytest.mark.slow),
+], ids=["random-1", "issue-0", "random-2", "persistent-issue-0", "persistent-random-1",
+        "packed-random-1"])
 def test_sm90_forward_under_landing_schedules(label, schedule, seed):
     """The pipeline's and the persistent loop's cases with TMA copies landing, and wgmma
     operands read, at issue or at seeded random points between issue and the wait that needs
