@@ -347,6 +347,30 @@ def test_sm90_cubins_are_kept_on_disk_between_processes(tmp_path, monkeypatch):
         cubin_path(names[0])
 
 
+def test_sm90_tensor_map_arguments_are_what_the_driver_bindings_take():
+    """The launcher's arguments of cuTensorMapEncodeTiled go through cuda-bindings' conversion
+    (plain ints in its lists are a TypeError there); on this machine the call then stops only
+    for want of a driver, on a GPU it returns a map."""
+    cu = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-bindings")
+    import types
+    from varlen.backends._cupy_sm90 import encode_args
+    for dtype, heads, box_heads in (("float16", 8, 4), ("bfloat16", 2, 1)):
+        a = types.SimpleNamespace(shape=(1000, heads, 128), dtype=types.SimpleNamespace(
+            name=dtype, itemsize=2), data=types.SimpleNamespace(ptr=1 << 20))
+        args = encode_args(a, 128 // box_heads, box_heads)
+        assert [int(x) for x in args[3]] == [128, heads, 1000]
+        assert [int(x) for x in args[4]] == [256, heads * 256]
+        assert [int(x) for x in args[5]] == [64, box_heads, 128 // box_heads]
+        try:
+            err, _ = cu.cuTensorMapEncodeTiled(*args)
+        except TypeError:
+            raise
+        except Exception as e:          # no driver library here
+            assert "cuda" in str(e).lower(), e
+        else:
+            assert isinstance(err, cu.CUresult)
+
+
 def test_sm90_persistent_grid_is_one_block_per_sm_at_most():
     """The persistent forward's grid: one block per work item up to one per SM, at least one
     (the blocks also write the pad rows); the emulation's stand-in device has few SMs, so that

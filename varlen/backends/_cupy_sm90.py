@@ -255,6 +255,23 @@ def map_layout(a, box_rows: int, box_heads: int = 1):
     return (D, H, T), (D * e, H * D * e), (BOX_COLS, box_heads, box_rows)
 
 
+def encode_args(a, box_rows: int, box_heads: int = 1) -> tuple:
+    """The arguments of the driver's `cuTensorMapEncodeTiled` (cuda-bindings) for the map of a
+    packed [T, H, D] CuPy array (`map_layout`): the dims and strides as `cuuint64_t`, the box and
+    element strides as `cuuint32_t` (the bindings refuse plain ints in those lists), 128B
+    swizzle, zero fill."""
+    from cuda.bindings import driver as cu
+    dims, strides, box = map_layout(a, box_rows, box_heads)
+    return (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if a.dtype.name == "bfloat16"
+            else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            3, a.data.ptr, [cu.cuuint64_t(x) for x in dims], [cu.cuuint64_t(x) for x in strides],
+            [cu.cuuint32_t(x) for x in box], [cu.cuuint32_t(1)] * 3,
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
 class Runtime:
     """Compiles the kernels for sm_90a with NVRTC, loads the cubin into CuPy and makes tensor
     maps with the CUDA driver (needs a Hopper GPU, cupy and cuda-bindings)."""
@@ -275,17 +292,10 @@ class Runtime:
 
     def tensor_map(self, a, box_rows: int, box_heads: int = 1) -> np.ndarray:
         from cuda.bindings import driver as cu
-        dims, strides, box = map_layout(a, box_rows, box_heads)
-        err, tmap = cu.cuTensorMapEncodeTiled(
-            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if a.dtype.name == "bfloat16"
-            else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-            3, a.data.ptr, list(dims), list(strides), list(box), [1, 1, 1],
-            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        err, tmap = cu.cuTensorMapEncodeTiled(*encode_args(a, box_rows, box_heads))
         if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuTensorMapEncodeTiled({a.shape=}, {box=}) failed: {err}")
+            raise RuntimeError(f"cuTensorMapEncodeTiled({a.shape=}, "
+                               f"{map_layout(a, box_rows, box_heads)=}) failed: {err}")
         arg = np.zeros((), TENSOR_MAP_DTYPE)
         arg["opaque"] = np.asarray(tmap.opaque, dtype=np.uint64)
         return arg
