@@ -18,17 +18,19 @@
 //     S^T  = K Q^T, dP^T = V dO^T                      wgmma SS, both K-major   [64, BQ]
 //     P^T, dS^T = softmax_backward (mask.cuh, softmax.cuh unchanged)
 //     dV  += P^T dO, dK += dS^T Q                      wgmma RS, B MN-major     [64, DC]
-//     dQ  += dS K  (this warpgroup's 64 keys)          wgmma SS, A = dS K-major from shared
-//                                                      memory, B = K MN-major   [BQ, 64] slices
-//                                                      of its DC columns
+//     dQ  += dS K  (this warpgroup's 64 keys, or the   wgmma SS, A = dS K-major from shared
+//           tile's with DQ_BY_COLUMNS)              memory, B = K MN-major   [BQ, 64] slices
+//                                                      of its DQ_WIDTH columns
 // and dQ goes to dq_accum by fp32 reductions, as in the mma.sync kernel (the preprocessing and
-// varlen_bwd_dq_convert serve both unchanged). With two consumer warpgroups each adds its own
-// keys' part: two reductions per dQ element and chunk (at D = 256 each adds its own columns).
+// varlen_bwd_dq_convert serve both unchanged). With two consumer warpgroups at D = 128 each
+// multiplies the whole tile's dS (both warpgroups' buffers) into its half of dQ's columns: one
+// reduction per dQ element and chunk (DQ_BY_COLUMNS); at D = 64 each adds its own keys' part
+// over all columns (two reductions per element); at D = 256 each adds its own columns.
 //
 // ORDERED_DQ (deterministic=True): the additions to one query chunk's dQ happen in a fixed
 // order, as in the mma.sync kernel (bwd_dq_ordered.cuh): the key tiles in slot order, and
 // inside a tile the first consumer warpgroup's part of each column slice before the second's
-// (at D = 256 the two add disjoint columns: no order between them).
+// (at D = 128 and 256 the two add disjoint columns: no order between them).
 // The first thread of the last consumer warpgroup waits for the tile's turn, the consumer
 // warpgroups pass a barrier of their own (the producer goes on loading), and after the last
 // slice every consumer thread fences, passes it again, and the same thread hands the turn on.
@@ -87,6 +89,15 @@ struct BwdSm90Config {
     static constexpr int D_BOXES = D / BOX_COLS;
     static constexpr int ATOM_BYTES = 8 * BOX_ROW_BYTES; // 8 rows: the 128B swizzle's repeat
     static constexpr int DQ_COLS = 64;                   // dQ columns per wgmma (N)
+    // dQ = dS K per chunk. With two key groups at D >= 128 the consumers split dQ's columns
+    // instead of its keys: each multiplies the dS of the whole tile (both groups' buffers) into
+    // its D / 2 columns, so every dQ element gets one reduction per chunk, not one per key
+    // group (the same wgmma count: 8 of m64n64k16 per consumer at D = 128). At D = 64 a half
+    // would be 32 columns (N = 32, twice the shared-memory reads per FLOP): each group adds
+    // its own keys' part there. At D = 256 each consumer has its own columns already.
+    static constexpr bool DQ_BY_COLUMNS = KEY_GROUPS > 1 && D >= 128;
+    static constexpr int DQ_KEYS = DQ_BY_COLUMNS ? BN : WG_ROWS;  // keys of a consumer's dQ
+    static constexpr int DQ_WIDTH = DQ_BY_COLUMNS ? D / KEY_GROUPS : DC;   // and its columns
     static constexpr int KV_BYTES = BN * D * 2;          // K (or V)
     static constexpr int QD_BYTES = BQ * D * 2;          // one stage of Q (or dO)
     static constexpr int DS_BYTES = BQ * WG_ROWS * 2;    // one consumer's dS [BQ][64]
@@ -124,6 +135,7 @@ struct BwdSm90Config {
                   (1 + NUM_CONSUMERS) * ENTRY_REGS,
                   "the register split must fit what the launch allocates to the block");
     static_assert(sizeof(StagedChunk) == 24, "the launcher counts 24 bytes per stage");
+    static_assert(DQ_WIDTH % DQ_COLS == 0, "dQ in slices of 64 columns");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory past sm_90's 227 KiB per block");
 };
 
@@ -330,10 +342,27 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
     unsigned char* p_ds_row = sm.ds(c_wg) + ds_row * ROW +
                               (((2 * wg_warp + (w.lane / 8) % 2) ^ (ds_row % 8)) << 4);
     static_assert(Cfg::DS_BYTES == Cfg::WG_ROWS * ROW, "dS and K move alike per warpgroup");
-    const sm90::u64 desc_ds = sm90::desc_advance(
-        desc_k, Cfg::OFF_DS + (c_wg - key_group) * Cfg::DS_BYTES);     // sm.ds(c_wg)
-    const uint32_t bar_id = 1 + c_wg;           // named barrier of this warpgroup
+    // dQ's A and B: this warpgroup's dS (sm.ds(c_wg)) and K rows, or with DQ_BY_COLUMNS every
+    // group's dS (ds(0), ds(1): the next 64 keys one buffer further) and all BN rows of K, from
+    // the first column box of its dQ columns. That box is read from threadIdx where used: held
+    // in a register through the chunk, or folded into a pointer or descriptor held there, it
+    // cost 8-12 bytes of spills at D = 128 under a softcap.
+    const auto dq_box0 = [col_box0] {
+        const int c = static_cast<int>(threadIdx.x / Cfg::WG_THREADS) - 1;   // c_wg
+        return Cfg::DQ_BY_COLUMNS ? c / Cfg::COL_PARTS * (Cfg::DQ_WIDTH / Cfg::BOX_COLS)
+                                  : col_box0;
+    };
+    const sm90::u64 desc_dq_a = Cfg::DQ_BY_COLUMNS
+        ? sm90::smem_desc(sm.ds(0), 0, Cfg::ATOM_BYTES, sm90::Swizzle::B128)
+        : sm90::desc_advance(desc_k, Cfg::OFF_DS + (c_wg - key_group) * Cfg::DS_BYTES);
+    const sm90::u64 desc_dq_b = Cfg::DQ_BY_COLUMNS
+        ? sm90::smem_desc(sm.k(), BOX_KV, Cfg::ATOM_BYTES, sm90::Swizzle::B128)
+        : desc_k_mn;
     constexpr int ADDERS = Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;     // ordered dQ
+    // The barrier around the dS stores: this warpgroup's, or with DQ_BY_COLUMNS every
+    // consumer's (each reads the others' dS)
+    const uint32_t ds_bar = Cfg::DQ_BY_COLUMNS ? Cfg::CONSUMERS_BAR : 1 + c_wg;
+    constexpr uint32_t DS_BAR_THREADS = Cfg::DQ_BY_COLUMNS ? ADDERS : Cfg::WG_THREADS;
     // The first thread of the last consumer warpgroup leads (read where used: no register held
     // across the chunk). With two consumers the first warpgroup, which adds first, learns of
     // the turn only through the barrier after the wait (in the emulation a wgmma synchronises
@@ -425,14 +454,14 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
             // 128B-swizzled chunk). The warpgroup's last dQ product has retired in every warp
             // before the buffer is rewritten (the barrier before the first subtile's stores);
             // the barrier after the last one publishes them.
-            if (sub == 0) sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
+            if (sub == 0) sm90::named_bar_sync(ds_bar, DS_BAR_THREADS);
             #pragma unroll
             for (int j = 0; j < BQS / 16; ++j) {
                 sm90::stmatrix_x4_trans(p_ds_row + (col + j * 16) * ROW, ds_frag[j]);
             }
             if (sub == Cfg::SUBTILES - 1) {
                 sm90::fence_proxy_async();
-                sm90::named_bar_sync(bar_id, Cfg::WG_THREADS);
+                sm90::named_bar_sync(ds_bar, DS_BAR_THREADS);
             }
 
             // dV += P^T dO, dK += dS^T Q: A from registers, dO and Q MN-major (k16 steps of 16
@@ -463,33 +492,36 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         const Chunk c = sm.chunk(s)->load();
         sm90::mbar_arrive(sm.empty(s));
 
-        // dQ [BQ, DC] += dS K over this warpgroup's 64 keys and columns, DQ_COLS at a time
-        const HeadRows<float> dq_rows = head_rows<D>(dq_accum, call.Hq, i_khead * group + c.head);
+        // dQ [BQ, DQ_WIDTH] += dS K over this warpgroup's DQ_KEYS keys and columns, DQ_COLS at a
+        // time
+        HeadRows<float> dq_rows = head_rows<D>(dq_accum, call.Hq, i_khead * group + c.head);
+        dq_rows.p += dq_box0() * Cfg::DQ_COLS;
         const OrderedDq order{dq_order, plan, call, tile, i_khead * group};
         if constexpr (ORDERED_DQ) {
             order.acquire(c, leader());
             sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);   // every adder after the wait
         }
         #pragma unroll
-        for (int n = 0; n < DC / Cfg::DQ_COLS; ++n) {
+        for (int n = 0; n < Cfg::DQ_WIDTH / Cfg::DQ_COLS; ++n) {
             float acc_dq[Cfg::DQ_COLS / 8][4];
             auto& dq_frag = reinterpret_cast<float (&)[Cfg::DQ_COLS / 2]>(acc_dq);
             sm90::wgmma_fence();
             #pragma unroll
-            for (int j = 0; j < Cfg::WG_ROWS / 16; ++j) {
+            for (int j = 0; j < Cfg::DQ_KEYS / 16; ++j) {
                 sm90::wgmma_ss<T, Cfg::DQ_COLS, false, true>(
-                    dq_frag, sm90::desc_advance(desc_ds, j * 32),
-                    sm90::desc_advance(desc_k_mn, (col_box0 + n) * BOX_KV + j * KSTEP_MN),
+                    dq_frag, sm90::desc_advance(desc_dq_a, j / 4 * Cfg::DS_BYTES + j % 4 * 32),
+                    sm90::desc_advance(desc_dq_b, (dq_box0() + n) * BOX_KV + j * KSTEP_MN),
                     j > 0);
             }
             sm90::wgmma_commit();
             sm90::wgmma_wait<0>();
             sm90::wgmma_fence_operand(dq_frag);
-            // ordered: the second warpgroup adds this slice once the first has added it
-            constexpr bool HAND_OVER = ORDERED_DQ && Cfg::KEY_GROUPS > 1;
+            // ordered: the second warpgroup adds this slice once the first has added it (where
+            // both add to the same columns)
+            constexpr bool HAND_OVER = ORDERED_DQ && Cfg::KEY_GROUPS > 1 && !Cfg::DQ_BY_COLUMNS;
             if (HAND_OVER && c_wg == 1) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
             atomic_add_rows(acc_dq, dq_rows, c.row + 16 * wg_warp, c.rows - 16 * wg_warp,
-                            (col_box0 + n) * Cfg::DQ_COLS, w.lane);
+                            n * Cfg::DQ_COLS, w.lane);
             if (HAND_OVER && c_wg == 0) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
         }
         if constexpr (ORDERED_DQ) {

@@ -81,7 +81,9 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
 SM90_CASES = {"fwd_sm90.cuh": ("test_sm90_forward.py", ("B7-bf16-D64-BM128-chunks-1-2-3-6",)),
               "bwd_sm90.cuh": ("test_sm90_backward.py", ("B2-bf16-D128-BN128-full-gqa",
                                                          "B3-fp16-D64-BN128-deterministic-gqa",
-                                                         "B3-bf16-D256-softcap-gqa-nan"))}
+                                                         "B3-bf16-D256-softcap-gqa-nan",
+                                                         "B3-bf16-D128-BN128-deterministic-"
+                                                         "softcap-nan"))}
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
 PLAN_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_plan_device.py"), "layout",
              "B300-many-mixed-16x8-shipped-threads"]

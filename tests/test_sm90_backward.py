@@ -56,6 +56,14 @@ CASES = {
         lengths_q=[30, 130, 0], lengths_k=[20, 300, 5], Hq=2, Hk=1, D=64, dtype="float16",
         mask="full", gaps=True, softcap=5.0, block_m=128, block_n=128, nan_in_pad=True,
         deterministic=True),
+    # two consumer warpgroups at D = 128 (BN = 128) split dQ's columns, each over the dS of the
+    # whole key tile (one reduction per dQ element and chunk), in the ordered mode: three key
+    # tiles meet the long sequence's query tiles; a softcap, GQA 2:1, NaN in a key, a q row
+    # and a dout row
+    "B3-bf16-D128-BN128-deterministic-softcap-nan": dict(
+        lengths_q=[30, 130, 0], lengths_k=[20, 300, 5], Hq=2, Hk=1, D=128, dtype="bfloat16",
+        mask="full", gaps=True, softcap=5.0, block_m=128, block_n=128, nan_in_pad=False,
+        nan_k=(1, 8), nan_q=(1, 40), nan_dout=(1, 50), deterministic=True),
     # deterministic dQ with one consumer warpgroup, D = 128, causal: ranks of a triangle
     "B2-bf16-D128-BN64-deterministic-causal": dict(
         lengths_q=[150, 7], lengths_k=[150, 70], Hq=1, Hk=1, D=128, dtype="bfloat16",
@@ -350,7 +358,7 @@ def test_sm90_backward_removed_ds_barrier_is_caught():
                                     "scripts"))
     import emulation_mutations
     chosen = [s for s in emulation_mutations.sites()
-              if s[0] == "bwd_sm90.cuh" and "named_bar_sync(bar_id" in s[2]]
+              if s[0] == "bwd_sm90.cuh" and "named_bar_sync(ds_bar," in s[2]]
     assert len(chosen) == 2, f"the two dS barriers expected (kernel rewritten?): {chosen}"
     by, seconds = emulation_mutations.check(chosen[0], timeout=900)
     assert by is not None and "stmatrix" in by, (
