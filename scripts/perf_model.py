@@ -157,7 +157,8 @@ SM90A_TARGETS = {"fwd": 600.0, "bwd": 450.0}
 def measured_targets() -> dict:
     """The targets the measured cupy runner is held to: the sm_90a kernels' when the environment
     selects them, else the mma.sync kernels'."""
-    return SM90A_TARGETS if os.environ.get("VARLEN_CUPY_PATH") == "sm90a" else TARGETS
+    from varlen.backends import _cupy_sm90
+    return SM90A_TARGETS if _cupy_sm90.selected() else TARGETS
 
 
 def format_table(rows) -> str:

@@ -67,7 +67,8 @@ OPTIN_SMEM = 227 * 1024
 TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, 16)])      # CUtensorMap, 128 bytes
 # GQA packing: at most 8 query heads per position in a tile (FwdSm90Config::PACK), each doubling
 # of P taken only when it raises the estimated fill of the tiles' rows by PACK_GAIN or more
-MAX_PACK = 8
+PACKS = (1, 2, 4, 8)
+MAX_PACK = PACKS[-1]
 PACK_GAIN = 1.1
 
 
@@ -136,8 +137,8 @@ class Sm90Spec:
             raise ValueError(f"{self.block_n=}: plan key tiles of 64 or 128 rows")
         if self.key_chunk not in (64, 128):
             raise ValueError(f"{self.key_chunk=}: key chunks of 64 or 128 rows (wgmma N)")
-        if self.pack not in (1, 2, 4, 8):
-            raise ValueError(f"{self.pack=}: 1, 2, 4 or 8 query heads per position")
+        if self.pack not in PACKS:
+            raise ValueError(f"{self.pack=}: {PACKS} query heads per position")
         if self.block_n % self.key_chunk and self.key_chunk != 2 * self.block_n:
             raise ValueError(f"{self.key_chunk=} with {self.block_n=}: a key chunk is a part of "
                              "a plan tile or two of them")
@@ -215,8 +216,8 @@ def pack_for(plan, num_rows: int, Hq: int, Hk: int, block_m: int, pack: int | No
     group = Hq // Hk if Hk else 1
     if pack is None:
         return choose_pack(num_rows, plan.batch * plan.q.per_seq, group, block_m)
-    if pack not in (1, 2, 4, 8) or group % pack or block_m % pack:
-        raise ValueError(f"{pack=}: the query heads packed per position must be 1, 2, 4 or 8 "
+    if pack not in PACKS or group % pack or block_m % pack:
+        raise ValueError(f"{pack=}: the query heads packed per position must be one of {PACKS} "
                          f"and divide Hq / Hk = {group} and block_m = {block_m}")
     return pack
 
@@ -366,7 +367,7 @@ def dispatched_specs() -> list:
         bm, bn = _default_blocks_for(d)
         for dtype in _cupy_spec.DTYPES:
             for softcap in (False, True):
-                specs += [Sm90Spec(dtype, d, bm, bn, softcap, pack=p) for p in (1, 2, 4, 8)]
+                specs += [Sm90Spec(dtype, d, bm, bn, softcap, pack=p) for p in PACKS]
                 specs += [_cupy_sm90_bwd.BwdSm90Spec(dtype, d, bn, softcap, ordered)
                           for ordered in (False, True)]
     return specs

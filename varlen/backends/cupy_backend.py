@@ -187,21 +187,18 @@ class CupyBackend(Backend):
         shows each once). Unset, on an sm_90 GPU once the sm_90a kernels are the default there
         (`_cupy_sm90.by_default`): when it has a variant, silently otherwise. `mma`: never."""
         from . import _cupy_sm90
-        if not _cupy_sm90.selected():
-            if not _cupy_sm90.by_default(self._compute_capability):
-                return False
-            try:
-                module.spec_for(plan, q, softcap)
-            except ValueError:
-                return False
-            return True
-        self._require_sm90()
+        named = _cupy_sm90.selected()
+        if not (named or _cupy_sm90.by_default(self._compute_capability)):
+            return False
+        if named:
+            self._require_sm90()
         try:
             module.spec_for(plan, q, softcap)
         except ValueError as e:
-            warnings.warn(f"{_cupy_sm90.ENV_PATH}=sm90a: the sm_90a {what} has no variant for "
-                          f"this call ({e}); the mma.sync kernels run it", RuntimeWarning,
-                          stacklevel=3)
+            if named:
+                warnings.warn(f"{_cupy_sm90.ENV_PATH}=sm90a: the sm_90a {what} has no variant "
+                              f"for this call ({e}); the mma.sync kernels run it",
+                              RuntimeWarning, stacklevel=3)
             return False
         return True
 
