@@ -16,7 +16,9 @@
 //     written when wgmma.wait_group retires their group; shared-memory operands are read at
 //     issue or at retirement (landing mode); products follow mma.sync's model (mma_dot16). An
 //     mma_async that does not continue a pending one on the same accumulators needs a
-//     wgmma.fence since this thread's last wgmma.wait_group.
+//     wgmma.fence since this thread's last wgmma.wait_group, and the register arrays a wgmma
+//     accesses (accumulators, A fragment) must hold what this thread's last wgmma.fence or the
+//     wgmma ops themselves left there: a write by the thread in between is reported.
 //   * memory order: vector clocks per thread, merged through mbarriers, named barriers and
 //     __syncthreads (a use of an mbarrier must follow its init in them); the async proxy's
 //     view of shared memory, which fence.proxy.async and TMA landings publish to: a wgmma
@@ -211,6 +213,17 @@ struct WgmmaOp {
 };
 using OpPtr = std::shared_ptr<WgmmaOp>;
 
+// A register array a wgmma accesses (accumulators, an A fragment), known to this thread from a
+// wgmma or wgmma_fence_operand, and its bytes as the thread's last wgmma.fence or the async ops
+// since (poisoning at issue, results at retirement) left them. The ISA orders a thread's register
+// accesses before a wgmma's access to the same registers only through wgmma.fence (chained ops
+// on the same accumulators aside), so bytes that differ at an issue are a write the fence misses.
+struct RegArray {
+    const void* p;
+    size_t bytes;
+    std::vector<unsigned char> seen;
+};
+
 struct ThreadState {
     const void* key = nullptr;
     unsigned bx = 0, by = 0;
@@ -226,8 +239,10 @@ struct ThreadState {
     // (through an mbarrier, a named barrier or __syncthreads); vc[threadIdx.x] is its own,
     // advanced at each of its arrivals.
     std::vector<uint32_t> vc;
+    std::vector<RegArray> regs;          // by (address, size); the oldest dropped past REG_ARRAYS
 };
 inline thread_local ThreadState t_state;
+constexpr size_t REG_ARRAYS = 64;
 
 inline ThreadState& me() {
     ThreadState& t = t_state;
@@ -658,6 +673,42 @@ inline void retire(WgmmaOp& op) {
 
 constexpr uint32_t ACC_POISON = 0x7fc0deadu;    // a NaN: accumulators of a wgmma in flight
 
+inline RegArray* find_regs(ThreadState& t, const void* p, size_t bytes) {
+    for (RegArray& r : t.regs) {
+        if (r.p == p && r.bytes == bytes) return &r;
+    }
+    return nullptr;
+}
+
+// Records the bytes of [p, p + bytes) as the async ops or a fence leave them (`update`), or
+// only makes the array known with its present bytes if it is not yet (`update` false).
+inline void note_regs(ThreadState& t, const void* p, size_t bytes, bool update = true) {
+    RegArray* r = find_regs(t, p, bytes);
+    if (r && !update) return;
+    if (!r) {
+        // another array at the same address (a frame reused) replaces the old one
+        for (size_t i = 0; i < t.regs.size(); ++i) {
+            if (t.regs[i].p == p) t.regs.erase(t.regs.begin() + (long)i--);
+        }
+        if (t.regs.size() >= REG_ARRAYS) t.regs.erase(t.regs.begin());
+        t.regs.push_back(RegArray{p, bytes, {}});
+        r = &t.regs.back();
+    }
+    const unsigned char* b = static_cast<const unsigned char*>(p);
+    r->seen.assign(b, b + bytes);
+}
+
+// At a wgmma's issue: the bytes of its registers [p, p + bytes) must be those recorded.
+inline void check_regs(ThreadState& t, const void* p, size_t bytes, const char* what,
+                       const Site& site) {
+    const RegArray* r = find_regs(t, p, bytes);
+    if (r && std::memcmp(p, r->seen.data(), bytes) != 0) {
+        fail("wgmma.mma_async (%s:%d): its %s were written by this thread after its last "
+             "wgmma.fence (the ISA orders a register write before a wgmma's access to the same "
+             "registers only through wgmma.fence)", site.file, site.line, what);
+    }
+}
+
 inline void issue_wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t desc_a,
                         bool trans_a, uint64_t desc_b, bool trans_b, bool scale_d, Site site) {
     ThreadState& t = me();
@@ -705,6 +756,11 @@ inline void issue_wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t 
         }
         op->d_in.assign(d, d + n / 2);
     }
+    check_regs(t, d, sizeof(float) * n / 2, "accumulators", site);
+    if (a) {
+        check_regs(t, a, sizeof(uint32_t) * 4, "A fragment registers", site);
+        note_regs(t, a, sizeof(uint32_t) * 4);
+    }
     // The async proxy may read the operands from the issue on: they must be visible to it now.
     op->site = site;
     std::vector<long> offs;
@@ -714,6 +770,7 @@ inline void issue_wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t 
     if (mode == LAND_AT_ISSUE || (mode == LAND_RANDOM && coin(t))) read_operands(*op);
     const float poison = __int_as_float(ACC_POISON);
     for (int i = 0; i < n / 2; ++i) d[i] = poison;
+    note_regs(t, d, sizeof(float) * n / 2);
     t.open.push_back(std::move(op));
 }
 
@@ -1035,7 +1092,12 @@ inline void wgmma_fence(VARLEN_EMU_SITE) {
     using namespace hostemu::sm90;
     Group& g = enter(128, Slot{WG_FENCE, {file, line}, 0, {}, {}, nullptr});
     leave(g);
-    me().fenced = true;
+    ThreadState& t = me();
+    t.fenced = true;
+    for (RegArray& r : t.regs) {
+        const unsigned char* b = static_cast<const unsigned char*>(r.p);
+        r.seen.assign(b, b + r.bytes);
+    }
 }
 
 inline void wgmma_commit(VARLEN_EMU_SITE) {
@@ -1056,9 +1118,11 @@ inline void wgmma_wait_n(int n, hostemu::sm90::Site site) {
         hostemu::fail("wgmma.wait_group with %zu wgmma.mma_async not committed (a missing "
                       "wgmma.commit_group)", t.open.size());
     }
+    std::vector<std::pair<float*, int>> written;   // accumulators (and N) written here
     while (t.groups.size() > static_cast<size_t>(n)) {
         for (OpPtr& op : t.groups.front()) {
             retire(*op);
+            written.emplace_back(op->d, op->n);
             std::vector<long> offs;
             visit_operands(*op, [&](bool, int, long off) { offs.push_back(off); });
             // the async proxy may read up to the retirement: a store fenced since the issue by
@@ -1072,8 +1136,12 @@ inline void wgmma_wait_n(int n, hostemu::sm90::Site site) {
     // Accumulators a still-pending op continues are still in flight: poison them again.
     const float poison = __int_as_float(ACC_POISON);
     for (auto& group : t.groups) {
-        for (OpPtr& op : group) std::fill(op->d, op->d + op->n / 2, poison);
+        for (OpPtr& op : group) {
+            std::fill(op->d, op->d + op->n / 2, poison);
+            written.emplace_back(op->d, op->n);
+        }
     }
+    for (const auto& [d, n_op] : written) note_regs(t, d, sizeof(float) * n_op / 2);
     t.fenced = false;
 }
 
@@ -1082,11 +1150,18 @@ void wgmma_wait(VARLEN_EMU_SITE) {
     wgmma_wait_n(N, {file, line});
 }
 
+// Makes the array known to the register check (issue_wgmma) if it is not yet, so that the
+// check covers it from the next wgmma.fence on, before any wgmma has used it.
 template <int R>
-inline void wgmma_fence_operand(float (&)[R]) {}
+inline void wgmma_fence_operand(float (&d)[R]) {
+    hostemu::sm90::note_regs(hostemu::sm90::me(), d, sizeof(d), false);
+}
 
 template <int R>
-inline void wgmma_fence_operand(uint32_t (&)[R][4]) {}
+inline void wgmma_fence_operand(uint32_t (&a)[R][4]) {
+    hostemu::sm90::ThreadState& t = hostemu::sm90::me();
+    for (int i = 0; i < R; ++i) hostemu::sm90::note_regs(t, a[i], sizeof(a[i]), false);
+}
 
 template <typename T, int N, bool TRANS_A, bool TRANS_B>
 void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool scale_d, VARLEN_EMU_SITE) {

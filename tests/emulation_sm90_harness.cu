@@ -148,6 +148,10 @@ constexpr int WG_GROUP_PER_STEP = 64; // commit each k-step; probe[t] = d[0] aft
 constexpr int WG_NO_PROXY_FENCE = 128; // no fence.proxy.async after the operands' stores
 constexpr int WG_FLAG_HANDOFF = 256;   // thread 0 stores and fences the operands, then hands them
                                        // on through a plain flag after them, not a barrier
+constexpr int WG_WRITE_AFTER_FENCE = 512;  // d[0] += 1 between the wgmma.fence and the first op
+constexpr int WG_A_AFTER_FENCE = 1024;     // RS: each k-step's A fragment loaded after the
+                                           // fence into the same registers
+constexpr int WG_MAX_KSTEPS = 8;           // of the RS modes (A fragments held in registers)
 
 // Operand modes: A K-major or M-major in shared memory, or in registers; B K- or N-major.
 enum WgMode { SS_KK = 0, SS_KN = 1, RS_K = 2, RS_N = 3, SS_MK = 4 };
@@ -188,16 +192,27 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
     // [64, N] accumulators, this thread's N / 2
     float d[N / 2];
     for (int i = 0; i < N / 2; ++i) d[i] = (flags & WG_ACCUMULATE) ? init[tid * (N / 2) + i] : 0.f;
+    // RS: the A fragments of every k-step, written before the wgmma.fence as the ISA requires
+    // (with WG_A_AFTER_FENCE each one after it, into a[0])
+    uint32_t a[WG_MAX_KSTEPS][4];
+    const auto load_a = [&](int k, uint32_t (&dst)[4]) {
+        for (int r = 0; r < 4; ++r) dst[r] = a_regs[(k * WG_THREADS + tid) * 4 + r];
+    };
+    if (RS && !(flags & WG_A_AFTER_FENCE)) {
+        for (int k = 0; k < ksteps; ++k) load_a(k, a[k]);
+    }
     sm90::wgmma_fence_operand(d);
+    sm90::wgmma_fence_operand(a);
     if (!(flags & WG_NO_FENCE)) sm90::wgmma_fence();
+    if (flags & WG_WRITE_AFTER_FENCE) d[0] += 1.f;
     if (!((flags & WG_WARP3_SKIPS) && tid / 32 == 3)) {
         for (int k = 0; k < ksteps; ++k) {
             const bool scale_d = k > 0 || (flags & WG_ACCUMULATE);
             const u64 desc_b = sm90::desc_advance(desc_b0, k * b_step);
             if constexpr (RS) {
-                uint32_t a[4];
-                for (int r = 0; r < 4; ++r) a[r] = a_regs[(k * WG_THREADS + tid) * 4 + r];
-                sm90::wgmma_rs<T, N, TRANS_B>(d, a, desc_b, scale_d);
+                uint32_t (&ak)[4] = a[(flags & WG_A_AFTER_FENCE) ? 0 : k];
+                if (flags & WG_A_AFTER_FENCE) load_a(k, ak);
+                sm90::wgmma_rs<T, N, TRANS_B>(d, ak, desc_b, scale_d);
             } else {
                 const u64 desc_a = sm90::desc_advance(desc_a0, k * a_step);
                 sm90::wgmma_ss<T, N, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
@@ -333,15 +348,18 @@ __global__ void sm90_attention_tile(const uint4* smem_in, float* out) {
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::wgmma_fence_operand(s);
-    // [64, 64] output, this thread's 32
+    // [64, 64] output, this thread's 32, from P's four k-steps packed before the wgmma.fence
     float o[32];
+    uint32_t p[4][4];
+    for (int j = 0; j < 4; ++j) {
+        for (int r = 0; r < 4; ++r) {
+            p[j][r] = varlen::ElemTraits<T>::pack(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+        }
+    }
+    sm90::wgmma_fence_operand(p);
     sm90::wgmma_fence();
     for (int j = 0; j < 4; ++j) {
-        const uint32_t a[4] = {varlen::ElemTraits<T>::pack(s[8 * j], s[8 * j + 1]),
-                               varlen::ElemTraits<T>::pack(s[8 * j + 2], s[8 * j + 3]),
-                               varlen::ElemTraits<T>::pack(s[8 * j + 4], s[8 * j + 5]),
-                               varlen::ElemTraits<T>::pack(s[8 * j + 6], s[8 * j + 7])};
-        sm90::wgmma_rs<T, 64, true>(o, a, sm90::desc_advance(desc_v, 2048 * j), j > 0);
+        sm90::wgmma_rs<T, 64, true>(o, p[j], sm90::desc_advance(desc_v, 2048 * j), j > 0);
     }
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
@@ -443,7 +461,7 @@ extern "C" int sm90_run_wgmma(int bf16, int n, int mode, const void* smem_in,
                               u64 desc_b, unsigned a_step, unsigned b_step, int ksteps,
                               const float* init, float* out, float* probe, int flags) {
     const WgKernel k = bf16 ? wg_kernel<__nv_bfloat16>(n, mode) : wg_kernel<__half>(n, mode);
-    if (!k) return -1;
+    if (!k || ksteps > WG_MAX_KSTEPS) return -1;
     launch("sm90_wgmma", 1, 1, WG_THREADS, smem_bytes + 16, [&] {
         k(static_cast<const uint4*>(smem_in), smem_bytes, a_regs, desc_a, desc_b, a_step, b_step,
           ksteps, init, out, probe, flags);

@@ -27,6 +27,7 @@ SWIZZLE_BYTES = {"none": 0, "32B": 32, "64B": 64, "128B": 128}
 MODES = {"SS_KK": 0, "SS_KN": 1, "RS_K": 2, "RS_N": 3, "SS_MK": 4}
 F_ACCUMULATE, F_PEEK, F_NO_FENCE, F_CLOBBER, F_WARP3_SKIPS, F_SETMAXNREG = 1, 2, 4, 8, 16, 32
 F_GROUP_PER_STEP, F_NO_PROXY_FENCE, F_FLAG_HANDOFF = 64, 128, 256
+F_WRITE_AFTER_FENCE, F_A_AFTER_FENCE = 512, 1024
 
 P = ctypes.c_void_p
 U32, U64, I32 = ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_int
@@ -255,6 +256,8 @@ def run_isolated(call, timeout_s="1", expect_fail=True):
                           timeout=120, env=env)
     if expect_fail:
         assert proc.returncode != 0, f"{call} was not reported:\n{proc.stderr[-2000:]}"
+    else:
+        assert proc.returncode == 0, f"{call} failed:\n{proc.stderr[-2000:]}"
     return proc.stderr
 
 
@@ -468,11 +471,13 @@ def test_wgmma_shared_operands_read_per_landing_mode(lib, landing):
     assert np.array_equal(to_matrix(out, 64), expected), f"landing {landing}"
 
 
-def isolated_wgmma_call(flags):
-    """A wgmma run with `flags` in a fresh process, from operands made there (zeros)."""
-    return ("sm90_run_wgmma(0, 64, 0, (ctypes.c_ubyte * 32768)(), 32768, None, "
+def isolated_wgmma_call(flags, mode="SS_KK"):
+    """A wgmma run with `flags` in a fresh process, from operands made there: shared memory of
+    zeros, two k-steps of A fragments of distinct bits (RS modes)."""
+    a_regs = "(ctypes.c_uint * 1024)(*range(1, 1025))" if mode.startswith("RS") else "None"
+    return (f"sm90_run_wgmma(0, 64, {MODES[mode]}, (ctypes.c_ubyte * 32768)(), 32768, {a_regs}, "
             f"ctypes.c_ulonglong({desc(0, 0, 1024, '128B')}), "
-            f"ctypes.c_ulonglong({desc(16384, 0, 1024, '128B')}), 32, 32, 1, "
+            f"ctypes.c_ulonglong({desc(16384, 0, 1024, '128B')}), 32, 32, 2, "
             "(ctypes.c_float * 4096)(), (ctypes.c_float * 4096)(), (ctypes.c_float * 128)(), "
             f"{flags})")
 
@@ -480,6 +485,27 @@ def isolated_wgmma_call(flags):
 def test_wgmma_without_fence_is_reported(lib):
     err = run_isolated(isolated_wgmma_call(F_NO_FENCE))
     assert "without a wgmma.fence" in err, err[-2000:]
+
+
+def test_wgmma_accumulators_written_after_fence_are_reported(lib):
+    """d[0] += 1 between the wgmma.fence and the first op: the ISA orders a register write
+    before a wgmma's access to the same registers only through a wgmma.fence after it."""
+    err = run_isolated(isolated_wgmma_call(F_WRITE_AFTER_FENCE))
+    assert re.search(r"wgmma.mma_async \(.*\): its accumulators were written by this thread "
+                     r"after its last wgmma.fence", err), err[-2000:]
+
+
+def test_wgmma_a_fragment_written_after_fence_is_reported(lib):
+    """Each k-step's A fragment loaded into the same registers after the fence: the second
+    load is a write the fence does not order before the op that reads it."""
+    err = run_isolated(isolated_wgmma_call(F_A_AFTER_FENCE, "RS_K"))
+    assert re.search(r"wgmma.mma_async \(.*\): its A fragment registers were written by this "
+                     r"thread after its last wgmma.fence", err), err[-2000:]
+
+
+def test_wgmma_register_check_passes_the_isa_order(lib):
+    """The same RS product with every A fragment written before the fence runs to the end."""
+    run_isolated(isolated_wgmma_call(0, "RS_K"), expect_fail=False)
 
 
 def test_wgmma_operand_stored_without_proxy_fence_is_reported(lib):
