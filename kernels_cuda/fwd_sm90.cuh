@@ -423,11 +423,11 @@ __device__ __forceinline__ void rescale(float (&acc_o)[NO][4], const float (&cor
 // FlashAttention-3's Alg. 2 over its key chunks 0 .. n - 1 (the block's chunks ring.chunk
 // on) with two S tiles, the fp32 accumulator of the next chunk's S and this chunk's P packed
 // to 16 bits:
-//   S_0 = Q K_0^T; wait; softmax -> P_0
-//   for j = 0 .. n - 2: issue S_{j+1} = Q K_{j+1}^T, issue O += P_j V_j; wait<1> (S_{j+1}
-//     retired, P_j V_j in flight); release K_{j+1}; softmax of S_{j+1} (its O rescaling
-//     deferred); wait<0>; release V_j; rescale O; P_{j+1}
-//   release Q; O += P_{n-1} V_{n-1}; wait; release V_{n-1}
+//   S_0 = Q K_0^T; wait; softmax -> P_0 (the factor corr_0 of its O rescaling kept)
+//   for j = 0 .. n - 2: issue S_{j+1} = Q K_{j+1}^T; O *= corr_j; issue O += P_j V_j;
+//     wait<1> (S_{j+1} retired, P_j V_j in flight); release K_{j+1} (and Q after the
+//     item's last S); softmax of S_{j+1} -> corr_{j+1}; wait<0>; release V_j; P_{j+1}
+//   O *= corr_{n-1}; O += P_{n-1} V_{n-1}; wait; release V_{n-1}
 // then O / l and lse through store_output. With two consumers each block of issues runs on the
 // warpgroup's turn (PingPong). `w` is the warp's slot among the consumer warps, `i_head` the
 // item's first query head (of PACK). Moves `ring` past the item.
@@ -459,6 +459,16 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
 
     sm90::mbar_wait(sm.q_full(), ring.q_parity());
     PartnerCursor<Cfg::KN> keys = key_cursor<Cfg::KN>(plan, i_tile);
+    // Mask and softmax of the retired S of the cursor's chunk, its O rescaling deferred to
+    // `corr`; moves the cursor on. After the item's last S it releases Q: the producer loads
+    // the next item's under this softmax, the last P V and the epilogue.
+    float corr[2];
+    const auto softmax_chunk = [&]() {
+        const TileMask<false> mask = rows_mask(keys.chunk());
+        keys.advance();
+        if (!keys.valid()) sm90::mbar_arrive(sm.q_empty());
+        softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr, mask, call, w.lane);
+    };
     int i = ring.chunk;     // the block's chunk of P
     if (keys.valid()) {
         turn.start();
@@ -473,44 +483,43 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
         sm90::wgmma_wait<0>();
         sm90::wgmma_fence_operand(s_frag);
         sm90::mbar_arrive(sm.k_empty(i % STAGES));
-        float corr[2];
-        softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr, rows_mask(keys.chunk()), call,
-                                      w.lane);
+        softmax_chunk();
         #pragma unroll
         for (int j = 0; j < KN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
-        for (keys.advance(); keys.valid(); keys.advance(), ++i) {
+        for (; keys.valid(); ++i) {
             const int n = i + 1;
             const uint32_t parity_n = round_parity<STAGES>(n);
             sm90::mbar_wait(sm.ready(n % STAGES), parity_n);
             sm90::mbar_wait(sm.k_full(n % STAGES), parity_n);
-            sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i));
             turn.wait();
-            // O was rescaled and P packed after the last wait: both are read by the wgmmas
-            // below (the ISA orders register writes before an async read only through the
-            // wgmma.fence)
+            // P was packed after the last wait: read by the wgmmas below (the ISA orders
+            // register writes before an async read only through the wgmma.fence)
             sm90::wgmma_fence_operand(s_frag);
-            sm90::wgmma_fence_operand(o_frag);
             sm90::wgmma_fence();
             issue_s<T, Cfg>(s_frag, sm, desc_q, n);
+            // O rescaled to P_i's maximum while S_{i+1} is on the tensor cores
+            // (FlashAttention-3's place for it), then fenced for P_i V_i
+            sm90::wgmma_fence_operand(o_frag);
+            rescale(acc_o, corr);
+            sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i));
+            sm90::wgmma_fence_operand(o_frag);
+            sm90::wgmma_fence();
             issue_pv<T, Cfg>(o_frag, p_frag, sm, i);
             turn.pass(false);
             sm90::wgmma_wait<1>();
             sm90::wgmma_fence_operand(s_frag);
             sm90::mbar_arrive(sm.k_empty(n % STAGES));
-            softmax_deferred<HAS_SOFTCAP>(acc_s, softmax[0], corr, rows_mask(keys.chunk()),
-                                          call, w.lane);
+            softmax_chunk();
             sm90::wgmma_wait<0>();
             sm90::wgmma_fence_operand(o_frag);
             sm90::wgmma_fence_operand(p_frag);
             sm90::mbar_arrive(sm.v_empty(i % STAGES));
-            rescale(acc_o, corr);
             #pragma unroll
             for (int j = 0; j < KN / 16; ++j) c_to_a<T>(p_frag[j], acc_s, j);
         }
-        // every S of the item has retired: Q may be refilled with the next item's while the
-        // last P V and the epilogue run
-        sm90::mbar_arrive(sm.q_empty());
-        // epilogue: P V of the last chunk
+        // epilogue: P V of the last chunk (Q was released after its S)
+        sm90::wgmma_fence_operand(o_frag);
+        rescale(acc_o, corr);
         sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i));
         turn.wait();
         sm90::wgmma_fence_operand(o_frag);
