@@ -241,6 +241,9 @@ inline BlockSync g_sync;
 // Run by each thread entering (false) and leaving (true) __syncthreads, when set (the sm_90
 // emulation's memory-order tracking).
 inline void (*g_block_barrier_hook)(bool leaving) = nullptr;
+// Run by each thread as its kernel body returns, before it leaves the barriers, when set (the
+// sm_90 emulation's check that no warp of a warpgroup skipped a warpgroup instruction).
+inline void (*g_thread_exit_hook)() = nullptr;
 
 inline Warp& my_warp() { return g_sync.warps[threadIdx.x / 32]; }
 inline int my_lane() { return threadIdx.x % 32; }
@@ -686,6 +689,7 @@ inline void count_copy_banks() {
 // What a thread leaves when its kernel body returns: copies in flight land, its lanes leave
 // the warp's and block's barriers.
 inline void thread_exit() {
+    if (g_thread_exit_hook) g_thread_exit_hook();
     ThreadState& s = t_state;
     for (auto& g : s.committed) for (AsyncCopy& c : g) land(c);
     for (AsyncCopy& c : s.open) land(c);

@@ -11,8 +11,9 @@
 //     read, zero fill outside the tensor, swizzle) and its complete_tx land at issue, at the wait
 //     that needs them (once every expected arrival is in: the latest moment), or at random
 //     try_waits in between, following the cp.async landing mode (hostemu::Config::landing).
-//   * wgmma: a warpgroup collective (all 128 threads at the same source line, same dynamic
-//     instance, same descriptors and flags); accumulators are poisoned (NaN) at issue and
+//   * wgmma: a warpgroup instruction (.sync.aligned: each thread waits for its warp only; the
+//     four warps must meet the same source line as the same dynamic instance with the same
+//     descriptors and flags, checked without making them wait for each other); accumulators are poisoned (NaN) at issue and
 //     written when wgmma.wait_group retires their group; shared-memory operands are read at
 //     issue or at retirement (landing mode); products follow mma.sync's model (mma_dot16). An
 //     mma_async that does not continue a pending one on the same accumulators needs a
@@ -24,11 +25,12 @@
 //     view of shared memory, which fence.proxy.async and TMA landings publish to: a wgmma
 //     operand must be published and its reader synchronised with a fence after the write, and
 //     stmatrix must follow the wgmma reads retired where it writes.
-//   * setmaxnreg: a warpgroup collective, otherwise nothing.
+//   * setmaxnreg: a warpgroup instruction as wgmma, otherwise nothing.
 //   * stmatrix: a warp collective, the inverse of ldmatrix.
 // Warpgroup collectives and mbarrier waits need the free-running schedule: under the turnstile
 // (one warp at a time between __syncthreads) they abort with a message.
 #pragma once
+#include <array>
 #include <chrono>
 #include <map>
 #include <shared_mutex>
@@ -157,7 +159,12 @@ struct BlockState {
     std::mutex m;
     std::condition_variable cv;
     std::map<long, Mbar> bars;
-    std::map<int, std::unique_ptr<Group>> warpgroups, warps;
+    std::map<int, std::unique_ptr<Group>> warps;
+    // Warpgroup instructions met by some warps of their warpgroup and not yet by all four:
+    // (warpgroup, dynamic instance) -> the first warp's slot and the warps that met it
+    std::map<std::pair<unsigned, uint64_t>, std::pair<Slot, unsigned>> aligned;
+    // by warpgroup, per warp: 1 + the warpgroup instructions it met before it exited (0: alive)
+    std::map<unsigned, std::array<uint64_t, 4>> wg_exits;
     std::map<uint32_t, NamedBar> named;      // bar.sync / bar.arrive by id
     std::vector<uint32_t> sync_vc;           // what the threads knew at __syncthreads
     // Async-proxy view of shared memory (docs/hopper.md, "What the emulation checks"): the
@@ -424,28 +431,70 @@ inline bool exited(unsigned t) {
     return g_sync.warps[t / 32].tag[t % 32].kind == K_EXITED;
 }
 
-// Prologue of a collective of `n` threads (128: warpgroup; 32: warp) starting at thread
-// `first`: publish this thread's slot, wait for all, compare with the next thread's slot.
-// The caller reads the slots, then calls leave().
+// A warpgroup instruction (wgmma.*, setmaxnreg: .sync.aligned): .sync makes a thread wait for
+// the other threads of its warp only, and .aligned requires the four warps of the warpgroup to
+// execute the same instruction, which nothing makes them do at the same time. So lane 0 of
+// each warp checks it without waiting: the first warp to meet dynamic instance k records it,
+// the others compare with the record, the fourth drops it; a warp that exits with instances
+// some other warp met still ahead of it is reported at its exit (on_thread_exit), one that
+// exited before another warp met an instance it had not is reported then.
+inline void check_aligned(BlockState& b, const Slot& s, const char* what) {
+    const unsigned wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
+    std::lock_guard lk(b.m);
+    auto [it, fresh] = b.aligned.try_emplace({wg, s.count}, s, 0u);
+    auto& [o, warps] = it->second;
+    if (!fresh) {
+        const unsigned ow = (unsigned)__builtin_ctz(warps);
+        if (o.kind != s.kind || !(o.site == s.site)) {
+            fail("warps %u and %u disagree at a warpgroup collective: warp %u at %s #%llu "
+                 "(%s:%d), warp %u at %s #%llu (%s:%d)", warp, ow, warp, what,
+                 (unsigned long long)s.count, s.site.file, s.site.line, ow,
+                 wg_kind_name(o.kind), (unsigned long long)o.count, o.site.file, o.site.line);
+        }
+        for (int k = 0; k < 4; ++k) {
+            if (o.x[k] != s.x[k]) {
+                fail("%s: warps %u and %u pass different operands (#%d: 0x%llx and 0x%llx); "
+                     "they must be uniform over the warpgroup", what, warp, ow, k,
+                     (unsigned long long)s.x[k], (unsigned long long)o.x[k]);
+            }
+        }
+    }
+    warps |= 1u << warp;
+    const std::array<uint64_t, 4>& exits = b.wg_exits[wg];
+    for (unsigned w = 0; w < 4; ++w) {
+        if (exits[w] != 0 && exits[w] - 1 < s.count) {
+            fail("%s #%llu (%s:%d): warp %u of the warpgroup exited without executing it, which "
+                 "warp %u did (a warpgroup instruction must be executed by all four warps)",
+                 what, (unsigned long long)s.count, s.site.file, s.site.line, w, warp);
+        }
+    }
+    if (warps == 0xfu) b.aligned.erase(it);
+}
+
+// Prologue of a collective of `n` threads (128: a warpgroup instruction, 32: a warp one) of
+// thread threadIdx.x / n * n on: publish this thread's slot, wait for the other threads of the
+// warp, compare with the next thread's slot (and, for a warpgroup instruction, the warp's with
+// the other warps', check_aligned). The caller reads the slots of its warp, then calls leave().
 inline Group& enter(int n, Slot s) {
-    const unsigned first = threadIdx.x / n * n;
+    const unsigned wg_first = threadIdx.x / n * n;
     const char* what = wg_kind_name(s.kind);
     if (n == 128 && g_sync.turnstile) {
         fail("%s under the one-warp-at-a-time schedule: warpgroup collectives and mbarrier "
              "waits need the free-running one (no VARLEN_EMULATION_SCHEDULE without --race)", what);
     }
-    if (first + n > block_threads()) {
-        fail("%s needs threads %u..%u, the block has %zu", what, first, first + n - 1,
+    if (wg_first + n > block_threads()) {
+        fail("%s needs threads %u..%u, the block has %zu", what, wg_first, wg_first + n - 1,
              block_threads());
     }
+    constexpr unsigned W = 32;
+    const unsigned first = threadIdx.x / W * W;
     sync_point();
     BlockState& b = block();
     Group* g;
     {
         std::lock_guard lk(b.m);
-        auto& map = n == 128 ? b.warpgroups : b.warps;
-        auto& p = map[first / n];
-        if (!p) p = std::make_unique<Group>(n);
+        auto& p = b.warps[first / W];
+        if (!p) p = std::make_unique<Group>(W);
         g = p.get();
     }
     ThreadState& t = me();
@@ -454,35 +503,56 @@ inline Group& enter(int n, Slot s) {
     g->slot[i] = s;
     g->bar.arrive_and_wait([&](double waited) {
 #if !defined(__SANITIZE_THREAD__)
-        for (unsigned u = first; u < first + n; ++u) {
-            if (exited(u)) fail("%s: thread %u of the %s has exited", what, u,
-                                n == 128 ? "warpgroup" : "warp");
+        for (unsigned u = first; u < first + W; ++u) {
+            if (exited(u)) fail("%s: thread %u of the warp has exited", what, u);
         }
 #endif
         if (waited > timeout_s()) {
-            fail("%s (%s:%d): not all %d threads of the %s starting at thread %u arrived "
-                 "within %.0f s", what, s.site.file, s.site.line, n,
-                 n == 128 ? "warpgroup" : "warp", first, timeout_s());
+            fail("%s (%s:%d): not all %u threads of the warp starting at thread %u arrived "
+                 "within %.0f s", what, s.site.file, s.site.line, W, first, timeout_s());
         }
     });
-    const Slot& o = g->slot[(i + 1) % n];
+    const Slot& o = g->slot[(i + 1) % W];
     if (o.kind != s.kind || !(o.site == s.site) || o.count != s.count) {
         fail("threads %u and %u disagree at a %s collective: thread %u at %s #%llu (%s:%d), "
-             "thread %u at %s #%llu (%s:%d)", threadIdx.x, first + (i + 1) % n,
+             "thread %u at %s #%llu (%s:%d)", threadIdx.x, first + (i + 1) % W,
              n == 128 ? "warpgroup" : "warp", threadIdx.x, what, (unsigned long long)s.count,
-             s.site.file, s.site.line, first + (i + 1) % n, wg_kind_name(o.kind),
+             s.site.file, s.site.line, first + (i + 1) % W, wg_kind_name(o.kind),
              (unsigned long long)o.count, o.site.file, o.site.line);
     }
     for (int k = 0; k < 4; ++k) {
         if (o.x[k] != s.x[k]) {
             fail("%s: threads %u and %u pass different operands (#%d: 0x%llx and 0x%llx); they "
-                 "must be uniform over the %s", what, threadIdx.x, first + (i + 1) % n, k,
+                 "must be uniform over the %s", what, threadIdx.x, first + (i + 1) % W, k,
                  (unsigned long long)s.x[k], (unsigned long long)o.x[k],
                  n == 128 ? "warpgroup" : "warp");
         }
     }
+    if (n == 128 && i == 0) check_aligned(b, s, what);
     return *g;
 }
+
+// At a thread's exit (lane 0 for its warp): no warpgroup instruction another warp of its
+// warpgroup met may lie ahead of this warp.
+inline void on_thread_exit() {
+    if (threadIdx.x % 32 != 0) return;
+    BlockState* b = block_if_started();
+    if (!b) return;
+    const uint64_t met = me().wg_count;
+    const unsigned wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
+    std::lock_guard lk(b->m);
+    b->wg_exits[wg][warp] = met + 1;
+    for (const auto& [key, rec] : b->aligned) {
+        if (key.first == wg && key.second > met && !(rec.second >> warp & 1u)) {
+            fail("%s #%llu (%s:%d): warp %u of the warpgroup exited without executing it, which "
+                 "warp %u did (a warpgroup instruction must be executed by all four warps)",
+                 wg_kind_name(rec.first.kind), (unsigned long long)key.second,
+                 rec.first.site.file, rec.first.site.line, warp,
+                 (unsigned)__builtin_ctz(rec.second));
+        }
+    }
+}
+inline const bool g_thread_exit_hooked = (g_thread_exit_hook = on_thread_exit, true);
 
 inline void leave(Group& g) {
     g.bar.arrive_and_wait([&](double waited) {
@@ -723,11 +793,12 @@ inline void issue_wgmma(float* d, int n, bool bf16, const uint32_t* a, uint64_t 
     *op = WgmmaOp{d, n, bf16, a != nullptr, trans_a, trans_b, scale_d, false, desc_a, desc_b,
                   nullptr, {}, {}, {}, {}};
     if (a) {
-        // Rows 16 w + g (+ 8) of A from the fragments of this warp's lanes 4 g .. 4 g + 3.
-        const unsigned tw = threadIdx.x % 128 / 32 * 32, gq = threadIdx.x % 32 / 4;
+        // Rows 16 w + g (+ 8) of A from the fragments of this warp's lanes 4 g .. 4 g + 3 (the
+        // group's slots are this warp's: each warp's rows of A are its own lanes')
+        const unsigned gq = threadIdx.x % 32 / 4;
         for (int h = 0; h < 2; ++h) {
             for (int k = 0; k < 16; ++k) {
-                const uint32_t reg = g.slot[tw + 4 * gq + (k % 8) / 2].a[h + 2 * (k / 8)];
+                const uint32_t reg = g.slot[4 * gq + (k % 8) / 2].a[h + 2 * (k / 8)];
                 const uint16_t bits = (uint16_t)(k % 2 ? reg >> 16 : reg & 0xffff);
                 op->a_rows[h][k] = bf16 ? varlen::to_f<__nv_bfloat16>(bits)
                                         : varlen::to_f<__half>(bits);

@@ -151,6 +151,7 @@ constexpr int WG_FLAG_HANDOFF = 256;   // thread 0 stores and fences the operand
 constexpr int WG_WRITE_AFTER_FENCE = 512;  // d[0] += 1 between the wgmma.fence and the first op
 constexpr int WG_A_AFTER_FENCE = 1024;     // RS: each k-step's A fragment loaded after the
                                            // fence into the same registers
+constexpr int WG_WARP3_EXITS = 2048;       // warp 3 returns before the wgmma.fence
 constexpr int WG_MAX_KSTEPS = 8;           // of the RS modes (A fragments held in registers)
 
 // Operand modes: A K-major or M-major in shared memory, or in registers; B K- or N-major.
@@ -201,6 +202,7 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
     if (RS && !(flags & WG_A_AFTER_FENCE)) {
         for (int k = 0; k < ksteps; ++k) load_a(k, a[k]);
     }
+    if ((flags & WG_WARP3_EXITS) && tid / 32 == 3) return;
     sm90::wgmma_fence_operand(d);
     sm90::wgmma_fence_operand(a);
     if (!(flags & WG_NO_FENCE)) sm90::wgmma_fence();

@@ -27,7 +27,7 @@ SWIZZLE_BYTES = {"none": 0, "32B": 32, "64B": 64, "128B": 128}
 MODES = {"SS_KK": 0, "SS_KN": 1, "RS_K": 2, "RS_N": 3, "SS_MK": 4}
 F_ACCUMULATE, F_PEEK, F_NO_FENCE, F_CLOBBER, F_WARP3_SKIPS, F_SETMAXNREG = 1, 2, 4, 8, 16, 32
 F_GROUP_PER_STEP, F_NO_PROXY_FENCE, F_FLAG_HANDOFF = 64, 128, 256
-F_WRITE_AFTER_FENCE, F_A_AFTER_FENCE = 512, 1024
+F_WRITE_AFTER_FENCE, F_A_AFTER_FENCE, F_WARP3_EXITS = 512, 1024, 2048
 
 P = ctypes.c_void_p
 U32, U64, I32 = ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_int
@@ -529,6 +529,16 @@ def test_wgmma_operand_fenced_but_not_synchronised_is_reported(lib):
 def test_wgmma_warp_missing_from_warpgroup_is_reported(lib):
     err = run_isolated(isolated_wgmma_call(F_WARP3_SKIPS))
     assert "disagree at a warpgroup collective" in err, err[-2000:]
+
+
+def test_wgmma_warp_exiting_before_its_warpgroup_is_reported(lib):
+    """Warp 3 returns before the wgmma.fence the other three execute. The four warps of a
+    warpgroup do not wait for each other at a wgmma (.sync is per warp), so this is found
+    without a deadlock, whichever side comes first: at warp 3's exit or at another warp's
+    instruction."""
+    err = run_isolated(isolated_wgmma_call(F_WARP3_EXITS))
+    assert re.search(r"wgmma\.\w+ #\d+ \(.*\): warp 3 of the warpgroup exited without "
+                     r"executing it, which warp [012] did", err), err[-2000:]
 
 
 def round_to(x, dtype):
