@@ -13,13 +13,14 @@
 //     try_waits in between, following the cp.async landing mode (hostemu::Config::landing).
 //   * wgmma: a warpgroup instruction (.sync.aligned: each thread waits for its warp only; the
 //     four warps must meet the same source line as the same dynamic instance with the same
-//     descriptors and flags, checked without making them wait for each other); accumulators are poisoned (NaN) at issue and
-//     written when wgmma.wait_group retires their group; shared-memory operands are read at
-//     issue or at retirement (landing mode); products follow mma.sync's model (mma_dot16). An
-//     mma_async that does not continue a pending one on the same accumulators needs a
-//     wgmma.fence since this thread's last wgmma.wait_group, and the register arrays a wgmma
-//     accesses (accumulators, A fragment) must hold what this thread's last wgmma.fence or the
-//     wgmma ops themselves left there: a write by the thread in between is reported.
+//     descriptors and flags, checked without making them wait for each other); accumulators
+//     are poisoned (NaN) at issue and written when wgmma.wait_group retires their group;
+//     shared-memory operands are read at issue or at retirement (landing mode); products
+//     follow mma.sync's model (mma_dot16). An mma_async that does not continue a pending one
+//     on the same accumulators needs a wgmma.fence since this thread's last wgmma.wait_group,
+//     and the register arrays a wgmma accesses (accumulators, A fragment) must hold what this
+//     thread's last wgmma.fence or the wgmma ops themselves left there: a write by the thread
+//     in between is reported.
 //   * memory order: vector clocks per thread, merged through mbarriers, named barriers and
 //     __syncthreads (a use of an mbarrier must follow its init in them); the async proxy's
 //     view of shared memory, which fence.proxy.async and TMA landings publish to: a wgmma
