@@ -439,6 +439,13 @@ inline bool exited(unsigned t) {
 // the others compare with the record, the fourth drops it; a warp that exits with instances
 // some other warp met still ahead of it is reported at its exit (on_thread_exit), one that
 // exited before another warp met an instance it had not is reported then.
+// A warp that exited without executing the warpgroup instruction `s` that warp `other` did.
+[[noreturn]] inline void fail_skipped(const Slot& s, unsigned skipped, unsigned other) {
+    fail("%s #%llu (%s:%d): warp %u of the warpgroup exited without executing it, which warp %u "
+         "did (a warpgroup instruction must be executed by all four warps)", wg_kind_name(s.kind),
+         (unsigned long long)s.count, s.site.file, s.site.line, skipped, other);
+}
+
 inline void check_aligned(BlockState& b, const Slot& s, const char* what) {
     const unsigned wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4;
     std::lock_guard lk(b.m);
@@ -463,11 +470,7 @@ inline void check_aligned(BlockState& b, const Slot& s, const char* what) {
     warps |= 1u << warp;
     const std::array<uint64_t, 4>& exits = b.wg_exits[wg];
     for (unsigned w = 0; w < 4; ++w) {
-        if (exits[w] != 0 && exits[w] - 1 < s.count) {
-            fail("%s #%llu (%s:%d): warp %u of the warpgroup exited without executing it, which "
-                 "warp %u did (a warpgroup instruction must be executed by all four warps)",
-                 what, (unsigned long long)s.count, s.site.file, s.site.line, w, warp);
-        }
+        if (exits[w] != 0 && exits[w] - 1 < s.count) fail_skipped(s, w, warp);
     }
     if (warps == 0xfu) b.aligned.erase(it);
 }
@@ -545,11 +548,7 @@ inline void on_thread_exit() {
     b->wg_exits[wg][warp] = met + 1;
     for (const auto& [key, rec] : b->aligned) {
         if (key.first == wg && key.second > met && !(rec.second >> warp & 1u)) {
-            fail("%s #%llu (%s:%d): warp %u of the warpgroup exited without executing it, which "
-                 "warp %u did (a warpgroup instruction must be executed by all four warps)",
-                 wg_kind_name(rec.first.kind), (unsigned long long)key.second,
-                 rec.first.site.file, rec.first.site.line, warp,
-                 (unsigned)__builtin_ctz(rec.second));
+            fail_skipped(rec.first, warp, (unsigned)__builtin_ctz(rec.second));
         }
     }
 }
@@ -758,9 +757,7 @@ inline void note_regs(ThreadState& t, const void* p, size_t bytes, bool update =
     if (r && !update) return;
     if (!r) {
         // another array at the same address (a frame reused) replaces the old one
-        for (size_t i = 0; i < t.regs.size(); ++i) {
-            if (t.regs[i].p == p) t.regs.erase(t.regs.begin() + (long)i--);
-        }
+        std::erase_if(t.regs, [p](const RegArray& old) { return old.p == p; });
         if (t.regs.size() >= REG_ARRAYS) t.regs.erase(t.regs.begin());
         t.regs.push_back(RegArray{p, bytes, {}});
         r = &t.regs.back();

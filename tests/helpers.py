@@ -83,3 +83,12 @@ def run_mutated_case(module: str, label: str, source_dir) -> subprocess.Complete
     emulation timeout for a deadlock."""
     return run_case_process(module, label, {"VARLEN_EMULATION_SOURCE_DIR": str(source_dir),
                                             "VARLEN_EMULATION_TIMEOUT": "20"})
+
+
+def assert_mutant_caught(proc: subprocess.CompletedProcess, name: str, label: str, says) -> None:
+    """The mutated kernel `name` failed case `label`, saying `says` (a string, or a tuple of
+    which one will do)."""
+    assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
+    says = (says,) if isinstance(says, str) else says
+    assert any(m in proc.stdout + proc.stderr for m in says), (
+        f"{name}: failed otherwise:\n{proc.stderr[-2000:]}")
