@@ -33,7 +33,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from varlen._cli import ArgumentParser, positive_int  # noqa: E402
-from varlen.backends import _cupy_compile, _cupy_spec  # noqa: E402
+import varlen.backends.cupy.compile as _cupy_compile  # noqa: E402
+import varlen.backends.cupy.traits as _cupy_spec  # noqa: E402
+import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 
 
 def parse_args(argv):
@@ -50,13 +52,13 @@ def parse_args(argv):
     ap.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
                     help="parallel NVRTC processes (default: the CPU count)")
     args = ap.parse_args(argv)
-    args.specs = _cupy_spec.all_specs()
+    args.specs = _cupy_mma.all_specs()
     if args.only:
         args.specs = [s for s in args.specs
                       if any(fnmatch.fnmatchcase(s.label, g) for g in args.only)]
         if not args.specs:
             ap.error(f"--only {' '.join(args.only)} matches no variant; labels look like "
-                     f"{_cupy_spec.all_specs()[0].label}")
+                     f"{_cupy_mma.all_specs()[0].label}")
     return args
 
 

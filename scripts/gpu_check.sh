@@ -30,7 +30,7 @@
 #   install      as above
 #   sm90_device  compute capability 9.0 (else nothing more runs, and the check fails)
 #   sm90_warm    every sm_90a variant the backend dispatches, built by NVRTC in parallel into
-#                the cubin cache (python -m varlen.backends._cupy_sm90)
+#                the cubin cache (python -m varlen.backends.cupy.sm90)
 #   sm90_tests   the `gpu` cases of tests/test_sm90_forward.py and test_sm90_backward.py: the
 #                emulated cases' batches through the cubins and the driver's tensor maps
 #   sm90_parity  tests/test_cupy_gpu.py's reference parity (GQA packing chosen as it falls),
@@ -210,7 +210,7 @@ if [ "$MODE" = sm90a ] && ! run_step sm90_device 20 bash -c sm90_device; then
 elif [ "$MODE" = sm90a ]; then
     export VARLEN_CUPY_PATH=sm90a
     export VARLEN_SM90A_CACHE="${VARLEN_SM90A_CACHE:-${TMPDIR:-/tmp}/varlen_sm90a_cache}"
-    run_step sm90_warm 50 "$PY" -m varlen.backends._cupy_sm90 16
+    run_step sm90_warm 50 "$PY" -m varlen.backends.cupy.sm90 16
     run_step sm90_tests 120 "$PY" -m pytest -q -rfEs -m gpu tests/test_sm90_forward.py \
         tests/test_sm90_backward.py --junitxml="$LOGS/sm90_tests.xml"
     grep -q "[0-9] passed" "$LOGS/sm90_tests.log" || record sm90_tests_ran 5 0
@@ -229,7 +229,7 @@ elif [ "$MODE" = numba ]; then
         --ignore=tests/test_cupy_gpu.py --junitxml="$LOGS/gpu_tests.xml"
     run_step bench_numba 50 "$PY" scripts/bench_numba.py --quick --json "$LOGS/bench_numba.json"
 else
-    run_step warm_cache 60 "$PY" -m varlen.backends._cupy_kernels 16
+    run_step warm_cache 60 "$PY" -m varlen.backends.cupy.mma 16
     sanitizer_steps sanitizer 35 memcheck racecheck synccheck initcheck
     run_step gpu_tests 120 "$PY" -m pytest -q -rfEs -s tests/test_cupy_gpu.py \
         --junitxml="$LOGS/gpu_tests.xml"

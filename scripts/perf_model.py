@@ -37,7 +37,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from varlen._cli import ArgumentParser  # noqa: E402
-from varlen.backends._cupy_compile import SM_LIMITS, ctas_per_sm  # noqa: E402
+from varlen.backends.cupy.compile import SM_LIMITS, ctas_per_sm  # noqa: E402
 
 D = 128                    # head dim of the model
 E = 2                      # bytes per bf16 element
@@ -157,7 +157,7 @@ SM90A_TARGETS = {"fwd": 600.0, "bwd": 450.0}
 def measured_targets() -> dict:
     """The targets the measured cupy runner is held to: the sm_90a kernels' when the environment
     selects them, else the mma.sync kernels'."""
-    from varlen.backends import _cupy_sm90
+    import varlen.backends.cupy.sm90 as _cupy_sm90
     return SM90A_TARGETS if _cupy_sm90.selected() else TARGETS
 
 
@@ -186,7 +186,7 @@ def dkdv_work(head_dim: int) -> dict:
     """GEMM work of one dK/dV tile pair relative to a single pass (KernelSpec.dkdv_parts):
     every pass computes S^T = K Q^T and dP^T = V dO^T over the full head dim and dV, dK over
     its 1 / parts of the columns; dQ += dS K (atomic or ordered: both modes) once."""
-    from varlen.backends._cupy_spec import KernelSpec
+    from varlen.backends.cupy.mma import KernelSpec
     parts = KernelSpec("bwd", "bfloat16", head_dim, 64, 64, False).dkdv_parts
     one_pass = 2 + 2 + 1        # GEMMs of pair x D
     done = 2 * parts + 2 + 1
@@ -227,7 +227,7 @@ def dkdv_design(head_dim: int, block_n: int, arch: str) -> Design:
     dV), its dS fragments [16, BN] and a [BN, D / DQ_SPLIT] slice of K for the dQ phase,
     DQ_SPLIT = warps per 16 query rows. Written: Q and dO by cp.async, dS^T, lse2 and delta.
     Three barriers (two of the loop step, the one publishing dS^T)."""
-    from varlen.backends._cupy_spec import KernelSpec
+    from varlen.backends.cupy.mma import KernelSpec
     spec = KernelSpec("bwd", "bfloat16", head_dim, 128, block_n, False)
     bq, d = spec.bwd_query_chunk, head_dim
     warps = block_n // 16

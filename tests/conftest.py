@@ -8,6 +8,7 @@
 """
 import ctypes
 import os
+import sys
 
 
 def _gpu_usable() -> bool:
@@ -20,6 +21,14 @@ def _gpu_usable() -> bool:
     n = ctypes.c_int(0)
     return lib.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0
 
+
+# The test machinery outside the package (`emulation/`, the host emulation of the CUDA kernels)
+# is imported from the repository root, here and in every process a test starts.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 HAS_GPU = _gpu_usable()
 if not HAS_GPU:

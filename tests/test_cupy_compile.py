@@ -12,8 +12,10 @@ import sys
 
 import pytest
 
-from varlen.backends import _cupy_spec
-from varlen.backends._cupy_spec import KernelSpec
+import varlen.backends.cupy.traits as _cupy_spec
+from varlen.backends.cupy.mma import KernelSpec
+import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
+import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -30,7 +32,7 @@ def report():
 
 def test_every_variant_compiled_for_both_archs(report):
     have = {(r["kernel"], r["arch"]) for r in report}
-    for spec in _cupy_spec.all_specs():
+    for spec in _cupy_mma.all_specs():
         for name in spec.name_expressions:
             for arch in _cupy_spec.ARCHS:
                 assert (name, arch) in have, f"{spec.label}: {name} missing for {arch}"
@@ -61,7 +63,7 @@ def test_ctas_per_sm_from_registers_and_shared_memory():
     """Hand-counted occupancy (docs/cupy_backend.md, "Performance model"): registers are whole
     256-register units per warp out of each SM sub-partition's 16384, shared memory adds 1 KiB
     per CTA, against 228 KiB per SM on H100 and 164 KiB on A100."""
-    from varlen.backends._cupy_compile import ctas_per_sm
+    from varlen.backends.cupy.compile import ctas_per_sm
     fwd = ctas_per_sm("sm_90", 170, 256, 104448)      # 176 regs x 8 warps: 2 warps per SMSP
     assert (fwd["gpu"], fwd["ctas_by_registers"], fwd["ctas_by_shared"], fwd["ctas_per_sm"]) \
         == ("H100", 1, 2, 1), fwd
@@ -77,7 +79,7 @@ def test_ctas_per_sm_from_registers_and_shared_memory():
 
 
 def test_report_gives_ctas_per_sm_for_h100_and_a100(report):
-    from varlen.backends._cupy_compile import ctas_per_sm
+    from varlen.backends.cupy.compile import ctas_per_sm
     gpus = {"sm_80": "A100", "sm_90": "H100"}
     for r in report:
         want = ctas_per_sm(r["arch"], r["registers"], r["threads"], r["shared_bytes"])
@@ -86,7 +88,7 @@ def test_report_gives_ctas_per_sm_for_h100_and_a100(report):
         assert r["gpu"] == gpus[r["arch"]]
         assert r["ctas_per_sm"] >= 1, f"{r['arch']} {r['kernel']} cannot be resident"
     by_name = {(r["arch"], r["kernel"]): r for r in report}
-    for spec in _cupy_spec.all_specs():
+    for spec in _cupy_mma.all_specs():
         for k in spec.kernels().values():
             assert by_name[("sm_90", k.name)]["threads"] == k.threads, k.name
 
@@ -122,8 +124,8 @@ def test_performance_model_dkdv_step_is_the_hand_counted_one():
 def test_performance_model_registers_give_the_compiled_ctas(report):
     """The registers the model's dK/dV rows use give the CTAs per SM of the compiled kernels,
     and the backend's default tiles are the model's choice."""
-    from varlen.backends._cupy_compile import ctas_per_sm
-    from varlen.backends.cupy_backend import _default_blocks_for
+    from varlen.backends.cupy.compile import ctas_per_sm
+    from varlen.backends.cupy.traits import default_blocks as _default_blocks_for
     pm = _perf_model()
     by_name = {(r["arch"], r["kernel"]): r for r in report}
     for (D, block_n), regs in pm.DKDV_REGISTERS.items():
@@ -142,9 +144,9 @@ def test_performance_model_registers_give_the_compiled_ctas(report):
 
 def test_host_smem_matches_kernel_layout():
     """The host's dynamic shared-memory sizes equal the kernels' own layout constants."""
-    from varlen.backends._cupy_compile import program_options
+    from varlen.backends.cupy.compile import program_options
     lines = ['#include "varlen_attention.cu"']
-    for s in _cupy_spec.all_specs():
+    for s in _cupy_mma.all_specs():
         if s.kind == "fwd":
             lines.append(f"static_assert(2 * FwdConfig<{s.head_dim}, {s.block_m}, "
                          f"{s.block_n}>::SMEM_ELEMS == {s.fwd_smem()}, \"{s.label} fwd\");")
@@ -186,12 +188,13 @@ def test_spec_rejects_invalid(kw, match):
 def test_wide_head_dims_take_64_64_tiles():
     """Above D = 128 only (64, 64) compiles: the variants, the tiles chosen for an H100 and an
     A100, and the backend's default without a GPU."""
-    from varlen.backends._cupy_spec import DeviceInfo, choose_blocks
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy.traits import DeviceInfo
+    from varlen.backends.cupy.mma import choose_blocks
+    from varlen.backends.cupy import BACKEND
     wide = [D for D in _cupy_spec.HEAD_DIMS if D > 128]
     assert wide == [192, 256]
     for D in wide:
-        assert {(s.block_m, s.block_n) for s in _cupy_spec.all_specs()
+        assert {(s.block_m, s.block_n) for s in _cupy_mma.all_specs()
                 if s.head_dim == D} == {(64, 64)}
         for device in (DeviceInfo((9, 0), 227 * 1024), DeviceInfo((8, 0), 163 * 1024)):
             for dtype in _cupy_spec.DTYPES:
@@ -208,7 +211,8 @@ def test_128_key_tiles():
     155 KiB at D = 128 (inside the A100's 163 KiB), the forward in the key chunks of (128, 64)
     (the same shared memory); on a 99 KiB GPU choose_blocks falls back to (128, 64) where
     (128, 128) does not fit, and keeps it where it does."""
-    from varlen.backends._cupy_spec import DeviceInfo, choose_blocks
+    from varlen.backends.cupy.traits import DeviceInfo
+    from varlen.backends.cupy.mma import choose_blocks
     assert (128, 128) in _cupy_spec.BLOCKS
     for D in (32, 64, 96, 128):
         bwd = KernelSpec("bwd", "bfloat16", D, 128, 128, False)
@@ -236,9 +240,9 @@ def test_128_key_tiles():
 
 def test_128_key_tile_forward_compiles_no_kernel_of_its_own():
     """Every spec's kernels are compiled, each once: the forwards of (128, 128) add none."""
-    from varlen.backends import _cupy_compile
+    import varlen.backends.cupy.compile as _cupy_compile
     names = {(arch, n) for arch, group, _ in _cupy_compile.compile_groups() for n in group}
-    specs = _cupy_spec.all_specs()
+    specs = _cupy_mma.all_specs()
     assert {(arch, n) for s in specs for n in s.name_expressions
             for arch in _cupy_spec.ARCHS} == names
     wide = [s for s in specs if s.kind == "fwd" and s.block_n == 128]
@@ -258,7 +262,7 @@ def test_spec_names_and_cache_key():
                      "varlen_bwd_dq_convert<__nv_bfloat16>")
     assert KernelSpec("fwd", "float16", 64, 64, 64, False).name_expressions == (
         "varlen_fwd<__half, 64, 64, 64, false>",)
-    assert any(o.startswith("-DVARLEN_SOURCE_HASH=") for o in _cupy_spec.compile_options())
+    assert any(o.startswith("-DVARLEN_SOURCE_HASH=") for o in _cupy_compile.compile_options())
 
 
 CXX = os.environ.get("CXX", "g++")
@@ -273,10 +277,10 @@ def test_struct_dtypes_match_the_c_structs(tmp_path):
     fields in order."""
     from varlen.kernels_cuda import SOURCE_DIR
     from varlen.plan import KernelView
-    assert _cupy_spec.PLAN_VIEW_DTYPE.names == KernelView._fields
+    assert _cupy_launch.PLAN_VIEW_DTYPE.names == KernelView._fields
     lines = ["#include <cstddef>", "#include <cstdio>", '#include "plan_view.cuh"',
              "int main() {"]
-    for struct, dtype in _cupy_spec.STRUCT_DTYPES.items():
+    for struct, dtype in _cupy_launch.STRUCT_DTYPES.items():
         c = f"varlen::{struct}"
         lines.append(f'    std::printf("{struct} %zu %zu\\n", sizeof({c}), alignof({c}));')
         lines += [f'    std::printf("{struct}.{f} %zu\\n", offsetof({c}, {f}));'
@@ -288,7 +292,7 @@ def test_struct_dtypes_match_the_c_structs(tmp_path):
     c_layout = dict(line.split(" ", 1) for line in
                     subprocess.run([str(exe)], capture_output=True, text=True,
                                    check=True).stdout.splitlines())
-    for struct, dtype in _cupy_spec.STRUCT_DTYPES.items():
+    for struct, dtype in _cupy_launch.STRUCT_DTYPES.items():
         assert c_layout[struct] == f"{dtype.itemsize} {dtype.alignment}", (
             f"{struct}: C sizeof/alignof {c_layout[struct]}, NumPy dtype "
             f"{dtype.itemsize} {dtype.alignment}")
@@ -303,30 +307,31 @@ def test_emulation_refuses_a_struct_of_the_wrong_size():
     """The emulated launch checks every argument's size against its kernel parameter: a
     PlanView dtype missing a field is refused before the kernel runs."""
     import numpy as np
-    from varlen.backends._cupy_emulation import _Kernel
+    from emulation.cupy import _Kernel
     kernel = _Kernel("varlen_fwd<__half, 64, 64, 64, false>", block_m=64)
-    short = np.dtype([(n, _cupy_spec.PLAN_VIEW_DTYPE.fields[n][0])
-                      for n in _cupy_spec.PLAN_VIEW_DTYPE.names[:-1]], align=True)
+    short = np.dtype([(n, _cupy_launch.PLAN_VIEW_DTYPE.fields[n][0])
+                      for n in _cupy_launch.PLAN_VIEW_DTYPE.names[:-1]], align=True)
     data = [np.zeros((1, 1, 64), np.float16) for _ in range(4)] + [np.zeros((1, 1), np.float32)]
-    call = np.zeros((), _cupy_spec.CALL_PARAMS_DTYPE)
-    full = _cupy_spec.PLAN_VIEW_DTYPE.itemsize
+    call = np.zeros((), _cupy_launch.CALL_PARAMS_DTYPE)
+    full = _cupy_launch.PLAN_VIEW_DTYPE.itemsize
     with pytest.raises(TypeError, match=f"argument 5 .*{short.itemsize} B.* has {full} B"):
         kernel((1, 1), (128,), (*data, np.zeros((), short), call))
     with pytest.raises(TypeError, match="6 arguments for 7 parameters"):
-        kernel((1, 1), (128,), (*data[:4], np.zeros((), _cupy_spec.PLAN_VIEW_DTYPE), call))
+        kernel((1, 1), (128,), (*data[:4], np.zeros((), _cupy_launch.PLAN_VIEW_DTYPE), call))
 
 
 @needs_cxx
 def test_kernels_match_reference_on_host_emulation():
     """The kernels themselves, compiled for the CPU with emulated PTX primitives and driven by
     the real launchers, agree with the float64 reference (forward and both backward modes)."""
-    proc = subprocess.run([sys.executable, "-m", "varlen.backends._cupy_emulation", "--quick"],
+    proc = subprocess.run([sys.executable, "-m", "emulation", "--quick"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"host emulation:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 def test_backend_interface_without_a_gpu():
-    from varlen.backends import Problem, cupy_backend
+    from varlen.backends import Problem
+    import varlen.backends.cupy as cupy_backend
     cb = cupy_backend.BACKEND
     assert cb.name == "cupy"
     assert cb.default_eligible is False, "flip only after the GPU suite has passed"

@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 from helpers import emulate_script, needs_cxx
+import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SOURCE_DIR = os.path.join(ROOT, "kernels_cuda")
@@ -127,7 +128,7 @@ def test_release_before_the_barrier_aborts(tmp_path):
 
 def _capture_dq_order():
     """Makes the launcher's dq_order buffers start as STALE and records them: the list."""
-    from varlen.backends import _cupy_kernels
+    import varlen.backends.cupy.mma as _cupy_kernels
     seen = []
     alloc = _cupy_kernels.alloc
 
@@ -174,8 +175,8 @@ def _check_dq_order(label, dq_order, plan, Hq, bq):
 def _fresh_kernels():
     """Forget the compiled modules, so that the next launches read the emulation schedule of
     the environment again (the library itself stays loaded)."""
-    from varlen.backends import _cupy_kernels
-    _cupy_kernels._modules.clear()
+    import varlen.backends.cupy.mma as _cupy_kernels
+    _cupy_launch._modules.clear()
 
 
 def _set_schedule(schedule, seed):
@@ -219,9 +220,9 @@ def _equal(label, got, want, rows=slice(None)):
 def _case_repeat(label, once=""):
     import varlen
     from varlen.backends import _cupy_emulation as emu
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
     from varlen.testing import check_against_reference
-    from varlen.backends._cupy_spec import bwd_query_chunk
+    from varlen.backends.cupy.traits import bwd_query_chunk
     b, block_m = _batch(label, np.random.default_rng(7))
     block_n = BLOCK_N.get(label, 64)
     emu.install_fake_cupy(block_m, block_n)
@@ -269,7 +270,8 @@ def _case_cp():
     per-sequence windows: the counters, repeatability across schedules and the atomic mode's
     bits, and agreement with the NumPy backend on the same plan."""
     from varlen.backends import _cupy_emulation as emu
-    from varlen.backends import cupy_backend, numpy_backend
+    from varlen.backends import numpy_backend
+    import varlen.backends.cupy as cupy_backend
     emu.install_fake_cupy(64)
     seen = _capture_dq_order()
     for rank, plan, q, k, v, dout in emu.cp_case_ranks(2, seed=5):

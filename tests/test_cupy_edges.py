@@ -30,10 +30,13 @@ import types
 import numpy as np
 import pytest
 
-from varlen.backends import _cupy_spec
-from varlen.backends._cupy_spec import DeviceInfo, KernelSpec
+import varlen.backends.cupy.traits as _cupy_spec
+from varlen.backends.cupy.traits import DeviceInfo
+from varlen.backends.cupy.mma import KernelSpec
 
 from helpers import SKIP_STATUS, emulate_script, needs_cxx
+import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
+import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 
 
 
@@ -126,7 +129,7 @@ def _emulated_plan(b):
 def _case_nonfinite_forward(tensor, softcap):
     from test_nonfinite import _assert_same_pattern
     from varlen import reference
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
     b = _nonfinite_batch()
     plan = _emulated_plan(b)
     scale, softcap = 1.0 / math.sqrt(b.q.shape[2]), float(softcap)
@@ -147,7 +150,7 @@ def _case_nonfinite_forward(tensor, softcap):
 def _case_nonfinite_backward(tensor):
     from test_nonfinite import _assert_same_pattern
     from varlen import reference
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
     b = _nonfinite_batch()
     plan = _emulated_plan(b)
     scale = 1.0 / math.sqrt(b.q.shape[2])
@@ -214,8 +217,8 @@ def _sparse(shape, dtype):
 def _case_large_offsets():
     import varlen
     from varlen import reference
-    from varlen.backends import _cupy_kernels
-    from varlen.backends.cupy_backend import spec_for
+    import varlen.backends.cupy.mma as _cupy_kernels
+    from varlen.backends.cupy.mma import spec_for
     Hq, Hk, D, L = 2, 1, 64, LARGE_LEN
     Tq, Tk = LARGE_ROWS_Q, LARGE_ROWS_K
     # the sequence ends 2 rows before the end of q and 1 before the end of k
@@ -239,8 +242,8 @@ def _case_large_offsets():
     # Every kernel launched on the sequence's tiles only: the forward's pad blocks (and the
     # preprocessing and the dQ conversion) write every other row of the arrays, which the
     # emulation cannot afford; _case_large_pad_offsets writes pad rows there.
-    plan_arg = _cupy_kernels.plan_view_arg(plan)
-    call = _cupy_kernels.call_params_arg(Hq, Hk, scale, 0.0)
+    plan_arg = _cupy_launch.plan_view_arg(plan)
+    call = _cupy_launch.call_params_arg(Hq, Hk, scale, 0.0)
     out = _sparse((Tq, Hq, D), np.float16)
     lse = np.full((Hq, Tq), np.nan, np.float32)
     _cupy_kernels.module(spec_for(plan, q, kind="fwd", softcap=0.0)).launch(
@@ -259,7 +262,7 @@ def _case_large_offsets():
     inputs = (q, k, v, dout, lse2, delta)
     dk, dv = np.zeros(k.shape, np.float16), np.zeros(v.shape, np.float16)
     dq_accum = np.zeros((Tq, Hq, D), np.float32)
-    null = _cupy_kernels._null_pointer()
+    null = _cupy_launch.pointer(None)
     module.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk),
                   args=(*inputs, dk, dv, dq_accum, null, plan_arg.struct, call))
     # ordered dQ: the counters (zero) and the query tile slot of each row, as the
@@ -285,9 +288,9 @@ def _case_large_pad_offsets():
     block of their grids launched. The plan is written by hand: its one tile slot is unused (no
     tile block runs) but claims every row except the last three, so those are the only pad
     rows; the row before them must stay as it was."""
-    from varlen.backends import _cupy_kernels
-    from varlen.backends._cupy_emulation import install_fake_cupy
-    from varlen.backends._cupy_spec import KernelSpec
+    import varlen.backends.cupy.mma as _cupy_kernels
+    from emulation.cupy import install_fake_cupy
+    from varlen.backends.cupy.mma import KernelSpec
     from varlen.plan import KernelView
     from varlen.testing import np_dtype
     install_fake_cupy(block_m=128)                # the default tiles' emulation build
@@ -309,8 +312,8 @@ def _case_large_pad_offsets():
                           q_row_sched=np.zeros((1, 1, 5), np.int32),
                           k_row_sched=np.zeros((1, 1, 5), np.int32), batch=1, mq=1, mk=1, num_q_tiles=1, num_k_tiles=1, block_m=128,
                           block_n=64, rows_q=rows_q, rows_k=rows_k)
-        return _cupy_kernels.plan_view_arg(type("HandPlan", (), {"view": lambda self: view})())
-    call = _cupy_kernels.call_params_arg(H, H, 1.0 / math.sqrt(D), 0.0)
+        return _cupy_launch.plan_view_arg(type("HandPlan", (), {"view": lambda self: view})())
+    call = _cupy_launch.call_params_arg(H, H, 1.0 / math.sqrt(D), 0.0)
     q = k = v = _sparse((T, H, D), dt)                              # never read
     out, dk, dv = (_sparse((T, H, D), dt) for _ in range(3))
     for a in (out, dk, dv):
@@ -321,7 +324,7 @@ def _case_large_pad_offsets():
                args=(q, k, v, out, lse, hand_plan(T, 0).struct, call))
     bwd = _cupy_kernels.module(KernelSpec("bwd", "bfloat16", D, 128, 64, False))
     none = np.zeros((H, 1), np.float32)                             # no query rows
-    null = _cupy_kernels._null_pointer()
+    null = _cupy_launch.pointer(None)
     blocks = -(-_cupy_kernels._pad_windows(T) // bwd.kernels["preprocess"].threads)
     bwd.launch("preprocess", grid=(blocks,),
                args=(q, q, none, none, none, null, dk, dv, null, hand_plan(0, T).struct, call))
@@ -340,8 +343,8 @@ def _case_long_sequence():
     key tiles) and the forward kernel launched on its one query tile."""
     import varlen
     from varlen import reference
-    from varlen.backends import _cupy_kernels
-    from varlen.backends._cupy_spec import KernelSpec
+    import varlen.backends.cupy.mma as _cupy_kernels
+    from varlen.backends.cupy.mma import KernelSpec
     from varlen.plan import KernelView, Segments, row_schedule
     Hq, Hk, D, Lq, left, bn = 2, 1, 32, 64, 100, 64
     Lk = 2 ** 31 - 1
@@ -370,13 +373,13 @@ def _case_long_sequence():
                       k_row_sched=np.zeros((0, 1, 5), np.int32), batch=1, mq=1, mk=1,
                       num_q_tiles=1, num_k_tiles=0, block_m=64, block_n=bn, rows_q=Lq, rows_k=Lk)
     plan = type("HandPlan", (), {"view": lambda self: view})()
-    plan_arg = _cupy_kernels.plan_view_arg(plan)
+    plan_arg = _cupy_launch.plan_view_arg(plan)
     scale = 1.0 / math.sqrt(D)
     out = np.zeros((Lq, Hq, D), np.float16)
     lse = np.full((Hq, Lq), -np.inf, np.float32)
     module = _cupy_kernels.module(KernelSpec("fwd", "float16", D, 64, bn, False))
     module.launch("fwd", grid=(1, Hq), args=(q, k, v, out, lse, plan_arg.struct,
-                                             _cupy_kernels.call_params_arg(Hq, Hk, scale, 0.0)))
+                                             _cupy_launch.call_params_arg(Hq, Hk, scale, 0.0)))
     # the same attention on the keys [first, Lk): query i sees keys i .. i + left of them
     cu_q, cu_k = np.array([0, Lq], np.int32), np.array([0, Lk - first], np.int32)
     mask = varlen.Mask(window_left=left, window_right=0, bottom_right=True)
@@ -419,7 +422,7 @@ def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
                                            (L40S, SMALL_SMEM_TILES), (H100, BIG_TILES)],
                          ids=["sm_80-163KiB", "sm_86-99KiB", "sm_89-99KiB", "sm_90-227KiB"])
 def test_tiles_fit_the_device(device, tiles):
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
     with BACKEND.stand_in_device(device):
         for D in _cupy_spec.HEAD_DIMS:
             for dtype in _cupy_spec.DTYPES:
@@ -435,7 +438,7 @@ def test_tiles_fit_the_device(device, tiles):
                 assert BACKEND.supports(_call(dtype, D, backward=True)) is None
                 for kind, roles in (("fwd", "fwd"), ("bwd", "bwd")):
                     spec = KernelSpec(kind, dtype, D, *blocks, False)
-                    for role in _cupy_spec.ROLES[roles]:
+                    for role in _cupy_mma.ROLES[roles]:
                         assert spec.kernels()[role].smem <= device.smem_optin, (
                             f"{device.arch}: {spec.kernels()[role].name} does not fit")
                 why = BACKEND.supports(_call(dtype, D, backward=True, deterministic=True))
@@ -446,8 +449,8 @@ def test_deterministic_backward_needs_what_the_atomic_one_needs():
     """Ordered dQ runs the atomic dK/dV kernel's layout: the same shared memory, so the
     deterministic backward fits wherever the atomic one does, and is refused, naming its
     kernel and both sizes, where it does not."""
-    from varlen.backends.cupy_backend import BACKEND
-    for spec in _cupy_spec.all_specs():
+    from varlen.backends.cupy import BACKEND
+    for spec in _cupy_mma.all_specs():
         if spec.kind == "bwd":
             k = spec.kernels()
             assert k["dkdv_ordered"].smem == k["dkdv_atomic"].smem, spec.label
@@ -465,7 +468,7 @@ def test_deterministic_backward_needs_what_the_atomic_one_needs():
 
 
 def test_old_gpus_are_refused():
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
     with BACKEND.stand_in_device(T4):
         why = BACKEND.supports(_call())
     assert "sm_75" in why and "compute capability 7.5" in why and "sm_80" in why, why
@@ -498,7 +501,7 @@ def _stub_cupy(reads, options=None):
 
 
 def test_device_attributes_are_read_once_per_device(monkeypatch):
-    from varlen.backends import cupy_backend
+    import varlen.backends.cupy as cupy_backend
     reads = {}
     monkeypatch.setitem(sys.modules, "cupy", _stub_cupy(reads))
     cupy_backend.device_info.cache_clear()
@@ -515,14 +518,15 @@ def test_device_attributes_are_read_once_per_device(monkeypatch):
 
 def test_runtime_nvrtc_options_are_the_compile_checks(monkeypatch):
     """The options CuPy's RawModule gets are the compile check's, include directories too."""
-    from varlen.backends import _cupy_compile, _cupy_kernels
+    import varlen.backends.cupy.compile as _cupy_compile
+    import varlen.backends.cupy.mma as _cupy_kernels
     runtime = []
     monkeypatch.setitem(sys.modules, "cupy", _stub_cupy({}, runtime))
-    _cupy_kernels._Module(KernelSpec("fwd", "bfloat16", 128, 128, 64, False))
+    _cupy_launch.Module(KernelSpec("fwd", "bfloat16", 128, 128, 64, False))
     check = _cupy_compile.program_options("sm_80")
     assert [o for o in check if o.startswith(("-I", "-D", "--use_fast_math"))] == runtime
     includes = [o[2:] for o in runtime if o.startswith("-I")]
-    for d in _cupy_spec.cuda_include_dirs():
+    for d in _cupy_compile.cuda_include_dirs():
         assert d in includes, f"runtime NVRTC options miss the CUDA headers {d}: {runtime}"
 
 
@@ -538,7 +542,7 @@ CASES = {"nonfinite-forward": _case_nonfinite_forward,
 
 
 def _main(argv):
-    from varlen.backends._cupy_emulation import install_fake_cupy
+    from emulation.cupy import install_fake_cupy
     install_fake_cupy(block_m=64)
     CASES[argv[0]](*argv[1:])
     return 0

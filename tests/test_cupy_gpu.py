@@ -385,7 +385,7 @@ def test_tensor_cores_and_special_functions_match_the_emulation_model(tmp_path_f
     8 on sm_80), and ex2/lg2/tanh under --use_fast_math within the PTX bounds the model uses."""
     import cupy as cp
     import test_emulation_math as em
-    from varlen.backends._cupy_spec import compile_options
+    from varlen.backends.cupy.compile import compile_options
     major = cp.cuda.Device().compute_capability[0]
     exe = em._build(tmp_path_factory, [f"VARLEN_EMU_MMA_BLOCK={16 if major >= 9 else 8}"])
     mod = cp.RawModule(code=MMA_KERNEL, options=tuple(o for o in compile_options()

@@ -116,7 +116,7 @@ def test_layouts_have_the_pad_rows_they_claim():
 
 def test_pad_block_rows_are_the_kernels():
     """The launcher sizes the pad blocks with the kernels' rows per thread."""
-    from varlen.backends import _cupy_kernels
+    import varlen.backends.cupy.mma as _cupy_kernels
     from varlen.kernels_cuda import SOURCE_DIR
     with open(os.path.join(SOURCE_DIR, "tile_scheduler.cuh")) as f:
         m = re.search(r"constexpr int PAD_ROWS_PER_THREAD = (\d+);", f.read())
@@ -127,7 +127,7 @@ def test_pad_block_rows_are_the_kernels():
     (0, 1, 128, 0), (1, 1, 128, 1), (4096, 1, 128, 1), (4097, 1, 128, 2), (4097, 2, 128, 1),
     (9000, 2, 128, 2), (9000, 2, 256, 1), (2 ** 31 - 1, 1, 128, 2 ** 19)])
 def test_pad_blocks_cover_every_row(rows, heads, threads, want):
-    from varlen.backends._cupy_kernels import PAD_ROWS_PER_THREAD, pad_blocks
+    from varlen.backends.cupy.mma import PAD_ROWS_PER_THREAD, pad_blocks
     got = pad_blocks(rows, heads, threads)
     assert got == want, f"{rows=} {heads=} {threads=}: {got} pad blocks"
     assert got * heads * threads * PAD_ROWS_PER_THREAD >= rows, "rows left without a pad block"
@@ -166,7 +166,7 @@ def test_calls_without_rows_or_sequences(what):
 
 def _step(b, plan, deterministic_modes=(False, True)):
     """Forward and the backward modes; yields (label, out, lse, grads) per mode."""
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
     kw = dict(softmax_scale=1.0 / math.sqrt(b.q.shape[2]), softcap=0.0)
     out, lse = BACKEND.forward(plan, b.q, b.k, b.v, **kw)
     for det in deterministic_modes:
@@ -190,7 +190,8 @@ def _case_unordered_segments():
     zigzag padding between them."""
     from varlen import comm
     from varlen.backends import _cupy_emulation as emu
-    from varlen.backends import cupy_backend, numpy_backend
+    from varlen.backends import numpy_backend
+    import varlen.backends.cupy as cupy_backend
     from varlen.plan import build_plan
     emu.install_fake_cupy(64)
     part = comm.partition(np.array([0, 37, 37, 90], np.int32), 2, "zigzag")
@@ -234,7 +235,7 @@ def _case_launches():
     makes them (no NaN-filled test buffers), and no host read of the stand-in's arrays."""
     from varlen._array import set_nan_fill
     from varlen.backends import _cupy_emulation as emu
-    from varlen.backends import _cupy_plan
+    import varlen.backends.cupy.plan as _cupy_plan
     label = "B6-zero-first-middle-last-q-only-k-only-gqa-fp16-D64"
     b, block_m = _batch(label)
     emu.install_fake_cupy(block_m)
@@ -267,18 +268,18 @@ def _case_launches():
 
 
 def _name(plan, role, kind="fwd"):
-    from varlen.backends._cupy_spec import KernelSpec
+    from varlen.backends.cupy.mma import KernelSpec
     spec = KernelSpec(kind, "float16", 64, plan.block_m, plan.block_n, False)
     return spec.kernels()[role].name
 
 
 def _forward(plan, q, k, v):
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
     return BACKEND.forward(plan, q, k, v, softmax_scale=0.125, softcap=0.0)
 
 
 def _backward(plan, dout, q, k, v, out, lse, deterministic):
-    from varlen.backends.cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
     return BACKEND.backward(plan, dout, q, k, v, out, lse, softmax_scale=0.125, softcap=0.0,
                             deterministic=deterministic)
 

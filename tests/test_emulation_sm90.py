@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from varlen.backends import _cupy_emulation
+import emulation.cupy as _cupy_emulation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HARNESS = os.path.join(HERE, "emulation_sm90_harness.cu")
@@ -248,7 +248,7 @@ def test_mbarrier_phases_and_transaction_bytes(lib, landing):
 def run_isolated(call, timeout_s="1", expect_fail=True):
     """Runs lib.<call> in a fresh process (the emulation aborts on a misuse); returns stderr."""
     code = ("import ctypes, sys\n"
-            "from varlen.backends import _cupy_emulation as e\n"
+            "import emulation.cupy as e\n"
             f"lib = e.build_harness({HARNESS!r})\n"
             f"lib.{call}\n")
     env = dict(os.environ, VARLEN_EMULATION_TIMEOUT=timeout_s)
@@ -632,6 +632,7 @@ import numpy as np
 sys.path.insert(0, {HERE!r})
 from test_emulation_sm90 import pipeline_operands, pipeline_result, PIPELINE_KTILES, HARNESS
 from varlen.backends import _cupy_emulation as e
+import varlen.backends.cupy.compile as _cupy_compile  # noqa: E402
 lib = e.build_harness(HARNESS, race=True)
 lib.sm90_configure(2, 7)
 a16, b16, expected = pipeline_operands(12, 2)
@@ -654,7 +655,7 @@ print("pipeline ok")
 
 def test_device_side_assembles_for_sm90a():
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    from varlen.backends import _cupy_spec
+    import varlen.backends.cupy.traits as _cupy_spec
     with open(HARNESS, "rb") as f:
         src = f.read()
     err, prog = nvrtc.nvrtcCreateProgram(src, b"emulation_sm90_harness.cu", 0, [], [])
@@ -665,7 +666,7 @@ def test_device_side_assembles_for_sm90a():
         for name in names:
             nvrtc.nvrtcAddNameExpression(prog, name.encode())
         opts = [b"--gpu-architecture=sm_90a", b"--std=c++17", b"-Xptxas=-v",
-                *(o.encode() for o in _cupy_spec.compile_options())]
+                *(o.encode() for o in _cupy_compile.compile_options())]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
         log = b" " * size

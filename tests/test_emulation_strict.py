@@ -8,7 +8,7 @@
   Their well-behaved twins pass.
 * The shipped kernels pass every mode on the strict case (three partner chunks per block): the
   race build without a report, each copy-landing schedule with permuted warps and several seeds.
-* Removing a barrier or a cp.async wait from the kernels is caught (scripts/emulation_mutations.py):
+* Removing a barrier or a cp.async wait from the kernels is caught (emulation/mutations.py):
   a representative subset here; every site with VARLEN_EMULATION_MUTATIONS=all (slow).
 """
 from __future__ import annotations
@@ -22,8 +22,7 @@ import sys
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import emulation_mutations  # noqa: E402
+import emulation.mutations as emulation_mutations  # noqa: E402
 
 CXX = os.environ.get("CXX", "g++")
 needs_cxx = pytest.mark.skipif(shutil.which(CXX) is None,
@@ -210,7 +209,7 @@ def test_strict_cases_reach_three_chunks_per_block():
     (the drains after an empty loop)."""
     import numpy as np
     import varlen
-    from varlen.backends._cupy_emulation import strict_cases
+    from emulation.cupy import strict_cases
     from varlen.testing import make_batch
     most_q = most_k = 0
     keyless_k = False
@@ -236,7 +235,7 @@ def test_strict_cases_reach_three_chunks_per_block():
 
 def _emulate(*args, timeout=1200):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VARLEN_EMULATION_")}
-    proc = subprocess.run([sys.executable, "-m", "varlen.backends._cupy_emulation", "--strict",
+    proc = subprocess.run([sys.executable, "-m", "emulation", "--strict",
                            *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env)
     assert proc.returncode == 0, (f"emulation {' '.join(args)}:\n{proc.stdout[-3000:]}\n"
@@ -255,7 +254,7 @@ def test_shipped_kernels_have_no_race():
 @needs_cxx
 @pytest.mark.parametrize("schedule, seeds", [("issue", "0"), ("wait", "1"), ("random", "2")])
 def test_shipped_kernels_pass_every_schedule(schedule, seeds):
-    from varlen.backends._cupy_emulation import strict_cases
+    from emulation.cupy import strict_cases
     out = _emulate("--schedule", schedule, "--seeds", seeds)
     assert out.count("ok ") == len(seeds.split(",")) * len(strict_cases()), out
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from varlen.backends import _cupy_spec
+import varlen.backends.cupy.traits as _cupy_spec
 from varlen.backends._emulation_cases import (DEFAULT_BLOCKS, EMULATED_SM_COUNT,
                                               default_variant_cases, grid_figures,
                                               wide_head_dim_cases, wide_key_tile_cases)
@@ -29,8 +29,9 @@ WIDE_KEY_CASES = wide_key_tile_cases()
 
 RUNNER = """
 import sys
-from varlen.backends._cupy_emulation import bank_counts, run_case
-from varlen.backends._emulation_cases import case
+from emulation.cupy import bank_counts, run_case
+from emulation.cases import case
+import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 run_case(**case(sys.argv[1]))
 ldsm, ldsm_conflicts, _, _ = bank_counts()
 assert ldsm > 0 and ldsm_conflicts == 0, f"ldmatrix: {ldsm_conflicts} extra wavefronts"
@@ -65,7 +66,7 @@ def test_wide_key_tile_cases_are_adversarial():
     import numpy as np
     cases = WIDE_KEY_CASES
     assert all((c["block_m"], c["block_n"]) == (128, 128) for c in cases)
-    assert all(_cupy_spec.KernelSpec("bwd", c["dtype"], c["D"], 128, 128, False)
+    assert all(_cupy_mma.KernelSpec("bwd", c["dtype"], c["D"], 128, 128, False)
                .bwd_query_chunk == 64 for c in cases)
     assert {c["dtype"] for c in cases} == set(_cupy_spec.DTYPES)
     assert {64, 128} <= {c["D"] for c in cases}

@@ -141,7 +141,7 @@ def _install():
 
 
 def _use_threads(threads):
-    from varlen.backends import _cupy_plan
+    import varlen.backends.cupy.plan as _cupy_plan
     if threads is not None:
         _cupy_plan.SCAN_THREADS, _cupy_plan.TILE_THREADS = threads
 
@@ -180,7 +180,7 @@ def _plan_module():
 
 def _case_layout(label):
     """The fused builder against the array code on one batch, both from cu_seqlens."""
-    from varlen.backends import _cupy_plan
+    import varlen.backends.cupy.plan as _cupy_plan
     emu = _install()
     cu_q, cu_k, off_q, off_k, rows_q, rows_k, mask, (bm, bn), mq, mk, threads = _layout(label)
     _use_threads(threads)
@@ -226,7 +226,7 @@ def _segments_case(label):
 
 def _case_segments(label):
     """The fused builder of given segments (two or more per sequence) against the array code."""
-    from varlen.backends import _cupy_plan
+    import varlen.backends.cupy.plan as _cupy_plan
     emu = _install()
     _use_threads((4, 4))
     q_seg, k_seg, mask, (bm, bn) = _segments_case(label)
@@ -260,7 +260,7 @@ def _case_error(label, where):
     built, and check_device_errors() raises that message."""
     from varlen import check_device_errors
     from varlen._setup import working_mask
-    from varlen.backends import _cupy_plan
+    import varlen.backends.cupy.plan as _cupy_plan
     _install()
     _use_threads((2, 4))
     cu_q, cu_k, off_q, off_k, rows_q, rows_k, mq, mk = _error_layout(label)
@@ -327,8 +327,8 @@ def _case_step_launches():
     """Forward and both backward modes on a fused plan: launches per call, memsets and fills
     included, counted as a production call makes them (no NaN-filled test buffers)."""
     from varlen._array import set_nan_fill
-    from varlen.backends import _cupy_plan
-    from varlen.backends.cupy_backend import BACKEND
+    import varlen.backends.cupy.plan as _cupy_plan
+    from varlen.backends.cupy import BACKEND
     from varlen.testing import make_batch
     emu = _install()
     rng = np.random.default_rng(5)
@@ -366,7 +366,7 @@ def test_fused_plan_equals_array_code(label):
                                    "B300-many-mixed-16x8-shipped-threads"])
 def test_fused_plan_under_a_permuted_warp_schedule(label, monkeypatch):
     """Warps one at a time in a seeded order (the schedule that catches a removed barrier of
-    the scan kernel, scripts/emulation_mutations.py): the same plan, with blocks of 8 threads
+    the scan kernel, emulation/mutations.py): the same plan, with blocks of 8 threads
     (one partial warp, on which that schedule once waited for 32 lanes forever) and of the
     shipped sizes (several warps)."""
     monkeypatch.setenv("VARLEN_EMULATION_SCHEDULE", "random")
@@ -399,7 +399,7 @@ def test_forward_one_launch_backward_three():
 
 def test_cases_are_adversarial():
     """The batches hold what the module docstring promises."""
-    from varlen.backends import _cupy_plan
+    import varlen.backends.cupy.plan as _cupy_plan
     from varlen.plan import tile_bound
     seen = set()
     for label in CASES:
@@ -430,7 +430,7 @@ def test_struct_layout_matches_the_kernels():
     if shutil.which(CXX) is None:
         pytest.skip("needs a C++ compiler")
     import tempfile
-    from varlen.backends._cupy_plan import PLAN_BUILD_DTYPE, PLAN_SIDE_DTYPE
+    from varlen.backends.cupy.plan import PLAN_BUILD_DTYPE, PLAN_SIDE_DTYPE
     from varlen.kernels_cuda import SOURCE_DIR
     side = [f'std::printf("side %s %zu\\n", "{n}", offsetof(varlen::PlanSide, {n}));'
             for n in PLAN_SIDE_DTYPE.names]
@@ -460,8 +460,8 @@ def test_struct_layout_matches_the_kernels():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_plan_kernels_compile_without_spills(arch):
     pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    from varlen.backends import _cupy_compile
-    from varlen.backends._cupy_plan import KERNELS
+    import varlen.backends.cupy.compile as _cupy_compile
+    from varlen.backends.cupy.plan import KERNELS
     _, usage = _cupy_compile.compile_names(KERNELS, arch)
     for name in KERNELS:
         assert usage[name]["spill_stores"] + usage[name]["spill_loads"] == 0, (name, usage)

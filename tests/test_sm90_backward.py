@@ -107,7 +107,9 @@ def run_case(label: str, device: bool = False) -> float:
     emulation (on a Hopper GPU with `device`, float16 cases only); raises AssertionError on a
     mismatch. Returns the seconds the backward took."""
     import varlen
-    from varlen.backends import _cupy_emulation, _cupy_sm90_bwd
+    import emulation.cupy as _cupy_emulation
+    import emulation.sm90
+    import varlen.backends.cupy.sm90 as _cupy_sm90_bwd
     from varlen.testing import assert_close, covered_rows, make_batch, naive_same_dtype
     c = dict(CASES[label])
     nan_in_pad = c.pop("nan_in_pad")
@@ -116,7 +118,7 @@ def run_case(label: str, device: bool = False) -> float:
     block_m, block_n = c["block_m"], c["block_n"]
     if not device:
         _cupy_emulation.install_fake_cupy(block_m)
-        _cupy_sm90_bwd.use_runtime(_cupy_sm90_bwd.EmulatedRuntime())
+        emulation.sm90.install()
     rng = np.random.default_rng(0)
     mask = _mask(c["mask"], len(c["lengths_q"]))
     b = make_batch(rng, c["lengths_q"], c["lengths_k"], Hq=c["Hq"], Hk=c["Hk"], D=c["D"],
@@ -222,7 +224,7 @@ def test_sm90_backward_on_hopper(label):
 
 
 def _specs():
-    from varlen.backends._cupy_sm90_bwd import BwdSm90Spec
+    from varlen.backends.cupy.sm90 import BwdSpec as BwdSm90Spec
     return [BwdSm90Spec(dt, d, bn, sc, ordered) for dt in ("float16", "bfloat16")
             for d in (64, 128, 256) for bn in ((64,) if d == 256 else (64, 128))
             for sc in (False, True) for ordered in (False, True)]
@@ -247,7 +249,7 @@ def test_sm90_deterministic_backward_is_bitwise_repeatable():
 
 
 def test_sm90_backward_spec_rejects_what_the_kernel_does_not_take():
-    from varlen.backends._cupy_sm90_bwd import BwdSm90Spec
+    from varlen.backends.cupy.sm90 import BwdSpec as BwdSm90Spec
     for bad in (dict(dtype="float32"), dict(head_dim=96), dict(head_dim=512),
                 dict(head_dim=256, block_n=128), dict(block_n=32), dict(block_n=256)):
         kw = {**dict(dtype="bfloat16", head_dim=64, block_n=64, softcap=False), **bad}
@@ -257,8 +259,8 @@ def test_sm90_backward_spec_rejects_what_the_kernel_does_not_take():
 
 def test_sm90_backward_compiles_for_sm90a_within_budget():
     pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    from varlen.backends._cupy_sm90 import OPTIN_SMEM
-    from varlen.backends._cupy_sm90_bwd import compile_report
+    from varlen.backends.cupy.sm90 import OPTIN_SMEM
+    from varlen.backends.cupy.sm90 import compile_report
     report = compile_report(_specs())
     for name, u in report.items():
         print(f"{name}: {u['registers']} registers at entry, {u['threads']} threads, "
@@ -270,7 +272,7 @@ def test_sm90_backward_compiles_for_sm90a_within_budget():
 
 
 def _tsan_env(**extra):
-    from varlen.backends import _cupy_emulation
+    import emulation.cupy as _cupy_emulation
     return dict(LD_PRELOAD=_cupy_emulation.tsan_runtime(), TSAN_OPTIONS=_cupy_emulation.TSAN_OPTIONS,
                 VARLEN_EMULATION_RACE="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", **extra)
 
@@ -357,7 +359,7 @@ def test_sm90_backward_removed_ds_barrier_is_caught():
     dQ product read, with no barrier between the read's retirement and the write."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                     "scripts"))
-    import emulation_mutations
+    import emulation.mutations as emulation_mutations
     chosen = [s for s in emulation_mutations.sites()
               if s[0] == "bwd_sm90.cuh" and "named_bar_sync(ds_bar," in s[2]]
     assert len(chosen) == 2, f"the two dS barriers expected (kernel rewritten?): {chosen}"
@@ -366,52 +368,8 @@ def test_sm90_backward_removed_ds_barrier_is_caught():
         f"removing {emulation_mutations.site_id(chosen[0])}: {by or 'went unnoticed'}")
 
 
-def test_backend_runs_the_sm90a_backward_only_when_named_on_sm90(monkeypatch):
-    """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's backward, atomic or deterministic, to
-    the sm_90a dK/dV kernel on a compute capability 9.0 GPU and refuses any other GPU naming the
-    variable; a backward the sm_90a kernel has no variant for (with a warning) and any backward
-    without the variable run the mma.sync kernels."""
-    from varlen.backends import _cupy_kernels, _cupy_sm90_bwd
-    from varlen.backends._cupy_spec import DeviceInfo
-    from varlen.backends.cupy_backend import BACKEND
-    ran = []
-    monkeypatch.setattr(_cupy_sm90_bwd, "backward",
-                        lambda *a, deterministic, **k: ran.append(("sm90a", deterministic))
-                        or "sm90a")
-    monkeypatch.setattr(_cupy_kernels, "backward",
-                        lambda *a, deterministic, **k: ran.append(("mma", deterministic)) or "mma")
-    monkeypatch.setattr(BACKEND, "_require_fit", lambda *a: None)
-    x = np.zeros((4, 2, 64), np.float16)
-    lse = np.zeros((2, 4), np.float32)
-    plan = type("P", (), {"block_m": 64, "block_n": 64})()
-    h100 = DeviceInfo((9, 0), 227 * 1024, "NVIDIA H100")
-    a100 = DeviceInfo((8, 0), 163 * 1024, "NVIDIA A100")
-    call = dict(softmax_scale=0.125, softcap=0.0)
-    args = (plan, x, x, x, x, x, lse)
-    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
-    with BACKEND.stand_in_device(h100):
-        assert BACKEND.backward(*args, **call) == "mma"
-    monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90a")
-    with BACKEND.stand_in_device(h100):
-        assert BACKEND.backward(*args, **call) == "sm90a"
-        assert BACKEND.backward(*args, deterministic=True, **call) == "sm90a"
-    with BACKEND.stand_in_device(a100), pytest.raises(RuntimeError,
-                                                      match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
-        BACKEND.backward(*args, **call)
-    # D = 256 (plans of 64-key tiles, as the mma.sync kernels take it too) runs on sm_90a; a
-    # head dim the sm_90a backward does not take runs the mma.sync kernels, with a warning
-    x256 = np.zeros((4, 2, 256), np.float16)
-    x96 = np.zeros((4, 2, 96), np.float16)
-    with BACKEND.stand_in_device(h100):
-        assert BACKEND.backward(plan, x256, x256, x256, x256, x256, lse, **call) == "sm90a"
-        with pytest.warns(RuntimeWarning, match=r"sm_90a backward.*D = 64, 128 or 256"):
-            assert BACKEND.backward(plan, x96, x96, x96, x96, x96, lse, **call) == "mma"
-    assert ran == [("mma", False), ("sm90a", False), ("sm90a", True), ("sm90a", False),
-                   ("mma", False)]
-
-
 if __name__ == "__main__":
     # python tests/test_sm90_backward.py LABEL ...: the cases in this process, in the emulation
-    # mode of the environment (scripts/emulation_mutations.py runs them on mutated kernels)
+    # mode of the environment (emulation/mutations.py runs them on mutated kernels)
     for name in sys.argv[1:]:
         print("ok", name, f"{run_case(name):.1f} s", flush=True)

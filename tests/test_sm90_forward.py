@@ -147,16 +147,18 @@ def run_case(label: str, device: bool = False) -> float:
     """Runs one case through the emulated sm_90a kernel (on a Hopper GPU with `device`, float16
     cases only); raises AssertionError on a mismatch. Returns the seconds the forward took."""
     import varlen
-    from varlen.backends import _cupy_emulation, _cupy_sm90
+    import emulation.cupy as _cupy_emulation
+    import emulation.sm90
+    import varlen.backends.cupy.sm90 as _cupy_sm90
     from varlen.testing import assert_close, assert_lse, make_batch, naive_same_dtype
     c = dict(CASES[label])
     nan_in_pad, nan_in_key = c.pop("nan_in_pad"), c.pop("nan_in_key", False)
     block_m, block_n = c["block_m"], c.pop("block_n", 64)
-    ctas = c.pop("ctas", _cupy_sm90.EMULATED_SM_COUNT)
+    ctas = c.pop("ctas", emulation.sm90.EMULATED_SM_COUNT)
     pack, expect_pack = c.pop("pack", 1), c.pop("expect_pack", None)
     if not device:
         _cupy_emulation.install_fake_cupy(block_m)
-        rt = _cupy_sm90.EmulatedRuntime(sm_count=ctas)
+        rt = emulation.sm90.EmulatedRuntime(sm_count=ctas)
         _cupy_sm90.use_runtime(rt)
     rng = np.random.default_rng(0)
     mask = _mask(c["mask"], len(c["lengths_q"]))
@@ -248,7 +250,7 @@ def _specs():
     """The default key chunk (128 at D <= 128, 64 at D = 256) over plans of 64- and 128-row key
     tiles, every dtype, D, BM and softcap; chunks of 64 at D <= 128 for comparison; query heads
     packed by 2, 4 and 8 under a softcap."""
-    from varlen.backends._cupy_sm90 import Sm90Spec
+    from varlen.backends.cupy.sm90 import FwdSpec as Sm90Spec
     return ([Sm90Spec(dt, d, bm, 64, sc) for dt in ("float16", "bfloat16") for d in (64, 128)
              for bm in (64, 128) for sc in (False, True)] +
             [Sm90Spec("bfloat16", d, bm, 128, sc) for d in (64, 128) for bm in (64, 128)
@@ -264,7 +266,7 @@ def _specs():
 
 
 def test_sm90_spec_rejects_what_the_kernel_does_not_take():
-    from varlen.backends._cupy_sm90 import Sm90Spec
+    from varlen.backends.cupy.sm90 import FwdSpec as Sm90Spec
     for bad in (dict(dtype="float32"), dict(head_dim=96), dict(block_m=32), dict(block_n=32),
                 dict(head_dim=256, block_m=128),      # 259 KiB of shared memory
                 dict(head_dim=256, key_chunk=128),    # 322 KiB
@@ -277,7 +279,7 @@ def test_sm90_spec_rejects_what_the_kernel_does_not_take():
 
 def test_sm90_forward_compiles_for_sm90a_within_budget():
     pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    from varlen.backends._cupy_sm90 import OPTIN_SMEM, compile_report
+    from varlen.backends.cupy.sm90 import OPTIN_SMEM, compile_report
     report = compile_report(_specs())
     for name, u in report.items():
         print(f"{name}: {u['registers']} registers at entry, {u['threads']} threads, "
@@ -294,7 +296,7 @@ def test_sm90_gqa_packing_is_chosen_where_it_fills_the_tiles():
     and MAX_PACK allow, long sequences not at all, lengths in between part way; `pack_for`
     refuses a pack that does not divide the group or the tile."""
     import types
-    from varlen.backends._cupy_sm90 import MAX_PACK, choose_pack, pack_for, row_fill
+    from varlen.backends.cupy.sm90 import MAX_PACK, choose_pack, pack_for, row_fill
     assert MAX_PACK == 8
     assert row_fill(64, 64, 128) == 1 / 128 and row_fill(0, 3, 128) == 1.0
     # 64 sequences of 128 rows: 64 + 64 x 127 / 256 = 95.75 tiles expected (lengths unknown)
@@ -323,8 +325,10 @@ def test_sm90_cubins_are_kept_on_disk_between_processes(tmp_path, monkeypatch):
     another key. `warm` builds in worker processes; `dispatched_specs` lists every variant the
     backend can run under VARLEN_CUPY_PATH=sm90a with its default tiles, packs included."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    from varlen.backends import _cupy_compile, _cupy_sm90
-    from varlen.backends._cupy_sm90 import CACHE_ENV, Sm90Spec, cubin_path, dispatched_specs
+    import varlen.backends.cupy.compile as _cupy_compile
+    import varlen.backends.cupy.sm90 as _cupy_sm90
+    from varlen.backends.cupy.compile import CACHE_ENV, cubin_path
+    from varlen.backends.cupy.sm90 import FwdSpec as Sm90Spec, dispatched_specs
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     specs = dispatched_specs()
     names = [s.name for s in specs]
@@ -353,7 +357,7 @@ def test_sm90_tensor_map_arguments_are_what_the_driver_bindings_take():
     for want of a driver, on a GPU it returns a map."""
     cu = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-bindings")
     import types
-    from varlen.backends._cupy_sm90 import encode_args
+    from varlen.backends.cupy.sm90 import encode_args
     for dtype, heads, box_heads in (("float16", 8, 4), ("bfloat16", 2, 1)):
         a = types.SimpleNamespace(shape=(1000, heads, 128), dtype=types.SimpleNamespace(
             name=dtype, itemsize=2), data=types.SimpleNamespace(ptr=1 << 20))
@@ -375,8 +379,8 @@ def test_sm90_persistent_grid_is_one_block_per_sm_at_most():
     """The persistent forward's grid: one block per work item up to one per SM, at least one
     (the blocks also write the pad rows); the emulation's stand-in device has few SMs, so that
     its blocks loop."""
-    from varlen.backends._cupy_sm90 import (CTAS_PER_SM, EMULATED_SM_COUNT, EmulatedRuntime,
-                                            persistent_grid)
+    from emulation.sm90 import EMULATED_SM_COUNT, EmulatedRuntime
+    from varlen.backends.cupy.sm90 import CTAS_PER_SM, persistent_grid
     assert CTAS_PER_SM == 1
     assert persistent_grid(0, 132) == 1
     assert persistent_grid(7, 132) == 7
@@ -390,7 +394,7 @@ def test_sm90_runtime_reads_the_sm_count_of_the_device_once(monkeypatch):
     """The GPU runtime sizes the persistent grid from the device's MultiProcessorCount, read
     once per device (CuPy's `Device.attributes` queries every attribute)."""
     import types
-    from varlen.backends._cupy_sm90 import Runtime
+    from varlen.backends.cupy.sm90 import Runtime
     reads = []
 
     class Device:
@@ -412,7 +416,7 @@ def test_sm90_runtime_reads_the_sm_count_of_the_device_once(monkeypatch):
 def test_sm90_key_chunk_is_128_where_it_fits():
     """Chunks of 128 keys by default at D 64 and 128 (pairs of the CuPy backend's 64-row key
     tiles), 64 at D 256, whose 128-key stages would not fit."""
-    from varlen.backends._cupy_sm90 import OPTIN_SMEM, Sm90Spec
+    from varlen.backends.cupy.sm90 import OPTIN_SMEM, FwdSpec as Sm90Spec
     for d, bm in ((64, 64), (64, 128), (128, 64), (128, 128)):
         spec = Sm90Spec("bfloat16", d, bm, 64, False)
         assert spec.key_chunk == 128 and spec.smem <= OPTIN_SMEM, f"D{d} BM{bm}: {spec}"
@@ -429,7 +433,7 @@ def test_sm90_forward_under_thread_sanitizer(label):
     mbarrier protocol (q_full, k_full, v_full, ready, k_empty, v_empty) must order every
     shared-memory access of the producer warpgroup, the TMA copies and the consumers' wgmmas
     (a race stops the run)."""
-    from varlen.backends import _cupy_emulation
+    import emulation.cupy as _cupy_emulation
     env = dict(LD_PRELOAD=_cupy_emulation.tsan_runtime(), TSAN_OPTIONS=_cupy_emulation.TSAN_OPTIONS,
                VARLEN_EMULATION_RACE="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     assert "ok" in _run(label, env)
@@ -512,7 +516,7 @@ def test_sm90_forward_mutation_is_caught(name, tmp_path):
 # for a K stage's release, the fence that publishes the sanitised rows to the async proxy (an
 # operand store no fence published), the consumers' wait for them (a wgmma reading a fenced
 # store without having synchronised with the fence). The full sweep:
-# scripts/emulation_mutations.py, or tests/test_emulation_strict.py with
+# emulation/mutations.py, or tests/test_emulation_strict.py with
 # VARLEN_EMULATION_MUTATIONS=all.
 CI_SITES = {"wgmma-wait-1": "wgmma_wait<1>", "pingpong-sync": "named_bar_sync",
             "k-empty-wait": "k_empty(s)", "proxy-fence": "fence_proxy_async",
@@ -526,7 +530,7 @@ SLOW_CI_SITES = {"proxy-fence"}
                                   else n for n in CI_SITES])
 def test_sm90_removed_synchronisation_is_caught(name):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import emulation_mutations
+    import emulation.mutations as emulation_mutations
     chosen = [s for s in emulation_mutations.sites()
               if s[0] == "fwd_sm90.cuh" and CI_SITES[name] in s[2]]
     assert len(chosen) == 1, f"{name}: one site expected (kernel rewritten?): {chosen}"
@@ -546,85 +550,8 @@ def test_sm90_forward_on_hopper(label):
     run_case(label, device=True)
 
 
-def _stubbed_backend(monkeypatch):
-    """The CuPy backend with both forwards stubbed to name themselves (each run listed in
-    `ran`), VARLEN_CUPY_PATH unset: (backend, ran, q, plan, an H100, the call's scalars)."""
-    from varlen.backends import _cupy_kernels, _cupy_sm90
-    from varlen.backends._cupy_spec import DeviceInfo
-    from varlen.backends.cupy_backend import BACKEND
-    ran = []
-    monkeypatch.setattr(_cupy_sm90, "forward", lambda *a, **k: ran.append("sm90a") or "sm90a")
-    monkeypatch.setattr(_cupy_kernels, "forward", lambda *a, **k: ran.append("mma") or "mma")
-    monkeypatch.setattr(BACKEND, "_require_fit", lambda *a: None)
-    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
-    q = np.zeros((4, 2, 64), np.float16)
-    plan = type("P", (), {"block_m": 64, "block_n": 64})()
-    h100 = DeviceInfo((9, 0), 227 * 1024, "NVIDIA H100")
-    return BACKEND, ran, q, plan, h100, dict(softmax_scale=0.125, softcap=0.0)
-
-
-def test_backend_runs_the_sm90a_forward_only_when_named_on_sm90(monkeypatch):
-    """`VARLEN_CUPY_PATH=sm90a` sends the CuPy backend's forward to the sm_90a kernel on a
-    compute capability 9.0 GPU, refuses any other GPU with an error naming the variable, and
-    without it, or for a call it has no variant for (with a warning), the mma.sync forward
-    runs."""
-    from varlen.backends._cupy_spec import DeviceInfo
-    BACKEND, ran, q, plan, h100, call = _stubbed_backend(monkeypatch)
-    a100 = DeviceInfo((8, 0), 163 * 1024, "NVIDIA A100")
-    with BACKEND.stand_in_device(h100):
-        assert BACKEND.forward(plan, q, q, q, **call) == "mma"
-    monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90a")
-    with BACKEND.stand_in_device(h100):
-        assert BACKEND.forward(plan, q, q, q, **call) == "sm90a"
-    with BACKEND.stand_in_device(a100), pytest.raises(RuntimeError,
-                                                      match=r"VARLEN_CUPY_PATH=sm90a.*sm_80"):
-        BACKEND.forward(plan, q, q, q, **call)
-    # a head dim the sm_90a forward does not take: the mma.sync forward, with a warning
-    q96 = np.zeros((4, 2, 96), np.float16)
-    with BACKEND.stand_in_device(h100), pytest.warns(RuntimeWarning,
-                                                     match=r"sm_90a forward.*D = 64, 128 or 256"):
-        assert BACKEND.forward(plan, q96, q96, q96, **call) == "mma"
-    assert ran == ["mma", "sm90a", "mma"]
-
-
-def test_sm90a_becomes_the_default_on_sm90_by_one_switch(monkeypatch):
-    """`DEFAULT_ON_SM90` (False until the GPU check has passed on a GPU): with it, an unset
-    VARLEN_CUPY_PATH runs the sm_90a kernels on compute capability 9.0 only, silently falling
-    back where they have no variant; `mma` keeps the mma.sync kernels; another value is refused
-    with the variable's name and the values it takes."""
-    from varlen.backends import _cupy_kernels, _cupy_sm90, _cupy_sm90_bwd
-    from varlen.backends._cupy_spec import DeviceInfo
-    assert _cupy_sm90.DEFAULT_ON_SM90 is False      # no GPU has passed scripts/gpu_check.sh
-    BACKEND, _, q, plan, h100, call = _stubbed_backend(monkeypatch)
-    monkeypatch.setattr(_cupy_sm90_bwd, "backward", lambda *a, **k: "sm90a")
-    monkeypatch.setattr(_cupy_kernels, "backward", lambda *a, **k: "mma")
-    q96 = np.zeros((4, 2, 96), np.float16)
-    l40 = DeviceInfo((8, 9), 99 * 1024, "NVIDIA L40S")
-
-    def fwd(device, x=q):
-        with BACKEND.stand_in_device(device):
-            return BACKEND.forward(plan, x, x, x, **call)
-
-    def bwd(device):
-        with BACKEND.stand_in_device(device):
-            return BACKEND.backward(plan, q, q, q, q, q, None, **call)
-    assert fwd(h100) == "mma" and bwd(h100) == "mma"
-    monkeypatch.setattr(_cupy_sm90, "DEFAULT_ON_SM90", True)
-    assert fwd(h100) == "sm90a" and bwd(h100) == "sm90a"
-    assert fwd(l40) == "mma" and bwd(l40) == "mma"              # no error off sm_90
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert fwd(h100, q96) == "mma"                          # no variant: silently
-    monkeypatch.setenv("VARLEN_CUPY_PATH", "mma")
-    assert fwd(h100) == "mma" and bwd(h100) == "mma"
-    monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90")
-    with pytest.raises(ValueError, match=r"VARLEN_CUPY_PATH='sm90'.*'sm90a', 'mma' or unset"):
-        fwd(h100)
-
-
 if __name__ == "__main__":
     # python tests/test_sm90_forward.py LABEL ...: the cases in this process, in the emulation
-    # mode of the environment (scripts/emulation_mutations.py runs them on mutated kernels)
+    # mode of the environment (emulation/mutations.py runs them on mutated kernels)
     for name in sys.argv[1:]:
         print("ok", name, f"{run_case(name):.1f} s", flush=True)

@@ -10,7 +10,7 @@ __all__ = ["attention_forward", "attention_backward", "attention", "plan"]
 
 def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, mask="full",
          num_rows_q=None, num_rows_k=None, max_seqlen_q=None, max_seqlen_k=None,
-         block_m: int = 64, block_n: int = 64) -> Plan:
+         block_m: int = 64, block_n: int = 64, backend=None) -> Plan:
     """Build the reusable device metadata of a packed batch (see `docs/plan.md`).
 
     Args:
@@ -21,6 +21,10 @@ def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, 
             offsets entry, which needs a host read and is refused for device arrays).
         max_seqlen_q, max_seqlen_k: optional bounds that tighten the tile-table size.
         block_m, block_n: tile sizes; a backend refuses a plan whose tiles it cannot run.
+        backend: whose plan builder builds it (a name of `varlen.backends.names()`); None: the
+            first that builds where `cu_seqlens_q` lives (`varlen.backends.select_planner`):
+            CuPy's two fused kernels, else Numba's kernels, on a device; array code on the
+            host. Every builder writes the same arrays, so any backend runs the plan.
 
     Returns a `Plan` whose arrays live where `cu_seqlens_q` lives. No host synchronisation
     when `num_rows_*` are given.
@@ -28,7 +32,8 @@ def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, 
     return make_plan(cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
                      seq_offsets_k=seq_offsets_k, mask=mask, num_rows_q=num_rows_q,
                      num_rows_k=num_rows_k, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_k=max_seqlen_k, block_m=block_m, block_n=block_n)
+                     max_seqlen_k=max_seqlen_k, block_m=block_m, block_n=block_n,
+                     backend=backend)
 
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,

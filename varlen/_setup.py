@@ -20,7 +20,7 @@ from ._validate import (as_index_array, as_policy_array, check_backward_inputs, 
                         check_layout_specs, check_layout_values, check_qkv, dtype_name,
                         scale_and_softcap, validation_enabled)
 from .masks import MASK_FIELDS, Mask, as_mask
-from .plan import Plan, plan_from_cu_seqlens
+from .plan import Plan
 
 __all__ = ["Call", "Layout", "setup", "make_plan", "working_mask", "static_scalars"]
 
@@ -106,7 +106,7 @@ def static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,
     an op's schema or of a trace), with the core API's messages for the wrong kind of value."""
     softmax_scale, softcap = scale_and_softcap(softmax_scale, softcap)
     if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be one of {', '.join(map(repr, backends.NAMES))} or "
+        raise TypeError(f"backend must be one of {', '.join(map(repr, backends.names()))} or "
                         f"None, got {backend!r}")
     return (softmax_scale, softcap, check_bound("max_seqlen_q", max_seqlen_q),
             check_bound("max_seqlen_k", max_seqlen_k), backend, _flag(deterministic))
@@ -168,7 +168,7 @@ def _fingerprint_differs(have: tuple, want: tuple) -> str | None:
 
 def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None,
               mask="full", num_rows_q=None, num_rows_k=None, max_seqlen_q=None,
-              max_seqlen_k=None, block_m=64, block_n=64) -> Plan:
+              max_seqlen_k=None, block_m=64, block_n=64, backend=None) -> Plan:
     """`varlen.plan`: see its docstring."""
     probe = to_working(cu_seqlens_q, "cu_seqlens_q")
     xp = array_module(probe) if np.ndim(probe) else np
@@ -190,9 +190,11 @@ def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=N
     if validation_enabled(on_device):
         _check_layout(lay, *rows)
     wmask = working_mask(mask, lay.batch, xp)
-    plan = plan_from_cu_seqlens(lay.cu_q, lay.cu_k, lay.off_q, lay.off_k, *rows, wmask,
-                                block_m=int(block_m), block_n=int(block_n),
-                                max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
+    planner = backends.select_planner(backend, on_device)
+    plan = planner.plan_from_cu_seqlens(lay.cu_q, lay.cu_k, lay.off_q, lay.off_k, *rows, wmask,
+                                        block_m=int(block_m), block_n=int(block_n),
+                                        max_seqlen_q=lay.max_seqlen_q,
+                                        max_seqlen_k=lay.max_seqlen_k)
     return replace(plan, fingerprint=_fingerprint(lay, *rows, wmask))
 
 

@@ -20,7 +20,6 @@ in `docs/plan.md`; in short:
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,23 +48,6 @@ def _xp(a):
         return np
     import cupy
     return cupy
-
-
-# Plans of CuPy arrays are built by two fused kernels (`backends/_cupy_plan.py`); with this
-# variable set to "arrays", by the CuPy array code below (about 260 array operations, each
-# one or more kernels; for comparison).
-PLAN_BUILDER_ENV = "VARLEN_PLAN_BUILDER"
-PLAN_BUILDERS = ("kernels", "arrays")
-
-
-def _fused_kernels(xp) -> bool:
-    """Whether a plan of module `xp` is built by the fused device kernels."""
-    if xp is np:
-        return False
-    builder = os.environ.get(PLAN_BUILDER_ENV, PLAN_BUILDERS[0])
-    if builder not in PLAN_BUILDERS:
-        raise ValueError(f"{PLAN_BUILDER_ENV}={builder!r}; expected one of {PLAN_BUILDERS}")
-    return builder == "kernels"
 
 
 def outside_message(side: str, num_rows: int) -> str:
@@ -436,8 +418,9 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
                max_seqlen_q=None, max_seqlen_k=None) -> Plan:
     """Build a plan from query and key segments (the general form, used by context parallelism).
 
-    `mask` fields must already be working arrays of the segments' module (or scalars). CuPy
-    segments: two fused kernels build it (`PLAN_BUILDER_ENV`).
+    `mask` fields must already be working arrays of the segments' module (or scalars). Array
+    code of the segments' module (NumPy or CuPy); a backend may build the same plan with its
+    own kernels (`Backend.make_plan`).
     """
     _check_blocks(block_m, block_n)
     if q.batch != k.batch:
@@ -445,10 +428,6 @@ def build_plan(q: Segments, k: Segments, mask, *, block_m: int = 64, block_n: in
                          f"{k.batch}; expected the same batch")
     xp = _xp(q.row)
     mask = as_mask(mask)
-    if _fused_kernels(xp):
-        from .backends import _cupy_plan
-        return _cupy_plan.build_plan(q, k, mask, block_m=int(block_m), block_n=int(block_n),
-                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     pol = _policy_arrays(xp, mask, q.batch)
     nq = tile_bound(q.num_rows, q.batch * q.per_seq, block_m, max_seqlen_q)
     nk = tile_bound(k.num_rows, k.batch * k.per_seq, block_n, max_seqlen_k)
@@ -469,16 +448,8 @@ def plan_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_
     """`build_plan` over one segment per sequence of each side (`segments_from_cu_seqlens`).
 
     int32 `[B+1]` layout arrays of one module; `mask` fields scalars or int32 `[B]` arrays of
-    it. CuPy arrays: segments, mask policy, tile tables and schedules in two fused kernels
-    (`backends/_cupy_plan.py`), unless `PLAN_BUILDER_ENV` says "arrays".
+    it. Array code, as `build_plan`.
     """
-    if _fused_kernels(_xp(cu_seqlens_q)):
-        _check_blocks(block_m, block_n)
-        from .backends import _cupy_plan
-        return _cupy_plan.plan_from_cu_seqlens(
-            cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, num_rows_q, num_rows_k,
-            as_mask(mask), block_m=int(block_m), block_n=int(block_n),
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     return build_plan(*layout_segments(cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
                                        seq_offsets_k, num_rows_q, num_rows_k),
                       mask, block_m=block_m, block_n=block_n, max_seqlen_q=max_seqlen_q,

@@ -18,6 +18,7 @@ import torch
 import varlen
 import varlen.comm as vc
 import varlen.torch as vt
+from varlen._torch_ops import _cp_group
 from varlen import reference
 
 TOL = {torch.float64: 1e-10, torch.float32: 3e-5}   # relative to max(1, |reference|)
@@ -98,7 +99,7 @@ def close(name, got, want, tol):
 def check_rank(group, spec: Spec, tol_scale=1.0):
     """Run one spec on this rank of `group` (a varlen.comm Group, a ProcessGroup or None) and
     assert that its shards match; returns this rank's loss term."""
-    vc_group = vt._cp_group(group)
+    vc_group = _cp_group(group)
     rank, cp = vc_group.rank, vc_group.size
     b = global_batch(spec)
     part = spec.partition(b["cu"].numpy(), cp)
@@ -151,7 +152,7 @@ def expect_error(fn, words):
 
 
 def check_bad_inputs(group):
-    vg = vt._cp_group(group)
+    vg = _cp_group(group)
     rank, cp = vg.rank, vg.size
     spec = Spec((7, 0, 13, 5))
     b = global_batch(spec)

@@ -31,13 +31,15 @@ class Backend(abc.ABC):
     """One way to run packed variable-length attention.
 
     Attributes:
-        name: the value of `backend=` that asks for it.
+        name: the value of `backend=` that asks for it (`family:implementation` for one
+            implementation of a backend that has several).
         default_eligible: whether `backend=None` may choose it (a backend whose numerics are
             not yet proven on real hardware runs only when asked for by name).
     """
 
     name: str = ""
     default_eligible: bool = True
+    implementations: tuple = ()       # a family's members, in order of preference
 
     @abc.abstractmethod
     def supports(self, call) -> str | None:
@@ -47,6 +49,14 @@ class Backend(abc.ABC):
     def default_blocks(self, dtype: str, head_dim: int) -> tuple[int, int]:
         """`(block_m, block_n)` of the plans this backend builds for a call."""
         return 64, 64
+
+    def can_plan(self, on_device: bool) -> str | None:
+        """None when this backend builds plans of layout arrays that live on a device
+        (`on_device`) or on the host, else why not (`varlen.plan(..., backend=...)`). By
+        default: host arrays, by array code."""
+        if on_device:
+            return f"the {self.name} backend builds plans of host arrays; cu_seqlens live on a device"
+        return None
 
     def make_plan(self, q: Segments, k: Segments, mask, *, block_m: int, block_n: int,
                   max_seqlen_q=None, max_seqlen_k=None) -> Plan:

@@ -87,6 +87,10 @@ class NumbaBackend(Backend):
                 return bm, bn
         return ladder[-1]
 
+    def can_plan(self, on_device: bool) -> str | None:
+        """Device arrays on a GPU, host arrays in the simulator (or copied to the GPU and back)."""
+        return _numba_missing()
+
     def make_plan(self, q: Segments, k: Segments, mask, *, block_m: int, block_n: int,
                   max_seqlen_q=None, max_seqlen_k=None) -> Plan:
         """`varlen.plan.build_plan` on the device: the same arrays, built by Numba kernels.
@@ -104,6 +108,24 @@ class NumbaBackend(Backend):
         ctx = L.Context(q.row)
         plan = L.device_plan(ctx, L.segments_on_device(ctx, q), L.segments_on_device(ctx, k),
                              mask, block_m=int(block_m), block_n=int(block_n),
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return plan.to_host() if ctx.kind == "host" else plan
+
+    def plan_from_cu_seqlens(self, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
+                             num_rows_q: int, num_rows_k: int, mask, *, block_m: int,
+                             block_n: int, max_seqlen_q=None, max_seqlen_k=None) -> Plan:
+        """A plan straight from `cu_seqlens` in kernels (segments, mask policy, tile tables,
+        schedules; the module's `plan_from_cu_seqlens`)."""
+        L = _launch()
+        L.check_blocks(block_m, block_n)
+        if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+            raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries and "
+                             f"cu_seqlens_k {cu_seqlens_k.shape[0]}; both must be [B+1] for the "
+                             f"same B")
+        ctx = L.Context(cu_seqlens_q)
+        q = L.segments(ctx, cu_seqlens_q, seq_offsets_q, num_rows_q, "q")
+        k = L.segments(ctx, cu_seqlens_k, seq_offsets_k, num_rows_k, "k")
+        plan = L.device_plan(ctx, q, k, mask, block_m=int(block_m), block_n=int(block_n),
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return plan.to_host() if ctx.kind == "host" else plan
 
@@ -151,16 +173,7 @@ def plan_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *, num_rows_q: int, num_row
     allows) is a device error (`varlen.check_device_errors()`), raised at once for NumPy.
     """
     bm, bn = BACKEND.default_blocks(dtype, head_dim)
-    block_m = bm if block_m is None else block_m
-    block_n = bn if block_n is None else block_n
-    L = _launch()
-    L.check_blocks(block_m, block_n)
-    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries and cu_seqlens_k "
-                         f"{cu_seqlens_k.shape[0]}; both must be [B+1] for the same B")
-    ctx = L.Context(cu_seqlens_q)
-    q = L.segments(ctx, cu_seqlens_q, seq_offsets_q, num_rows_q, "q")
-    k = L.segments(ctx, cu_seqlens_k, seq_offsets_k, num_rows_k, "k")
-    plan = L.device_plan(ctx, q, k, mask, block_m=int(block_m), block_n=int(block_n),
-                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return plan.to_host() if ctx.kind == "host" else plan
+    return BACKEND.plan_from_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, num_rows_q, num_rows_k, mask,
+        block_m=bm if block_m is None else block_m, block_n=bn if block_n is None else block_n,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)

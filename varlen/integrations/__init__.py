@@ -27,10 +27,3 @@ def register_transformers(name: str = "varlen") -> None:
     # transformers installed.
     from .transformers import register
     register(name)
-
-
-def _varlen_attention(*args, **kwargs):
-    """`varlen.torch.varlen_attention`, imported at call time: `varlen.torch` re-exports the
-    modules of this package, so importing it from their top level would be circular."""
-    from ..torch import varlen_attention
-    return varlen_attention(*args, **kwargs)

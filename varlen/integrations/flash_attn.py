@@ -22,7 +22,7 @@ import operator
 import torch
 
 from ..masks import Mask
-from . import _varlen_attention
+from .._torch_ops import varlen_attention as _varlen_attention
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_func", "fa_mask"]
 

@@ -32,7 +32,7 @@ import torch
 import transformers
 from transformers import AttentionInterface
 
-from . import _varlen_attention
+from .._torch_ops import varlen_attention as _varlen_attention
 from .flash_attn import _batch_cu, _bound, fa_mask
 from .padding import cu_seqlens_from_position_ids, kept_first
 

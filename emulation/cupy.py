@@ -1,12 +1,12 @@
 """Run the CuPy backend's CUDA kernels on a CPU, through a host emulation, for testing.
 
-    python -m varlen.backends._cupy_emulation [--quick | --strict] [--race]
+    python -m emulation [--quick | --strict] [--race]
                                               [--schedule wait|issue|random] [--seeds 0,1,2]
 
 The kernel sources are compiled with g++ (`-DVARLEN_HOST_EMULATION`, see
 `kernels_cuda/host_emulation.cuh`): one OS thread per CUDA thread, warp-collective PTX
 primitives (ldmatrix, mma.sync, shuffles) emulated from the PTX ISA's fragment layouts. The
-real launchers of `_cupy_kernels.py` drive them: a stand-in `cupy` module turns each kernel
+real launchers of `varlen.backends.cupy` drive them: a stand-in `cupy` module turns each kernel
 launch into a call of the emulated kernel with the very argument tuple a GPU launch would
 get, passed as a GPU launch passes it (a pointer to each argument's bytes; the `PlanView` and
 `CallParams` structs by value), each argument's size checked against its parameter's. So
@@ -33,7 +33,7 @@ any process read):
 * `--strict`: the cases made for these modes (every kernel reaches three partner chunks per
   block, a query tile without keys); `VARLEN_EMULATION_STRICT_BANKS=1` makes a cp.async bank
   conflict fatal; `VARLEN_EMULATION_SOURCE_DIR` compiles kernel sources from another directory
-  (scripts/emulation_mutations.py).
+  (emulation/mutations.py).
 
 Not timing, register budgets or hardware rounding; it is slow (seconds per block, about four
 times that under TSan) and only for small batches. It replaces `sys.modules["cupy"]`, so run it in
@@ -56,13 +56,17 @@ import types
 
 import numpy as np
 
-from .._array import set_nan_fill
-from ..kernels_cuda import SOURCE_DIR
-from . import _cupy_spec
+from varlen._array import set_nan_fill
+from varlen.backends.cupy import launch as cupy_launch
+from varlen.backends.cupy import traits
+from varlen.kernels_cuda import SOURCE_DIR
+
+# The emulation's own headers (host_emulation*.cuh) and entry points: never part of the product.
+EMULATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 
 BUILD_DIR = os.environ.get("VARLEN_EMULATION_DIR",
                            os.path.join(tempfile.gettempdir(), "varlen_host_emulation"))
-STATIC_SMEM_LIMIT = _cupy_spec.STATIC_SMEM_LIMIT
+STATIC_SMEM_LIMIT = traits.STATIC_SMEM_LIMIT
 OPTIN_SMEM = 227 * 1024             # the emulated sm_90's opt-in shared memory per block
 LANDING = {"wait": 0, "issue": 1, "random": 2}     # hostemu::Landing
 TSAN_FLAGS = ("-fsanitize=thread", "-fno-builtin")
@@ -105,11 +109,19 @@ def tsan_loaded() -> bool:
 
 def _sources_hash(source_dir):
     h = hashlib.sha256()
-    for name in sorted(os.listdir(source_dir)):
-        if name.endswith((".cuh", ".cu")):
-            with open(os.path.join(source_dir, name), "rb") as f:
-                h.update(name.encode() + f.read())
+    for folder in (source_dir, EMULATION_DIR):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith((".cuh", ".cu")):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + f.read())
     return h.hexdigest()[:16]
+
+
+def _compile_command(source, out, flags, source_dir, defines=()):
+    """g++ of `source` against the kernel sources in `source_dir` and the emulation headers."""
+    return [os.environ.get("CXX", "g++"), "-x", "c++", "-std=c++20", "-O1", "-pthread",
+            "-shared", "-fPIC", *flags, "-DVARLEN_HOST_EMULATION", f"-I{source_dir}",
+            f"-I{EMULATION_DIR}", *defines, source, "-o", out]
 
 
 def _build(T, D, BM, BN, BQ, SC):
@@ -125,11 +137,10 @@ def _build(T, D, BM, BN, BQ, SC):
         path = os.path.join(BUILD_DIR, f"varlen_emu_{tag.hexdigest()[:16]}.so")
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
-            cmd = [os.environ.get("CXX", "g++"), "-x", "c++", "-std=c++20", "-O1", "-pthread",
-                   "-shared", "-fPIC", *flags, "-DVARLEN_HOST_EMULATION", f"-I{source_dir}",
-                   f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
-                   f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}",
-                   os.path.join(source_dir, "host_emulation_entry.cu"), "-o", tmp]
+            defines = (f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
+                       f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}")
+            cmd = _compile_command(os.path.join(EMULATION_DIR, "host_emulation_entry.cu"), tmp,
+                                   flags, source_dir, defines)
             subprocess.run(cmd, check=True)
             os.replace(tmp, path)
         _libs[key] = ctypes.CDLL(path)
@@ -167,7 +178,7 @@ class _Kernel:
     def __init__(self, name: str, block_m: int, block_n: int = 64):
         self.name = name
         self.max_dynamic_shared_size_bytes = 0
-        from ._cupy_plan import KERNELS as PLAN_KERNELS
+        from varlen.backends.cupy.plan import KERNELS as PLAN_KERNELS
         if name in PLAN_KERNELS:
             self._bind(name, *PLAN_KERNEL_VARIANT)
             return
@@ -186,7 +197,7 @@ class _Kernel:
             raise AssertionError(f"unknown kernel {name}")
         # the dK/dV kernel's query chunk everywhere, so that one library serves the variant
         bq = (int(a[3]) if kind.startswith("varlen_bwd_dkdv")
-              else _cupy_spec.bwd_query_chunk(D, BN))
+              else traits.tile_size("bwd", "mma", "float16", D, 64, BN).query_chunk)
         self._bind(kind, T, D, BM, BN, bq, SC)
 
     def _bind(self, kind, T, D, BM, BN, bq, SC):
@@ -313,7 +324,7 @@ def watch_host_reads():
 
 
 def _host_data(a):
-    """`_cupy_kernels._data` for host arrays: contiguous, 16-byte aligned (the emulated
+    """`launch.data` for host arrays: contiguous, 16-byte aligned (the emulated
     cp.async checks the alignment of every global address, as the GPU requires)."""
     a = np.ascontiguousarray(a)
     if a.ctypes.data % 16:
@@ -369,13 +380,11 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
     fake.cuda = types.SimpleNamespace(Device=_Device, runtime=types.SimpleNamespace(
         getDeviceProperties=lambda device_id: {"name": b"host emulation"}))
     sys.modules["cupy"] = fake
-    from . import _cupy_kernels
-    _cupy_kernels._modules.clear()
-    _cupy_kernels._data = _host_data                 # host arrays have no device pointer
-    _cupy_kernels._address = lambda a: a.ctypes.data
-    from . import _cupy_plan
-    _cupy_plan._modules.clear()
-    _cupy_plan._address = lambda a: 0 if a is None else a.ctypes.data
+    from varlen.backends.cupy import plan as cupy_plan
+    cupy_launch._modules.clear()
+    cupy_plan._modules.clear()
+    cupy_launch.data = _host_data                    # host arrays have no device pointer
+    cupy_launch.address = lambda a: 0 if a is None else a.ctypes.data
     set_nan_fill(True)                               # an unwritten output element shows
     return fake
 
@@ -386,8 +395,8 @@ def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softc
     against the float64 reference; `garbage` fills the pad rows (make_batch). Raises
     AssertionError on a mismatch."""
     import varlen
-    from ..testing import check_against_reference, make_batch
-    from .cupy_backend import BACKEND
+    from varlen.backends.cupy import BACKEND
+    from varlen.testing import check_against_reference, make_batch
     install_fake_cupy(block_m, block_n)
     rng = np.random.default_rng(seed)
     b = make_batch(rng, lengths_q, lengths_k, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
@@ -409,9 +418,9 @@ def cp_case_ranks(cp_size=2, seed=0):
     per-sequence windows, two query segments per sequence against all-gathered keys (2 *
     cp_size key segments, out of row order). Yields, rank by rank, `(rank, plan, q, k, v,
     dout)` (float16, Hq = 4, Hk = 2, D = 64)."""
-    from .. import comm
-    from ..masks import Mask
-    from ..plan import build_plan
+    from varlen import comm
+    from varlen.masks import Mask
+    from varlen.plan import build_plan
     cu = np.array([0, 37, 37, 200, 290], np.int32)
     part = comm.partition(cu, cp_size, "zigzag")
     mask = Mask(window_left=np.array([-1, -1, 30, -1], np.int32),
@@ -432,7 +441,8 @@ def cp_case_ranks(cp_size=2, seed=0):
 def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
     """Context-parallel segment plans (cp_case_ranks) through the emulated kernels, against the
     NumPy backend on the same plan, for every rank."""
-    from . import cupy_backend, numpy_backend
+    from varlen.backends import cupy as cupy_backend
+    from varlen.backends import numpy_backend
     install_fake_cupy(64)
     for rank, plan, q, k, v, dout in cp_case_ranks(cp_size, seed):
         scale = 1.0 / math.sqrt(q.shape[2])
@@ -485,7 +495,7 @@ def strict_cases():
 
 def _parse(argv):
     import argparse
-    p = argparse.ArgumentParser(prog="python -m varlen.backends._cupy_emulation")
+    p = argparse.ArgumentParser(prog="python -m emulation")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--quick", action="store_true", help="the CI case only")
     which.add_argument("--strict", action="store_true", help="the race/schedule cases")
@@ -502,7 +512,7 @@ def _reexec_with_tsan(argv):
     env = dict(os.environ, LD_PRELOAD=tsan_runtime(), VARLEN_EMULATION_RACE="1",
                TSAN_OPTIONS=os.environ.get("TSAN_OPTIONS", TSAN_OPTIONS))
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "varlen.backends._cupy_emulation", *argv],
+    os.execve(sys.executable, [sys.executable, "-m", "emulation", *argv],
               env)
 
 
@@ -518,7 +528,7 @@ def main(argv=None) -> int:
     seeds = ([int(x) for x in args.seeds.split(",")] if args.seeds is not None
              else [int(os.environ.get("VARLEN_EMULATION_SEED", "0"))])
     ok = True
-    from ._emulation_cases import cases
+    from .cases import cases
     todo = [(c["label"], run_case, c)
             for c in (strict_cases() if args.strict else cases(args.quick))]
     if not (args.quick or args.strict):
@@ -560,15 +570,13 @@ def build_harness(path, *, race=False):
     out = os.path.join(BUILD_DIR, f"{stem}_{tag.hexdigest()[:16]}.so")
     if not os.path.exists(out):
         tmp = f"{out}.{os.getpid()}.tmp"
-        cmd = [os.environ.get("CXX", "g++"), "-x", "c++", "-std=c++20", "-O1", "-pthread",
-               "-shared", "-fPIC", *flags, "-DVARLEN_HOST_EMULATION", f"-I{source_dir}",
-               os.path.abspath(path), "-o", tmp]
+        cmd = _compile_command(os.path.abspath(path), tmp, flags, source_dir)
         subprocess.run(cmd, check=True)
         os.replace(tmp, out)
     return ctypes.CDLL(out)
 
 
-# sm90::TensorMap of the emulation (kernels_cuda/host_emulation_sm90.cuh): CUtensorMap's 128 bytes.
+# sm90::TensorMap of the emulation (emulation/cuda/host_emulation_sm90.cuh): CUtensorMap's 128 bytes.
 TENSOR_MAP_TAG = 0x746D61703930
 TENSOR_MAP_DTYPE = np.dtype({
     "names": ["tag", "global_address", "dims", "strides", "box", "rank", "elem_bytes",

@@ -1,23 +1,23 @@
 """The batches the host emulation runs the CuPy kernels on (`python -m
-varlen.backends._cupy_emulation [--quick]`): each a dict of `run_case`'s arguments.
+emulation [--quick]`): each a dict of `run_case`'s arguments.
 
 `default_variant_cases()` are the variants of tiles (128, 64) (bfloat16, every head dim up to
 128: the backend's default up to D = 64, and at D = 96 and 128 the tiles a 99 KiB GPU falls
 back to; BQ = 32 query chunks and the dQ phase with two warps per 16 query rows at D > 64),
 forward and both backward modes; `wide_key_tile_cases()` those of (128, 128); among
-them a batch with more CTAs than the SMs the emulation stands for (EMULATED_SM_COUNT, an H100
+them a batch with more CTAs than the SMs the emulation stands for (H100_SM_COUNT, an H100
 SXM) and blocks that visit three or more partner tiles. CI runs each in its own process (tests/test_emulation_variants.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..masks import Mask
-from .cupy_backend import DEFAULT_BLOCKS
+from varlen.backends.cupy.traits import DEFAULT_BLOCKS
+from varlen.masks import Mask
 
 # The GPU the emulation stands for: an H100 SXM (sm_90, 132 SMs). A grid of more CTAs than this
 # runs in more than one wave there.
-EMULATED_SM_COUNT = 132
+H100_SM_COUNT = 132
 
 
 def cases(quick: bool):
@@ -95,7 +95,7 @@ def default_variant_cases():
     # More query tiles and more key tiles than SMs: 140 one-row queries that see no key and
     # 140 one-row keys that no query sees (blocks with nothing to visit: zero output, -inf lse,
     # zero dK/dV), then 4 sequences of 70 whose blocks, past the first wave, do the work.
-    idle = EMULATED_SM_COUNT + 8
+    idle = H100_SM_COUNT + 8
     waves_q = [1] * idle + [0] * idle + [70] * 4
     waves_k = [0] * idle + [1] * idle + [70] * 4
     return [

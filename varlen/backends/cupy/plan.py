@@ -1,8 +1,7 @@
-"""Launcher of the plan kernels (`kernels_cuda/plan_build.cuh`): a plan of CuPy arrays in two
-launches, the same int32 arrays as `varlen.plan`'s array code, bit for bit.
-
-`varlen.plan.build_plan` and `varlen.plan.plan_from_cu_seqlens` come here for CuPy arrays
-(unless `VARLEN_PLAN_BUILDER=arrays`):
+"""The plan builder of the CuPy backend (`kernels_cuda/plan_build.cuh`): a plan of CuPy arrays
+in two launches, the same int32 arrays as `varlen.plan`'s array code, bit for bit (the array
+code on CuPy arrays, about 260 array operations, stays available as `varlen.plan.build_plan`
+for comparison).
 
 1. `varlen_plan_scan`, one block: the segments of each side (from `cu_seqlens`/offsets, or
    given), the three mask policy arrays, and per side the prefix sum of tiles per segment.
@@ -27,10 +26,11 @@ import threading
 
 import numpy as np
 
-from .._array import alloc
-from .._device_errors import accumulator, record
-from ..masks import Mask
-from ..plan import (ROW_SCHED_FIELDS, SCHED_FIELDS, TILE_FIELDS, Plan, Segments,
+from ..._array import alloc
+from ..._device_errors import accumulator, record
+from ...masks import Mask
+from . import launch as L
+from ...plan import (ROW_SCHED_FIELDS, SCHED_FIELDS, TILE_FIELDS, Plan, Segments,
                     outside_message, overflow_message, tile_bound)
 
 KERNELS = ("varlen_plan_scan", "varlen_plan_tiles")
@@ -57,7 +57,8 @@ _modules: dict = {}
 def _function(name: str):
     """Kernel `name` of the plan module on the current device (compiled on first use)."""
     import cupy
-    from ._cupy_spec import compile_options
+
+    from .compile import compile_options
     key = (name, cupy.cuda.Device().id)
     fn = _modules.get(key)
     if fn is None:
@@ -67,17 +68,6 @@ def _function(name: str):
                                                     name_expressions=list(KERNELS))
             fn = _modules[key] = _modules["module"].get_function(name)
     return fn
-
-
-def _address(a) -> int:
-    """The device address of a CuPy array's first element (0 for None)."""
-    return 0 if a is None else a.data.ptr
-
-
-def _index(a):
-    """A layout or segment array as a contiguous int32 array (no copy when it already is)."""
-    import cupy
-    return cupy.ascontiguousarray(a, dtype=cupy.int32)
 
 
 def _on_host(a) -> bool:
@@ -91,13 +81,13 @@ class _Side:
                  segments=None):
         import cupy
         self.num_rows, self.m, self.block, self.slots = num_rows, m, block, slots
-        self.cu = None if cu is None else _index(cu)
-        self.off = self.cu if off is None or cu is None else _index(off)
+        self.cu = None if cu is None else L.index_array(cu)
+        self.off = self.cu if off is None or cu is None else L.index_array(off)
         if segments is None:
             self.seg_arrays = [alloc(cupy, (batch, 1), np.int32) for _ in range(3)]
             self.seg_arrays.append(alloc(cupy, (batch,), np.int32))
         else:
-            self.seg_arrays = [_index(a) for a in (segments.row, segments.length,
+            self.seg_arrays = [L.index_array(a) for a in (segments.row, segments.length,
                                                    segments.pos, segments.seqlen)]
         self.ends = alloc(cupy, (max(batch * m, 1),), np.int64)
         self.tiles = alloc(cupy, (slots, len(TILE_FIELDS)), np.int32)
@@ -113,7 +103,7 @@ class _Side:
                              "sched", "row_sched"), (self.cu, self.off, *self.seg_arrays,
                                                      self.ends, self.tiles, self.sched,
                                                      self.row_sched)):
-            rec[field] = _address(a)
+            rec[field] = L.address(a)
         rec["outside"], rec["overflow"] = outside, overflow
         rec["num_rows"], rec["m"], rec["block"], rec["num_slots"] = (
             self.num_rows, self.m, self.block, self.slots)
@@ -124,9 +114,9 @@ def _flags(host: bool, messages):
     (device: the `varlen._device_errors` accumulators themselves, nothing to raise here)."""
     if host:
         flags = np.zeros(len(messages), dtype=bool)
-        return [_address(flags) + i for i in range(len(messages))], flags
+        return [L.address(flags) + i for i in range(len(messages))], flags
     import cupy
-    return [_address(accumulator(cupy, msg)) for msg in messages], None
+    return [L.address(accumulator(cupy, msg)) for msg in messages], None
 
 
 def _build(q: _Side, k: _Side, mask: Mask, batch: int, *, host: bool, block_m, block_n):
@@ -147,10 +137,10 @@ def _build(q: _Side, k: _Side, mask: Mask, batch: int, *, host: bool, block_m, b
             if tuple(value.shape) != (batch,):
                 raise ValueError(f"mask field {f} has shape {tuple(value.shape)}; expected a "
                                  f"scalar or [{batch}]")
-            keep.append(_index(value))
-            params["mask_in"][f] = _address(keep[-1])
+            keep.append(L.index_array(value))
+            params["mask_in"][f] = L.address(keep[-1])
         policy.append(alloc(cupy, (batch,), np.int32))
-        params["mask_out"][f] = _address(policy[-1])
+        params["mask_out"][f] = L.address(policy[-1])
     params["batch"] = batch
     if batch:
         _function(KERNELS[0])((1,), (SCAN_THREADS,), (params,),

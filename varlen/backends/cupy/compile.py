@@ -1,17 +1,29 @@
-"""Ahead-of-time compile check of the CuPy kernels with NVRTC, no GPU needed.
+"""Building the CUDA sources: the options of every build, NVRTC programs, the on-disk cubin
+cache of the sm_90a kernels, and the ahead-of-time compile check (no GPU needed).
 
-Compiles the kernel sources to cubin (not PTX: a newer NVRTC emits PTX the driver may reject)
-for a given architecture through `cuda.bindings.nvrtc`, and reads the register, spill and
-shared-memory figures from the `-Xptxas=-v` log, and the CTAs per SM those allow on the GPU of
-each architecture. Used by `scripts/compile_kernels.py` and the CI compile test.
+The mma.sync modules are built by CuPy's RawModule (`launch.Module`, CuPy picks the device's
+architecture) with `compile_options()`. The sm_90a kernels need the `a` suffix CuPy would not
+add: `cubin_path` builds them with NVRTC for sm_90a and keeps the cubin on disk. The compile
+check builds to cubin (not PTX: a newer NVRTC emits PTX the driver may reject) for a given
+architecture through `cuda.bindings.nvrtc`, and reads the register, spill and shared-memory
+figures from the `-Xptxas=-v` log, and the CTAs per SM those allow on the GPU of each
+architecture. Used by `scripts/compile_kernels.py` and the CI compile test.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import tempfile
 from collections import defaultdict
 from typing import NamedTuple
 
-from . import _cupy_spec as spec_mod
+from ...kernels_cuda import SOURCE_DIR
+from .traits import ARCHS, SMEM_BUDGET
+
+# Entry file of the CUDA sources (it includes every header in kernels_cuda/).
+ENTRY_FILE = "varlen_attention.cu"
+CACHE_ENV = "VARLEN_SM90A_CACHE"      # where sm_90a cubins are kept (default: under the temp dir)
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -71,9 +83,9 @@ def parse_ptxas_log(log: str) -> dict:
 
 
 def program_options(arch: str) -> list:
-    """NVRTC options of the check: the runtime's (`_cupy_spec.compile_options`), for `arch`,
+    """NVRTC options of the check: the runtime's (`compile_options`), for `arch`,
     with ptxas' resource report."""
-    return [f"--gpu-architecture={arch}", "--std=c++17", *spec_mod.compile_options(),
+    return [f"--gpu-architecture={arch}", "--std=c++17", *compile_options(),
             "-Xptxas=-v"]
 
 
@@ -81,7 +93,7 @@ def build_program(names, arch: str):
     """One NVRTC program of the kernels named by `names` (template name expressions) for
     `arch` (sm_XX or sm_90a). Returns (cubin bytes, {name expression: lowered name}, log)."""
     from cuda.bindings import nvrtc
-    prog = _check(nvrtc.nvrtcCreateProgram(spec_mod.module_source().encode(), b"varlen.cu", 0,
+    prog = _check(nvrtc.nvrtcCreateProgram(module_source().encode(), b"varlen.cu", 0,
                                            [], []), "create")
     try:
         for name in names:
@@ -113,10 +125,9 @@ def compile_names(names, arch: str):
     return cubin, {name: usage[lowered[name]] for name in names}
 
 
-def compile_groups(specs=None, archs=spec_mod.ARCHS):
+def compile_groups(specs, archs=ARCHS):
     """Jobs of the compile check: one NVRTC program per (arch, dtype, head dim), each with
     the distinct kernels of those specs. Returns [(arch, names, {name: KernelLaunch})]."""
-    specs = spec_mod.all_specs() if specs is None else specs
     groups = defaultdict(dict)
     seen = set()
     for s in specs:
@@ -137,7 +148,84 @@ def run_group(job):
         shared = u["static_smem"] + launches[name].smem
         rows.append({"kernel": name, "arch": arch, "registers": u["registers"],
                      "spill_bytes": u["spill_stores"] + u["spill_loads"],
-                     "shared_bytes": shared, "shared_budget": spec_mod.SMEM_BUDGET[arch],
+                     "shared_bytes": shared, "shared_budget": SMEM_BUDGET[arch],
                      "threads": launches[name].threads,
                      **ctas_per_sm(arch, u["registers"], launches[name].threads, shared)})
     return rows
+
+
+def source_files():
+    return sorted(f for f in os.listdir(SOURCE_DIR) if f.endswith((".cuh", ".cu")))
+
+
+def source_hash() -> str:
+    """Hash of every CUDA source: part of the compile options, so the kernel cache (which
+    does not hash included headers) never serves a stale binary."""
+    h = hashlib.sha256()
+    for name in source_files():
+        h.update(name.encode())
+        with open(os.path.join(SOURCE_DIR, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def cuda_include_dirs():
+    """CUDA headers (cuda_fp16.h, cuda_bf16.h): $CUDA_HOME/include, $CUDA_PATH/include, or
+    the header directory of the nvidia-cuda-runtime wheel."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_fp16.h")):
+            return (os.path.join(root, "include"),)
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            return (found,)
+    except ImportError:
+        pass
+    return ("/usr/local/cuda/include",)
+
+
+def compile_options():
+    """NVRTC options of every build of the kernels: the runtime's (CuPy adds -arch itself) and
+    the compile check's (scripts/compile_kernels.py), so both find the same headers."""
+    return ("--use_fast_math", f"-I{SOURCE_DIR}", *(f"-I{d}" for d in cuda_include_dirs()),
+            f"-DVARLEN_SOURCE_HASH=0x{source_hash()}")
+
+
+def module_source() -> str:
+    return f'#include "{ENTRY_FILE}"\n'
+
+
+def cache_dir() -> str:
+    """The folder of the sm_90a cubins: $VARLEN_SM90A_CACHE, else varlen_sm90a_cache in the
+    temp dir."""
+    return os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), "varlen_sm90a_cache")
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def cubin_path(name: str, arch: str = "sm_90a") -> tuple:
+    """(path of the `arch` cubin holding kernel `name`, its lowered name), from `cache_dir()`:
+    keyed by the name, NVRTC's version and the build options (which carry the hash of every
+    kernel source, `source_hash`), built by NVRTC when missing. Files are written under a
+    temporary name and renamed, so processes building at once never read half a file."""
+    from cuda.bindings import nvrtc
+    _, major, minor = nvrtc.nvrtcVersion()
+    key = hashlib.sha256("\0".join([name, f"nvrtc {major}.{minor}", *program_options(arch)])
+                         .encode()).hexdigest()[:32]
+    folder = cache_dir()
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{key}.cubin")
+    name_path = os.path.join(folder, f"{key}.name")
+    if not (os.path.exists(path) and os.path.exists(name_path)):
+        cubin, lowered, _ = build_program([name], arch)
+        _write_atomically(name_path, lowered[name].encode())
+        _write_atomically(path, cubin)
+    with open(name_path) as f:
+        return path, f.read()

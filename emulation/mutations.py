@@ -1,7 +1,7 @@
 """Mutation test of the strict host emulation: remove each barrier or cp.async wait of the CuPy
 kernels in turn and check that the emulation catches the removal.
 
-    python scripts/emulation_mutations.py [--sites SUBSTRING ...] [--list] [--timeout S]
+    python emulation/mutations.py [--sites SUBSTRING ...] [--list] [--timeout S]
 
 Each call site of `__syncthreads()`, `__syncwarp()` and `cp_async_wait<N>()` in the kernel
 sources (`kernels_cuda/*.cuh`, the emulation's own headers excepted) is removed from a copy of
@@ -69,7 +69,7 @@ SM90_FILES = ("fwd_sm90.cuh", "bwd_sm90.cuh")
 SM90_SITE = re.compile(
     r"\b((?:sm90::)?(?:mbar_wait|wgmma_wait<\d+>|wgmma_fence|named_bar_sync|named_bar_arrive|"
     r"fence_proxy_async|fence_barrier_init)\((?:[^;()]|\([^;()]*\))*\)|__syncthreads\(\));")
-EMULATION = [sys.executable, "-m", "varlen.backends._cupy_emulation", "--strict", "--fail-fast"]
+EMULATION = [sys.executable, "-m", "emulation", "--strict", "--fail-fast"]
 EDGE_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_cupy_edges.py"),
              "nonfinite-backward", "q"]
 # (label, command, extra environment); the race runs re-execute under the TSan runtime.
@@ -162,8 +162,9 @@ def mutate(site, dst):
 
 
 def _env(source_dir, extra):
-    from varlen.backends._cupy_emulation import TSAN_OPTIONS, tsan_runtime
-    env = dict(os.environ, VARLEN_EMULATION_SOURCE_DIR=source_dir, PYTHONUNBUFFERED="1")
+    from emulation.cupy import TSAN_OPTIONS, tsan_runtime
+    env = dict(os.environ, VARLEN_EMULATION_SOURCE_DIR=source_dir, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     for k in ("VARLEN_EMULATION_RACE", "VARLEN_EMULATION_SCHEDULE", "LD_PRELOAD"):
         env.pop(k, None)
     env.update(extra)

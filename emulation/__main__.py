@@ -1,0 +1,5 @@
+import sys
+
+from .cupy import main
+
+sys.exit(main())

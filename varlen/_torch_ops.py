@@ -1,0 +1,368 @@
+"""The PyTorch custom ops behind `varlen.torch` (which re-exports `varlen_attention` and
+`context_parallel_attention` with the drop-in names of `varlen.integrations`); see
+`varlen.torch` for the contract."""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import numpy as np
+import torch
+
+from ._api import attention_backward, attention_forward
+from ._setup import static_scalars
+from ._validate import check_specs, set_validation, validation_mode
+from .masks import MASK_FIELDS, Mask, as_mask
+from .plan import Plan
+
+__all__ = ["varlen_attention", "context_parallel_attention"]
+
+# The op arguments after the data arrays: metadata tensors, the mask as `Mask.parts` splits it
+# (a tensor where given, else the int), the scalars of `_setup.static_scalars`, and
+# the key of the call's plan in `_PLANS` (0: none).
+_META = (("cu_seqlens_q", "Tensor"), ("cu_seqlens_k", "Tensor"),
+         ("seq_offsets_q", "Tensor?"), ("seq_offsets_k", "Tensor?"),
+         *((name, "Tensor?") for name in MASK_FIELDS),
+         *((f"{name}_int", "int") for name in MASK_FIELDS),
+         ("softmax_scale", "float?"), ("softcap", "float"), ("max_seqlen_q", "int?"),
+         ("max_seqlen_k", "int?"), ("backend", "str?"), ("deterministic", "bool"),
+         ("plan", "int"))
+_META_SCHEMA = ", ".join(f"{kind} {name}" for name, kind in _META)
+_NUM_META = len(_META)
+
+_NO_DOUBLE_BACKWARD = (
+    "varlen.torch.varlen_attention has first-order gradients only (loss.backward(), "
+    "torch.autograd.grad); differentiating its gradients again (double backward, "
+    "create_graph=True followed by a second backward) is not implemented")
+_NO_FUNC_TRANSFORMS = (
+    "varlen.torch.varlen_attention does not support torch.func transforms that differentiate "
+    "(torch.func.grad, vjp, jacrev, jvp, ...); use torch.autograd (loss.backward() or "
+    "torch.autograd.grad), under torch.compile too")
+
+
+# --------------------------------------------------------------------------------------------
+# Plans: not tensors, so they stay out of the op schema
+# --------------------------------------------------------------------------------------------
+
+# id(plan) -> plan, for the op implementations. Weak: an entry lives as long as the caller or
+# an autograd graph holds the plan.
+_PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Plans traced into a torch.compile graph are constants of that graph: held for the process.
+_COMPILED_PLANS: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _plan_key(plan) -> int:
+    """The op argument that stands for `plan` (0: none). Under torch.compile this runs once, at
+    trace time, and the key is a constant of the graph (guarded by the plan's identity)."""
+    if plan is None:
+        return 0
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a varlen.Plan from varlen.plan(), got "
+                        f"{type(plan).__name__}")
+    _PLANS[id(plan)] = plan
+    if torch.compiler.is_compiling():
+        _COMPILED_PLANS[id(plan)] = plan
+    return id(plan)
+
+
+def _plan_of(key: int):
+    if key == 0:
+        return None
+    plan = _PLANS.get(key)
+    if plan is None:
+        raise RuntimeError("the plan passed to varlen.torch.varlen_attention is no longer alive")
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# The custom ops
+# --------------------------------------------------------------------------------------------
+
+def _keywords(meta) -> dict:
+    """The core API's keyword arguments from the op's metadata arguments."""
+    kw = dict(zip((name for name, _ in _META), meta))
+    arrays = [kw.pop(name) for name in MASK_FIELDS]
+    ints = [kw.pop(f"{name}_int") for name in MASK_FIELDS]
+    kw["mask"] = Mask.from_parts(arrays, ints)
+    kw["plan"] = _plan_of(kw["plan"])
+    return kw
+
+
+def _on_device_of(x: torch.Tensor):
+    """CuPy's current device := `x`'s CUDA device (a no-op for CPU tensors).
+
+    The core API makes PyTorch's current stream CuPy's current stream for torch inputs, so
+    DLPack exchanges and launches are ordered on it without host synchronisation; CuPy launches
+    on its current device, which must be the tensor's.
+    """
+    if x.device.type != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return cupy.cuda.Device(index)
+
+
+@torch.library.custom_op("varlen::attention_forward", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor v, {_META_SCHEMA}) -> "
+                                f"(Tensor, Tensor)")
+def _forward_op(q, k, v, *meta):
+    kw = _keywords(meta)
+    # `deterministic` only matters to the backward; the autograd context reads it here.
+    del kw["deterministic"]
+    with _on_device_of(q):
+        out, lse = attention_forward(q, k, v, **kw)
+    # The fake implementation promises contiguous outputs; hold the real one to it.
+    return out.contiguous(), lse.contiguous()
+
+
+def _check_fake(q, k, v, meta):
+    """The setup step's data-free checks, on fake or meta tensors while PyTorch traces."""
+    kw = _keywords(meta)
+    check_specs(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seq_offsets_q"],
+                kw["seq_offsets_k"], kw["mask"])
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, *meta):
+    _check_fake(q, k, v, meta)
+    Tq, Hq, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((Tq, Hq, v.shape[2])), q.new_empty((Hq, Tq), dtype=lse_dtype)
+
+
+@torch.library.custom_op("varlen::attention_backward", mutates_args=(),
+                         schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                                f"Tensor lse, {_META_SCHEMA}) -> (Tensor, Tensor, Tensor)")
+def _backward_op(dout, q, k, v, out, lse, *meta):
+    with _on_device_of(q):
+        grads = attention_backward(dout, q, k, v, out, lse, **_keywords(meta))
+    return tuple(g.contiguous() for g in grads)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, out, lse, *meta):
+    _check_fake(q, k, v, meta)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *meta = inputs
+    out, lse = output
+    tensors = [i for i, x in enumerate(meta) if isinstance(x, torch.Tensor)]
+    ctx.save_for_backward(q, k, v, out, lse, *(meta[i] for i in tensors))
+    ctx.tensor_meta = tensors
+    ctx.meta = [None if i in tensors else x for i, x in enumerate(meta)]
+    # The backward may run on another thread (autograd's device threads): it keeps the
+    # forward's validation mode, and the plan alive.
+    ctx.validation = validation_mode()
+    ctx.plan = _plan_of(meta[-1])
+    # lse is returned for inspection and LSE merging; it carries no gradient.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    meta = list(ctx.meta)
+    for i, x in zip(ctx.tensor_meta, saved):
+        meta[i] = x
+    # The incoming gradient may be an expanded (stride-0) view, e.g. from `out.sum()`.
+    with set_validation(ctx.validation):
+        dq, dk, dv = _backward_op(dout.contiguous(), q, k, v, out, lse, *meta)
+    return (dq, dk, dv) + (None,) * _NUM_META
+
+
+def _no_context(ctx, inputs, output):
+    pass
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(_NO_DOUBLE_BACKWARD)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_backward_op.register_autograd(_no_double_backward, setup_context=_no_context)
+
+
+# --------------------------------------------------------------------------------------------
+# The public function
+# --------------------------------------------------------------------------------------------
+
+def _as_tensor(x):
+    """Metadata as a tensor (NumPy arrays, lists and DLPack producers are turned into one; the
+    setup step checks what they hold)."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+        return torch.from_dlpack(x)
+    return torch.as_tensor(np.asarray(x))
+
+
+def _under_func_transform(*tensors) -> bool:
+    """True inside torch.func.grad, vjp, jvp, jacrev, ... (their tensors track gradients)."""
+    from torch._C._functorch import is_gradtrackingtensor
+    return any(is_gradtrackingtensor(x) for x in tensors)
+
+
+def _autocast(q, k, v):
+    """Under `torch.autocast`, q, k and v in the autocast dtype, as for a matmul (float64
+    stays: autocast leaves it alone)."""
+    device = q.device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x
+                 for x in (q, k, v))
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
+                     seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
+                     max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
+                     plan=None, return_lse=False):
+    """Attention over a packed variable-length batch, differentiable in q, k and v.
+
+    Args:
+        q: `[Tq, Hq, D]` tensor, float16, bfloat16, float32 (float64 on the CPU).
+        k: `[Tk, Hk, D]` tensor in q's dtype, on q's device; `Hq % Hk == 0` (query head h
+            reads key head `h // (Hq // Hk)`: GQA/MQA).
+        v: `[Tk, Hk, Dv]` tensor in q's dtype, on q's device.
+        cu_seqlens_q, cu_seqlens_k: int32 `[B+1]` tensors, best on q's device: 0 first, then
+            non-decreasing; sequence b has `Lq[b] = cu_seqlens_q[b+1] - cu_seqlens_q[b]` query
+            rows and `Lk[b]` key rows; a length may be 0. Wider integers must fit int32.
+        seq_offsets_q, seq_offsets_k: optional int32 `[B+1]` tensors: the first row of each
+            sequence (`[off[b], off[b] + L[b])`); rows of no sequence are padding, with output
+            0 and gradient 0, and never a key.
+        mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask`, whose fields
+            are ints or int32/bool `[B]` tensors (a policy per sequence); the `varlen.Mask`
+            docstring draws what query i sees for Lq != Lk.
+        softmax_scale: float scaling `q @ k^T`, `1/sqrt(D)` when None.
+        softcap: float; when > 0, scores go through `softcap * tanh(scores / softcap)`.
+        max_seqlen_q, max_seqlen_k: optional ints bounding the lengths (smaller tile tables;
+            checked when validation is on).
+        backend: `"numpy"`, `"numba"`, `"cupy"` or None (NumPy for CPU tensors, the fastest
+            GPU backend for CUDA tensors).
+        deterministic: bool, bitwise-repeatable backward (device backends accumulate dQ with
+            atomics otherwise).
+        plan: optional `varlen.plan(...)` of this layout and mask, reused across calls and
+            layers. Under torch.compile a plan is a constant of the graph, guarded by identity:
+            pass the same Plan object every step (each new one recompiles) or None.
+        return_lse: return `(out, lse)` instead of `out`.
+
+    Returns:
+        out: `[Tq, Hq, Dv]` in q's dtype, on q's device.
+        lse (with `return_lse=True`): `[Hq, Tq]` natural-log sum of exp of the scores, float32
+            (float64 for float64 inputs); `-inf` for padding rows and for queries with no
+            visible key (whose output is 0, never NaN). It carries no gradient.
+
+    Under `torch.autocast`, q, k and v are cast to the autocast dtype first (float64 stays),
+    like the inputs of a matmul. Gradients are first order: double backward and `torch.func`
+    transforms that differentiate raise NotImplementedError.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not torch.compiler.is_compiling() and _under_func_transform(q, k, v):
+        raise NotImplementedError(_NO_FUNC_TRANSFORMS)
+    q, k, v = _autocast(q, k, v)
+    meta = [_as_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k)]
+    arrays, ints = as_mask(mask).parts()
+    scalars = static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,
+                             deterministic)
+    out, lse = _forward_op(q, k, v, *meta, *map(_as_tensor, arrays), *ints, *scalars,
+                           _plan_key(plan))
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism: this rank's shard in, this rank's shard out, differentiable
+# --------------------------------------------------------------------------------------------
+
+def _cp_group(group):
+    """A `varlen.comm.Group` for `group`: a Group as it is; a torch.distributed ProcessGroup,
+    or None for the default one, through `varlen.comm.torch_group`."""
+    import varlen.comm as vc
+    if isinstance(group, vc.Group):
+        return group
+    if group is None or isinstance(group, torch.distributed.ProcessGroup):
+        return vc.torch_group(group)
+    raise TypeError(f"group must be a varlen.comm.Group, a torch.distributed.ProcessGroup or "
+                    f"None (the default process group), got {type(group).__name__}")
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    """Forward: `varlen.comm.attention_forward` on this rank; backward: the method's backward
+    (for the ring, K/V and the dK/dV accumulators travel the ring again) with the same step
+    plans, which the partition caches per rank, mask, method and tiles."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, part, group, kw, deterministic):
+        import varlen.comm as vc
+        out, lse = vc.attention_forward(q, k, v, part, group, **kw)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.part, ctx.group, ctx.kw = part, group, dict(kw, deterministic=deterministic)
+        # Autograd may run the backward on another thread: it keeps the forward's mode.
+        ctx.validation = validation_mode()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        import varlen.comm as vc
+        q, k, v, out, lse = ctx.saved_tensors
+        with set_validation(ctx.validation):
+            dq, dk, dv = vc.attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.part,
+                                               ctx.group, **ctx.kw)
+        return dq, dk, dv, None, None, None, None
+
+
+@torch.compiler.disable
+def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softmax_scale=None,
+                               softcap=0.0, method="ring", deterministic=False,
+                               return_lse=False):
+    """Context-parallel attention on this rank, differentiable in its q, k and v shards.
+
+    Call it on every rank of the group with the same partition, mask and method; each rank
+    passes its shards and gets its shard of the output. `part.unshard([...])` of all ranks'
+    outputs (and gradients) is what `varlen_attention` computes on the whole batch.
+
+        part = varlen.comm.partition(cu_seqlens, cp_size)           # once per batch layout
+        q_r, k_r, v_r = (part.shard(x, rank) for x in (q, k, v))
+        out_r = varlen.torch.context_parallel_attention(q_r, k_r, v_r, part, mask="causal")
+
+    Args:
+        q: `[Tq_local, Hq, D]` tensor, this rank's shard `part.shard(q_global, rank)`.
+        k, v: `[Tk_local, Hk, D]` and `[Tk_local, Hk, Dv]` shards in q's dtype and device;
+            `Hq % Hk == 0` (GQA/MQA).
+        part: `varlen.comm.partition(cu_seqlens, cp_size, ...)` (a pair `(part_q, part_k)` for
+            cross attention).
+        group: a `varlen.comm.Group` (MPI, NCCL, in-process), a
+            `torch.distributed.ProcessGroup`, or None for torch.distributed's default group
+            (gloo on CPUs, NCCL on GPUs); its size must be `part.cp_size`.
+        mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` (per-sequence
+            fields as ints or `[B]` arrays); positions are global.
+        softmax_scale: default `1/sqrt(D)`. softcap: as in `varlen_attention`.
+        method: `"ring"`, `"allgather"` or `"ulysses"` (`Hq % cp_size == 0`).
+        deterministic: bitwise-repeatable backward.
+        return_lse: return `(out, lse)` instead of `out`.
+
+    Returns:
+        out: `[Tq_local, Hq, Dv]` in q's dtype, on q's device; lse (with `return_lse=True`):
+        `[Hq, Tq_local]` float32 (float64 for float64), no gradient. Pad rows get 0 and -inf.
+
+    Step plans are built on the first call and cached by the partition (per rank, mask,
+    method and tile size): build the partition once per batch and every layer, forward and
+    backward, reuses them. Under torch.compile the call is a graph break (it communicates
+    and runs host-side setup); the code around it compiles. Argument errors on any rank
+    (a group of the wrong size, shards of the wrong length, ranks called differently) raise
+    the same ValueError on every rank.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if _under_func_transform(q, k, v):
+        raise NotImplementedError(_NO_FUNC_TRANSFORMS)
+    q, k, v = _autocast(q, k, v)
+    kw = dict(mask=mask, softmax_scale=softmax_scale, softcap=softcap, method=method)
+    out, lse = _ContextParallelAttention.apply(q, k, v, part, _cp_group(group), kw,
+                                               bool(deterministic))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,490 @@
+"""The sm_90a implementation (`cupy:sm90a`, H100/H200): wgmma, TMA, mbarriers, warp
+specialisation (kernels_cuda/fwd_sm90.cuh, bwd_sm90.cuh; docs/hopper.md).
+
+**Forward.** `varlen_fwd_sm90` is persistent: a grid of at most (SMs x `CTAS_PER_SM`) blocks
+(`persistent_grid`; the runtime says how many SMs the device has), each looping with a static
+stride over the work items (query tile slot, head) in reverse slot order, as `varlen_fwd`
+takes them (a sequence's heaviest tiles first under a causal mask). It reads the same
+`PlanView` and `CallParams` as the mma.sync kernels and three CUDA tensor maps over the packed
+q, k, v (3D: (D, H, T) innermost first, boxes of 64 head-dim columns x 1 head x BM rows for q,
+KN rows for k and v, 128B swizzle, zero fill past row T). KN, the key chunk of the pipeline,
+comes from `traits.tile_size`.
+
+GQA packing: where the query heads outnumber the key heads (Hq / Hk = G > 1) and short
+sequences leave the rows of a query tile mostly empty, the kernel packs P query heads of one
+key head (P a power of two dividing G, at most `MAX_PACK`) into the M of a tile of BM / P
+positions: row r of the tile is position r / P of head r % P, loaded by one TMA box of
+(64, P, BM / P) elements. Each K/V chunk is then loaded once for P heads. The kernel reads a
+plan of BM / P-row query tiles, built from the call's plan (`packed_plan`, kept while the plan
+lives). `choose_pack` picks P from the plan's shape alone (no device read).
+
+**Backward.** `backward` runs what `mma.backward` runs: the preprocessing (delta, lse2, and with
+`deterministic` the order of the dQ additions), then `varlen_bwd_dkdv_sm90` in place of the
+mma.sync dK/dV kernel (dK, dV and dQ by fp32 reductions into the same `dq_accum`, in a fixed
+order with `deterministic`), then the dQ conversion; the first and last are the mma.sync
+module's kernels, unchanged. It reads four tensor maps (q, k, v, dout; boxes of BQ = 64 rows for
+q and dout, BN rows for k and v).
+
+**Runtime.** Both are compiled by NVRTC for `sm_90a` (CuPy would pick the architecture from
+the device, without the `a` suffix that wgmma and setmaxnreg need) and loaded as cubins kept on
+disk between processes (`compile.cubin_path`; `python -m varlen.backends.cupy.sm90 [WORKERS]`
+builds every variant the backend dispatches in parallel, as the GPU check does first); the
+tensor maps come from the driver's `cuTensorMapEncodeTiled`. A `Runtime` does both; the host
+emulation of the kernels (tests) supplies its own through `use_runtime`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..._array import alloc
+from . import launch as L
+from .traits import (ELEM_BYTES, SM90_HEAD_DIMS, SM90_STAGES, SMEM_PAD, WG_ROWS, KernelLaunch,
+                     Variant, cxx_bool, tile_size)
+
+ARCH = "sm_90a"
+WG_THREADS = 128              # a warpgroup
+BOX_COLS = 64                 # head-dim columns per TMA box: 128 bytes, the 128B swizzle width
+FWD_BARRIERS = 2 + 5 * SM90_STAGES  # q_full, q_empty; k_full, v_full, ready, k_empty, v_empty
+BWD_BARRIERS = 2 + 3 * SM90_STAGES
+SPLIT_HEAD_DIM = 256          # from this D two backward consumers split the head dim's columns
+CHUNK_BYTES = 24              # StagedChunk: the query chunk a backward stage holds
+# Blocks of the kernel an SM holds: its register file (`__launch_bounds__(threads, 1)`: 255
+# registers x 256 threads, 168 x 384) takes all 64 K registers of an SM.
+CTAS_PER_SM = 1
+SMEM_ALIGN = 1024             # slack to round the shared window up to the 128B swizzle's repeat
+OPTIN_SMEM = 227 * 1024
+TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, 16)])      # CUtensorMap, 128 bytes
+# GQA packing: at most 8 query heads per position in a tile (FwdSm90Config::PACK), each doubling
+# of P taken only when it raises the estimated fill of the tiles' rows by PACK_GAIN or more
+PACKS = (1, 2, 4, 8)
+MAX_PACK = PACKS[-1]
+PACK_GAIN = 1.1
+FWD_KERNEL = "varlen_fwd_sm90"
+BWD_KERNEL = "varlen_bwd_dkdv_sm90"
+
+
+class _Sm90Variant(Variant):
+    HEAD_DIMS = SM90_HEAD_DIMS
+
+    def check_smem(self):
+        if self.smem > OPTIN_SMEM:
+            raise ValueError(f"{self}: {self.smem} B of shared memory exceed {OPTIN_SMEM}")
+
+    def kernels(self) -> dict:
+        return {self.ROLE: KernelLaunch(self.name, self.threads, self.smem)}
+
+
+@dataclass(frozen=True)
+class FwdSpec(_Sm90Variant):
+    """One variant of `varlen_fwd_sm90`: element type, head dim, the kernel's query rows per tile
+    (the plan's query tiles when `pack` is 1, else block_m / pack positions), the plan's key
+    tiles, softcap, the kernel's key chunk (None: `traits.tile_size`'s) and the query heads
+    packed per position."""
+
+    ROLE = "fwd"
+    dtype: str          # "float16" | "bfloat16"
+    head_dim: int
+    block_m: int
+    block_n: int        # the plan's key tiles
+    softcap: bool
+    key_chunk: int | None = None
+    pack: int = 1
+
+    def __post_init__(self):
+        if self.key_chunk is None:
+            object.__setattr__(self, "key_chunk", tile_size(
+                "fwd", "sm90a", self.dtype, self.head_dim, self.block_m, self.block_n).key_chunk)
+        self.check_common()
+        if self.block_m not in (64, 128):
+            raise ValueError(f"{self.block_m=}: one or two consumer warpgroups of 64 rows")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"{self.block_n=}: plan key tiles of 64 or 128 rows")
+        if self.key_chunk not in (64, 128):
+            raise ValueError(f"{self.key_chunk=}: key chunks of 64 or 128 rows (wgmma N)")
+        if self.pack not in PACKS:
+            raise ValueError(f"{self.pack=}: {PACKS} query heads per position")
+        if self.block_n % self.key_chunk and self.key_chunk != 2 * self.block_n:
+            raise ValueError(f"{self.key_chunk=} with {self.block_n=}: a key chunk is a part of "
+                             "a plan tile or two of them")
+        self.check_smem()
+
+    @property
+    def threads(self) -> int:
+        """A producer warpgroup and one consumer warpgroup per 64 query rows."""
+        return WG_THREADS * (1 + self.block_m // WG_ROWS)
+
+    @property
+    def smem(self) -> int:
+        """Q [BM][D], STAGES x (K, V) [KN][D], the output stage [BM][D + 8], the mbarriers
+        (FwdSm90Config's layout), and 1 KiB to align the window."""
+        e = ELEM_BYTES
+        data = (self.block_m + 2 * SM90_STAGES * self.key_chunk) * self.head_dim * e
+        data += self.block_m * (self.head_dim + SMEM_PAD) * e
+        return -(-data // 8) * 8 + 8 * FWD_BARRIERS + SMEM_ALIGN
+
+    @property
+    def name(self) -> str:
+        return (f"{FWD_KERNEL}<{self.ctype}, {self.head_dim}, {self.block_m}, "
+                f"{self.block_n}, {cxx_bool(self.softcap)}, {self.key_chunk}, {self.pack}>")
+
+    @property
+    def label(self) -> str:
+        return (f"fwd-sm90a-{self.dtype}-D{self.head_dim}-BM{self.block_m}-BN{self.block_n}"
+                f"-KN{self.key_chunk}-P{self.pack}{'-softcap' if self.softcap else ''}")
+
+    @property
+    def plan_block_m(self) -> int:
+        """The query tiles of the plan the kernel reads: block_m / pack positions."""
+        return self.block_m // self.pack
+
+
+@dataclass(frozen=True)
+class BwdSpec(_Sm90Variant):
+    """One variant of `varlen_bwd_dkdv_sm90`: element type, head dim, key tile, softcap, and
+    whether dQ is added in a fixed order (`deterministic=True`)."""
+
+    ROLE = "dkdv"
+    dtype: str          # "float16" | "bfloat16"
+    head_dim: int
+    block_n: int
+    softcap: bool
+    ordered_dq: bool = False
+
+    def __post_init__(self):
+        self.check_common()
+        if self.block_n not in (64, 128):
+            raise ValueError(f"{self.block_n=}: one or two consumer warpgroups of 64 key rows")
+        if self.head_dim >= SPLIT_HEAD_DIM and self.block_n != WG_ROWS:
+            raise ValueError(f"{self.block_n=} at D = {self.head_dim}: the sm_90a backward's two "
+                             f"consumer warpgroups split the columns of a {WG_ROWS}-key tile")
+        self.check_smem()
+
+    @property
+    def query_chunk(self) -> int:
+        return tile_size("bwd", "sm90a", self.dtype, self.head_dim, None,
+                         self.block_n).query_chunk
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups: one per 64 key rows, two (one per half of the columns) at
+        D = 256."""
+        return self.block_n // WG_ROWS * (2 if self.head_dim >= SPLIT_HEAD_DIM else 1)
+
+    @property
+    def threads(self) -> int:
+        """A producer warpgroup and the consumers."""
+        return WG_THREADS * (1 + self.consumers)
+
+    @property
+    def smem(self) -> int:
+        """K, V [BN][D], STAGES x (Q, dO) [BQ][D], dS [BQ][64] per consumer, STAGES x (lse2,
+        delta) [BQ] and the stage's chunk, the mbarriers (BwdSm90Config's layout), and 1 KiB to
+        align the window."""
+        e, bq = ELEM_BYTES, self.query_chunk
+        data = (2 * self.block_n + 2 * SM90_STAGES * bq) * self.head_dim * e
+        data += self.consumers * bq * WG_ROWS * e + SM90_STAGES * (2 * bq * 4 + CHUNK_BYTES)
+        return data + 8 * BWD_BARRIERS + SMEM_ALIGN
+
+    @property
+    def name(self) -> str:
+        return (f"{BWD_KERNEL}<{self.ctype}, {self.head_dim}, {self.block_n}, "
+                f"{self.query_chunk}, {cxx_bool(self.softcap)}, {cxx_bool(self.ordered_dq)}>")
+
+    @property
+    def label(self) -> str:
+        return (f"bwd-sm90a-{self.dtype}-D{self.head_dim}-BN{self.block_n}"
+                f"{'-softcap' if self.softcap else ''}{'-ordered' if self.ordered_dq else ''}")
+
+
+def fwd_spec_for(plan, q, softcap: float) -> FwdSpec:
+    """The unpacked forward variant for a call with `plan` (its query tiles are the kernel's
+    rows)."""
+    return FwdSpec(str(q.dtype), int(q.shape[2]), int(plan.block_m), int(plan.block_n),
+                   bool(softcap > 0))
+
+
+def bwd_spec_for(plan, q, softcap: float, deterministic: bool = False) -> BwdSpec:
+    spec = BwdSpec(str(q.dtype), int(q.shape[2]), int(plan.block_n), bool(softcap > 0),
+                   bool(deterministic))
+    if plan.block_m % spec.query_chunk:
+        raise ValueError(f"{plan.block_m=} does not split into query chunks of "
+                         f"{spec.query_chunk}")
+    return spec
+
+
+def row_fill(num_rows: int, num_segments: int, tile_rows: int) -> float:
+    """Estimated share of the rows of the query tiles that hold a query: `num_rows` packed rows
+    in `num_segments` segments cut into tiles of `tile_rows` rows, with the lengths unknown (on
+    the device): the expected tiles when each segment ends in a tile filled uniformly at random,
+    T / b + S (b - 1) / (2 b), at least one per segment, at most the plan's bound
+    (`varlen.plan.tile_bound`). Decoding (T = S) fills 1 / b. 1 without rows."""
+    from ...plan import tile_bound
+    if not num_rows or not num_segments:
+        return 1.0
+    b = tile_rows
+    expected = max(num_segments, num_rows / b + num_segments * (b - 1) / (2 * b))
+    return num_rows / (min(expected, tile_bound(num_rows, num_segments, b)) * b)
+
+
+def choose_pack(num_rows: int, num_segments: int, group: int, block_m: int) -> int:
+    """Query heads to pack per position (1: none) for `group` query heads per key head and
+    `block_m` rows per tile: P doubles while P divides the group, P <= MAX_PACK, and the
+    estimated fill of the tiles' rows (`row_fill` with tiles of block_m / P positions) grows by
+    PACK_GAIN or more. Long sequences fill their tiles either way and stay unpacked (a packed
+    tile spans fewer positions, so a causal diagonal wastes more of its key chunks); short ones
+    pack: one position per sequence (decoding) packs as far as the group allows."""
+    p = 1
+    while (2 * p <= MAX_PACK and group % (2 * p) == 0 and block_m % (2 * p) == 0
+           and row_fill(num_rows, num_segments, block_m // (2 * p))
+           >= PACK_GAIN * row_fill(num_rows, num_segments, block_m // p)):
+        p *= 2
+    return p
+
+
+def pack_for(plan, num_rows: int, Hq: int, Hk: int, block_m: int, pack: int | None = None) -> int:
+    """The query heads a call packs per position: `pack` checked (it must divide Hq / Hk and
+    `block_m`, the kernel's rows per tile), or `choose_pack`'s for the plan's shape."""
+    group = Hq // Hk if Hk else 1
+    if pack is None:
+        return choose_pack(num_rows, plan.batch * plan.q.per_seq, group, block_m)
+    if pack not in PACKS or group % pack or block_m % pack:
+        raise ValueError(f"{pack=}: the query heads packed per position must be one of {PACKS} "
+                         f"and divide Hq / Hk = {group} and block_m = {block_m}")
+    return pack
+
+
+# plan -> {pack: the plan of block_m / pack query rows}, kept while the plan lives
+_packed_plans = weakref.WeakKeyDictionary()
+
+
+def packed_plan(plan, pack: int):
+    """The plan of `plan`'s segments and mask with query tiles of plan.block_m / pack rows
+    (`pack` 1: `plan` itself), built once per plan by the plan kernels (no host read)."""
+    if pack == 1:
+        return plan
+    per_plan = _packed_plans.setdefault(plan, {})
+    if pack not in per_plan:
+        from ...masks import Mask
+        from .plan import build_plan
+        mask = Mask(window_left=plan.window_left, window_right=plan.window_right,
+                    bottom_right=plan.bottom_right)
+        per_plan[pack] = build_plan(plan.q, plan.k, mask, block_m=plan.block_m // pack,
+                                    block_n=plan.block_n)
+    return per_plan[pack]
+
+
+def persistent_grid(work_items: int, sm_count: int) -> int:
+    """Blocks of the persistent grid: one per work item up to `CTAS_PER_SM` per SM, at least one
+    (it also writes the pad rows)."""
+    return max(1, min(work_items, sm_count * CTAS_PER_SM))
+
+
+def map_layout(a, box_rows: int, box_heads: int = 1):
+    """The tensor map of a packed [T, H, D] array as (dims, byte strides of dims 1 and 2, box),
+    innermost first: boxes of 64 columns of `box_heads` heads of `box_rows` rows."""
+    T, H, D = a.shape
+    e = a.dtype.itemsize
+    return (D, H, T), (D * e, H * D * e), (BOX_COLS, box_heads, box_rows)
+
+
+def encode_args(a, box_rows: int, box_heads: int = 1) -> tuple:
+    """The arguments of the driver's `cuTensorMapEncodeTiled` (cuda-bindings) for the map of a
+    packed [T, H, D] CuPy array (`map_layout`): the dims and strides as `cuuint64_t`, the box and
+    element strides as `cuuint32_t` (the bindings refuse plain ints in those lists), 128B
+    swizzle, zero fill."""
+    from cuda.bindings import driver as cu
+    dims, strides, box = map_layout(a, box_rows, box_heads)
+    return (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if a.dtype.name == "bfloat16"
+            else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            3, a.data.ptr, [cu.cuuint64_t(x) for x in dims], [cu.cuuint64_t(x) for x in strides],
+            [cu.cuuint32_t(x) for x in box], [cu.cuuint32_t(1)] * 3,
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
+class Runtime:
+    """Compiles the kernels for sm_90a with NVRTC, loads the cubin into CuPy and makes tensor
+    maps with the CUDA driver (needs a Hopper GPU, cupy and cuda-bindings).
+
+    The interface every runtime of these launches has: `prepare(spec)` before a launch's tensor
+    maps, `tensor_map(a, box_rows, box_heads)`, `sm_count()`, `launch(spec, grid=, args=)`."""
+
+    def __init__(self):
+        self._functions = {}
+        self._sm_counts = {}
+
+    def prepare(self, spec) -> None:
+        """Nothing to do before the tensor maps on a GPU."""
+
+    def function(self, spec):
+        """The loaded kernel of `spec` (a forward or backward spec: its `name`, `smem`)."""
+        if spec not in self._functions:
+            import cupy
+
+            from .compile import cubin_path
+            path, lowered = cubin_path(spec.name, ARCH)
+            fn = cupy.RawModule(path=path).get_function(lowered)
+            fn.max_dynamic_shared_size_bytes = spec.smem
+            self._functions[spec] = fn
+        return self._functions[spec]
+
+    def tensor_map(self, a, box_rows: int, box_heads: int = 1) -> np.ndarray:
+        from cuda.bindings import driver as cu
+        err, tmap = cu.cuTensorMapEncodeTiled(*encode_args(a, box_rows, box_heads))
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuTensorMapEncodeTiled({a.shape=}, "
+                               f"{map_layout(a, box_rows, box_heads)=}) failed: {err}")
+        arg = np.zeros((), TENSOR_MAP_DTYPE)
+        arg["opaque"] = np.asarray(tmap.opaque, dtype=np.uint64)
+        return arg
+
+    def sm_count(self) -> int:
+        """The current device's SMs (`cudaDevAttrMultiProcessorCount`), read once per device
+        (`Device.attributes` queries every attribute)."""
+        import cupy
+        dev = cupy.cuda.Device()
+        if dev.id not in self._sm_counts:
+            self._sm_counts[dev.id] = int(dev.attributes["MultiProcessorCount"])
+        return self._sm_counts[dev.id]
+
+    def launch(self, spec, *, grid, args):
+        self.function(spec)(grid, (spec.threads,), args, shared_mem=spec.smem)
+
+
+_runtime = None
+
+
+def runtime():
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime()
+    return _runtime
+
+
+def use_runtime(rt) -> None:
+    """Route the launches of both kernels through `rt` (None: the GPU's `Runtime`)."""
+    global _runtime
+    _runtime = rt
+
+
+def compile_report(specs) -> dict:
+    """NVRTC build of `specs` for sm_90a: {name: {registers, spill_stores, spill_loads,
+    static_smem, smem, threads, warnings}}. `registers` is ptxas' allocation at entry (the cap
+    of `__launch_bounds__(threads, 1)`); setmaxnreg then moves registers from the producer to
+    the consumer warpgroups. `warnings` lists the log's warning lines (C7508: setmaxnreg
+    ignored)."""
+    from .compile import build_program, parse_ptxas_log
+    specs = list(specs)
+    _, lowered, log = build_program([spec.name for spec in specs], ARCH)
+    usage = parse_ptxas_log(log)
+    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+    return {s.name: {**usage[lowered[s.name]], "smem": s.smem, "threads": s.threads,
+                     "warnings": warnings} for s in specs}
+
+
+def dispatched_specs() -> list:
+    """The sm_90a variants the backend runs with its default plan tiles on an H100/H200
+    (`traits.default_blocks`: (128, 64) at D = 64, (128, 128) at D = 128, (64, 64) at
+    D = 256): the forward with 1, 2, 4 and 8 heads packed per position and the dK/dV kernel in
+    both dQ modes, each dtype, with and without a softcap."""
+    from .traits import DTYPES, default_blocks
+    specs = []
+    for d in SM90_HEAD_DIMS:
+        bm, bn = default_blocks(d)
+        for dtype in DTYPES:
+            for softcap in (False, True):
+                specs += [FwdSpec(dtype, d, bm, bn, softcap, pack=p) for p in PACKS]
+                specs += [BwdSpec(dtype, d, bn, softcap, ordered) for ordered in (False, True)]
+    return specs
+
+
+def warm(workers: int, specs=None) -> int:
+    """Builds the cubins of `specs` (default `dispatched_specs()`) into the cache with `workers`
+    processes; returns how many there are."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from .compile import cubin_path
+    names = [s.name for s in (dispatched_specs() if specs is None else specs)]
+    with ProcessPoolExecutor(max(1, workers)) as pool:
+        for _ in pool.map(cubin_path, names):
+            pass
+    return len(names)
+
+
+def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | None = None):
+    """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf),
+    as `mma.forward`, by the sm_90a kernel: one launch of `persistent_grid` blocks over
+    num_q_tiles x Hq / pack work items, no fill (the blocks also write the rows of no tile).
+    `pack`: query heads per position in a tile (`pack_for`; None: `choose_pack`)."""
+    import cupy
+    q, k, v = L.data(q), L.data(k), L.data(v)
+    Tq, Hq, D = q.shape
+    Hk = k.shape[1]
+    L.check_heads(Hq)
+    spec = fwd_spec_for(plan, q, softcap)
+    pack = pack_for(plan, Tq, Hq, Hk, spec.block_m, pack)
+    spec = dataclasses.replace(spec, pack=pack)
+    out = alloc(cupy, (Tq, Hq, D), q.dtype)
+    lse = alloc(cupy, (Hq, Tq), np.float32)
+    if Tq == 0 or Hq == 0:
+        return out, lse
+    rt = runtime()
+    rt.prepare(spec)
+    kplan = packed_plan(plan, pack)
+    plan_arg = L.plan_view_arg(kplan)
+    maps = (rt.tensor_map(q, spec.plan_block_m, pack), rt.tensor_map(k, spec.key_chunk),
+            rt.tensor_map(v, spec.key_chunk))
+    grid = persistent_grid(int(kplan.num_q_tiles) * (Hq // pack), rt.sm_count())
+    rt.launch(spec, grid=(grid, 1),
+              args=(*maps, out, lse, plan_arg.struct,
+                    L.call_params_arg(Hq, Hk, softmax_scale, softcap)))
+    return out, lse
+
+
+def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
+             deterministic: bool = False):
+    """`(dq, dk, dv)` in the input dtype, as `mma.backward`: dq [Tq, Hq, D], dk and dv
+    [Tk, Hk, D]; pad rows and rows without a visible pair 0; dQ's additions in a fixed order
+    with `deterministic` (bitwise repeatable). The same three launches, `varlen_bwd_dkdv_sm90`
+    in place of the mma.sync dK/dV kernel."""
+    from . import mma
+    spec = bwd_spec_for(plan, q, softcap, deterministic)
+    # the preprocessing and the conversion depend on the element type and head dim only
+    aux = mma.KernelSpec("bwd", spec.dtype, spec.head_dim, 64, 64, False)
+
+    def dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, dq_order, plan_struct, call):
+        rt = runtime()
+        rt.prepare(spec)
+        maps = (rt.tensor_map(q, spec.query_chunk), rt.tensor_map(k, spec.block_n),
+                rt.tensor_map(v, spec.block_n), rt.tensor_map(dout, spec.query_chunk))
+        rt.launch(spec, grid=(plan.num_k_tiles, k.shape[1]),
+                  args=(*maps, lse2, delta, dk, dv, dq_accum, dq_order, plan_struct, call))
+
+    return mma.backward(aux, plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                        softcap=softcap, deterministic=bool(deterministic), dkdv=dkdv)
+
+
+def main(argv=None) -> int:
+    """`python -m varlen.backends.cupy.sm90 [WORKERS]`: every dispatched variant into the
+    cubin cache (WORKERS processes, default the CPU count)."""
+    from .compile import cache_dir
+    argv = sys.argv[1:] if argv is None else argv
+    workers = int(argv[0]) if argv else (os.cpu_count() or 1)
+    t0 = time.perf_counter()
+    n = warm(workers)
+    print(f"{n} sm_90a kernels in {cache_dir()} ({time.perf_counter() - t0:.0f} s, "
+          f"{workers} processes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
