@@ -13,10 +13,11 @@ See `docs/context_parallel.md`. mpi4py, CuPy and torch are imported only when a 
 them; under torchrun, `torch_group()` is the default torch.distributed group.
 """
 from .attention import METHODS, attention_backward, attention_forward
+from .chunked import CHUNK_SCHEMES, Partition, local_rows_bound
 from .group import DEFAULT_TIMEOUT, Group, GroupAborted, LocalGroup, LocalGroups, P2P, local_group
 from .merge import merge_partial
-from .partition import (CHUNK_SCHEMES, SCHEMES, Partition, StepPlans, local_rows_bound,
-                        partition, plan)
+from .partition import SCHEMES, partition
+from .plans import StepPlans, plan
 from .torch_group import TorchGroup, torch_group
 
 __all__ = ["partition", "Partition", "local_rows_bound", "plan", "StepPlans", "init",

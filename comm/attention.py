@@ -40,9 +40,10 @@ from varlen._array import Origin, digest, host_copy
 from varlen._setup import CP_METHODS, Call, setup
 from varlen._validate import dtype_name
 
+from .chunked import Partition
 from .group import Group, GroupAborted
 from .merge import accumulate_dtype, merge_partial
-from .partition import Partition, StepPlans, check_step_plans, mask_key, step_plans
+from .plans import StepPlans, check_step_plans, mask_key, step_plans
 
 __all__ = ["attention_forward", "attention_backward", "METHODS"]
 

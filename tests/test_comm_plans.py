@@ -9,7 +9,7 @@ import pytest
 import varlen
 import varlen.comm as vc
 from varlen.backends.numpy_backend import NumpyBackend
-from varlen.comm.partition import _cacheable, check_step_plans, mask_key
+from varlen.comm.plans import _cacheable, check_step_plans, mask_key
 
 from comm_workers.cases import CASES, make_global
 
