@@ -170,7 +170,7 @@ def test_host_smem_matches_kernel_layout():
     (dict(kind="fwd", head_dim=80), "head_dim"),
     (dict(kind="bwd", block_m=32), "blocks"),
     (dict(kind="both"), "kind"),
-    (dict(kind="fwd", has_softcap=1), "has_softcap"),
+    (dict(kind="fwd", softcap=1), "softcap"),
     (dict(kind="fwd", head_dim=256, block_m=128), r"head_dim=256: above 128 .* \(64, 64\)"),
     (dict(kind="bwd", head_dim=192, block_m=128), r"head_dim=192: above 128"),
     (dict(kind="bwd", head_dim=256, block_m=128, block_n=128),
@@ -180,7 +180,7 @@ def test_host_smem_matches_kernel_layout():
         "wide-bwd-128-128", "64-128"])
 def test_spec_rejects_invalid(kw, match):
     base = dict(kind="fwd", dtype="float16", head_dim=64, block_m=64, block_n=64,
-                has_softcap=False)
+                softcap=False)
     with pytest.raises(ValueError, match=match):
         KernelSpec(**{**base, **kw})
 
