@@ -219,7 +219,7 @@ def _equal(label, got, want, rows=slice(None)):
 
 def _case_repeat(label, once=""):
     import varlen
-    from varlen.backends import _cupy_emulation as emu
+    import emulation.cupy as emu
     from varlen.backends.cupy import BACKEND
     from varlen.testing import check_against_reference
     from varlen.backends.cupy.traits import bwd_query_chunk
@@ -269,7 +269,7 @@ def _case_cp():
     query and four key segments per sequence, the key segments out of row order), causal and
     per-sequence windows: the counters, repeatability across schedules and the atomic mode's
     bits, and agreement with the NumPy backend on the same plan."""
-    from varlen.backends import _cupy_emulation as emu
+    import emulation.cupy as emu
     from varlen.backends import numpy_backend
     import varlen.backends.cupy as cupy_backend
     emu.install_fake_cupy(64)

@@ -1,5 +1,5 @@
 """The CuPy kernels at the edges, on a CPU: the real kernels through the host emulation
-(`varlen/backends/_cupy_emulation.py`, each case in its own process, as the emulation replaces
+(`emulation/cupy.py`, each case in its own process, as the emulation replaces
 `cupy`) against the float64 reference.
 
 * Non-finite values (docs/semantics.md, "Non-finite values"): NaN, +inf and -inf in q, k, v

@@ -1,5 +1,5 @@
 """What a call of the CuPy backend launches and writes, on a CPU through the host emulation
-(`varlen/backends/_cupy_emulation.py`): each case in its own process (the emulation replaces
+(`emulation/cupy.py`): each case in its own process (the emulation replaces
 `cupy`), run by this file's __main__.
 
 * Pad rows are written by the kernels, with no fill before them (fresh buffers NaN-filled, so
@@ -175,7 +175,7 @@ def _step(b, plan, deterministic_modes=(False, True)):
 
 
 def _case_pad_rows(label):
-    from varlen.backends import _cupy_emulation as emu
+    import emulation.cupy as emu
     from varlen.testing import check_against_reference
     b, block_m = _batch(label)
     emu.install_fake_cupy(block_m)
@@ -189,7 +189,7 @@ def _case_unordered_segments():
     order, not row order (a sequence's chunks lie in every rank's block of rows), with the
     zigzag padding between them."""
     from varlen import comm
-    from varlen.backends import _cupy_emulation as emu
+    import emulation.cupy as emu
     from varlen.backends import numpy_backend
     import varlen.backends.cupy as cupy_backend
     from varlen.plan import build_plan
@@ -234,7 +234,7 @@ def _case_launches():
     """Launches per call on a fused plan, memsets and fills counted, as a production call
     makes them (no NaN-filled test buffers), and no host read of the stand-in's arrays."""
     from varlen._array import set_nan_fill
-    from varlen.backends import _cupy_emulation as emu
+    import emulation.cupy as emu
     import varlen.backends.cupy.plan as _cupy_plan
     label = "B6-zero-first-middle-last-q-only-k-only-gqa-fp16-D64"
     b, block_m = _batch(label)
@@ -290,7 +290,7 @@ def _case_empty(what):
     (zeros everywhere). no-sequence: rows but every sequence empty (no tile), one launch of the
     forward and three per backward, all pad rows."""
     import varlen
-    from varlen.backends import _cupy_emulation as emu
+    import emulation.cupy as emu
     emu.install_fake_cupy(64)
     Tq, Tk = {"no-rows": (0, 0), "no-query-rows": (0, 70), "no-sequence": (70, 4200)}[what]
     cu_q = np.zeros(3, np.int32)

@@ -631,7 +631,7 @@ import ctypes, sys
 import numpy as np
 sys.path.insert(0, {HERE!r})
 from test_emulation_sm90 import pipeline_operands, pipeline_result, PIPELINE_KTILES, HARNESS
-from varlen.backends import _cupy_emulation as e
+import emulation.cupy as e
 import varlen.backends.cupy.compile as _cupy_compile  # noqa: E402
 lib = e.build_harness(HARNESS, race=True)
 lib.sm90_configure(2, 7)

@@ -37,7 +37,7 @@ ldsm, ldsm_conflicts, _, _ = bank_counts()
 assert ldsm > 0 and ldsm_conflicts == 0, f"ldmatrix: {ldsm_conflicts} extra wavefronts"
 print("ok", sys.argv[1])
 """
-# The strict emulation modes (varlen/backends/_cupy_emulation.py).
+# The strict emulation modes (emulation/cupy.py).
 STRICT_ENV = {"VARLEN_EMULATION_SCHEDULE": "random", "VARLEN_EMULATION_SEED": "3",
               "VARLEN_EMULATION_STRICT_BANKS": "1"}
 

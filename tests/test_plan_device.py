@@ -1,5 +1,5 @@
 """The plan of CuPy arrays built by the two fused kernels of `kernels_cuda/plan_build.cuh`
-(launched by `varlen/backends/_cupy_plan.py`), on a CPU through the host emulation: each case
+(launched by `varlen/backends/cupy/plan.py`), on a CPU through the host emulation: each case
 in its own process (the emulation replaces `cupy`), run by this file's __main__.
 
 * The arrays equal those of `varlen.plan`'s NumPy array code exactly (every array of the
@@ -128,7 +128,7 @@ def _layout(label, seed=0):
 
 def _install():
     """The stand-in cupy, with fresh integer buffers poisoned; returns the emulation module."""
-    from varlen.backends import _cupy_emulation as emu
+    import emulation.cupy as emu
     fake = emu.install_fake_cupy(block_m=64)
 
     def empty(shape, dtype=np.float64):
