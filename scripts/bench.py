@@ -284,7 +284,7 @@ def run_flex(torch, d):
 # parity gate
 # ---------------------------------------------------------------------------------------
 
-def parity_small(lengths, causal, H, D):
+def parity_small(lengths, causal, H, D, backend="cupy"):
     """cupy forward + backward on a cut-down copy against the float64 reference."""
     import cupy as cp
     import varlen
@@ -300,9 +300,9 @@ def parity_small(lengths, causal, H, D):
     mask = Mask.causal_where(cp.asarray(flags))
     q, k, v, dout = (dev(x) for x in (b.q, b.k, b.v, b.dout))
     cu = cp.asarray(b.cu_q)
-    out, lse = varlen.attention_forward(q, k, v, cu, cu, mask=mask, backend="cupy")
+    out, lse = varlen.attention_forward(q, k, v, cu, cu, mask=mask, backend=backend)
     grads = varlen.attention_backward(dout, q, k, v, out, lse, cu, cu, mask=mask,
-                                      backend="cupy")
+                                      backend=backend)
 
     def host(a):
         return cp.asnumpy(a.view(cp.uint16)).view(a.dtype) if a.dtype == b.q.dtype \
@@ -395,6 +395,9 @@ def parse_args(argv):
                     help="timed runs per figure (default 10; 5 with --quick)")
     ap.add_argument("--runners", type=name_list(RUNNERS), default=list(RUNNERS),
                     help=f"comma-separated runners (default: {','.join(RUNNERS)})")
+    ap.add_argument("--cupy-backend", default="cupy", choices=("cupy", "cupy:mma", "cupy:sm90a"),
+                    help="what the cupy runner names: the backend (its default "
+                         "implementation) or one implementation (default: cupy)")
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (16384 if args.quick else 32768)
     args.iters = args.iters or (5 if args.quick else 10)
@@ -416,10 +419,13 @@ def gpu_stack():
 
 class Bench:
     """What every step of a run shares: the GPU stack, the timer, the measured bf16 matmul
-    peak (TFLOP/s), the heads and head dim, and whether a cupy parity check failed (exit 2)."""
+    peak (TFLOP/s), the heads and head dim, the backend the cupy runner names (`cupy`, or one
+    implementation such as `cupy:sm90a`), and whether a cupy parity check failed (exit 2)."""
 
-    def __init__(self, torch, timer: Timer, peak: float, H: int, D: int):
+    def __init__(self, torch, timer: Timer, peak: float, H: int, D: int,
+                 cupy_backend: str = "cupy"):
         self.torch, self.timer, self.peak, self.H, self.D = torch, timer, peak, H, D
+        self.cupy_backend = cupy_backend
         self.failed = False
 
 
@@ -434,7 +440,7 @@ def start_workload(bench, label, lengths, causal):
 
 def check_parity(bench, entry, lengths, causal) -> None:
     try:
-        parity_small(lengths, causal, bench.H, bench.D)
+        parity_small(lengths, causal, bench.H, bench.D, bench.cupy_backend)
         entry["parity"] = "ok"
     except Exception as e:  # noqa: BLE001
         entry["parity"] = f"FAILED: {e}"
@@ -459,7 +465,8 @@ def prepare(bench, entry, data, runner):
     if runner == "cupy" and entry.get("parity") != "ok":
         raise RuntimeError("parity check failed: no figure reported")
     if runner in ("cupy", "numba"):
-        fwd, bwd, out = run_cupy(torch, data, backend=runner)
+        backend = bench.cupy_backend if runner == "cupy" else runner
+        fwd, bwd, out = run_cupy(torch, data, backend=backend)
         entry.setdefault("_out", {})[runner] = out
     elif runner.startswith("sdpa-"):
         fwd, bwd, _ = run_sdpa(torch, data, runner.split("-")[1])
@@ -519,6 +526,7 @@ def write_report(bench, results, args) -> None:
     report = dict(machine=machine(bench.torch), method=method,
                   bf16_matmul_peak_tflops=bench.peak, heads=bench.H, head_dim=bench.D,
                   dtype="bfloat16", tokens_per_batch=args.tokens, parity_failed=bench.failed,
+                  cupy_backend=bench.cupy_backend,
                   results=results)
     for path in (args.json, args.png):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -534,7 +542,8 @@ def main(argv=None) -> int:
         print(f"bench: no usable GPU stack ({why}); nothing measured", file=sys.stderr)
         return 0
     timer = Timer(torch, args.iters)
-    bench = Bench(torch, timer, matmul_peak(torch, timer), args.heads, args.head_dim)
+    bench = Bench(torch, timer, matmul_peak(torch, timer), args.heads, args.head_dim,
+                  args.cupy_backend)
     print(f"bf16 matmul peak: {bench.peak:.0f} TFLOP/s", file=sys.stderr)
     work = workloads(args.quick, args.tokens)
     tick = Progress(len(work) * (1 + len(args.runners)))

@@ -26,7 +26,7 @@
 #               compiled flex_attention against this backend at 8k and 16k tokens per sequence
 #               (bf16, D=128, 16 heads; parity-gated), with the measured bf16 matmul peak, each
 #               figure beside the performance model's prediction (docs/cupy_backend.md)
-# --sm90a (limits add up to 490 s; every step that runs varlen under VARLEN_CUPY_PATH=sm90a):
+# --sm90a (limits add up to 490 s; every step runs the implementation backend="cupy:sm90a"):
 #   install      as above
 #   sm90_device  compute capability 9.0 (else nothing more runs, and the check fails)
 #   sm90_warm    every sm_90a variant the backend dispatches, built by NVRTC in parallel into
@@ -61,6 +61,7 @@ SITE="$LOGS/site"                                                 # carried whee
 mkdir -p "$OUT_DIR"
 cd "$ROOT" || exit 1
 export PYTHONUNBUFFERED=1
+export CUPY_BACKEND="${CUPY_BACKEND:-cupy}"
 export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/varlen_cupy_cache}"
 export CUPY_CACHE_IN_MEMORY=0       # the tests reuse the kernels warm_cache compiled
 PY="${PYTHON:-python3}"
@@ -168,11 +169,11 @@ sys.exit(1)
 EOF
 }
 
-sanitize() {  # tool: the small case under compute-sanitizer; it must run, not skip (the
-              # environment chooses the kernels: VARLEN_CUPY_PATH=sm90a for the sm_90a ones)
+sanitize() {  # tool: the small case under compute-sanitizer; it must run, not skip
+              # ($CUPY_BACKEND names the implementation: cupy, or cupy:sm90a)
     local log rc
     log=$("$SANITIZER" --tool "$1" --error-exitcode 3 --print-limit 20 "$PY" -m pytest -q -x \
-        "tests/test_cupy_gpu.py::test_one_small_case_per_kernel" 2>&1)
+        --cupy-backend="$CUPY_BACKEND" "tests/test_cupy_gpu.py::test_one_small_case_per_kernel" 2>&1)
     rc=$?
     echo "compute-sanitizer: $SANITIZER"
     echo "$log"
@@ -208,18 +209,19 @@ export -f sm90_device
 if [ "$MODE" = sm90a ] && ! run_step sm90_device 20 bash -c sm90_device; then
     echo "gpu_check --sm90a: not an sm_90 GPU; nothing else runs"
 elif [ "$MODE" = sm90a ]; then
-    export VARLEN_CUPY_PATH=sm90a
+    export CUPY_BACKEND=cupy:sm90a
     export VARLEN_SM90A_CACHE="${VARLEN_SM90A_CACHE:-${TMPDIR:-/tmp}/varlen_sm90a_cache}"
     run_step sm90_warm 50 "$PY" -m varlen.backends.cupy.sm90 16
     run_step sm90_tests 120 "$PY" -m pytest -q -rfEs -m gpu tests/test_sm90_forward.py \
         tests/test_sm90_backward.py --junitxml="$LOGS/sm90_tests.xml"
     grep -q "[0-9] passed" "$LOGS/sm90_tests.log" || record sm90_tests_ran 5 0
-    run_step sm90_parity 100 "$PY" -m pytest -q -rfEs tests/test_cupy_gpu.py \
+    run_step sm90_parity 100 "$PY" -m pytest -q -rfEs --cupy-backend="$CUPY_BACKEND" tests/test_cupy_gpu.py \
         -k "matches_reference or deterministic or graph_capture or callers_stream" \
         --junitxml="$LOGS/sm90_parity.xml"
     grep -q "[0-9] passed" "$LOGS/sm90_parity.log" || record sm90_parity_ran 5 0
     sanitizer_steps sm90 40 memcheck synccheck
-    run_step sm90_bench 90 "$PY" scripts/perf_model.py --measure --json "$OUT_DIR/bench_sm90a.json"
+    run_step sm90_bench 90 "$PY" scripts/perf_model.py --measure --backend "$CUPY_BACKEND" \
+        --json "$OUT_DIR/bench_sm90a.json"
     grep -q "^predicted vs measured" "$LOGS/sm90_bench.log" || record sm90_bench_ran 5 0
 elif [ "$MODE" = numba ]; then
     # Limits add up to 260 s.

@@ -150,15 +150,14 @@ def table():
 
 # The targets of issue 16 (H100/H200, bf16, D=128), written before any GPU run.
 TARGETS = {"fwd": 350.0, "bwd": 250.0}
-# the sm_90a kernels' (VARLEN_CUPY_PATH=sm90a, docs/hopper.md): H100/H200, bf16, D = 128, 8k-16k
+# the sm_90a kernels' (backend "cupy:sm90a", docs/hopper.md): H100/H200, bf16, D = 128, 8k-16k
 SM90A_TARGETS = {"fwd": 600.0, "bwd": 450.0}
 
 
-def measured_targets() -> dict:
-    """The targets the measured cupy runner is held to: the sm_90a kernels' when the environment
-    selects them, else the mma.sync kernels'."""
-    import varlen.backends.cupy.sm90 as _cupy_sm90
-    return SM90A_TARGETS if _cupy_sm90.selected() else TARGETS
+def measured_targets(backend: str) -> dict:
+    """The targets the measured cupy runner is held to: the sm_90a kernels' when it names them,
+    else the mma.sync kernels'."""
+    return SM90A_TARGETS if backend == "cupy:sm90a" else TARGETS
 
 
 def format_table(rows) -> str:
@@ -301,7 +300,7 @@ def comparison(report: dict, rows) -> str:
     runs FlashAttention-2), and the targets. Causal workloads add partial tiles and a tail."""
     model = {r["design"]: r["predicted_tflops"] for r in rows if r["gpu"] == "H100"}
     peak = report.get("bf16_matmul_peak_tflops") or 0.0
-    targets = measured_targets()
+    targets = measured_targets(report.get("cupy_backend", "cupy"))
     kernels = ("the sm_90a kernels (model: mma.sync)" if targets is SM90A_TARGETS
                else "the mma.sync kernels")
     lines = [f"predicted vs measured (TFLOP/s over visible pairs; bf16 matmul peak measured: "
@@ -319,7 +318,7 @@ def comparison(report: dict, rows) -> str:
     return "\n".join(lines)
 
 
-def measure(json_path: str, iters: int) -> int:
+def measure(json_path: str, iters: int, backend: str = "cupy") -> int:
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import bench
     torch, why = bench.gpu_stack()
@@ -327,7 +326,7 @@ def measure(json_path: str, iters: int) -> int:
         print(f"perf_model --measure: no usable GPU stack ({why}); nothing measured")
         return 0
     timer = bench.Timer(torch, iters)
-    state = bench.Bench(torch, timer, bench.matmul_peak(torch, timer), 16, D)
+    state = bench.Bench(torch, timer, bench.matmul_peak(torch, timer), 16, D, backend)
     work = [(f"uniform-L{L}-{'causal' if c else 'full'}", [L] * (MEASURE_TOKENS // L),
              [c] * (MEASURE_TOKENS // L)) for L in MEASURE_LENGTHS for c in (True, False)]
     tick = bench.Progress(len(work) * (1 + len(MEASURE_RUNNERS)))
@@ -350,6 +349,10 @@ def main(argv=None) -> int:
     ap.add_argument("--measure", action="store_true",
                     help="time the runners on this GPU and compare with the model")
     ap.add_argument("--iters", type=int, default=5, help="timed runs per figure (--measure)")
+    ap.add_argument("--backend", default="cupy", choices=("cupy", "cupy:mma", "cupy:sm90a"),
+                    help="what the measured cupy runner names (--measure; default: cupy, "
+                         "whose default implementation runs): cupy:sm90a holds it to the "
+                         "sm_90a targets")
     args = ap.parse_args(argv)
     rows = table()
     print(format_table(rows))
@@ -357,7 +360,7 @@ def main(argv=None) -> int:
     print(format_tiles(tile_rows()))
     if args.measure:
         return measure(args.json or os.path.join(ROOT, "out", "bench", "perf_model.json"),
-                       args.iters)
+                       args.iters, args.backend)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpus": [g._asdict() for g in GPUS], "targets": TARGETS,

@@ -53,7 +53,10 @@ def test_the_sm90a_steps_select_tests_that_exist():
     here, skipped without a GPU), and the files its test step names hold `gpu` tests."""
     text = _script()
     block = text[text.index('if [ "$MODE" = sm90a ]'):text.index('elif [ "$MODE" = numba ]')]
-    assert "VARLEN_CUPY_PATH=sm90a" in block and "varlen.backends._cupy_sm90" in block
+    assert "CUPY_BACKEND=cupy:sm90a" in block and "varlen.backends.cupy.sm90" in block
+    assert '--cupy-backend="$CUPY_BACKEND" tests/test_cupy_gpu.py' in block
+    assert '--backend "$CUPY_BACKEND"' in block
+    assert "VARLEN_CUPY_PATH" not in text
     expr = re.search(r'tests/test_cupy_gpu.py \\\s*-k "([^"]+)"', block)[1]
     words = [w for w in re.split(r"\s+or\s+", expr)]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
@@ -68,14 +71,12 @@ def test_the_sm90a_steps_select_tests_that_exist():
             assert "@pytest.mark.gpu" in f.read(), path
 
 
-def test_the_benchmark_holds_the_sm90a_kernels_to_their_targets(monkeypatch):
+def test_the_benchmark_holds_the_sm90a_kernels_to_their_targets():
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import perf_model
-    monkeypatch.delenv("VARLEN_CUPY_PATH", raising=False)
-    assert perf_model.measured_targets() == {"fwd": 350.0, "bwd": 250.0}
-    monkeypatch.setenv("VARLEN_CUPY_PATH", "sm90a")
-    assert perf_model.measured_targets() == {"fwd": 600.0, "bwd": 450.0}
-    report = {"bf16_matmul_peak_tflops": 800.0, "results": [
+    assert perf_model.measured_targets("cupy") == {"fwd": 350.0, "bwd": 250.0}
+    assert perf_model.measured_targets("cupy:sm90a") == {"fwd": 600.0, "bwd": 450.0}
+    report = {"bf16_matmul_peak_tflops": 800.0, "cupy_backend": "cupy:sm90a", "results": [
         {"workload": "uniform-L8192-full", "runners": {"cupy": {"fwd": {"tflops": 610.0}}}}]}
     text = perf_model.comparison(report, perf_model.table())
     assert "sm_90a kernels" in text
