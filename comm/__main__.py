@@ -102,14 +102,14 @@ def _check_environment(ap, args) -> None:
 
 
 def _add_demo_arguments(ap: argparse.ArgumentParser) -> None:
-    from varlen.backends import NAMES
+    from varlen.backends import names
     ap.add_argument("--method", default="ring", choices=("ring", "allgather", "ulysses"),
                     help="context-parallel method (default: ring)")
     ap.add_argument("--comm", default=None, choices=("mpi", "nccl", "local"),
                     help="communicator (default: mpi under mpiexec with >1 rank, else local)")
     ap.add_argument("--ranks", type=positive_int, default=2,
                     help="in-process ranks for --comm local (default 2)")
-    ap.add_argument("--backend", default=None, choices=NAMES,
+    ap.add_argument("--backend", default=None, choices=names(),
                     help="attention backend (default: automatic)")
 
 

@@ -34,14 +34,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from varlen._cli import ArgumentParser, positive_int  # noqa: E402
 import varlen.backends.cupy.compile as _cupy_compile  # noqa: E402
-import varlen.backends.cupy.traits as _cupy_spec  # noqa: E402
+import varlen.backends.cupy.traits as _cupy_traits  # noqa: E402
 import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 
 
 def parse_args(argv):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print the JSON report on stdout instead of the table")
-    ap.add_argument("--arch", action="append", choices=_cupy_spec.ARCHS,
+    ap.add_argument("--arch", action="append", choices=_cupy_traits.ARCHS,
                     help="an architecture; repeat for several (default: all)")
     ap.add_argument("--only", action="append", metavar="GLOB",
                     help="only the variants whose label matches, e.g. fwd-float16-D64-BM64-BN64 "
@@ -104,7 +104,7 @@ def doc_table(rows) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    archs = tuple(args.arch) if args.arch else _cupy_spec.ARCHS
+    archs = tuple(args.arch) if args.arch else _cupy_traits.ARCHS
     jobs = _cupy_compile.compile_groups(specs=args.specs, archs=archs)
     # Biggest programs first so the pool stays busy until the end.
     jobs.sort(key=lambda j: -len(j[1]))

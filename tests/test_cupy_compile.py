@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
-import varlen.backends.cupy.traits as _cupy_spec
+import varlen.backends.cupy.compile as _cupy_compile
+import varlen.backends.cupy.launch as _cupy_launch
+import varlen.backends.cupy.mma as _cupy_mma
+import varlen.backends.cupy.traits as _cupy_traits
 from varlen.backends.cupy.mma import KernelSpec
-import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
-import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -34,7 +35,7 @@ def test_every_variant_compiled_for_both_archs(report):
     have = {(r["kernel"], r["arch"]) for r in report}
     for spec in _cupy_mma.all_specs():
         for name in spec.name_expressions:
-            for arch in _cupy_spec.ARCHS:
+            for arch in _cupy_traits.ARCHS:
                 assert (name, arch) in have, f"{spec.label}: {name} missing for {arch}"
     for r in report:
         assert set(r) >= {"kernel", "arch", "registers", "spill_bytes", "shared_bytes"}, r
@@ -54,7 +55,7 @@ def test_registers_fit(report):
 
 def test_shared_memory_budget(report):
     for r in report:
-        budget = _cupy_spec.SMEM_BUDGET[r["arch"]]
+        budget = _cupy_traits.SMEM_BUDGET[r["arch"]]
         assert r["shared_bytes"] <= budget, (
             f"{r['arch']} {r['kernel']}: {r['shared_bytes']} B shared > budget {budget} B")
 
@@ -116,7 +117,7 @@ def test_performance_model_dkdv_step_is_the_hand_counted_one():
     cur = next(d for d in pm.DESIGNS if d.name == "bwd-current")
     fields = ("pair", "gemms", "ldsm_bytes", "smem_write_bytes", "exps", "fp32_ops", "barriers",
               "threads", "smem", "flop")
-    for arch in _cupy_spec.ARCHS:
+    for arch in _cupy_traits.ARCHS:
         got = pm.dkdv_design(128, 64, arch)
         assert [getattr(got, f) for f in fields] == [getattr(cur, f) for f in fields], arch
 
@@ -191,13 +192,13 @@ def test_wide_head_dims_take_64_64_tiles():
     from varlen.backends.cupy.traits import DeviceInfo
     from varlen.backends.cupy.mma import choose_blocks
     from varlen.backends.cupy import BACKEND
-    wide = [D for D in _cupy_spec.HEAD_DIMS if D > 128]
+    wide = [D for D in _cupy_traits.HEAD_DIMS if D > 128]
     assert wide == [192, 256]
     for D in wide:
         assert {(s.block_m, s.block_n) for s in _cupy_mma.all_specs()
                 if s.head_dim == D} == {(64, 64)}
         for device in (DeviceInfo((9, 0), 227 * 1024), DeviceInfo((8, 0), 163 * 1024)):
-            for dtype in _cupy_spec.DTYPES:
+            for dtype in _cupy_traits.DTYPES:
                 assert choose_blocks(device, dtype, D, (128, 64)) == (64, 64)
         with BACKEND.stand_in_device(DeviceInfo((9, 0), 227 * 1024)):
             assert BACKEND.default_blocks("bfloat16", D) == (64, 64)
@@ -213,13 +214,13 @@ def test_128_key_tiles():
     (128, 128) does not fit, and keeps it where it does."""
     from varlen.backends.cupy.traits import DeviceInfo
     from varlen.backends.cupy.mma import choose_blocks
-    assert (128, 128) in _cupy_spec.BLOCKS
+    assert (128, 128) in _cupy_traits.BLOCKS
     for D in (32, 64, 96, 128):
         bwd = KernelSpec("bwd", "bfloat16", D, 128, 128, False)
         assert (bwd.bwd_query_chunk, bwd.dkdv_threads, bwd.dkdv_parts) == (64, 256, 1)
         fwd, narrow = (KernelSpec("fwd", "bfloat16", D, 128, bn, False) for bn in (128, 64))
         assert (fwd.fwd_chunk, fwd.fwd_smem()) == (narrow.fwd_chunk, narrow.fwd_smem())
-        assert bwd.dkdv_smem() <= _cupy_spec.SMEM_BUDGET["sm_80"]
+        assert bwd.dkdv_smem() <= _cupy_traits.SMEM_BUDGET["sm_80"]
     spec = KernelSpec("bwd", "bfloat16", 128, 128, 128, False)
     assert spec.dkdv_smem() == 158720
     assert spec.kernels()["dkdv_ordered"].name == (
@@ -241,10 +242,10 @@ def test_128_key_tiles():
 def test_128_key_tile_forward_compiles_no_kernel_of_its_own():
     """Every spec's kernels are compiled, each once: the forwards of (128, 128) add none."""
     import varlen.backends.cupy.compile as _cupy_compile
-    names = {(arch, n) for arch, group, _ in _cupy_compile.compile_groups() for n in group}
     specs = _cupy_mma.all_specs()
+    names = {(arch, n) for arch, group, _ in _cupy_compile.compile_groups(specs) for n in group}
     assert {(arch, n) for s in specs for n in s.name_expressions
-            for arch in _cupy_spec.ARCHS} == names
+            for arch in _cupy_traits.ARCHS} == names
     wide = [s for s in specs if s.kind == "fwd" and s.block_n == 128]
     assert wide and all(s.compiled() in specs for s in wide)
     # varlen_fwd<T, D, BM, BN, HAS_SOFTCAP>
@@ -344,8 +345,8 @@ def test_backend_interface_without_a_gpu():
     assert "float32" in supports("float32")
     assert "head_dim=80" in supports("float16", head_dim=80, head_dim_v=80)
     assert "head_dim_v" in supports("float16", head_dim=64, head_dim_v=32)
-    for D in _cupy_spec.HEAD_DIMS:
-        assert tuple(cb.default_blocks("float16", D)) in _cupy_spec.BLOCKS
+    for D in _cupy_traits.HEAD_DIMS:
+        assert tuple(cb.default_blocks("float16", D)) in _cupy_traits.BLOCKS
     import numpy as np
     import varlen
     cu = np.array([0, 5, 9], np.int32)

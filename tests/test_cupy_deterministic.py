@@ -128,9 +128,9 @@ def test_release_before_the_barrier_aborts(tmp_path):
 
 def _capture_dq_order():
     """Makes the launcher's dq_order buffers start as STALE and records them: the list."""
-    import varlen.backends.cupy.mma as _cupy_kernels
+    import varlen.backends.cupy.mma as _cupy_mma
     seen = []
-    alloc = _cupy_kernels.alloc
+    alloc = _cupy_mma.alloc
 
     def recording(xp, shape, dtype, *args, **kw):
         a = alloc(xp, shape, dtype, *args, **kw)
@@ -138,7 +138,7 @@ def _capture_dq_order():
             a[...] = STALE
             seen.append(a)
         return a
-    _cupy_kernels.alloc = recording
+    _cupy_mma.alloc = recording
     return seen
 
 
@@ -175,7 +175,7 @@ def _check_dq_order(label, dq_order, plan, Hq, bq):
 def _fresh_kernels():
     """Forget the compiled modules, so that the next launches read the emulation schedule of
     the environment again (the library itself stays loaded)."""
-    import varlen.backends.cupy.mma as _cupy_kernels
+    import varlen.backends.cupy.launch as _cupy_launch
     _cupy_launch._modules.clear()
 
 
@@ -222,7 +222,7 @@ def _case_repeat(label, once=""):
     import emulation.cupy as emu
     from varlen.backends.cupy import BACKEND
     from varlen.testing import check_against_reference
-    from varlen.backends.cupy.traits import bwd_query_chunk
+    from varlen.backends.cupy.traits import tile_size
     b, block_m = _batch(label, np.random.default_rng(7))
     block_n = BLOCK_N.get(label, 64)
     emu.install_fake_cupy(block_m, block_n)
@@ -238,7 +238,7 @@ def _case_repeat(label, once=""):
                                 deterministic=det, **kw)
     first = backward(b, True)
     Hq, D = b.q.shape[1], b.q.shape[2]
-    bq = bwd_query_chunk(D, block_n)
+    bq = tile_size("bwd", "mma", "float16", D, 64, block_n).query_chunk
     assert len(seen) == 1, f"{label}: {len(seen)} int32 buffers, expected dq_order only"
     _check_dq_order(label, seen[0], plan, Hq, bq)
     if once:

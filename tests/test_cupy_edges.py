@@ -30,7 +30,7 @@ import types
 import numpy as np
 import pytest
 
-import varlen.backends.cupy.traits as _cupy_spec
+import varlen.backends.cupy.traits as _cupy_traits
 from varlen.backends.cupy.traits import DeviceInfo
 from varlen.backends.cupy.mma import KernelSpec
 
@@ -217,7 +217,7 @@ def _sparse(shape, dtype):
 def _case_large_offsets():
     import varlen
     from varlen import reference
-    import varlen.backends.cupy.mma as _cupy_kernels
+    import varlen.backends.cupy.mma as _cupy_mma
     from varlen.backends.cupy.mma import spec_for
     Hq, Hk, D, L = 2, 1, 64, LARGE_LEN
     Tq, Tk = LARGE_ROWS_Q, LARGE_ROWS_K
@@ -246,7 +246,7 @@ def _case_large_offsets():
     call = _cupy_launch.call_params_arg(Hq, Hk, scale, 0.0)
     out = _sparse((Tq, Hq, D), np.float16)
     lse = np.full((Hq, Tq), np.nan, np.float32)
-    _cupy_kernels.module(spec_for(plan, q, kind="fwd", softcap=0.0)).launch(
+    _cupy_mma.module(spec_for(plan, q, kind="fwd", softcap=0.0)).launch(
         "fwd", grid=(plan.num_q_tiles, Hq), args=(q, k, v, out, lse, plan_arg.struct, call))
     _assert_finite_close("out rows past 2**31 elements", out[rq], ref_out, 2e-2)
     _assert_finite_close("lse", lse[:, rq], ref_lse, 2e-2)
@@ -255,7 +255,7 @@ def _case_large_offsets():
         assert np.isnan(lse[:, row]).all(), f"pad row {row} written by a tile block"
 
     spec = spec_for(plan, q, kind="bwd", softcap=0.0)
-    module = _cupy_kernels.module(spec)
+    module = _cupy_mma.module(spec)
     lse2, delta = np.zeros((Hq, Tq), np.float32), np.zeros((Hq, Tq), np.float32)
     lse2[:, rq] = lse[:, rq] * math.log2(math.e)
     delta[:, rq] = (out[rq].astype(np.float32) * dout[rq].astype(np.float32)).sum(-1).T
@@ -288,7 +288,7 @@ def _case_large_pad_offsets():
     block of their grids launched. The plan is written by hand: its one tile slot is unused (no
     tile block runs) but claims every row except the last three, so those are the only pad
     rows; the row before them must stay as it was."""
-    import varlen.backends.cupy.mma as _cupy_kernels
+    import varlen.backends.cupy.mma as _cupy_mma
     from emulation.cupy import install_fake_cupy
     from varlen.backends.cupy.mma import KernelSpec
     from varlen.plan import KernelView
@@ -319,13 +319,13 @@ def _case_large_pad_offsets():
     for a in (out, dk, dv):
         a[first_pad - 1:] = np.nan
     lse = np.full((H, T), np.nan, np.float32)
-    fwd = _cupy_kernels.module(KernelSpec("fwd", "bfloat16", D, 128, 64, False))
-    fwd.launch("fwd", grid=_cupy_kernels._tile_grid(fwd, "fwd", 1, T, H),
+    fwd = _cupy_mma.module(KernelSpec("fwd", "bfloat16", D, 128, 64, False))
+    fwd.launch("fwd", grid=_cupy_mma._tile_grid(fwd, "fwd", 1, T, H),
                args=(q, k, v, out, lse, hand_plan(T, 0).struct, call))
-    bwd = _cupy_kernels.module(KernelSpec("bwd", "bfloat16", D, 128, 64, False))
+    bwd = _cupy_mma.module(KernelSpec("bwd", "bfloat16", D, 128, 64, False))
     none = np.zeros((H, 1), np.float32)                             # no query rows
     null = _cupy_launch.pointer(None)
-    blocks = -(-_cupy_kernels._pad_windows(T) // bwd.kernels["preprocess"].threads)
+    blocks = -(-_cupy_mma._pad_windows(T) // bwd.kernels["preprocess"].threads)
     bwd.launch("preprocess", grid=(blocks,),
                args=(q, q, none, none, none, null, dk, dv, null, hand_plan(0, T).struct, call))
     for name, a in (("out", out), ("dk", dk), ("dv", dv)):
@@ -343,7 +343,7 @@ def _case_long_sequence():
     key tiles) and the forward kernel launched on its one query tile."""
     import varlen
     from varlen import reference
-    import varlen.backends.cupy.mma as _cupy_kernels
+    import varlen.backends.cupy.mma as _cupy_mma
     from varlen.backends.cupy.mma import KernelSpec
     from varlen.plan import KernelView, Segments, row_schedule
     Hq, Hk, D, Lq, left, bn = 2, 1, 32, 64, 100, 64
@@ -377,7 +377,7 @@ def _case_long_sequence():
     scale = 1.0 / math.sqrt(D)
     out = np.zeros((Lq, Hq, D), np.float16)
     lse = np.full((Hq, Lq), -np.inf, np.float32)
-    module = _cupy_kernels.module(KernelSpec("fwd", "float16", D, 64, bn, False))
+    module = _cupy_mma.module(KernelSpec("fwd", "float16", D, 64, bn, False))
     module.launch("fwd", grid=(1, Hq), args=(q, k, v, out, lse, plan_arg.struct,
                                              _cupy_launch.call_params_arg(Hq, Hk, scale, 0.0)))
     # the same attention on the keys [first, Lk): query i sees keys i .. i + left of them
@@ -406,8 +406,8 @@ T4 = DeviceInfo((7, 5), 64 * KIB, "Tesla T4")
 # dK/dV kernel needs more than 99 KiB (108032 B at D = 192, 104704 B at D = 256): no tiles there
 # (None).
 BIG_TILES = {D: (128, 128) if D in (96, 128) else (128, 64) if D <= 128 else (64, 64)
-             for D in _cupy_spec.HEAD_DIMS}
-SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_spec.HEAD_DIMS}
+             for D in _cupy_traits.HEAD_DIMS}
+SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_traits.HEAD_DIMS}
 # A stand-in GPU with less shared memory per block than any shipped one: 64 KiB.
 SMALL_SMEM = DeviceInfo((8, 9), 64 * KIB, "a GPU with 64 KiB per block")
 
@@ -424,8 +424,8 @@ def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
 def test_tiles_fit_the_device(device, tiles):
     from varlen.backends.cupy import BACKEND
     with BACKEND.stand_in_device(device):
-        for D in _cupy_spec.HEAD_DIMS:
-            for dtype in _cupy_spec.DTYPES:
+        for D in _cupy_traits.HEAD_DIMS:
+            for dtype in _cupy_traits.DTYPES:
                 blocks = BACKEND.default_blocks(dtype, D)
                 if tiles[D] is None:
                     why = BACKEND.supports(_call(dtype, D))
@@ -519,7 +519,7 @@ def test_device_attributes_are_read_once_per_device(monkeypatch):
 def test_runtime_nvrtc_options_are_the_compile_checks(monkeypatch):
     """The options CuPy's RawModule gets are the compile check's, include directories too."""
     import varlen.backends.cupy.compile as _cupy_compile
-    import varlen.backends.cupy.mma as _cupy_kernels
+    import varlen.backends.cupy.mma as _cupy_mma
     runtime = []
     monkeypatch.setitem(sys.modules, "cupy", _stub_cupy({}, runtime))
     _cupy_launch.Module(KernelSpec("fwd", "bfloat16", 128, 128, 64, False))

@@ -116,11 +116,11 @@ def test_layouts_have_the_pad_rows_they_claim():
 
 def test_pad_block_rows_are_the_kernels():
     """The launcher sizes the pad blocks with the kernels' rows per thread."""
-    import varlen.backends.cupy.mma as _cupy_kernels
+    import varlen.backends.cupy.mma as _cupy_mma
     from varlen.kernels_cuda import SOURCE_DIR
     with open(os.path.join(SOURCE_DIR, "tile_scheduler.cuh")) as f:
         m = re.search(r"constexpr int PAD_ROWS_PER_THREAD = (\d+);", f.read())
-    assert m and int(m.group(1)) == _cupy_kernels.PAD_ROWS_PER_THREAD, m
+    assert m and int(m.group(1)) == _cupy_mma.PAD_ROWS_PER_THREAD, m
 
 
 @pytest.mark.parametrize("rows, heads, threads, want", [

@@ -13,6 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from emulation.cupy import EMULATION_DIR
 from varlen.kernels_cuda import SOURCE_DIR
 
 CXX = os.environ.get("CXX", "g++")
@@ -77,7 +78,7 @@ def _build(tmp_path_factory, defines=()):
     src = d / "probe.cc"
     src.write_text(PROBE)
     exe = d / "probe"
-    subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", f"-I{SOURCE_DIR}",
+    subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", f"-I{SOURCE_DIR}", f"-I{EMULATION_DIR}",
                     *(f"-D{x}" for x in defines), str(src), "-o", str(exe)], check=True)
     return str(exe)
 

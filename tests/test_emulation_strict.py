@@ -1,4 +1,4 @@
-"""The strict host emulation (kernels_cuda/host_emulation.cuh) catches what a GPU would.
+"""The strict host emulation (emulation/cuda/host_emulation.cuh) catches what a GPU would.
 
 * Each check fires: tiny misbehaving kernels, compiled with the emulation into one test program,
   overrun their shared memory (the guard page), split a warp over two ldmatrix call sites, let
@@ -124,6 +124,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
     """The test program, built plain and with ThreadSanitizer."""
+    from emulation.cupy import EMULATION_DIR
     from varlen.kernels_cuda import SOURCE_DIR
     d = tmp_path_factory.mktemp("emulation_checks")
     src = d / "checks.cc"
@@ -132,7 +133,8 @@ def programs(tmp_path_factory):
     for name, flags in (("plain", []), ("tsan", ["-fsanitize=thread", "-fno-builtin"])):
         exe = d / name
         subprocess.run([CXX, "-x", "c++", "-std=c++20", "-O1", "-pthread", *flags,
-                        "-DVARLEN_HOST_EMULATION", f"-I{SOURCE_DIR}", str(src), "-o", str(exe)],
+                        "-DVARLEN_HOST_EMULATION", f"-I{SOURCE_DIR}", f"-I{EMULATION_DIR}", str(src),
+                        "-o", str(exe)],
                        check=True)
         built[name] = str(exe)
     return built

@@ -16,10 +16,12 @@ import sys
 
 import pytest
 
-import varlen.backends.cupy.traits as _cupy_spec
-from varlen.backends._emulation_cases import (DEFAULT_BLOCKS, EMULATED_SM_COUNT,
-                                              default_variant_cases, grid_figures,
-                                              wide_head_dim_cases, wide_key_tile_cases)
+import varlen.backends.cupy.mma as _cupy_mma
+import varlen.backends.cupy.traits as _cupy_traits
+from emulation.cases import H100_SM_COUNT as EMULATED_SM_COUNT
+from emulation.cases import (default_variant_cases, grid_figures, wide_head_dim_cases,
+                             wide_key_tile_cases)
+from varlen.backends.cupy.traits import DEFAULT_BLOCKS
 
 from helpers import ROOT, needs_cxx
 
@@ -31,7 +33,6 @@ RUNNER = """
 import sys
 from emulation.cupy import bank_counts, run_case
 from emulation.cases import case
-import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 run_case(**case(sys.argv[1]))
 ldsm, ldsm_conflicts, _, _ = bank_counts()
 assert ldsm > 0 and ldsm_conflicts == 0, f"ldmatrix: {ldsm_conflicts} extra wavefronts"
@@ -43,13 +44,13 @@ STRICT_ENV = {"VARLEN_EMULATION_SCHEDULE": "random", "VARLEN_EMULATION_SEED": "3
 
 
 def test_cases_cover_the_shipped_defaults():
-    wide = {D for D in _cupy_spec.HEAD_DIMS if D > _cupy_spec.MAX_WIDE_HEAD_DIM}
-    assert {c["D"] for c in CASES} == set(_cupy_spec.HEAD_DIMS) - wide, "a head dim is missing"
+    wide = {D for D in _cupy_traits.HEAD_DIMS if D > _cupy_traits.MAX_WIDE_HEAD_DIM}
+    assert {c["D"] for c in CASES} == set(_cupy_traits.HEAD_DIMS) - wide, "a head dim is missing"
     assert all(c["dtype"] == "bfloat16" and c["block_m"] == DEFAULT_BLOCKS[0] for c in CASES)
     assert {c["D"] for c in WIDE_CASES} == wide and wide
     for D in wide:
         got = {(c["dtype"], c["softcap"] > 0) for c in WIDE_CASES if c["D"] == D}
-        assert {dt for dt, _ in got} == set(_cupy_spec.DTYPES) and (True in {s for _, s in got})
+        assert {dt for dt, _ in got} == set(_cupy_traits.DTYPES) and (True in {s for _, s in got})
     assert all(c["block_m"] == 64 and c["gaps"] for c in WIDE_CASES)
     figures = [grid_figures(c) for c in CASES]
     assert max(max(f["q_ctas"], f["k_ctas"]) for f in figures) > EMULATED_SM_COUNT, (
@@ -68,7 +69,7 @@ def test_wide_key_tile_cases_are_adversarial():
     assert all((c["block_m"], c["block_n"]) == (128, 128) for c in cases)
     assert all(_cupy_mma.KernelSpec("bwd", c["dtype"], c["D"], 128, 128, False)
                .bwd_query_chunk == 64 for c in cases)
-    assert {c["dtype"] for c in cases} == set(_cupy_spec.DTYPES)
+    assert {c["dtype"] for c in cases} == set(_cupy_traits.DTYPES)
     assert {64, 128} <= {c["D"] for c in cases}
     lengths = [n for c in cases for n in (*c["lengths_q"], *c["lengths_k"])]
     assert 0 in lengths and 1 in lengths and any(n > 128 and n % 128 for n in lengths)

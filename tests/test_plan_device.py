@@ -285,8 +285,9 @@ def _case_error(label, where):
 
 
 def _case_launches():
-    """The CuPy path of every plan-building entry point issues <= 2 launches; the variable
-    VARLEN_PLAN_BUILDER=arrays selects the array code again."""
+    """The CuPy backend's plan builders (from cu_seqlens, and of given segments) issue <= 2
+    launches and write the plan of the array code; `varlen.plan` of host arrays and the array
+    code itself launch nothing."""
     import varlen
     from varlen.backends import get
     emu = _install()
@@ -298,28 +299,24 @@ def _case_launches():
               mask=mask, block_m=bm, block_n=bn, max_seqlen_q=mq, max_seqlen_k=mk)
     want = varlen.plan(cu_q, cu_k, **kw)               # host arrays: the array code
     assert not emu.launches, f"a host plan launched {dict(emu.launches)}"
-    host_xp = P._xp
-    # From here on the stand-in cupy's arrays count as device arrays (the CuPy path).
-    P._xp = lambda a: sys.modules["cupy"]
+    cupy_backend = get("cupy")
     counts = {}
     for name, build in [
-            ("varlen.plan", lambda: varlen.plan(cu_q, cu_k, **kw)),
-            ("cupy backend", lambda: get("cupy").plan_from_cu_seqlens(
+            ("cupy backend, from cu_seqlens", lambda: cupy_backend.plan_from_cu_seqlens(
                 cu_q, cu_k, off_q, off_k, rows_q, rows_k, mask, block_m=bm, block_n=bn,
                 max_seqlen_q=mq, max_seqlen_k=mk)),
-            ("build_plan of segments", lambda: P.build_plan(want.q, want.k, mask, block_m=bm,
-                                                             block_n=bn, max_seqlen_q=mq,
-                                                             max_seqlen_k=mk))]:
+            ("cupy backend, of segments", lambda: cupy_backend.make_plan(
+                want.q, want.k, mask, block_m=bm, block_n=bn, max_seqlen_q=mq,
+                max_seqlen_k=mk))]:
         emu.launches.clear()
         got = build()
         counts[name] = dict(emu.launches)
         assert 1 <= _kernel_launches(emu.launches) <= 2, f"{name}: launches {counts[name]}"
         _assert_same_plan(name, got, want)
-    os.environ[P.PLAN_BUILDER_ENV] = "arrays"
-    P._xp = host_xp
     emu.launches.clear()
-    _assert_same_plan("arrays", varlen.plan(cu_q, cu_k, **kw), want)
-    assert not emu.launches, f"VARLEN_PLAN_BUILDER=arrays launched {dict(emu.launches)}"
+    _assert_same_plan("arrays", P.build_plan(want.q, want.k, mask, block_m=bm, block_n=bn,
+                                             max_seqlen_q=mq, max_seqlen_k=mk), want)
+    assert not emu.launches, f"the array code launched {dict(emu.launches)}"
     print("launches per plan", counts)
 
 
@@ -431,6 +428,7 @@ def test_struct_layout_matches_the_kernels():
         pytest.skip("needs a C++ compiler")
     import tempfile
     from varlen.backends.cupy.plan import PLAN_BUILD_DTYPE, PLAN_SIDE_DTYPE
+    from emulation.cupy import EMULATION_DIR
     from varlen.kernels_cuda import SOURCE_DIR
     side = [f'std::printf("side %s %zu\\n", "{n}", offsetof(varlen::PlanSide, {n}));'
             for n in PLAN_SIDE_DTYPE.names]
@@ -444,7 +442,8 @@ def test_struct_layout_matches_the_kernels():
         with open(path, "w") as f:
             f.write(src)
         subprocess.run([CXX, "-std=c++20", "-pthread", "-DVARLEN_HOST_EMULATION",
-                        f"-I{SOURCE_DIR}", path, "-o", os.path.join(d, "layout")], check=True)
+                        f"-I{SOURCE_DIR}", f"-I{EMULATION_DIR}", path, "-o",
+                        os.path.join(d, "layout")], check=True)
         out = subprocess.run([os.path.join(d, "layout")], capture_output=True, text=True,
                              check=True).stdout.split("\n")
     sizes = out[0].split()

@@ -109,7 +109,7 @@ def run_case(label: str, device: bool = False) -> float:
     import varlen
     import emulation.cupy as _cupy_emulation
     import emulation.sm90
-    import varlen.backends.cupy.sm90 as _cupy_sm90_bwd
+    import varlen.backends.cupy.sm90 as _cupy_sm90
     from varlen.testing import assert_close, covered_rows, make_batch, naive_same_dtype
     c = dict(CASES[label])
     nan_in_pad = c.pop("nan_in_pad")
@@ -153,7 +153,7 @@ def run_case(label: str, device: bool = False) -> float:
         import cupy
         args = tuple(cupy.asarray(a) for a in args)
     t0 = time.perf_counter()
-    grads = _cupy_sm90_bwd.backward(plan, *args, deterministic=deterministic, **kw)
+    grads = _cupy_sm90.backward(plan, *args, deterministic=deterministic, **kw)
     if device:
         cupy.cuda.Device().synchronize()
         grads = tuple(cupy.asnumpy(g) for g in grads)
