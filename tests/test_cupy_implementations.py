@@ -39,7 +39,9 @@ def test_registry_names_every_implementation():
 def test_explain_gives_each_implementation_its_reason():
     with BACKEND.stand_in_device(A100):
         rows = dict(backends.explain(device_call()))
-        assert rows["cupy:mma"] is None
+        # the family is not chosen by default before its GPU check: neither is its member
+        assert "not chosen by default yet" in rows["cupy"]
+        assert "backend='cupy:mma'" in rows["cupy:mma"]
         assert "compute capability 9.0 only" in rows["cupy:sm90a"]
         assert "sm_80" in rows["cupy:sm90a"]
         # D = 96: mma.sync only; float32: neither
@@ -59,6 +61,20 @@ def test_explain_gives_each_implementation_its_reason():
         assert "sm_80 or newer" in rows["cupy:mma"]
     rows = dict(backends.explain(dtype="float16", head_dim=64))
     assert "arrays live on the host" in rows["cupy:mma"]
+
+
+def test_explain_once_the_family_is_default_eligible(monkeypatch):
+    from varlen.backends.cupy import CupyBackend
+    monkeypatch.setattr(CupyBackend, "default_eligible", True)
+    with BACKEND.stand_in_device(A100):
+        rows = dict(backends.explain(device_call()))
+        assert rows["cupy"] is None and rows["cupy:mma"] is None
+    with BACKEND.stand_in_device(H100):
+        rows = dict(backends.explain(device_call()))
+        assert rows["cupy:mma"] is None and "not chosen by default" in rows["cupy:sm90a"]
+        monkeypatch.setattr(Sm90aImplementation, "default_eligible", True)
+        rows = dict(backends.explain(device_call()))
+        assert rows["cupy:sm90a"] is None
 
 
 def test_named_implementation_is_selected_or_refused_with_its_reason():

@@ -86,8 +86,9 @@ def _order(call):
     return _HOST_ORDER_FLOAT64 if call.dtype == "float64" else _HOST_ORDER
 
 
-def _reason(backend: Backend, call, order) -> str | None:
-    """Why `backend=None` would pass over `backend` for `call` (None: it would take it)."""
+def _reason(backend: Backend, call, order, family: Backend | None = None) -> str | None:
+    """Why `backend=None` would pass over `backend` (an implementation of `family`, when given)
+    for `call` (None: it would take it)."""
     why = backend.supports(call)
     if why:
         return why
@@ -95,8 +96,9 @@ def _reason(backend: Backend, call, order) -> str | None:
         where = ("device" if call.on_device else
                  "float64 host" if call.dtype == "float64" else "host")
         return f"not chosen by default for {where} arrays (ask for it by name)"
-    if not backend.default_eligible:
-        return f"not chosen by default yet (ask for it by name: backend={backend.name!r})"
+    for b in (family, backend):
+        if b is not None and not b.default_eligible:
+            return f"not chosen by default yet (ask for it by name: backend={backend.name!r})"
     return None
 
 
@@ -117,7 +119,7 @@ def explain(call=None, **problem) -> list[tuple[str, str | None]]:
             rows.append((n, "not built in this installation"))
             continue
         rows.append((n, _reason(backend, call, order)))
-        rows += [(i.name, _reason(i, call, order))
+        rows += [(i.name, _reason(i, call, order, family=backend))
                  for i in getattr(backend, "implementations", ())]
     return rows
 
