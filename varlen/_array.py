@@ -219,6 +219,7 @@ class Origin:
     framework: str                # numpy | torch | jax | cupy | dlpack | python
     on_device: bool = False       # lives on a CUDA device
     device: object = None         # framework device object (torch.device, jax Device)
+    committed: bool = True        # JAX: placed on `device` explicitly (else JAX may move it)
 
     @staticmethod
     def of(x) -> "Origin":
@@ -227,7 +228,7 @@ class Origin:
             return Origin("torch", x.device.type == "cuda", x.device)
         if fw == "jax":
             dev = next(iter(x.devices()))
-            return Origin("jax", dev.platform == "gpu", dev)
+            return Origin("jax", dev.platform == "gpu", dev, bool(getattr(x, "committed", True)))
         return Origin(fw, is_device_array(x))
 
     def stream_scope(self):
@@ -258,7 +259,7 @@ class Origin:
         if fw == "torch":
             return _to_torch(a, self.device)
         if fw == "jax":
-            return _to_jax(a, self.device)
+            return _to_jax(a, self.device, self.committed)
         raise AssertionError(fw)
 
 
@@ -339,10 +340,13 @@ def _to_torch(a, device):
     return torch.from_dlpack(a)
 
 
-def _to_jax(a, device):
+def _to_jax(a, device, committed=True):
+    """`a` as a JAX array on `device`, committed to it only if the caller's array was: an
+    uncommitted result stays free to join a computation over other devices (`jax.shard_map`
+    over a mesh), as the caller's own array was."""
     import jax
     if isinstance(a, np.ndarray):
-        return jax.device_put(a, device)
+        return jax.device_put(a, device if committed else None)
     return jax.dlpack.from_dlpack(a)
 
 

@@ -17,8 +17,8 @@ import numpy as np
 from . import backends
 from ._array import Origin, array_module, common_origin, digest, host_copy, to_working
 from ._validate import (as_index_array, as_policy_array, check_backward_inputs, check_bound,
-                        check_layout_specs, check_layout_values, check_qkv, dtype_name,
-                        scale_and_softcap, validation_enabled)
+                        check_layout_specs, check_layout_values, check_qkv, check_together,
+                        dtype_name, scale_and_softcap, validation_enabled)
 from .masks import MASK_FIELDS, Mask, as_mask
 from .plan import Plan
 
@@ -230,6 +230,7 @@ def _tensors(q, k, v, grads):
         named += list(zip(("dout", "out", "lse"), grads))
     origin = common_origin(named)
     check_qkv(q, k, v)             # on the caller's arrays: frameworks are compared too
+    check_together(named)          # the backward's dout, out and lse too
     qw, kw, vw = to_working(q, "q"), to_working(k, "k"), to_working(v, "v")
     gw = None if grads is None else tuple(to_working(x, n) for n, x in named[3:])
     return origin, qw, kw, vw, gw

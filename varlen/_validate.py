@@ -22,7 +22,7 @@ from ._device_errors import record
 __all__ = ["set_validation", "validation_enabled", "validation_mode", "Spec", "spec_of",
            "check_specs", "check_qkv", "check_index", "check_policy", "is_policy_scalar",
            "policy_value", "as_index_array", "as_policy_array", "check_layout_values",
-           "check_backward_inputs", "check_bound", "scale_and_softcap", "dtype_name",
+           "check_backward_inputs", "check_together", "check_bound", "scale_and_softcap", "dtype_name",
            "FLOAT_DTYPES", "INT32_MAX"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -179,6 +179,12 @@ def _check_together(specs: dict):
         if s.device and s0.device and s.device != s0.device:
             raise ValueError(f"{name} is on {s.device} but {first} is on {s0.device}; all "
                              f"arrays must live on one device")
+
+
+def check_together(named_arrays):
+    """`(name, array)` pairs (None skipped) come from one framework and live on one device
+    (data-free): the message `check_qkv` gives, for every data array of a call."""
+    _check_together({n: spec_of(x, n) for n, x in named_arrays if x is not None})
 
 
 def check_qkv(q, k, v):

@@ -76,7 +76,8 @@ def _host_call(fn, result_shapes):
     """`fn(*numpy arrays) -> numpy arrays` as a JAX computation on the host."""
     def run(*args):
         def call(*arrays):
-            return tuple(np.asarray(r) for r in fn(*arrays))
+            # JAX hands the callback its own (immutable) arrays: the backends take NumPy ones
+            return tuple(np.asarray(r) for r in fn(*(np.asarray(a) for a in arrays)))
         return jax.pure_callback(call, result_shapes, *args, vmap_method="sequential")
     return run
 
