@@ -11,7 +11,7 @@ import torch
 
 from ._api import attention_backward, attention_forward
 from ._setup import static_scalars
-from ._validate import check_specs, set_validation, validation_mode
+from ._validate import check_metadata_devices, check_specs, set_validation, validation_mode
 from .masks import MASK_FIELDS, Mask, as_mask
 from .plan import Plan
 
@@ -264,6 +264,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     if not torch.compiler.is_compiling() and _under_func_transform(q, k, v):
         raise NotImplementedError(_NO_FUNC_TRANSFORMS)
     q, k, v = _autocast(q, k, v)
+    # The op dispatches on all its tensors: one on the meta device would run the fake
+    # implementation on real data, so every metadata device is checked first.
+    check_metadata_devices(q, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
+                           as_mask(mask))
     meta = [_as_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k)]
     arrays, ints = as_mask(mask).parts()
     scalars = static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,

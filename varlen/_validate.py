@@ -22,7 +22,7 @@ from ._device_errors import record
 __all__ = ["set_validation", "validation_enabled", "validation_mode", "Spec", "spec_of",
            "check_specs", "check_qkv", "check_index", "check_policy", "is_policy_scalar",
            "policy_value", "as_index_array", "as_policy_array", "check_layout_values",
-           "check_backward_inputs", "check_together", "check_bound", "scale_and_softcap", "dtype_name",
+           "check_backward_inputs", "check_together", "check_metadata_devices", "check_bound", "scale_and_softcap", "dtype_name",
            "FLOAT_DTYPES", "INT32_MAX"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -275,7 +275,26 @@ def check_specs(q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=None, seq_off
     `mask` is a `varlen.Mask` (or None).
     """
     check_qkv(q, k, v)
+    check_metadata_devices(q, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, mask)
     return check_layout_specs(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, mask)
+
+
+def check_metadata_devices(q, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=None,
+                           seq_offsets_k=None, mask=None):
+    """Every metadata array lives on q's device or on the host (which moves to q's device),
+    data-free: a PyTorch `meta` tensor or another GPU's is an error naming it."""
+    want = spec_of(q, "q").device
+    named = [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+             ("seq_offsets_q", seq_offsets_q), ("seq_offsets_k", seq_offsets_k),
+             *((f"mask.{n}", f) for n, f in (() if mask is None else mask.items())
+               if not is_policy_scalar(f))]
+    for name, x in named:
+        if x is None or want is None:
+            continue
+        got = spec_of(x, name).device
+        if got is not None and got not in (want, "cpu"):
+            raise TypeError(f"{name} is on device {got} but q is on {want}; metadata must live "
+                            f"on q's device or on the host")
 
 
 def check_layout_specs(cu_seqlens_q, cu_seqlens_k, seq_offsets_q=None, seq_offsets_k=None,
