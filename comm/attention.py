@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,9 +93,25 @@ class _RankCall:
 # Setup, agreement, and the guard that keeps every rank moving together
 # --------------------------------------------------------------------------------------------
 
+def _warn_outside_autograd(what: str, arrays) -> None:
+    """A PyTorch tensor that requires grad, with grad mode on, gets a result autograd does not
+    track: say so, and where the differentiable entry point is."""
+    if not any(getattr(a, "requires_grad", False) for a in arrays):
+        return
+    import torch
+    if torch.is_grad_enabled():
+        warnings.warn(f"varlen.comm.{what} takes tensors that require grad but returns results "
+                      f"outside autograd (no gradient flows back through them); use "
+                      f"varlen.torch.context_parallel_attention to train", RuntimeWarning,
+                      stacklevel=3)
+
+
 def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
     """The setup step on this rank, then the rank's step plans: the given ones (checked), or
     the partition's cached ones."""
+    if part is None:
+        raise TypeError("part is required: a varlen.comm.partition(...) of this batch (or a "
+                        "(queries, keys) pair of them), got None")
     pair = (part, part) if isinstance(part, Partition) else part
     call = setup(q, k, v, part=pair, group_size=group.size, plan=plan, grads_rows="Tq_local",
                  **kw)
@@ -555,6 +572,8 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
     validation is on: the default for host data). Any other failure on one rank aborts the
     group; a rank that never arrives ends the others after the group's timeout.
     """
+    _warn_outside_autograd("attention_forward", (q, k, v))
+
     def prepare():
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
                              softcap=softcap, method=method, backend=backend)

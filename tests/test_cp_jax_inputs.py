@@ -74,3 +74,40 @@ def test_jax_cp_with_jax_inputs_on_every_host_backend(host_backends):
                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert run.stdout.count("ok ") == 12, run.stdout
+
+
+ERRORS = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np
+    import varlen.comm as vc, varlen.jax as vj
+    from jax.sharding import Mesh, PartitionSpec as P
+    part = vc.partition(np.array([0, 7, 20], np.int32), 2)
+    L = part.local_rows
+
+    def run(devices, shapes):
+        mesh = Mesh(np.array(jax.devices()[:devices]), ("cp",))
+        f = jax.shard_map(lambda q, k, v: vj.context_parallel_attention(
+            q, k, v, part, axis_name="cp"), mesh=mesh, in_specs=(P("cp"),) * 3,
+            out_specs=P("cp"))
+        try:
+            f(*(jnp.zeros(s, jnp.float32) for s in shapes))
+        except Exception as e:
+            print(type(e).__name__ + ":", e)
+    run(2, [(2 * L, 16)] * 3)                        # 2-D q, k, v
+    run(4, [(2 * L, 2, 16)] * 3)                      # a mesh axis of 4 for cp_size 2
+""")
+
+
+def test_jax_cp_names_a_2d_input_and_a_mesh_of_the_wrong_size():
+    """A 2-D q raised an IndexError; a mesh axis of the wrong size was reported as a rows
+    error."""
+    pytest.importorskip("jax")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", ERRORS], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 2, run.stdout + run.stderr[-3000:]
+    assert lines[0].startswith("ValueError: q must be 3-D [T, H, D]"), lines[0]
+    assert lines[1].startswith("ValueError: mesh axis 'cp' has size 4 but part.cp_size=2"), \
+        lines[1]

@@ -51,3 +51,108 @@ def test_backward_refuses_dout_of_another_framework():
         with pytest.raises(TypeError, match=rf"{name} is a torch array but q is a numpy "
                                             r"array; pass the data arrays from one framework"):
             varlen.attention_backward(*args, cu, cu)
+
+
+# ---- crashes that become named errors --------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_no_query_heads_is_a_named_error(backend):
+    """Hq = 0 with Hk = 1 passed the GQA check (0 % 1 == 0) and divided by zero in the cpu
+    backend."""
+    q = np.zeros((5, 0, 8), np.float32)
+    k = np.zeros((5, 1, 8), np.float32)
+    cu = np.array([0, 5], np.int32)
+    with pytest.raises(ValueError, match=r"q.shape=\(5, 0, 8\) has no heads; expected Hq >= 1"):
+        varlen.attention_forward(q, k, k, cu, cu, backend=backend)
+
+
+def test_position_ids_of_no_tokens():
+    torch = pytest.importorskip("torch")
+    from varlen.torch import cu_seqlens_from_position_ids
+    for shape in ((1, 0), (0,), (0, 5)):
+        cu = cu_seqlens_from_position_ids(torch.zeros(shape, dtype=torch.int64))
+        assert cu.tolist() == [0] * (int(np.prod(shape)) + 1) and cu.dtype == torch.int32
+
+
+def test_pad_input_names_bad_indices():
+    torch = pytest.importorskip("torch")
+    from varlen.torch import pad_input
+    x = torch.randn(3, 2, 4)
+    cases = [(torch.tensor([0, 1, 9]), ValueError, r"indices span \[0, 9\] but batch=2 x "
+                                                   r"seqlen=3 holds positions \[0, 5\]"),
+             (torch.tensor([-1, 1, 2]), ValueError, r"indices span \[-1, 2\]"),
+             (torch.tensor([0, 1]), ValueError, r"2 indices for 3 rows of hidden_states"),
+             (torch.tensor([0.0, 1, 2]), TypeError, r"indices must be a 1-D integer tensor"),
+             (torch.tensor([[0, 1, 2]]), TypeError, r"indices must be a 1-D integer tensor")]
+    for indices, error, match in cases:
+        with pytest.raises(error, match=match):
+            pad_input(x, indices, 2, 3)
+    with pytest.raises(ValueError, match=r"seqlen must be a non-negative int, got -3"):
+        pad_input(x, torch.tensor([0, 1, 2]), 2, -3)
+    assert pad_input(x, torch.tensor([0, 4, 5]), 2, 3)[1, 1:].equal(x[1:])
+
+
+def test_the_mma_cache_warmer_says_cupy_is_missing():
+    import subprocess
+    import sys
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here")
+    except ImportError:
+        pass
+    run = subprocess.run([sys.executable, "-m", "varlen.backends.cupy.mma"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "CuPy is not importable" in run.stderr and "Traceback" not in run.stderr
+
+
+# ---- unclear messages ------------------------------------------------------------------------
+
+def test_flash_attn_func_says_it_takes_torch_tensors():
+    pytest.importorskip("torch")
+    from varlen.torch import flash_attn_func
+    q = np.zeros((1, 4, 2, 8), np.float32)
+    with pytest.raises(TypeError, match=r"q must be a torch.Tensor \(FlashAttention's contract\)"
+                                        r", got ndarray"):
+        flash_attn_func(q, q, q)
+
+
+def test_flash_attn_takes_numpy_bools_for_causal():
+    torch = pytest.importorskip("torch")
+    from varlen.torch import flash_attn_func, flash_attn_varlen_func
+    q = torch.randn(1, 4, 2, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for causal in (np.True_, np.False_):
+        want = flash_attn_func(q, q, q, causal=bool(causal))
+        assert torch.equal(flash_attn_func(q, q, q, causal=causal), want)
+        assert torch.equal(flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, causal=causal),
+                           want[0])
+
+
+def test_comm_call_without_a_partition_names_part():
+    import varlen.comm as vc
+    q, k, v = _batch()
+    group = vc.local_group(1)[0]
+    with pytest.raises(TypeError, match=r"part is required: a varlen.comm.partition"):
+        vc.attention_forward(q, k, v, None, group)
+
+
+def test_comm_call_on_tensors_that_require_grad_warns():
+    """varlen.comm's functions return results outside autograd: with tensors that require
+    grad they said nothing, and training silently got no gradient."""
+    torch = pytest.importorskip("torch")
+    import varlen.comm as vc
+    import varlen.torch as vt
+    part = vc.partition(np.array([0, 4], np.int32), 1)
+    group = vc.local_group(1)[0]
+    x = torch.randn(part.local_rows, 2, 8, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"returns results outside autograd.*"
+                                            r"varlen.torch.context_parallel_attention"):
+        vc.attention_forward(x, x, x, part, group)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            vc.attention_forward(x, x, x, part, group)
+        vt.context_parallel_attention(x, x, x, part, group).sum().backward()
+    assert x.grad is not None

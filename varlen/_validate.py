@@ -212,6 +212,9 @@ def check_qkv(q, k, v):
                          f"must hold the same tokens")
     if v.shape[1] != Hk:
         raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} disagree on heads")
+    if Hq == 0:
+        raise ValueError(f"q.shape={q.shape} has no heads; expected Hq >= 1 (a multiple of k's "
+                         f"{Hk} heads)")
     if Hk == 0 or Hq % Hk != 0:
         raise ValueError(f"q has {Hq} heads and k has {Hk}; q heads must be a multiple of k "
                          f"heads (GQA/MQA)")

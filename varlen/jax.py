@@ -38,7 +38,8 @@ import numpy as np
 
 from ._api import attention_backward, attention_forward
 from ._setup import static_scalars
-from ._validate import as_index_array, as_policy_array, check_specs, scale_and_softcap
+from ._validate import (as_index_array, as_policy_array, check_qkv, check_specs,
+                        scale_and_softcap)
 from .masks import MASK_FIELDS, Mask, as_mask
 from .plan import Plan
 
@@ -685,28 +686,26 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be a JAX array, got {type(x).__name__}")
+    check_qkv(q, k, v)                  # ranks, heads, head dims, dtypes: data-free
     mask = as_mask(mask)
     if any(isinstance(f, jax.core.Tracer) for f in mask.fields()):
         raise TypeError("mask arrays must be host values (the step plans are built on the "
                         "host), got a traced array")
     mask = Mask(*(f if isinstance(f, (int, np.integer)) else np.asarray(f)
                   for f in mask.fields()))
+    # the mesh first: shards of a mesh of another size have other row counts
+    size = jax.lax.axis_size(axis_name)
+    if size != part.cp_size:
+        raise ValueError(f"mesh axis {axis_name!r} has size {size} but "
+                         f"part.cp_size={part.cp_size}; shard over a mesh axis of the "
+                         f"partition's size")
     rows = part.local_rows
     if q.shape[0] != rows or k.shape[0] != rows or v.shape[0] != rows:
         raise ValueError(f"{q.shape=}, {k.shape=} and {v.shape=}: shards must have "
                          f"part.local_rows={rows} rows (inside shard_map over {axis_name!r})")
-    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"{q.shape=}, {k.shape=} and {v.shape=} do not fit (Hq % Hk == 0, "
-                         f"same head dim for q and k)")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"{q.dtype=}, {k.dtype=} and {v.dtype=} differ")
     if method == "ulysses" and q.shape[1] % part.cp_size:
         raise ValueError(f"method='ulysses' needs Hq divisible by cp_size: {q.shape=}, "
                          f"cp_size={part.cp_size}")
-    size = jax.lax.axis_size(axis_name)
-    if size != part.cp_size:
-        raise ValueError(f"mesh axis {axis_name!r} has size {size} but "
-                         f"part.cp_size={part.cp_size}")
     dtype = np.dtype(q.dtype).name
     D, Dv = int(q.shape[2]), int(v.shape[2])
     steps = tuple(vc.plan(part, r, dtype=dtype, head_dim=D, head_dim_v=Dv, mask=mask,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 import torch
 
 from ..masks import Mask
@@ -34,8 +36,9 @@ def fa_mask(causal=False, window_size=(-1, -1)) -> Mask:
     queries and `Lk` keys sees keys `[i + Lk - Lq - left, i + Lk - Lq + right]`, a negative
     side being unbounded; `causal=True` sets `right = 0` and keeps `left`.
     """
-    if not isinstance(causal, (bool, int)):
+    if not isinstance(causal, (bool, int, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")
+    causal = bool(causal)
     try:
         left, right = (operator.index(w) for w in window_size)
     except (TypeError, ValueError):
@@ -131,9 +134,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     _unsupported(dropout_p, alibi_slopes)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (FlashAttention's contract), got "
+                            f"{type(x).__name__}; varlen.attention_forward takes any "
+                            f"framework's arrays")
+        if x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [batch, seqlen, heads, head_dim]; "
-                             f"got {getattr(x, 'shape', type(x).__name__)}")
+                             f"got {tuple(x.shape)}")
     B, Sq, Hq, _ = q.shape
     Sk = k.shape[1]
     if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Sk:

@@ -76,7 +76,32 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
 
 def pad_input(hidden_states, indices, batch: int, seqlen: int):
     """Packed rows back into a zero-padded `[batch, seqlen, ...]` batch (FlashAttention's
-    `pad_input`); `indices` as `unpad_input` returns them. Differentiable; no host read."""
+    `pad_input`); `indices` as `unpad_input` returns them: an integer `[rows]` tensor, one
+    position in `[0, batch * seqlen)` per packed row. Differentiable; no host read (indices
+    past the batch are refused when validation is on, as it is for CPU tensors)."""
+    from .._validate import validation_enabled
+    for name, n in (("batch", batch), ("seqlen", seqlen)):
+        if not isinstance(n, (int, torch.SymInt)) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"pad_input: {name} must be a non-negative int, got {n!r}")
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
+        raise TypeError(f"pad_input: hidden_states must be a [rows, ...] tensor, got "
+                        f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
+    if (not isinstance(indices, torch.Tensor) or indices.dim() != 1
+            or indices.dtype.is_floating_point or indices.dtype == torch.bool):
+        raise TypeError(f"pad_input: indices must be a 1-D integer tensor (as unpad_input "
+                        f"returns it), got "
+                        f"{getattr(indices, 'dtype', type(indices).__name__)} "
+                        f"{tuple(getattr(indices, 'shape', ()))}")
+    if indices.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"pad_input: {indices.shape[0]} indices for {hidden_states.shape[0]} "
+                         f"rows of hidden_states; expected one index per packed row")
+    device = indices.device.type
+    if (indices.numel() and device != "meta" and not torch.compiler.is_compiling()
+            and validation_enabled(device != "cpu")):
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= batch * seqlen:
+            raise ValueError(f"pad_input: indices span [{lo}, {hi}] but batch={batch} x "
+                             f"seqlen={seqlen} holds positions [0, {batch * seqlen - 1}]")
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
     return out.index_copy(0, indices, hidden_states).view(batch, seqlen, *hidden_states.shape[1:])
 
@@ -103,7 +128,7 @@ def cu_seqlens_from_position_ids(position_ids) -> torch.Tensor:
                          f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
     if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
         raise TypeError(f"position_ids must hold integers, got dtype {position_ids.dtype}")
-    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    pos = position_ids if position_ids.dim() == 2 else position_ids[None]
     start = pos == 0
     if start.shape[1]:
         start[:, 0] = True

@@ -331,9 +331,25 @@ def warm_cache(specs=None, jobs: int = 8):
         return list(pool.map(_warm_one, specs))
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    """`python -m varlen.backends.cupy.mma [JOBS]`: every variant into CuPy's kernel cache for
+    the current GPU (JOBS processes, default 8)."""
     import sys
     import time
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        import cupy  # noqa: F401
+    except ImportError as e:
+        print(f"python -m varlen.backends.cupy.mma: CuPy is not importable ({e}); it compiles "
+              f"the kernels for this machine's GPU (pip install 'varlen[cuda13]' or "
+              f"'varlen[cuda12]')", file=sys.stderr)
+        return 2
     t0 = time.time()
-    done = warm_cache(jobs=int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+    done = warm_cache(jobs=int(argv[0]) if argv else 8)
     print(f"compiled {len(done)} kernel modules in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

@@ -478,6 +478,13 @@ def main(argv=None) -> int:
     cubin cache (WORKERS processes, default the CPU count)."""
     from .compile import cache_dir
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401
+    except ImportError as e:
+        print(f"python -m varlen.backends.cupy.sm90: NVRTC is not importable ({e}); it builds "
+              f"the sm_90a cubins (pip install 'varlen[compile]', or a CUDA extra)",
+              file=sys.stderr)
+        return 2
     workers = int(argv[0]) if argv else (os.cpu_count() or 1)
     t0 = time.perf_counter()
     n = warm(workers)
