@@ -112,6 +112,18 @@ def test_padded_batch(name, dtype):
                               logits_and_grads(reference, keep, **inputs), dtype)
 
 
+def test_sliding_window_with_holes_is_refused():
+    """A hole in a padding mask with a sliding window: transformers counts the window in
+    positions, varlen counted the packed tokens (logits 0.15 off); refused with its reason.
+    Without holes (left and right padding) the sliding-window model matches exactly
+    (test_padded_batch)."""
+    _, varlen_model = pair("qwen2", torch.float32)
+    mask = padding_masks(13, holes=True)
+    with pytest.raises(ValueError, match=r"sliding window with a padding mask that has holes"):
+        varlen_model(input_ids=ids(*mask.shape), attention_mask=mask)
+    assert varlen_model(input_ids=ids(4, 13), attention_mask=mask[:4]).logits.isfinite().all()
+
+
 DOCS = (5, 3, 1, 9, 2)
 
 

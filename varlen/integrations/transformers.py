@@ -67,7 +67,37 @@ def _cu_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
-def _padded(q, k, v, attention_mask, **kw):
+HOLES = ("a sliding window with a padding mask that has holes (a 0 between two 1s of a row): "
+         "transformers counts the window in positions, and a row's kept tokens are packed "
+         "together here; use left or right padding, or attn_implementation='sdpa' for such "
+         "masks")
+
+
+def _refuse_holes(keep: torch.Tensor) -> None:
+    """Refuse rows whose kept tokens are not contiguous (a sliding window would count the
+    packed tokens, not the positions transformers counts): at once for host tensors; for
+    device tensors recorded on the device, raised by `varlen.check_device_errors()` (no
+    synchronisation here). Not checked while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return
+    S = keep.shape[1]
+    idx = torch.arange(S, device=keep.device)
+    n = keep.sum(1)
+    first = torch.where(keep, idx, S).amin(1)
+    last = torch.where(keep, idx, -1).amax(1)
+    holes = ((n > 0) & (last - first + 1 != n)).any()
+    if keep.device.type != "cuda":
+        if bool(holes):
+            raise ValueError(HOLES)
+        return
+    import cupy
+
+    from .._device_errors import record
+    with cupy.cuda.Device(keep.device.index or 0):
+        record(cupy, cupy.from_dlpack(holes), HOLES)
+
+
+def _padded(q, k, v, attention_mask, *, sliding=False, **kw):
     """Attention over a padded batch: each row's tokens first, packed at offsets `b * S`."""
     B, Sq = q.shape[:2]
     if attention_mask.dim() != 2:
@@ -82,6 +112,8 @@ def _padded(q, k, v, attention_mask, **kw):
         raise ValueError(f"attention_mask covers {Sk} keys but the layer has {k.shape[1]} keys "
                          f"and {Sq} queries (the queries are the last keys)")
     keep_q = keep_k[:, Sk - Sq:]
+    if sliding:
+        _refuse_holes(keep_k)
     order_k, dest_k = kept_first(keep_k)
     order_q, dest_q = (order_k, dest_k) if Sq == Sk else kept_first(keep_q)
     out = _varlen_attention(
@@ -134,7 +166,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
     position_ids, cu_q, cu_k = (kwargs.get(n) for n in ("position_ids", "cu_seq_lens_q",
                                                          "cu_seq_lens_k"))
     if attention_mask is not None:
-        out = _padded(q, k, v, attention_mask, **kw)
+        out = _padded(q, k, v, attention_mask, sliding=bool(sliding_window), **kw)
     elif cu_q is not None and cu_k is not None:     # DataCollatorWithFlattening's kwargs
         out = _flat(q, k, v, cu_q, cu_k, _bound(kwargs.get("max_length_q")),
                     _bound(kwargs.get("max_length_k")), **kw)
