@@ -211,6 +211,9 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.heads[0] % args.heads[1]:
         ap.error(f"--heads {args.heads[0]} {args.heads[1]}: HQ must be a multiple of HK")
+    if args.out.suffix.lower() in (".png", ".json", ".svg", ".pdf") or args.out.is_file():
+        ap.error(f"--out {args.out}: a folder for one plot per cp size and the JSON, not a file "
+                 f"(e.g. --out {args.out.with_suffix('')})")
     args.cp = sorted(set(args.cp))
     return args
 

@@ -98,19 +98,6 @@ write_summary() {  # gpu(true|false)
     tar czf "$OUT_DIR/logs.tar.gz" -C "$LOGS" --exclude=./site . 2>/dev/null
 }
 
-{
-    date -u
-    command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not found"
-    "$PY" - <<'EOF'
-import importlib, platform
-print("python", platform.python_version())
-for m in ("numpy", "numba", "numba_cuda", "cupy", "torch", "jax", "ml_dtypes"):
-    try:
-        print(m, getattr(importlib.import_module(m), "__version__", "?"))
-    except Exception as e:
-        print(m, "unavailable:", type(e).__name__)
-EOF
-} >"$LOGS/machine.txt" 2>&1
 
 if ! "$PY" - <<'EOF'
 import ctypes, sys
@@ -128,6 +115,21 @@ then
     cat "$OUT_DIR/summary.json"
     exit 0
 fi
+
+# the machine's versions: only once there is a GPU (importing the frameworks takes 30-40 s)
+{
+    date -u
+    command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not found"
+    "$PY" - <<'EOF'
+import importlib, platform
+print("python", platform.python_version())
+for m in ("numpy", "numba", "numba_cuda", "cupy", "torch", "jax", "ml_dtypes"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "?"))
+    except Exception as e:
+        print(m, "unavailable:", type(e).__name__)
+EOF
+} >"$LOGS/machine.txt" 2>&1
 
 # ---- install: the checkout (varlen.comm and varlen.kernels_cuda are mapped into the package by
 # setup.cfg, so a source tree needs an editable install) and carried wheels, all offline.

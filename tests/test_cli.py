@@ -75,6 +75,8 @@ BAD = {
     "cp_balance-cp-0": ([script("cp_balance.py"), "--cp", "2", "0"], "--cp"),
     "cp_balance-mask": ([script("cp_balance.py"), "--mask", "sliding:x"], "sliding:x"),
     "cp_balance-heads": ([script("cp_balance.py"), "--heads", "6", "4"], "--heads"),
+    # a file name made a folder of that name
+    "cp_balance-out-file": ([script("cp_balance.py"), "--out", "x.png"], "--out x.png"),
 }
 
 

@@ -40,6 +40,11 @@ def test_without_a_gpu_it_says_so_and_passes(mode, tmp_path):
     assert "no usable CUDA GPU" in proc.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gpu"] is False and summary["mode"] == mode[2:]
+    # said first: nothing imports the frameworks (30-40 s) before the GPU probe
+    import tarfile
+    with tarfile.open(tmp_path / "logs.tar.gz") as logs:
+        names = {os.path.basename(n) for n in logs.getnames()}
+    assert "machine.txt" not in names, names
 
 
 def test_an_unknown_mode_is_refused(tmp_path):

@@ -10,6 +10,8 @@ with a cache, and decoding without a mask.
 """
 import inspect
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -122,6 +124,16 @@ def test_sliding_window_with_holes_is_refused():
     with pytest.raises(ValueError, match=r"sliding window with a padding mask that has holes"):
         varlen_model(input_ids=ids(*mask.shape), attention_mask=mask)
     assert varlen_model(input_ids=ids(4, 13), attention_mask=mask[:4]).logits.isfinite().all()
+
+
+def test_output_attentions_gives_no_weights_as_documented():
+    """docs/dropin.md: no weights, `attentions` an empty tuple (as sdpa gives); it said
+    per-layer None."""
+    _, varlen_model = pair("llama", torch.float32)
+    out = varlen_model(input_ids=ids(1, 5), output_attentions=True)
+    assert out.attentions == ()
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "dropin.md")) as f:
+        assert "`attentions` is an empty tuple" in f.read().replace("\n", " ")
 
 
 DOCS = (5, 3, 1, 9, 2)

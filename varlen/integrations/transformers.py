@@ -22,8 +22,9 @@ needs no `repeat_kv`). The batch arrives in one of three forms:
 Causal layers are causal (bottom-right aligned) and a layer's `sliding_window` `W` lets a query
 see itself and the `W - 1` keys before it, as transformers defines it; `softcap` and `scaling`
 pass through. Attention dropout during training, attention sinks (`s_aux`) and
-`output_attentions` are not available (the weights returned are None, as with the
-flash-attention implementations). Models that add their own mask functions on top of
+`output_attentions` are not available (each layer returns no weights: with
+`output_attentions=True` the model's `attentions` is an empty tuple, as with transformers'
+sdpa implementation). Models that add their own mask functions on top of
 causal/sliding (bidirectional image tokens, chunked attention) need another implementation.
 """
 from __future__ import annotations
