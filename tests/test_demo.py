@@ -15,6 +15,12 @@ def test_demo_runs_and_reports():
     for line in rows:
         out_err, grad_err = (float(x) for x in line.split()[-3:-1])
         assert out_err < 1e-2 and grad_err < 3e-2, line
+    # the header names no backend: the table's column says which ran (it said "NumPy" while
+    # the cpu backend ran)
+    backends = {line.split()[-5] for line in rows}
+    header = out.splitlines()[0]
+    assert "NumPy" not in header and "CuPy" not in header, header
+    assert backends <= {"cpu", "numpy", "numba", "cupy", "cupy:mma", "cupy:sm90a"}, backends
 
 
 def test_cli_rejects_unknown_command():

@@ -13,8 +13,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="run the demo scenarios on the best backend of this machine",
                    description=("The seeds' cases and a realistic packed batch, forward and "
-                                "backward on the best backend of this machine (CuPy on a GPU, "
-                                "else NumPy), against the float64 reference."))
+                                "backward on the default backend of this machine (on a GPU, or "
+                                "else the cpu or numpy backend), against the float64 "
+                                "reference."))
     args = parser.parse_args(argv)
     if args.command == "demo":
         from ._demo import main as demo

@@ -1,7 +1,8 @@
 """`python -m varlen demo`: the three problems varlen exists for, on the best backend here.
 
-Each scenario runs forward and backward on the machine's best backend (a CUDA GPU when CuPy
-sees one, else the NumPy backend) and compares with the dense float64 reference.
+Each scenario runs forward and backward on the backend `backend=None` picks on this machine
+(on a CUDA GPU when CuPy sees one, else on the CPU: the `cpu` backend where it is built, else
+`numpy`) and compares with the dense float64 reference; the table names the backend.
 """
 from __future__ import annotations
 
@@ -118,8 +119,9 @@ def _bf16():
 
 def main(argv=None) -> int:
     xp = _device_module() or np
-    where = "CUDA GPU (CuPy)" if xp is not np else "CPU (NumPy)"
-    print(f"varlen {varlen.__version__} demo on {where}")
+    where = "a CUDA GPU" if xp is not np else "the CPU"
+    print(f"varlen {varlen.__version__} demo on {where} (backend=None: the default backend of "
+          f"each call)")
     rows = [scenario_seed_000(xp), scenario_seed_003(xp), scenario_packed(xp)]
     head = f"{'scenario':<42} {'backend':<8} {'dtype':<9} {'out err':>9} {'grad err':>9} {'ms':>9}"
     print(head)
