@@ -495,7 +495,7 @@ def test_tile_products_use_the_openblas_wheel_when_installed():
     for dtype, name in (("float32", "scipy_sgemm_"), ("float64", "scipy_dgemm_")):
         want = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
         assert llvm.address_of_symbol(K.GEMM_SYMBOLS[dtype]) == want, dtype
-    held = [c.filepath for c in _cpu_threads._blas_controller().lib_controllers]
+    held = [lib.lib.filepath for lib in _cpu_threads._blas_libraries()]
     assert any(os.path.samefile(p, path) for p in held), held
 
 
