@@ -156,3 +156,18 @@ def test_comm_call_on_tensors_that_require_grad_warns():
             vc.attention_forward(x, x, x, part, group)
         vt.context_parallel_attention(x, x, x, part, group).sum().backward()
     assert x.grad is not None
+
+
+def test_the_readme_lists_every_extra():
+    """The extras table lacked `[cpu]`."""
+    import configparser
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(root, "setup.cfg"))
+    extras = set(cfg["options.extras_require"])
+    with open(os.path.join(root, "README.md")) as f:
+        listed = set(re.findall(r"`\[(\w+)\]`", "".join(line for line in f
+                                                      if line.startswith("| `["))))
+    assert extras <= listed, f"README's extras table lacks {sorted(extras - listed)}"
