@@ -48,16 +48,14 @@
 
 namespace varlen {
 
-// Rows of a key chunk: 128 where two stages of K and V fit next to Q and the output stage
-// (D <= 128), 64 at D = 256.
-__host__ __device__ constexpr int sm90_key_chunk(int d) { return d <= 128 ? 128 : 64; }
-
 template <int D_, int BM_, int BN_, int KN_, int PACK_ = 1>
 struct FwdSm90Config {
     static constexpr int D = D_;
     static constexpr int BM = BM_;                       // rows of a tile (wgmma M per consumer)
     static constexpr int BN = BN_;                       // the plan's key tiles
-    static constexpr int KN = KN_;                       // rows of a key chunk, a K or V stage
+    // rows of a key chunk, a K or V stage: the launcher's tile_size, 128 where two stages of K
+    // and V fit next to Q and the output stage (D <= 128), 64 at D = 256 (SMEM_BYTES below)
+    static constexpr int KN = KN_;
     // Query heads per position in a tile: 1, or PACK heads of one key head packed into the M
     // of a tile of BM / PACK positions (the plan's query tiles), its row r position r / PACK of
     // head r % PACK ("GQA packing" in docs/hopper.md)
@@ -574,8 +572,7 @@ using namespace varlen;
 // being BM / PACK rows) and (64, 1, KN) for K and V, 128B swizzle, zero fill past row T. BN is
 // the plan's key tile, KN the key chunk. PACK divides Hq / Hk. Grid (G, 1) with
 // G <= num_q_tiles x Hq / PACK work items (at most the SMs x CTAs per SM, at least 1).
-template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN = sm90_key_chunk(D),
-          int PACK = 1>
+template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int PACK>
 __global__ void __launch_bounds__(FwdSm90Config<D, BM, BN, KN, PACK>::NUM_THREADS, 1)
 varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D]
                 const __grid_constant__ sm90::TensorMap map_k,   // k [Tk, Hk, D]

@@ -14,6 +14,7 @@ import pytest
 
 import varlen.backends.cupy.traits as _cupy_spec
 from varlen.backends.cupy.mma import KernelSpec
+import varlen.backends.cupy.compile as _cupy_compile  # noqa: E402
 import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
 import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 
@@ -149,7 +150,8 @@ def test_host_smem_matches_kernel_layout():
     for s in _cupy_mma.all_specs():
         if s.kind == "fwd":
             lines.append(f"static_assert(2 * FwdConfig<{s.head_dim}, {s.block_m}, "
-                         f"{s.block_n}>::SMEM_ELEMS == {s.fwd_smem()}, \"{s.label} fwd\");")
+                         f"{s.fwd_block_n}, {s.fwd_chunk}, {s.fwd_stages}>::SMEM_ELEMS == "
+                         f"{s.fwd_smem()}, \"{s.label} fwd\");")
             continue
         cfg = f"DkdvConfig<{s.head_dim}, {s.block_n}, {s.bwd_query_chunk}, true>"
         lines.append(f"static_assert(2 * {cfg}::T_ELEMS + 4 * {cfg}::F_ELEMS == "
@@ -229,7 +231,7 @@ def test_128_key_tiles():
     fwd = KernelSpec("fwd", "float16", 64, 128, 128, True)
     assert fwd.compiled() == KernelSpec("fwd", "float16", 64, 128, 64, True)
     assert fwd.name_expressions == fwd.compiled().name_expressions == (
-        "varlen_fwd<__half, 64, 128, 64, true>",)
+        "varlen_fwd<__half, 64, 128, 64, true, 64, 3>",)
     assert KernelSpec("bwd", "float16", 64, 128, 128, True).compiled().block_n == 128
     small = DeviceInfo((8, 9), 99 * 1024)
     for D, want in ((32, (128, 128)), (64, (128, 128)), (96, (128, 64)), (128, (128, 64))):
@@ -241,13 +243,14 @@ def test_128_key_tiles():
 def test_128_key_tile_forward_compiles_no_kernel_of_its_own():
     """Every spec's kernels are compiled, each once: the forwards of (128, 128) add none."""
     import varlen.backends.cupy.compile as _cupy_compile
-    names = {(arch, n) for arch, group, _ in _cupy_compile.compile_groups() for n in group}
+    names = {(arch, n) for arch, group, _ in _cupy_compile.compile_groups(_cupy_mma.all_specs())
+             for n in group}
     specs = _cupy_mma.all_specs()
     assert {(arch, n) for s in specs for n in s.name_expressions
             for arch in _cupy_spec.ARCHS} == names
     wide = [s for s in specs if s.kind == "fwd" and s.block_n == 128]
     assert wide and all(s.compiled() in specs for s in wide)
-    # varlen_fwd<T, D, BM, BN, HAS_SOFTCAP>
+    # varlen_fwd<T, D, BM, BN, HAS_SOFTCAP, KN, STAGES>
     assert not [n for _, n in names if n.startswith("varlen_fwd<") and n.split(", ")[3] == "128"]
 
 
@@ -261,7 +264,7 @@ def test_spec_names_and_cache_key():
                      "varlen_bwd_dkdv<__nv_bfloat16, 128, 64, 32, true, true, true>",
                      "varlen_bwd_dq_convert<__nv_bfloat16>")
     assert KernelSpec("fwd", "float16", 64, 64, 64, False).name_expressions == (
-        "varlen_fwd<__half, 64, 64, 64, false>",)
+        "varlen_fwd<__half, 64, 64, 64, false, 64, 3>",)
     assert any(o.startswith("-DVARLEN_SOURCE_HASH=") for o in _cupy_compile.compile_options())
 
 
@@ -308,7 +311,7 @@ def test_emulation_refuses_a_struct_of_the_wrong_size():
     PlanView dtype missing a field is refused before the kernel runs."""
     import numpy as np
     from emulation.cupy import _Kernel
-    kernel = _Kernel("varlen_fwd<__half, 64, 64, 64, false>", block_m=64)
+    kernel = _Kernel("varlen_fwd<__half, 64, 64, 64, false, 64, 3>", block_m=64)
     short = np.dtype([(n, _cupy_launch.PLAN_VIEW_DTYPE.fields[n][0])
                       for n in _cupy_launch.PLAN_VIEW_DTYPE.names[:-1]], align=True)
     data = [np.zeros((1, 1, 64), np.float16) for _ in range(4)] + [np.zeros((1, 1), np.float32)]

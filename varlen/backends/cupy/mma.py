@@ -123,11 +123,15 @@ class KernelSpec(Variant):
         return self
 
     def fwd_name(self) -> str:
+        """`varlen_fwd<T, D, BM, BN, HAS_SOFTCAP, KN, STAGES>`: the key chunk and stages of
+        `traits.tile_size`, which FwdConfig checks."""
         return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.fwd_block_n}, "
-                f"{cxx_bool(self.softcap)}>")
+                f"{cxx_bool(self.softcap)}, {self.fwd_chunk}, {self.fwd_stages}>")
 
     def dkdv_name(self, ordered_dq: bool = False) -> str:
-        """Both dQ modes add dQ in the kernel (ATOMIC_DQ = true); ordered_dq fixes the order."""
+        """`varlen_bwd_dkdv<T, D, BN, BQ, HAS_SOFTCAP, ATOMIC_DQ, ORDERED_DQ>`, BQ the query
+        chunk of `traits.tile_size`. Both dQ modes add dQ in the kernel (ATOMIC_DQ = true);
+        ordered_dq fixes the order."""
         ordered = ", true" if ordered_dq else ""
         return (f"varlen_bwd_dkdv<{self.ctype}, {self.head_dim}, {self.block_n}, "
                 f"{self.bwd_query_chunk}, {cxx_bool(self.softcap)}, true{ordered}>")
