@@ -8,10 +8,11 @@ The kernel sources are compiled with g++ (`-DVARLEN_HOST_EMULATION`, see
 primitives (ldmatrix, mma.sync, shuffles) emulated from the PTX ISA's fragment layouts. The
 real launchers of `varlen.backends.cupy` drive them: a stand-in `cupy` module turns each kernel
 launch into a call of the emulated kernel with the very argument tuple a GPU launch would
-get, passed as a GPU launch passes it (a pointer to each argument's bytes; the `PlanView` and
-`CallParams` structs by value), each argument's size checked against its parameter's. So
-argument order, struct layouts, scalar types, grids, shared-memory sizes (and the >48 KiB
-opt-in) are exercised too. Fresh buffers are NaN-filled; results are compared with the
+get, passed as a GPU launch passes it (a pointer to each argument's bytes; the `FwdParams` or
+`BwdParams` struct, and the sm_90a kernels' tensor maps, by value), each argument's size
+checked against its parameter's. So argument order, struct layouts, scalar types, grids,
+shared-memory sizes (and the >48 KiB opt-in) are exercised too, and the launchers' choice of
+reading a view where it lies (`launch.data`, run on the host arrays). Fresh buffers are NaN-filled; results are compared with the
 float64 reference (`varlen.testing`, STYLE.md tolerances).
 
 Besides the kernels' logic (fragment indexing, schedule walking, masks, online softmax,
@@ -202,9 +203,9 @@ class _Kernel:
             D, BN, SC = int(a[1]), int(a[2]), a[4]
             # ordered dQ (a 7th argument, true) is atomic dQ in a fixed order
             kind += "_ordered" if a[6:] == ["true"] else "_atomic" if a[5] == "true" else ""
-        elif kind == "varlen_bwd_preprocess":
+        elif kind in ("varlen_bwd_preprocess", "varlen_bwd_dq_convert"):
             D = int(a[1])
-        elif kind != "varlen_bwd_dq_convert":
+        else:
             raise AssertionError(f"unknown kernel {name}")
         # the dK/dV kernel's query chunk everywhere, so that one library serves the variant
         bq = (int(a[3]) if kind.startswith("varlen_bwd_dkdv")
@@ -335,13 +336,16 @@ def watch_host_reads():
         _watching = False
 
 
-def _host_data(a):
-    """`launch.data` for host arrays: contiguous, 16-byte aligned (the emulated
-    cp.async checks the alignment of every global address, as the GPU requires)."""
-    a = np.ascontiguousarray(a)
-    if a.ctypes.data % 16:
-        a = a.copy()
-    return _device(a)
+# The launchers' policy for their inputs (a view read where it lies, else a packed copy and a
+# warning), which the stand-in runs on host arrays.
+_launch_data = cupy_launch.data
+
+
+def _host_data(a, name, **kw):
+    """`launch.data` for host arrays: the launchers' own policy, on the host addresses (the
+    emulated cp.async and TMA check the alignment of every global address, as the GPU does),
+    the result a stand-in device array."""
+    return _device(_launch_data(a, name, **kw))
 
 
 class _Device:
@@ -395,7 +399,7 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
     from varlen.backends.cupy import plan as cupy_plan
     cupy_launch._modules.clear()
     cupy_plan._modules.clear()
-    cupy_launch.data = _host_data                    # host arrays have no device pointer
+    cupy_launch.data = _host_data                    # host arrays as stand-in device arrays
     cupy_launch.address = lambda a: 0 if a is None else a.ctypes.data
     set_nan_fill(True)                               # an unwritten output element shows
     return fake

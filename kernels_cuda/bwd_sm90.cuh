@@ -311,12 +311,12 @@ __device__ __forceinline__ void store_fragment_rows(const float (&acc)[NB][4],
 // DC p .. DC p + DC - 1 (g = c / COL_PARTS, p = c % COL_PARTS). `w` is the warp's slot among
 // the consumer warps (row0: the key row of its fragment's row 0 in the tile).
 template <typename T, typename Cfg, bool HAS_SOFTCAP, bool ORDERED_DQ>
-__device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm, T* dk, T* dv,
-                                                  float* dq_accum, int* dq_order,
-                                                  const PlanView& plan,
-                                                  const CallParams& call, const TileInfo& tile,
+__device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
+                                                  const BwdParams& params, const TileInfo& tile,
                                                   int i_khead, int group, int c_wg,
                                                   const WarpSlot& w) {
+    const PlanView& plan = params.plan;
+    const CallParams& call = params.call;
     constexpr int STAGES = Cfg::STAGES, BN = Cfg::BN, BQ = Cfg::BQ, D = Cfg::D, DC = Cfg::DC;
     constexpr uint32_t ROW = Cfg::BOX_ROW_BYTES;
     constexpr uint32_t BOX_KV = BN * ROW;       // bytes per box of 64 columns
@@ -494,9 +494,10 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
 
         // dQ [BQ, DQ_WIDTH] += dS K over this warpgroup's DQ_KEYS keys and columns, DQ_COLS at a
         // time
-        HeadRows<float> dq_rows = head_rows<D>(dq_accum, call.Hq, i_khead * group + c.head);
+        HeadRows<float> dq_rows = head_rows(params.dq_accum, packed_strides<D>(call.Hq),
+                                            i_khead * group + c.head);
         dq_rows.p += dq_box0() * Cfg::DQ_COLS;
-        const OrderedDq order{dq_order, plan, call, tile, i_khead * group};
+        const OrderedDq order{params.dq_order, plan, call, tile, i_khead * group};
         if constexpr (ORDERED_DQ) {
             order.acquire(c, leader());
             sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);   // every adder after the wait
@@ -530,8 +531,8 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
             });
         }
     }
-    HeadRows<T> dk_rows = head_rows<D>(dk, call.Hk, i_khead);
-    HeadRows<T> dv_rows = head_rows<D>(dv, call.Hk, i_khead);
+    HeadRows<T> dk_rows = head_rows(static_cast<T*>(params.dk), params.dk_strides, i_khead);
+    HeadRows<T> dv_rows = head_rows(static_cast<T*>(params.dv), params.dv_strides, i_khead);
     dk_rows.p += col_box0 * Cfg::BOX_COLS;
     dv_rows.p += col_box0 * Cfg::BOX_COLS;
     store_fragment_rows<T>(acc_dk, dk_rows, tile.row + w.row0, tile.rows - w.row0, w.lane);
@@ -542,27 +543,23 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
 
 using namespace varlen;
 
-// Tensor maps (made by the launcher, varlen/backends/_cupy_sm90_bwd.py): 3D over the packed
-// arrays, dims (D, H, T) innermost first, box (64, 1, BQ) for Q and dO and (64, 1, BN) for K and
-// V, 128B swizzle, zero fill past row T.
+// Tensor maps (made by the launcher, varlen/backends/cupy/sm90.py, from the pointers and strides
+// of params): 3D over the arrays, dims (D, H, T) innermost first, strides those of the heads and
+// rows, box (64, 1, BQ) for Q and dO and (64, 1, BN) for K and V, 128B swizzle, zero fill past
+// row T. The other arrays (lse2, delta, dk, dv, dq_accum, dq_order) through params.
 template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ORDERED_DQ>
 __global__ void __launch_bounds__(BwdSm90Config<D, BN, BQ>::NUM_THREADS, 1)
 varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq, Hq, D]
                      const __grid_constant__ sm90::TensorMap map_k,    // k [Tk, Hk, D]
                      const __grid_constant__ sm90::TensorMap map_v,    // v [Tk, Hk, D]
                      const __grid_constant__ sm90::TensorMap map_do,   // dout [Tq, Hq, D]
-                     const float* __restrict__ lse2,     // [Hq, Tq] base-2 lse, +inf: no key
-                     const float* __restrict__ delta,    // [Hq, Tq]
-                     T* __restrict__ dk,                 // [Tk, Hk, D]
-                     T* __restrict__ dv,                 // [Tk, Hk, D]
-                     float* __restrict__ dq_accum,       // [Tq, Hq, D]
-                     int* __restrict__ dq_order,         // [Hq + 1, Tq]: ORDERED_DQ only
-                     const PlanView plan, const CallParams call) {
+                     const BwdParams params) {
     using Cfg = BwdSm90Config<D, BN, BQ>;
+    const PlanView& plan = params.plan;
     const int i_tile = blockIdx.x, i_khead = blockIdx.y;
     const TileInfo tile = load_tile(plan.k_tiles, i_tile);
     if (tile.seq < 0) return;
-    const int group = call.Hq / call.Hk;
+    const int group = params.call.Hq / params.call.Hk;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t misalign = sm90::smem_addr(smem_raw) % Cfg::ALIGN;
@@ -582,8 +579,8 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
 
     if (threadIdx.x < Cfg::WG_THREADS) {
         sm90::setmaxnreg<Cfg::PRODUCER_REGS, false>();
-        bwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, &map_do, lse2, delta, sm, plan, tile,
-                                  i_tile, i_khead, group);
+        bwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, &map_do, params.lse2, params.delta,
+                                  sm, plan, tile, i_tile, i_khead, group);
     } else {
         sm90::setmaxnreg<Cfg::CONSUMER_REGS, true>();
         const int t = threadIdx.x - Cfg::WG_THREADS;
@@ -594,8 +591,7 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
         const int key_warp = Cfg::COL_PARTS == 1 ? t / WARP_SIZE
                                                  : c_wg / Cfg::COL_PARTS * 4 + t / WARP_SIZE % 4;
         const WarpSlot w{t % WARP_SIZE, t / WARP_SIZE, key_warp * WARP_ROWS};
-        bwd_sm90_consumer<T, Cfg, HAS_SOFTCAP, ORDERED_DQ>(sm, dk, dv, dq_accum, dq_order, plan,
-                                                           call, tile, i_khead, group, c_wg,
-                                                           w);
+        bwd_sm90_consumer<T, Cfg, HAS_SOFTCAP, ORDERED_DQ>(sm, params, tile, i_khead, group,
+                                                           c_wg, w);
     }
 }

@@ -121,33 +121,35 @@ struct QOperand {
 
 // Where a query tile's output goes: row r of the tile is position first + r / PACK of query
 // head head0 + r % PACK (PACK > 1: the packed heads of fwd_sm90), `rows` of them present.
-// 64-bit offsets (T * H * D may exceed 2^31).
+// 64-bit offsets (T * H * D may exceed 2^31). The tile's first row is addressed once and its
+// rows from there (with the first row's offset added per row, the sm_90a forward spilled 24 B
+// at D = 128, BM = 64 with a softcap once the strides came from the params).
 template <typename T, int D, int PACK = 1>
 struct TileOutput {
-    T* out;               // out [0][head0]
-    float* lse;           // lse [head0][0]
-    int64_t out_stride;   // Hq D: one position further
-    int64_t lse_stride;   // Tq: one head further
-    int first;            // the tile's first packed row
+    T* out;               // out [first][head0]: the tile's first row
+    float* lse;           // lse [head0][first]
+    int out_stride;       // one position further (Strides::row of out)
+    int head_stride;      // one head further (Strides::head of out; PACK > 1)
+    int64_t lse_stride;   // one head further in lse (PACK > 1)
     int rows;
 
     __device__ __forceinline__ T* row(int r) const {
-        return out + static_cast<int64_t>(first + r / PACK) * out_stride + (r % PACK) * D;
+        return out + static_cast<int64_t>(r / PACK) * out_stride +
+               static_cast<int64_t>(r % PACK) * head_stride;
     }
     __device__ __forceinline__ float* lse_at(int r) const {
-        return lse + static_cast<int64_t>(r % PACK) * lse_stride + (first + r / PACK);
+        return lse + static_cast<int64_t>(r % PACK) * lse_stride + r / PACK;
     }
 };
 
 template <typename T, int D, int PACK = 1>
-__device__ __forceinline__ TileOutput<T, D, PACK> tile_output(T* out, float* lse,
-                                                              const PlanView& plan,
-                                                              const CallParams& call,
+__device__ __forceinline__ TileOutput<T, D, PACK> tile_output(const FwdParams& params,
                                                               const TileInfo& tile, int head0) {
-    return TileOutput<T, D, PACK>{out + static_cast<int64_t>(head0) * D,
-                                  lse + static_cast<int64_t>(head0) * plan.rows_q,
-                                  static_cast<int64_t>(call.Hq) * D, plan.rows_q, tile.row,
-                                  tile.rows * PACK};
+    const Strides& s = params.out_strides;
+    T* out = static_cast<T*>(params.out) + static_cast<int64_t>(tile.row) * s.row +
+             static_cast<int64_t>(head0) * s.head;
+    float* lse = params.lse + static_cast<int64_t>(head0) * params.lse_stride + tile.row;
+    return TileOutput<T, D, PACK>{out, lse, s.row, s.head, params.lse_stride, tile.rows * PACK};
 }
 
 // O / l of this warp's rows, through its rows of the Q buffer, and their natural-log lse (one
@@ -179,15 +181,16 @@ using namespace varlen;
 
 // Pad block i_pad of a forward grid of NUM_THREADS-thread blocks: out 0 and lse -inf on the
 // rows of its windows that no query tile covers (for_each_pad_run).
-template <int D, int NUM_THREADS, typename T>
-__device__ __forceinline__ void write_forward_pad_rows(T* out, float* lse, const PlanView& plan,
-                                                       const CallParams& call, int i_pad) {
+template <typename T, int D, int NUM_THREADS>
+__device__ __forceinline__ void write_forward_pad_rows(const FwdParams& params, int i_pad) {
+    const PlanView& plan = params.plan;
+    const int Hq = params.call.Hq;
     for_each_pad_run(plan.q_tiles, plan.num_q_tiles, plan.rows_q, pad_window<NUM_THREADS>(i_pad),
                      [&](int64_t begin, int64_t end) {
-        zero_rows(out, static_cast<int64_t>(call.Hq) * D, begin, end);
+        zero_head_rows<D>(static_cast<T*>(params.out), params.out_strides, Hq, begin, end);
         #pragma unroll 1
-        for (int h = 0; h < call.Hq; ++h) {
-            float* p_lse = lse + static_cast<int64_t>(h) * plan.rows_q;
+        for (int h = 0; h < Hq; ++h) {
+            float* p_lse = params.lse + static_cast<int64_t>(h) * params.lse_stride;
             #pragma unroll 1
             for (int64_t r = begin; r < end; ++r) p_lse[r] = neg_inf();
         }
@@ -197,19 +200,16 @@ __device__ __forceinline__ void write_forward_pad_rows(T* out, float* lse, const
 template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int STAGES>
 __global__ void __launch_bounds__(FwdConfig<D, BM, BN, KN, STAGES>::NUM_THREADS,
                                   FwdConfig<D, BM, BN, KN, STAGES>::MIN_BLOCKS)
-varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
-           const T* __restrict__ k,           // [Tk, Hk, D]
-           const T* __restrict__ v,           // [Tk, Hk, D]
-           T* __restrict__ out,               // [Tq, Hq, D]
-           float* __restrict__ lse,           // [Hq, Tq]
-           const PlanView plan, const CallParams call) {
+varlen_fwd(const FwdParams params) {
     using Cfg = FwdConfig<D, BM, BN, KN, STAGES>;
     constexpr int MT = Cfg::MT;
+    const PlanView& plan = params.plan;
+    const CallParams& call = params.call;
     // The pad blocks come first in the grid: query tiles run in reverse slot order (TileBlock).
     const int i_pad = pad_block_index(static_cast<int>(gridDim.x - 1 - blockIdx.x),
                                       plan.num_q_tiles);
     if (i_pad >= 0) {
-        write_forward_pad_rows<D, Cfg::NUM_THREADS>(out, lse, plan, call, i_pad);
+        write_forward_pad_rows<T, D, Cfg::NUM_THREADS>(params, i_pad);
         return;
     }
     const TileBlock<false, Cfg::WARP_M> b(plan, call);
@@ -218,9 +218,11 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* s_q = reinterpret_cast<T*>(smem_raw);                          // [BM][STRIDE]
-    const KvStages<T, D, KN, Cfg::NUM_THREADS, STAGES> kv(s_q + BM * Cfg::STRIDE, k, v,
-                                                               call.Hk, b.i_khead);
-    b.template load_rows<BM, D, Cfg::NUM_THREADS>(s_q, q, call.Hq);
+    const KvStages<T, D, KN, Cfg::NUM_THREADS, STAGES> kv(
+        s_q + BM * Cfg::STRIDE, static_cast<const T*>(params.k), params.k_strides,
+        static_cast<const T*>(params.v), params.v_strides, b.i_khead);
+    b.template load_rows<BM, D, Cfg::NUM_THREADS>(s_q, static_cast<const T*>(params.q),
+                                                  params.q_strides);
     cp_async_commit();
     PartnerCursor<KN> keys = key_cursor<KN>(plan, b.i_tile);
     using Pipeline = KvPipeline<STAGES, KN>;
@@ -267,5 +269,5 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
         }, kv.v_at(stage), 0, w.lane);
     });
     store_output<T, D, Cfg::STRIDE>(acc_o, softmax, s_q,
-                                    tile_output<T, D>(out, lse, plan, call, b.tile, b.i_head), w);
+                                    tile_output<T, D>(params, b.tile, b.i_head), w);
 }

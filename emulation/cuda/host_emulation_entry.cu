@@ -6,7 +6,7 @@
 //
 // Arguments travel as a GPU launch passes them (cuLaunchKernel's kernelParams): an array of
 // pointers, one per kernel parameter, each to that parameter's bytes; the kernel then gets
-// every parameter by value, the PlanView and CallParams structs included. emu_param_sizes
+// every parameter by value, the FwdParams and BwdParams structs included. emu_param_sizes
 // states each parameter's size, so the caller can refuse an argument of the wrong size.
 #include <cstddef>
 #include <cstring>
@@ -59,7 +59,7 @@ const Kernel KERNELS[] = {
     VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic", varlen_bwd_dkdv<T, D, BN, BQ, SC, true>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true>),
-    VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T, D>),
     VARLEN_EMU_KERNEL("varlen_plan_scan", varlen_plan_scan),
     VARLEN_EMU_KERNEL("varlen_plan_tiles", varlen_plan_tiles),
 };
