@@ -50,8 +50,10 @@ varlen_bwd_preprocess(const BwdParams params) {
          pair < pairs; pair += step) {
         const int64_t row = pair / Hq;
         const int head = static_cast<int>(pair % Hq);
-        const T* p_o = out + row * params.out_strides.row + head * params.out_strides.head;
-        const T* p_do = dout + row * params.dout_strides.row + head * params.dout_strides.head;
+        const T* p_o = out + row * params.out_strides.row +
+                       static_cast<int64_t>(head) * params.out_strides.head;
+        const T* p_do = dout + row * params.dout_strides.row +
+                        static_cast<int64_t>(head) * params.dout_strides.head;
         float sum = 0.f;
         #pragma unroll
         for (int i = 0; i < D / WARP_SIZE; ++i) {
@@ -122,7 +124,8 @@ varlen_bwd_dq_convert(const BwdParams params) {
         #pragma unroll 1
         for (int j = threadIdx.x; j < row_elems; j += CONVERT_THREADS) {
             const int h = j / D;
-            dst[h * params.dq_strides.head + (j - h * D)] = ElemTraits<T>::from_float(src[j]);
+            dst[static_cast<int64_t>(h) * params.dq_strides.head + (j - h * D)] =
+                ElemTraits<T>::from_float(src[j]);
         }
     }
 }
