@@ -150,7 +150,8 @@ def test_host_smem_matches_kernel_layout():
     for s in _cupy_mma.all_specs():
         if s.kind == "fwd":
             lines.append(f"static_assert(2 * FwdConfig<{s.head_dim}, {s.block_m}, "
-                         f"{s.block_n}>::SMEM_ELEMS == {s.fwd_smem()}, \"{s.label} fwd\");")
+                         f"{s.fwd_block_n}, {s.fwd_chunk}, {s.fwd_stages}>::SMEM_ELEMS == "
+                         f"{s.fwd_smem()}, \"{s.label} fwd\");")
             continue
         cfg = f"DkdvConfig<{s.head_dim}, {s.block_n}, {s.bwd_query_chunk}, true>"
         lines.append(f"static_assert(2 * {cfg}::T_ELEMS + 4 * {cfg}::F_ELEMS == "
@@ -230,7 +231,7 @@ def test_128_key_tiles():
     fwd = KernelSpec("fwd", "float16", 64, 128, 128, True)
     assert fwd.compiled() == KernelSpec("fwd", "float16", 64, 128, 64, True)
     assert fwd.name_expressions == fwd.compiled().name_expressions == (
-        "varlen_fwd<__half, 64, 128, 64, true>",)
+        "varlen_fwd<__half, 64, 128, 64, true, 64, 3>",)
     assert KernelSpec("bwd", "float16", 64, 128, 128, True).compiled().block_n == 128
     small = DeviceInfo((8, 9), 99 * 1024)
     for D, want in ((32, (128, 128)), (64, (128, 128)), (96, (128, 64)), (128, (128, 64))):
@@ -248,7 +249,7 @@ def test_128_key_tile_forward_compiles_no_kernel_of_its_own():
             for arch in _cupy_traits.ARCHS} == names
     wide = [s for s in specs if s.kind == "fwd" and s.block_n == 128]
     assert wide and all(s.compiled() in specs for s in wide)
-    # varlen_fwd<T, D, BM, BN, HAS_SOFTCAP>
+    # varlen_fwd<T, D, BM, BN, HAS_SOFTCAP, KN, STAGES>
     assert not [n for _, n in names if n.startswith("varlen_fwd<") and n.split(", ")[3] == "128"]
 
 
@@ -260,9 +261,9 @@ def test_spec_names_and_cache_key():
     assert names == ("varlen_bwd_preprocess<__nv_bfloat16, 128>",
                      "varlen_bwd_dkdv<__nv_bfloat16, 128, 64, 32, true, true>",
                      "varlen_bwd_dkdv<__nv_bfloat16, 128, 64, 32, true, true, true>",
-                     "varlen_bwd_dq_convert<__nv_bfloat16>")
+                     "varlen_bwd_dq_convert<__nv_bfloat16, 128>")
     assert KernelSpec("fwd", "float16", 64, 64, 64, False).name_expressions == (
-        "varlen_fwd<__half, 64, 64, 64, false>",)
+        "varlen_fwd<__half, 64, 64, 64, false, 64, 3>",)
     assert any(o.startswith("-DVARLEN_SOURCE_HASH=") for o in _cupy_compile.compile_options())
 
 
@@ -274,12 +275,12 @@ needs_cxx = pytest.mark.skipif(shutil.which(CXX) is None,
 @needs_cxx
 def test_struct_dtypes_match_the_c_structs(tmp_path):
     """The launchers' NumPy dtypes have the size, alignment and field offsets of the structs
-    of kernels_cuda/plan_view.cuh (field by field, by name), and PlanView has KernelView's
-    fields in order."""
+    of kernels_cuda/plan_view.cuh and params.cuh (field by field, by name), and PlanView has
+    KernelView's fields in order."""
     from varlen.kernels_cuda import SOURCE_DIR
     from varlen.plan import KernelView
     assert _cupy_launch.PLAN_VIEW_DTYPE.names == KernelView._fields
-    lines = ["#include <cstddef>", "#include <cstdio>", '#include "plan_view.cuh"',
+    lines = ["#include <cstddef>", "#include <cstdio>", '#include "params.cuh"',
              "int main() {"]
     for struct, dtype in _cupy_launch.STRUCT_DTYPES.items():
         c = f"varlen::{struct}"
@@ -306,19 +307,17 @@ def test_struct_dtypes_match_the_c_structs(tmp_path):
 @needs_cxx
 def test_emulation_refuses_a_struct_of_the_wrong_size():
     """The emulated launch checks every argument's size against its kernel parameter: a
-    PlanView dtype missing a field is refused before the kernel runs."""
+    FwdParams dtype missing a field is refused before the kernel runs."""
     import numpy as np
     from emulation.cupy import _Kernel
-    kernel = _Kernel("varlen_fwd<__half, 64, 64, 64, false>", block_m=64)
-    short = np.dtype([(n, _cupy_launch.PLAN_VIEW_DTYPE.fields[n][0])
-                      for n in _cupy_launch.PLAN_VIEW_DTYPE.names[:-1]], align=True)
-    data = [np.zeros((1, 1, 64), np.float16) for _ in range(4)] + [np.zeros((1, 1), np.float32)]
-    call = np.zeros((), _cupy_launch.CALL_PARAMS_DTYPE)
-    full = _cupy_launch.PLAN_VIEW_DTYPE.itemsize
-    with pytest.raises(TypeError, match=f"argument 5 .*{short.itemsize} B.* has {full} B"):
-        kernel((1, 1), (128,), (*data, np.zeros((), short), call))
-    with pytest.raises(TypeError, match="6 arguments for 7 parameters"):
-        kernel((1, 1), (128,), (*data[:4], np.zeros((), _cupy_launch.PLAN_VIEW_DTYPE), call))
+    kernel = _Kernel("varlen_fwd<__half, 64, 64, 64, false, 64, 3>", block_m=64)
+    full = _cupy_launch.FWD_PARAMS_DTYPE
+    short = np.dtype([(n, full.fields[n][0]) for n in full.names[:-1]], align=True)
+    with pytest.raises(TypeError, match=f"argument 0 .*{short.itemsize} B.* has "
+                                        f"{full.itemsize} B"):
+        kernel((1, 1), (128,), (np.zeros((), short),))
+    with pytest.raises(TypeError, match="2 arguments for 1 parameters"):
+        kernel((1, 1), (128,), (np.zeros((), full), np.zeros((), full)))
 
 
 @needs_cxx

@@ -247,7 +247,8 @@ def _case_large_offsets():
     out = _sparse((Tq, Hq, D), np.float16)
     lse = np.full((Hq, Tq), np.nan, np.float32)
     _cupy_mma.module(spec_for(plan, q, kind="fwd", softcap=0.0)).launch(
-        "fwd", grid=(plan.num_q_tiles, Hq), args=(q, k, v, out, lse, plan_arg.struct, call))
+        "fwd", grid=(plan.num_q_tiles, Hq),
+        args=(_cupy_launch.fwd_params_arg(plan_arg, call, q=q, k=k, v=v, out=out, lse=lse),))
     _assert_finite_close("out rows past 2**31 elements", out[rq], ref_out, 2e-2)
     _assert_finite_close("lse", lse[:, rq], ref_lse, 2e-2)
     assert np.isfinite(out[rq]).all() and np.isfinite(lse[:, rq]).all(), "unwritten rows"
@@ -259,12 +260,14 @@ def _case_large_offsets():
     lse2, delta = np.zeros((Hq, Tq), np.float32), np.zeros((Hq, Tq), np.float32)
     lse2[:, rq] = lse[:, rq] * math.log2(math.e)
     delta[:, rq] = (out[rq].astype(np.float32) * dout[rq].astype(np.float32)).sum(-1).T
-    inputs = (q, k, v, dout, lse2, delta)
     dk, dv = np.zeros(k.shape, np.float16), np.zeros(v.shape, np.float16)
     dq_accum = np.zeros((Tq, Hq, D), np.float32)
-    null = _cupy_launch.pointer(None)
-    module.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk),
-                  args=(*inputs, dk, dv, dq_accum, null, plan_arg.struct, call))
+
+    def params(dq_accum, dq_order):
+        return _cupy_launch.bwd_params_arg(plan_arg, call, q=q, k=k, v=v, out=None, dout=dout,
+                                           lse=None, lse2=lse2, delta=delta, dq_accum=dq_accum,
+                                           dq_order=dq_order, dq=None, dk=dk, dv=dv)
+    module.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk), args=(params(dq_accum, None),))
     # ordered dQ: the counters (zero) and the query tile slot of each row, as the
     # preprocessing writes them (kernels_cuda/bwd_dq_ordered.cuh)
     dq_order = _sparse((Hq + 1, Tq), np.int32)
@@ -272,7 +275,7 @@ def _case_large_offsets():
         dq_order[Hq, row:row + rows] = slot
     dq_ordered = np.zeros((Tq, Hq, D), np.float32)
     module.launch("dkdv_ordered", grid=(plan.num_k_tiles, Hk),
-                  args=(*inputs, dk, dv, dq_ordered, dq_order, plan_arg.struct, call))
+                  args=(params(dq_ordered, dq_order),))
     for name, got, want in (("dq (atomic)", dq_accum[rq], ref_grads[0]),
                             ("dq (ordered)", dq_ordered[rq], ref_grads[0]),
                             ("dk", dk[rk], ref_grads[1]), ("dv", dv[rk], ref_grads[2])):
@@ -321,13 +324,15 @@ def _case_large_pad_offsets():
     lse = np.full((H, T), np.nan, np.float32)
     fwd = _cupy_mma.module(KernelSpec("fwd", "bfloat16", D, 128, 64, False))
     fwd.launch("fwd", grid=_cupy_mma._tile_grid(fwd, "fwd", 1, T, H),
-               args=(q, k, v, out, lse, hand_plan(T, 0).struct, call))
+               args=(_cupy_launch.fwd_params_arg(hand_plan(T, 0), call, q=q, k=k, v=v, out=out,
+                                                 lse=lse),))
     bwd = _cupy_mma.module(KernelSpec("bwd", "bfloat16", D, 128, 64, False))
     none = np.zeros((H, 1), np.float32)                             # no query rows
-    null = _cupy_launch.pointer(None)
     blocks = -(-_cupy_mma._pad_windows(T) // bwd.kernels["preprocess"].threads)
     bwd.launch("preprocess", grid=(blocks,),
-               args=(q, q, none, none, none, null, dk, dv, null, hand_plan(0, T).struct, call))
+               args=(_cupy_launch.bwd_params_arg(
+                   hand_plan(0, T), call, q=q, k=k, v=v, out=q, dout=q, lse=none, lse2=none,
+                   delta=none, dq_accum=None, dq_order=None, dq=None, dk=dk, dv=dv),))
     for name, a in (("out", out), ("dk", dk), ("dv", dv)):
         a = a[first_pad - 1:].astype(np.float32)
         assert (a[1:] == 0).all(), f"{name}: pad rows past 2**31 elements not 0"
@@ -378,8 +383,10 @@ def _case_long_sequence():
     out = np.zeros((Lq, Hq, D), np.float16)
     lse = np.full((Hq, Lq), -np.inf, np.float32)
     module = _cupy_mma.module(KernelSpec("fwd", "float16", D, 64, bn, False))
-    module.launch("fwd", grid=(1, Hq), args=(q, k, v, out, lse, plan_arg.struct,
-                                             _cupy_launch.call_params_arg(Hq, Hk, scale, 0.0)))
+    call = _cupy_launch.call_params_arg(Hq, Hk, scale, 0.0)
+    module.launch("fwd", grid=(1, Hq),
+                  args=(_cupy_launch.fwd_params_arg(plan_arg, call, q=q, k=k, v=v, out=out,
+                                                    lse=lse),))
     # the same attention on the keys [first, Lk): query i sees keys i .. i + left of them
     cu_q, cu_k = np.array([0, Lq], np.int32), np.array([0, Lk - first], np.int32)
     mask = varlen.Mask(window_left=left, window_right=0, bottom_right=True)

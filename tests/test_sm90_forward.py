@@ -360,7 +360,8 @@ def test_sm90_tensor_map_arguments_are_what_the_driver_bindings_take():
     from varlen.backends.cupy.sm90 import encode_args
     for dtype, heads, box_heads in (("float16", 8, 4), ("bfloat16", 2, 1)):
         a = types.SimpleNamespace(shape=(1000, heads, 128), dtype=types.SimpleNamespace(
-            name=dtype, itemsize=2), data=types.SimpleNamespace(ptr=1 << 20))
+            name=dtype, itemsize=2), data=types.SimpleNamespace(ptr=1 << 20),
+            strides=(heads * 256, 256, 2))
         args = encode_args(a, 128 // box_heads, box_heads)
         assert [int(x) for x in args[3]] == [128, heads, 1000]
         assert [int(x) for x in args[4]] == [256, heads * 256]
