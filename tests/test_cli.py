@@ -40,7 +40,7 @@ def _cupy_sees_a_gpu() -> bool:
 
 HELP = {
     "varlen": (["-m", "varlen", "--help"], "demo"),
-    "varlen-demo": (["-m", "varlen", "demo", "--help"], "best backend"),
+    "varlen-demo": (["-m", "varlen", "demo", "--help"], "default backend"),
     "comm": (["-m", "varlen.comm", "--help"], "demo"),
     "comm-demo": (["-m", "varlen.comm", "demo", "--help"], "--ranks"),
     "bench": ([script("bench.py"), "--help"], "--runners"),
