@@ -16,10 +16,11 @@ import sys
 
 import pytest
 
+import varlen.backends.cupy.mma as _cupy_mma
 import varlen.backends.cupy.traits as _cupy_spec
-from varlen.backends._emulation_cases import (DEFAULT_BLOCKS, EMULATED_SM_COUNT,
-                                              default_variant_cases, grid_figures,
-                                              wide_head_dim_cases, wide_key_tile_cases)
+from emulation.cases import (H100_SM_COUNT, default_variant_cases, grid_figures,
+                             wide_head_dim_cases, wide_key_tile_cases)
+from varlen.backends.cupy.traits import DEFAULT_BLOCKS
 
 from helpers import ROOT, needs_cxx
 
@@ -31,7 +32,6 @@ RUNNER = """
 import sys
 from emulation.cupy import bank_counts, run_case
 from emulation.cases import case
-import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 run_case(**case(sys.argv[1]))
 ldsm, ldsm_conflicts, _, _ = bank_counts()
 assert ldsm > 0 and ldsm_conflicts == 0, f"ldmatrix: {ldsm_conflicts} extra wavefronts"
@@ -52,8 +52,8 @@ def test_cases_cover_the_shipped_defaults():
         assert {dt for dt, _ in got} == set(_cupy_spec.DTYPES) and (True in {s for _, s in got})
     assert all(c["block_m"] == 64 and c["gaps"] for c in WIDE_CASES)
     figures = [grid_figures(c) for c in CASES]
-    assert max(max(f["q_ctas"], f["k_ctas"]) for f in figures) > EMULATED_SM_COUNT, (
-        f"no case has more CTAs than the {EMULATED_SM_COUNT} SMs the emulation stands for")
+    assert max(max(f["q_ctas"], f["k_ctas"]) for f in figures) > H100_SM_COUNT, (
+        f"no case has more CTAs than the {H100_SM_COUNT} SMs of the GPU the emulation stands for")
     assert max(f["max_key_tiles"] for f in figures) >= 3, "no block visits 3 key tiles"
     assert max(f["max_query_tiles"] for f in figures) >= 2, (
         "no dK/dV block visits 2 query tiles (3 or more chunks)")
