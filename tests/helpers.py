@@ -1,5 +1,6 @@
 """Shared test helpers: adversarial packed batches and dtype-aware comparisons (from
-`varlen.testing`), and a forward-and-backward call through the public API.
+`varlen.testing`), a forward-and-backward call through the public API, the size of the sweeps
+(`cases`), and the runs of emulated cases in processes of their own.
 
 Tolerances follow STYLE.md: a backend's error against the float64 reference must be within a
 small factor (2x output, 3x gradients) of a naive same-dtype computation's error, plus a
@@ -19,6 +20,52 @@ import varlen
 from varlen.testing import (EPS, FLOOR_UNIT, Batch, assert_close, assert_lse,  # noqa: F401
                             check_against_reference, covered_rows, make_batch, naive_same_dtype,
                             np_dtype)
+
+
+# The size of the sweeps, as JAX's JAX_NUM_GENERATED_CASES: "quick" (the default) runs the part
+# of each large parametrisation that its `cases` call keeps, adversarial cases included; "full"
+# (CI: .ci/run) runs all of it.
+CASES_SIZE = os.environ.get("VARLEN_TEST_CASES", "quick")
+if CASES_SIZE not in ("quick", "full"):
+    raise ValueError(f"VARLEN_TEST_CASES={CASES_SIZE!r}; expected 'quick' or 'full'")
+
+
+def _key(item):
+    """What `cases` matches a quick choice against: a pytest.param's id, else the item."""
+    return item.id if isinstance(item, type(pytest.param(None))) else item
+
+
+def cases(full, quick, size=None):
+    """The parametrisation of a sweep at this run's size (`size`: "quick" or "full", default
+    VARLEN_TEST_CASES): all of `full`, or the items of it that `quick` keeps: a predicate of an
+    item, or a collection of items (pytest.param ids for params), each of which must be in
+    `full`. In `full`'s order."""
+    full = list(full)
+    if (size or CASES_SIZE) == "full":
+        return full
+    if callable(quick):
+        return [x for x in full if quick(x)]
+    quick = list(quick)
+    missing = [q for q in quick if q not in [_key(x) for x in full]]
+    if missing:
+        raise ValueError(f"quick cases {missing} are not among the full cases")
+    return [x for x in full if _key(x) in quick]
+
+
+def covering(*keys):
+    """A predicate for `cases` that keeps, in order, each item showing a value of one of
+    `keys` (functions of an item) that no kept item showed before: every value of every key
+    appears at least once. The predicate remembers what it kept: make one per sweep."""
+    seen = [set() for _ in keys]
+
+    def keep(item):
+        values = [key(item) for key in keys]
+        new = [v not in s for v, s in zip(values, seen)]
+        if any(new):
+            for v, s in zip(values, seen):
+                s.add(v)
+        return any(new)
+    return keep
 
 
 def fwd_bwd(batch: Batch, backend="numpy", **kw):
