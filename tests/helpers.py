@@ -85,7 +85,7 @@ needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is Non
 
 _CASE_RUNNER = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {emulation!r}]
 from {module} import run_case
 print("ok", sys.argv[1], f"{{run_case(sys.argv[1]):.1f}} s")
 """
@@ -112,7 +112,8 @@ def run_case_process(module: str, label: str, env=None) -> subprocess.CompletedP
     """`run_case(label)` of test module `module` in a fresh Python process (the host
     emulation replaces `cupy` there), `env` added to the environment; prints "ok LABEL".
     The caller asserts on the result."""
-    return subprocess.run([sys.executable, "-c", _CASE_RUNNER.format(tests=TESTS, module=module),
+    return subprocess.run([sys.executable, "-c", _CASE_RUNNER.format(
+        tests=TESTS, emulation=os.path.join(TESTS, "emulation"), module=module),
                            label], capture_output=True, text=True, timeout=1800, cwd=ROOT,
                           env={**os.environ, **(env or {})})
 

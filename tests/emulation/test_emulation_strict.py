@@ -21,8 +21,10 @@ import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-import emulation.mutations as emulation_mutations  # noqa: E402
+import emulation.mutations as emulation_mutations
+from emulation.cupy import EMULATION_DIR
+
+from helpers import ROOT
 
 CXX = os.environ.get("CXX", "g++")
 needs_cxx = pytest.mark.skipif(shutil.which(CXX) is None,
@@ -132,7 +134,8 @@ def programs(tmp_path_factory):
     for name, flags in (("plain", []), ("tsan", ["-fsanitize=thread", "-fno-builtin"])):
         exe = d / name
         subprocess.run([CXX, "-x", "c++", "-std=c++20", "-O1", "-pthread", *flags,
-                        "-DVARLEN_HOST_EMULATION", f"-I{SOURCE_DIR}", str(src), "-o", str(exe)],
+                        "-DVARLEN_HOST_EMULATION", f"-I{SOURCE_DIR}", f"-I{EMULATION_DIR}",
+                        str(src), "-o", str(exe)],
                        check=True)
         built[name] = str(exe)
     return built

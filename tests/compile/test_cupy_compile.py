@@ -17,7 +17,7 @@ from varlen.backends.cupy.mma import KernelSpec
 import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
 import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from helpers import ROOT
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
 

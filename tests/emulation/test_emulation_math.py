@@ -1,4 +1,4 @@
-"""The host emulation's GPU arithmetic (kernels_cuda/host_emulation_math.cuh) against the PTX
+"""The host emulation's GPU arithmetic (emulation/cuda/host_emulation_math.cuh) against the PTX
 ISA's stated bounds: each approximate special function within its bound and reaching it, flush to
 zero of subnormal inputs and results, the tensor-core accumulation model (exact products,
 alignment to the largest exponent with truncation, round toward zero, blocks of 16 or 8), and the
@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from varlen.kernels_cuda import SOURCE_DIR
+from emulation.cupy import EMULATION_DIR
 
 CXX = os.environ.get("CXX", "g++")
 pytestmark = pytest.mark.skipif(shutil.which(CXX) is None, reason="needs a C++20 compiler")
@@ -77,7 +77,7 @@ def _build(tmp_path_factory, defines=()):
     src = d / "probe.cc"
     src.write_text(PROBE)
     exe = d / "probe"
-    subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", f"-I{SOURCE_DIR}",
+    subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", f"-I{EMULATION_DIR}",
                     *(f"-D{x}" for x in defines), str(src), "-o", str(exe)], check=True)
     return str(exe)
 

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("mpi4py")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "comm_workers" / "run_cases.py"
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 

@@ -1,7 +1,7 @@
 """The Hopper primitives of kernels_cuda/sm90.cuh: their host emulation pinned against the PTX
 ISA's layouts, and their inline PTX assembled for sm_90a with NVRTC.
 
-The harness (tests/emulation_sm90_harness.cu) only moves data; every expectation here is written
+The harness (emulation/cuda/sm90_harness.cu) only moves data; every expectation here is written
 out by hand from the ISA: the wgmma D and A register fragments, the descriptor's bit fields, the
 TMA swizzle as (row, 16-byte chunk) permutations, a box with out-of-bounds rows, mbarrier phases
 and transaction counts, and products against NumPy with values whose float32 sums are exact.
@@ -20,7 +20,7 @@ import pytest
 import emulation.cupy as _cupy_emulation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HARNESS = os.path.join(HERE, "emulation_sm90_harness.cu")
+HARNESS = os.path.join(_cupy_emulation.EMULATION_DIR, "sm90_harness.cu")
 LANDING = _cupy_emulation.LANDING
 SWIZZLE = {"none": 0, "32B": 1, "64B": 2, "128B": 3}        # CUtensorMapSwizzle
 SWIZZLE_BYTES = {"none": 0, "32B": 32, "64B": 64, "128B": 128}
@@ -655,7 +655,7 @@ print("pipeline ok")
 
 def test_device_side_assembles_for_sm90a():
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    import varlen.backends.cupy.traits as _cupy_spec
+    import varlen.backends.cupy.compile as _cupy_compile
     with open(HARNESS, "rb") as f:
         src = f.read()
     err, prog = nvrtc.nvrtcCreateProgram(src, b"emulation_sm90_harness.cu", 0, [], [])

@@ -33,10 +33,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import emulate_script, needs_cxx
+from helpers import ROOT, emulate_script, needs_cxx
 import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SOURCE_DIR = os.path.join(ROOT, "kernels_cuda")
 # What a fresh dq_order buffer holds here, so that a counter the preprocessing does not zero
 # shows.
@@ -123,7 +122,7 @@ def test_release_before_the_barrier_aborts(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Emulated side: python tests/test_cupy_deterministic.py repeat LABEL [once] | cp
+# Emulated side: python tests/emulation/test_cupy_deterministic.py repeat LABEL [once] | cp
 # --------------------------------------------------------------------------------------------
 
 def _capture_dq_order():
