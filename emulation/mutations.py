@@ -28,14 +28,14 @@ from the third). Prints one line per mutation: the site, caught or not, by what,
 
 The sm_90a kernels (`fwd_sm90.cuh`, `bwd_sm90.cuh`) have sites of their own: every
 `mbar_wait`, `wgmma_wait<N>`, `wgmma_fence`, named barrier (`named_bar_sync`/`named_bar_arrive`),
-`fence_proxy_async`, `fence_barrier_init` and `__syncthreads()` call. The forward's run the
-pipeline's case of tests/emulation/test_sm90_forward.py (two consumer warpgroups in ping-pong,
-1 to 6 key chunks per query tile, partial chunks whose boxes hold NaN rows, a NaN in a present
-key; the persistent loop's 16 work items over 3 blocks, so Q's handshake and the ring's phases
-run across items), the backward's cases of tests/emulation/test_sm90_backward.py (two consumer
+`fence_proxy_async`, `fence_barrier_init` and `__syncthreads()` call. Their runs take cases of
+emulation/sm90_cases.py (`SM90_CASES`): the forward's, the pipeline's case (two consumer
+warpgroups in ping-pong, 1 to 6 key chunks per query tile, partial chunks whose boxes hold NaN
+rows, a NaN in a present key; the persistent loop's 16 work items over 3 blocks, so Q's
+handshake and the ring's phases run across items); the backward's, four cases (two consumer
 warpgroups, four query chunks per key tile: the ring wraps twice; a partial query chunk and a
-ragged key tile, NaN in the pad rows; then the deterministic mode, whose consumers' barrier
-orders the dQ additions), with the threads free-running:
+ragged key tile, NaN in the pad rows; D = 256; then the deterministic mode, whose consumers'
+barrier orders the dQ additions), with the threads free-running:
 
 1. TMA copies landing and wgmma operands read at the latest moment (`wait`);
 2. both at seeded random points (`random`, seed 1);
@@ -79,12 +79,11 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
         ("race", [*EMULATION, "--race"], {}),
         ("schedule, NaN case", EDGE_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"}),
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
-SM90_CASES = {"fwd_sm90.cuh": ("test_sm90_forward.py", ("B7-bf16-D64-BM128-chunks-1-2-3-6",)),
-              "bwd_sm90.cuh": ("test_sm90_backward.py", ("B2-bf16-D128-BN128-full-gqa",
-                                                         "B3-fp16-D64-BN128-deterministic-gqa",
-                                                         "B3-bf16-D256-softcap-gqa-nan",
-                                                         "B3-bf16-D128-BN128-deterministic-"
-                                                         "softcap-nan"))}
+# The cases of emulation/sm90_cases.py each sm_90a kernel source's sites run.
+SM90_CASES = {"fwd_sm90.cuh": ("B7-bf16-D64-BM128-chunks-1-2-3-6",),
+              "bwd_sm90.cuh": ("B2-bf16-D128-BN128-full-gqa", "B3-fp16-D64-BN128-deterministic-gqa",
+                               "B3-bf16-D256-softcap-gqa-nan",
+                               "B3-bf16-D128-BN128-deterministic-softcap-nan")}
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
 PLAN_CASE = [sys.executable, os.path.join(TESTS, "emulation", "test_plan_device.py"), "layout",
              "B300-many-mixed-16x8-shipped-threads"]
@@ -95,8 +94,7 @@ PLAN_RUNS = (("plan schedule", PLAN_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"
 
 def sm90_runs(name):
     """The runs of the case of sm_90a kernel source `name`."""
-    test, labels = SM90_CASES[name]
-    case = [sys.executable, os.path.join(TESTS, "emulation", test), *labels]
+    case = [sys.executable, "-m", "emulation.sm90_cases", *SM90_CASES[name]]
     return (("sm90 wait-landing", case, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "wait"}),
             ("sm90 random-landing", case, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "random",
                                            "VARLEN_EMULATION_SEED": "1"}),

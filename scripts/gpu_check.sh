@@ -31,9 +31,8 @@
 #   sm90_device  compute capability 9.0 (else nothing more runs, and the check fails)
 #   sm90_warm    every sm_90a variant the backend dispatches, built by NVRTC in parallel into
 #                the cubin cache (python -m varlen.backends.cupy.sm90)
-#   sm90_tests   the `gpu` cases of tests/emulation/test_sm90_forward.py and
-#                test_sm90_backward.py: the emulated cases' batches through the cubins and the
-#                driver's tensor maps
+#   sm90_tests   tests/gpu/test_sm90_gpu.py: the emulated cases' batches through the cubins
+#                and the driver's tensor maps
 #   sm90_parity  tests/gpu/test_cupy_gpu.py's reference parity (GQA packing chosen as it falls),
 #                deterministic repeatability, graph capture and the callers' stream
 #   sm90_{memcheck,synccheck}
@@ -212,8 +211,8 @@ elif [ "$MODE" = sm90a ]; then
     export VARLEN_CUPY_PATH=sm90a
     export VARLEN_SM90A_CACHE="${VARLEN_SM90A_CACHE:-${TMPDIR:-/tmp}/varlen_sm90a_cache}"
     run_step sm90_warm 50 "$PY" -m varlen.backends.cupy.sm90 16
-    run_step sm90_tests 120 "$PY" -m pytest -q -rfEs -m gpu tests/emulation/test_sm90_forward.py \
-        tests/emulation/test_sm90_backward.py --junitxml="$LOGS/sm90_tests.xml"
+    run_step sm90_tests 120 "$PY" -m pytest -q -rfEs -m gpu tests/gpu/test_sm90_gpu.py \
+        --junitxml="$LOGS/sm90_tests.xml"
     grep -q "[0-9] passed" "$LOGS/sm90_tests.log" || record sm90_tests_ran 5 0
     run_step sm90_parity 100 "$PY" -m pytest -q -rfEs tests/gpu/test_cupy_gpu.py \
         -k "matches_reference or deterministic or graph_capture or callers_stream" \

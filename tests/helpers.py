@@ -83,54 +83,58 @@ ROOT = os.path.dirname(TESTS)
 needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                                reason="needs a C++20 compiler")
 
-_CASE_RUNNER = """
-import sys
-sys.path[:0] = [{tests!r}, {emulation!r}]
-from {module} import run_case
-print("ok", sys.argv[1], f"{{run_case(sys.argv[1]):.1f}} s")
-"""
-
-
 # Exit status of an emulated case that cannot run on this machine (the test skips).
 SKIP_STATUS = 77
+# The emulation's mode settings (emulation/cupy.py), which `run_emulated(clean=True)` drops;
+# where it builds (VARLEN_EMULATION_DIR) and from which sources stay.
+EMULATION_MODE = ("VARLEN_EMULATION_RACE", "VARLEN_EMULATION_SCHEDULE", "VARLEN_EMULATION_SEED",
+                  "VARLEN_EMULATION_STRICT_BANKS", "VARLEN_EMULATION_TIMEOUT")
+
+
+def run_emulated(args, env=None, *, timeout: int = 1800,
+                 clean: bool = False) -> subprocess.CompletedProcess:
+    """`python ARGS` in a fresh process from the repository root (the host emulation replaces
+    `cupy` there), `env` added to the environment, without this process's emulation mode with
+    `clean`. The caller asserts on the result."""
+    base = {k: v for k, v in os.environ.items() if not (clean and k in EMULATION_MODE)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**base, **(env or {})})
+
+
+def emulate(args, env=None, *, timeout: int = 1800, clean: bool = False) -> str:
+    """`run_emulated`, asserting that it passed; its output. A run that exits with SKIP_STATUS
+    skips the test, with its last line of output as the reason."""
+    proc = run_emulated(args, env, timeout=timeout, clean=clean)
+    if proc.returncode == SKIP_STATUS:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, (f"emulated {' '.join(map(str, args))}:\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
 
 
 def emulate_script(path: str, *case, timeout: int = 900) -> str:
-    """Runs `case` of the test file `path`'s __main__ in a fresh process (the host emulation
-    replaces `cupy` there), asserting that it passed; its output. A case that exits with
-    SKIP_STATUS skips the test, with its last line of output as the reason."""
-    proc = subprocess.run([sys.executable, os.path.abspath(path), *case], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
-    if proc.returncode == SKIP_STATUS:
-        pytest.skip(proc.stdout.strip().splitlines()[-1])
-    assert proc.returncode == 0, (f"emulated case {' '.join(case)}:\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
-    return proc.stdout
+    """`emulate` of `case` of the test file `path`'s __main__."""
+    return emulate([os.path.abspath(path), *case], timeout=timeout)
 
 
-def run_case_process(module: str, label: str, env=None) -> subprocess.CompletedProcess:
-    """`run_case(label)` of test module `module` in a fresh Python process (the host
-    emulation replaces `cupy` there), `env` added to the environment; prints "ok LABEL".
-    The caller asserts on the result."""
-    return subprocess.run([sys.executable, "-c", _CASE_RUNNER.format(
-        tests=TESTS, emulation=os.path.join(TESTS, "emulation"), module=module),
-                           label], capture_output=True, text=True, timeout=1800, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+def mutated_sources(tmp_path, name: str, old: str, new: str):
+    """A copy of the kernel sources under `tmp_path` with the one `old` of kernel source `name`
+    replaced by `new`: the folder, for VARLEN_EMULATION_SOURCE_DIR."""
+    from varlen.kernels_cuda import SOURCE_DIR
+    src = tmp_path / "kernels_cuda"
+    shutil.copytree(SOURCE_DIR, src)
+    path = src / name
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} is not in {name} once: update the mutation"
+    path.write_text(text.replace(old, new))
+    return src
 
 
-def run_case_ok(module: str, label: str, env=None) -> str:
-    """`run_case_process`, asserting that the case passed; its output."""
-    proc = run_case_process(module, label, env)
-    assert proc.returncode == 0, (f"{label} (host emulation):\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
-    return proc.stdout
-
-
-def run_mutated_case(module: str, label: str, source_dir) -> subprocess.CompletedProcess:
-    """`run_case_process` on kernel sources from `source_dir` (a mutated copy), with a short
+def run_mutated(args, source_dir, env=None) -> subprocess.CompletedProcess:
+    """`run_emulated` on the kernel sources of `source_dir` (a mutated copy), with a short
     emulation timeout for a deadlock."""
-    return run_case_process(module, label, {"VARLEN_EMULATION_SOURCE_DIR": str(source_dir),
-                                            "VARLEN_EMULATION_TIMEOUT": "20"})
+    return run_emulated(args, {"VARLEN_EMULATION_SOURCE_DIR": str(source_dir),
+                               "VARLEN_EMULATION_TIMEOUT": "20", **(env or {})})
 
 
 def assert_mutant_caught(proc: subprocess.CompletedProcess, name: str, label: str, says) -> None:

@@ -26,17 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from helpers import ROOT, emulate_script, needs_cxx
+from helpers import emulate_script, mutated_sources, needs_cxx, run_mutated
 import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
 
-SOURCE_DIR = os.path.join(ROOT, "kernels_cuda")
 # What a fresh dq_order buffer holds here, so that a counter the preprocessing does not zero
 # shows.
 STALE = 0x5A5A5A5A
@@ -81,19 +78,12 @@ def test_context_parallel_segments():
     assert "cp ok" in out, out
 
 
-def _run_mutated(tmp_path, right, wrong, env=()):
+def _run_mutated(tmp_path, right, wrong, env=None):
     """The first repeat case on kernel sources with `right` (once in bwd_dq_ordered.cuh)
     replaced by `wrong`: the finished process."""
-    src = tmp_path / "kernels_cuda"
-    shutil.copytree(SOURCE_DIR, src)
-    path = src / "bwd_dq_ordered.cuh"
-    text = path.read_text()
-    assert text.count(right) == 1, f"{right!r} moved: update this mutation"
-    path.write_text(text.replace(right, wrong))
-    return subprocess.run([sys.executable, os.path.abspath(__file__), "repeat",
-                           "B7-perseq-gqa-fp16-D64", "once"], capture_output=True, text=True,
-                          timeout=1800, cwd=ROOT,
-                          env={**os.environ, "VARLEN_EMULATION_SOURCE_DIR": str(src), **dict(env)})
+    src = mutated_sources(tmp_path, "bwd_dq_ordered.cuh", right, wrong)
+    return run_mutated([os.path.abspath(__file__), "repeat", "B7-perseq-gqa-fp16-D64", "once"],
+                       src, env)
 
 
 @needs_cxx
