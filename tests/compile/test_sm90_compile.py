@@ -60,8 +60,9 @@ WGMMA_MODES = range(5)
 def report(request):
     """The NVRTC build report of the variants whose tests are selected, in batches."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    chosen = [item.callspec.params["spec"] for item in request.session.items
-              if item.path == request.path and "spec" in getattr(item, "callspec").params]
+    params = [getattr(item, "callspec", None) for item in request.session.items
+              if item.path == request.path]
+    chosen = [p.params["spec"] for p in params if p is not None and "spec" in p.params]
     usage = {}
     for i in range(0, len(chosen), 32):
         usage.update(sm90.compile_report(chosen[i:i + 32]))
