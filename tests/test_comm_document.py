@@ -1,12 +1,10 @@
 """The document scheme of `varlen.comm.partition`: placement, shards, and the three methods on
-it (in-process ranks, and real `mpiexec` ranks through this file run as a worker), with the
-ring's traffic: only split documents' rows, only between the ranks that share them.
+it (in-process ranks, and real `mpiexec` ranks through this file run as a worker:
+tests/multiprocess/test_comm_mpi.py), with the ring's traffic: only split documents' rows, only
+between the ranks that share them.
 
     mpiexec -n N python -m mpi4py tests/test_comm_document.py      # the worker
 """
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -310,22 +308,8 @@ def test_training_entry_point_takes_a_document_partition():
 
 
 # --------------------------------------------------------------------------------------------
-# Real mpiexec ranks: this file is the worker
+# Real mpiexec ranks (tests/multiprocess/test_comm_mpi.py): this file is the worker
 # --------------------------------------------------------------------------------------------
-
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-
-
-@pytest.mark.mpi
-@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_cases_under_mpiexec(n, tmp_path):
-    pytest.importorskip("mpi4py")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
-    r = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", __file__],
-                       capture_output=True, text=True, timeout=300, cwd=_HERE.parent, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert f"OK document size={n}" in r.stdout, r.stdout + r.stderr
 
 
 def _worker():
