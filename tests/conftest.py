@@ -86,15 +86,21 @@ def pytest_addoption(parser):
                           "one implementation, cupy:sm90a or cupy:mma")
 
 
-@pytest.fixture(scope="session")
-def cupy_backend(request) -> str:
-    """The CuPy backend the GPU tests name (`--cupy-backend`)."""
-    name = request.config.getoption("--cupy-backend")
+def pytest_configure(config):
+    name = config.getoption("--cupy-backend")
+    try:
+        varlen.backends.get(name)
+    except ValueError as e:
+        raise pytest.UsageError(f"--cupy-backend: {e}") from None
     if name != "cupy" and not name.startswith("cupy:"):
         raise pytest.UsageError(f"--cupy-backend={name!r}: the cupy family or one of its "
                                 f"implementations (cupy:NAME)")
-    varlen.backends.get(name)           # an unknown name raises, naming the known ones
-    return name
+
+
+@pytest.fixture(scope="session")
+def cupy_backend(request) -> str:
+    """The CuPy backend the GPU tests name (`--cupy-backend`)."""
+    return request.config.getoption("--cupy-backend")
 
 
 @pytest.hookimpl(tryfirst=True)         # before `-m` deselects by these markers
