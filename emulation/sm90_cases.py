@@ -2,21 +2,22 @@
 (kernels_cuda/fwd_sm90.cuh) and the backward (bwd_sm90.cuh) of `cupy:sm90a`, and the one runner
 that checks a case against the float64 reference, through the host emulation or on a Hopper GPU.
 
-    python -m emulation.sm90_cases LABEL ...     # the cases in this process, in the emulation
-                                                 # mode of the environment
+    python -m emulation.sm90_cases LABEL[:KIND] ...    # the runs in this process, in the
+                                                       # emulation mode of the environment
 
 Lengths keep the work small: the emulation runs one OS thread per CUDA thread (256 or 384 per
 block here), block after block. The forward is persistent: the emulation's stand-in device has
 `EMULATED_SM_COUNT` (3) SMs, or the `ctas` of a case, so each block loops over several (tile
 slot, head) work items; the runner checks that the launch had that many blocks.
 
-A case's fields: `kind` ("fwd" or "bwd"), the batch (`make_batch`'s lengths, heads, dtype, mask,
+A case's fields: the batch (`make_batch`'s lengths, heads, dtype, mask,
 gaps; `mask` a name or ("mixed",) / ("window",), `_mask`), `softcap`, the plan's `block_m` and
 `block_n` (64 when absent), `nan_in_pad` (every row outside a sequence holds NaN), `nan`
 ({tensor: (sequence, row inside it)}: a NaN in k, v or dout before the call, in q after the
 reference forward, so that out and lse of its row stay finite; row -1 is the sequence's last),
 and per kind: `ctas`, `pack` (an int, or "auto": the launcher's choice, `expect_pack`) for the
-forward; `deterministic` for the backward.
+forward; `deterministic` for the backward. A run is a case and a kind ("fwd" or "bwd"): the
+batches of `BOTH` run through both kernels, the others through one.
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ import time
 
 import numpy as np
 
-FORWARD = {
+# Batches both kernels run.
+BOTH = {
     # zero-length sequences (the last one too), length 1, lengths off the tile, a pad gap with
-    # NaN in it, causal
+    # NaN in it, causal; backward: two query heads of one key head, four query chunks for the
+    # first key tile of the long sequence (the two-stage ring wraps twice)
     "B4-fp16-D64-BM64-causal-gaps-nan": dict(
         lengths_q=[0, 1, 70, 0], lengths_k=[0, 1, 70, 0], Hq=2, Hk=1, D=64, dtype="float16",
         mask="causal", gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
@@ -37,6 +40,15 @@ FORWARD = {
     "B3-bf16-D64-BM64-mixed-masks-gqa": dict(
         lengths_q=[5, 33, 17], lengths_k=[9, 33, 80], Hq=4, Hk=2, D=64, dtype="bfloat16",
         mask=("mixed",), gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
+    # key tiles of 128: the forward's key chunks of 128 (wgmma N = 128 for S), a ragged last
+    # one; the backward's two consumer warpgroups at D = 64; causal bottom-right
+    "B2-bf16-D64-BM64-BN128-causal-gaps-nan": dict(
+        lengths_q=[40, 90], lengths_k=[40, 150], Hq=1, Hk=1, D=64, dtype="bfloat16",
+        mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64, block_n=128,
+        nan_in_pad=True),
+}
+
+FORWARD = {
     # two consumer warpgroups, D = 128, three key tiles for one query tile (the ring wraps)
     "B2-bf16-D128-BM128-full-3tiles": dict(
         lengths_q=[3, 100], lengths_k=[150, 2], Hq=1, Hk=1, D=128, dtype="bfloat16",
@@ -47,11 +59,6 @@ FORWARD = {
         lengths_q=[20, 9], lengths_k=[65, 9], Hq=1, Hk=1, D=128, dtype="float16",
         mask="causal_bottom_right", gaps=False, softcap=5.0, block_m=64, nan_in_pad=False,
         nan={"v": (1, -1)}, ctas=132),
-    # key chunks of 128 (wgmma N = 128 for S), causal, a ragged last chunk
-    "B2-bf16-D64-BM64-BN128-causal-gaps-nan": dict(
-        lengths_q=[40, 90], lengths_k=[40, 150], Hq=1, Hk=1, D=64, dtype="bfloat16",
-        mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64, block_n=128,
-        nan_in_pad=True),
     # D = 256 (four boxes of 64 columns, wgmma N = 256 for P V), one consumer warpgroup
     "B3-fp16-D256-BM64-causal-gaps-nan": dict(
         lengths_q=[1, 0, 70], lengths_k=[1, 0, 70], Hq=2, Hk=1, D=256, dtype="float16",
@@ -125,16 +132,6 @@ FORWARD = {
 }
 
 BACKWARD = {
-    # zero-length sequences (the last one too), length 1, lengths off the tile, a pad gap with
-    # NaN in it, causal; two query heads of one key head: four query chunks for the first key
-    # tile of the long sequence (the two-stage ring wraps twice)
-    "B4-fp16-D64-BN64-causal-gaps-nan": dict(
-        lengths_q=[0, 1, 70, 0], lengths_k=[0, 1, 70, 0], Hq=2, Hk=1, D=64, dtype="float16",
-        mask="causal", gaps=True, softcap=0.0, block_m=64, block_n=64, nan_in_pad=True),
-    # per-sequence masks (full, causal, sliding window bottom-right), GQA 4:2, bf16
-    "B3-bf16-D64-BN64-mixed-masks-gqa": dict(
-        lengths_q=[5, 33, 17], lengths_k=[9, 33, 80], Hq=4, Hk=2, D=64, dtype="bfloat16",
-        mask=("mixed",), gaps=True, softcap=0.0, block_m=64, block_n=64, nan_in_pad=True),
     # softcap, D = 128, a NaN in a key of sequence 1 that only its last query sees, and NaN in
     # a q row and a dout row of sequence 0 (a partial chunk): nothing else may turn NaN
     "B2-fp16-D128-BN64-softcap-nan-k-q-dout": dict(
@@ -146,11 +143,6 @@ BACKWARD = {
     "B2-bf16-D128-BN128-full-gqa": dict(
         lengths_q=[100, 3], lengths_k=[150, 2], Hq=2, Hk=1, D=128, dtype="bfloat16",
         mask="full", gaps=True, softcap=0.0, block_m=128, block_n=128, nan_in_pad=True),
-    # BN = 128 with D = 64, causal bottom-right, a ragged last key tile
-    "B2-bf16-D64-BN128-causal-gaps-nan": dict(
-        lengths_q=[40, 90], lengths_k=[40, 150], Hq=1, Hk=1, D=64, dtype="bfloat16",
-        mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64, block_n=128,
-        nan_in_pad=True),
     # deterministic dQ: three key tiles meet each query tile of the long sequence (ranks 0-2,
     # sequence 1's tiles after sequence 0's slots), two consumer warpgroups hand each column
     # slice over, GQA 2:1 (the chunks of two query heads per key tile), a softcap
@@ -186,10 +178,13 @@ BACKWARD = {
         nan={"k": (1, 8), "q": (0, 40), "dout": (0, 50)}, deterministic=True),
 }
 
-# label -> case, both kinds
-CASES = {**{k: dict(c, kind="fwd") for k, c in FORWARD.items()},
-         **{k: dict(c, kind="bwd") for k, c in BACKWARD.items()}}
-assert len(CASES) == len(FORWARD) + len(BACKWARD), "a label names two cases"
+# label -> case, with the kernels (`kinds`) that run it
+CASES = {**{k: dict(c, kinds=("fwd", "bwd")) for k, c in BOTH.items()},
+         **{k: dict(c, kinds=("fwd",)) for k, c in FORWARD.items()},
+         **{k: dict(c, kinds=("bwd",)) for k, c in BACKWARD.items()}}
+assert len(CASES) == len(BOTH) + len(FORWARD) + len(BACKWARD), "a label names two cases"
+# every run: (case, kind)
+RUNS = [(label, kind) for label, c in CASES.items() for kind in c["kinds"]]
 
 # the forward pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their
 # boxes, 16 work items (2 of an unused slot) over 3 blocks
@@ -197,10 +192,10 @@ PIPELINE = "B7-bf16-D64-BM128-chunks-1-2-3-6"
 # the persistent loop's case: 21 work items (3 of an unused slot) over 2 blocks
 PERSISTENT = "P6-bf16-D64-BM128-2ctas-gqa-mixed"
 PACKED = "G6-fp16-D64-BM128-pack4-decode-nan-key"
-# each kind's first case (the sanitizer's, the smoke run's), and the quick run's cases: those,
-# the persistent loop and GQA packing
-FIRST = {"fwd": "B4-fp16-D64-BM64-causal-gaps-nan", "bwd": "B4-fp16-D64-BN64-causal-gaps-nan"}
-QUICK = [FIRST["fwd"], PERSISTENT, PACKED, FIRST["bwd"]]
+# the first case, both kinds (the sanitizer's, the smoke run's), and the quick run's: those, the
+# persistent loop and GQA packing
+FIRST = "B4-fp16-D64-BM64-causal-gaps-nan"
+QUICK = [(FIRST, "fwd"), (FIRST, "bwd"), (PERSISTENT, "fwd"), (PACKED, "fwd")]
 # the column of a row's NaN (`nan`), by tensor
 NAN_COLUMN = {"q": 11, "k": 3, "v": 3, "dout": 7}
 
@@ -284,15 +279,15 @@ def _forward(label, c, plan, args, runtime):
     return out_lse
 
 
-def run_case(label: str, device: bool = False) -> float:
-    """Runs case `label` through the emulated sm_90a kernel of its kind (on a Hopper GPU with
-    `device`: float16 cases only); raises AssertionError on a mismatch. Returns the seconds the
-    kernel's pass took. A backward prints the digest of its gradients' bits."""
+def run_case(label: str, kind: str, device: bool = False) -> float:
+    """Runs case `label` through the emulated sm_90a kernel of `kind` ("fwd" or "bwd"; on a
+    Hopper GPU with `device`: float16 cases only); raises AssertionError on a mismatch. Returns
+    the seconds the kernel's pass took. A backward prints the digest of its gradients' bits."""
     import varlen
     from varlen.backends.cupy import sm90
     from varlen.testing import assert_close, assert_lse, covered_rows, naive_same_dtype
     c = CASES[label]
-    kind = c["kind"]
+    assert kind in c["kinds"], f"{label} is a case of {c['kinds']}"
     runtime = None
     if not device:
         import emulation.cupy
@@ -363,6 +358,13 @@ def _ranks(plan):
     return (sched[..., 3] - sched[..., 0]).sum(-1)[used] - 1
 
 
+def parse(arg: str) -> list:
+    """The runs `arg` names: LABEL (each kind of the case) or LABEL:KIND."""
+    label, _, kind = arg.partition(":")
+    return [(label, k) for k in (CASES[label]["kinds"] if not kind else (kind,))]
+
+
 if __name__ == "__main__":
-    for name in sys.argv[1:]:
-        print("ok", name, f"{run_case(name):.1f} s", flush=True)
+    for arg in sys.argv[1:]:
+        for label, kind in parse(arg):
+            print("ok", f"{label}:{kind}", f"{run_case(label, kind):.1f} s", flush=True)

@@ -37,14 +37,14 @@ def test_spec_rejects_what_the_kernel_does_not_take(cls, bad):
         cls(**{**base, **bad})
 
 
-def _spec_of(label):
-    """The variant case `label` runs: the implementation must have one for its pass."""
+def _spec_of(label, kind):
+    """The variant run (label, kind) runs: the implementation must have one for it."""
     c = sm90_cases.CASES[label]
     b = sm90_cases.batch(c)
     plan = sm90_cases.plan_of(c, b)
-    why = varlen.backends.get("cupy:sm90a").runs(c["kind"], plan, b.q, c["softcap"])
-    assert why is None, f"{label}: cupy:sm90a has no {c['kind']} variant for it: {why}"
-    if c["kind"] == "bwd":
+    why = varlen.backends.get("cupy:sm90a").runs(kind, plan, b.q, c["softcap"])
+    assert why is None, f"{label}: cupy:sm90a has no {kind} variant for it: {why}"
+    if kind == "bwd":
         return sm90.bwd_spec_for(plan, b.q, c["softcap"], c.get("deterministic", False))
     pack = c.get("pack", 1)
     if pack == "auto":
@@ -61,7 +61,7 @@ def test_emulated_cases_cover_the_dispatched_variants():
     """Every value of every field of the dispatched variants (dtype, head dim, tiles, softcap,
     key chunk, pack, dQ mode) is run by some emulated case of its kind (VARLEN_TEST_CASES=full:
     tests/emulation/test_sm90_kernels.py)."""
-    specs = [_spec_of(label) for label in sm90_cases.CASES]
+    specs = [_spec_of(label, kind) for label, kind in sm90_cases.RUNS]
     for cls, fields in FIELDS.items():
         for field in fields:
             want = {getattr(s, field) for s in sm90.dispatched_specs() if isinstance(s, cls)}
@@ -73,14 +73,14 @@ def test_quick_cases_are_adversarial():
     """The quick run's emulated cases hold zero-length and length-1 sequences, lengths off the
     tile, pad gaps holding NaN, GQA, per-sequence masks and a NaN that must stay in its
     sequence, in both kinds together."""
-    quick = [sm90_cases.CASES[label] for label in sm90_cases.QUICK]
+    quick = [sm90_cases.CASES[label] for label, _ in sm90_cases.QUICK]
     lengths = [n for c in quick for n in (*c["lengths_q"], *c["lengths_k"])]
     assert 0 in lengths and 1 in lengths and any(n % 64 for n in lengths)
     assert any(c["gaps"] and c["nan_in_pad"] for c in quick)
     assert any(c["Hq"] > c["Hk"] for c in quick)
     assert any(c["mask"] == ("mixed",) for c in quick)
     assert any(c.get("nan") for c in quick)
-    assert {c["kind"] for c in quick} == {"fwd", "bwd"}
+    assert {kind for _, kind in sm90_cases.QUICK} == {"fwd", "bwd"}
 
 
 def test_sm90_gqa_packing_is_chosen_where_it_fills_the_tiles():

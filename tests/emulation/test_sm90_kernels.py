@@ -1,7 +1,7 @@
 """The sm_90a kernels of `cupy:sm90a` (kernels_cuda/fwd_sm90.cuh, bwd_sm90.cuh) through the host
-emulation, one process per run (the emulation replaces `cupy`): the cases of
-`emulation.sm90_cases` against the float64 reference (each on the pass of its kind, which the
-implementation must have a variant for), under ThreadSanitizer and landing schedules, the
+emulation, one process per run (the emulation replaces `cupy`): the runs of
+`emulation.sm90_cases` (a case through a kernel, which the implementation must have a variant
+for) against the float64 reference, under ThreadSanitizer and landing schedules, the
 deterministic backward's bits across schedules, and mutations of the kernels that the cases
 must catch."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from emulation.sm90_cases import CASES, FIRST, PACKED, PERSISTENT, PIPELINE, QUICK
+from emulation.sm90_cases import FIRST, PACKED, PERSISTENT, PIPELINE, QUICK, RUNS
 
 from helpers import (assert_mutant_caught, cases, emulate, mutated_sources, needs_cxx,
                      run_mutated)
@@ -18,8 +18,8 @@ from helpers import (assert_mutant_caught, cases, emulate, mutated_sources, need
 pytestmark = needs_cxx
 
 
-def _run(label, env=None):
-    return emulate(["-m", "emulation.sm90_cases", label], env)
+def _run(label, kind, env=None):
+    return emulate(["-m", "emulation.sm90_cases", f"{label}:{kind}"], env)
 
 
 def _tsan_env(**extra):
@@ -29,20 +29,22 @@ def _tsan_env(**extra):
                 OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", **extra)
 
 
-@pytest.mark.parametrize("label", [
-    pytest.param(label, marks=pytest.mark.smoke if label in FIRST.values() else ())
-    for label in cases(CASES, QUICK)])
-def test_case_on_host_emulation(label):
-    assert f"ok {label}" in _run(label)
+@pytest.mark.parametrize("label, kind", [
+    pytest.param(label, kind, id=f"{label}-{kind}",
+                 marks=pytest.mark.smoke if label == FIRST else ())
+    for label, kind in cases(RUNS, QUICK)])
+def test_case_on_host_emulation(label, kind):
+    assert f"ok {label}:{kind}" in _run(label, kind)
 
 
-@pytest.mark.parametrize("label, schedule", cases([
-    pytest.param(FIRST["fwd"], None, id="fwd"),
-    pytest.param(PIPELINE, None, id="fwd-pipeline"),
-    pytest.param(FIRST["bwd"], None, id="bwd"),
-    pytest.param("B2-bf16-D64-BN128-causal-gaps-nan", ("issue", "1"), id="bwd-issue-1"),
+@pytest.mark.parametrize("label, kind, schedule", cases([
+    pytest.param(FIRST, "fwd", None, id="fwd"),
+    pytest.param(PIPELINE, "fwd", None, id="fwd-pipeline"),
+    pytest.param(FIRST, "bwd", None, id="bwd"),
+    pytest.param("B2-bf16-D64-BM64-BN128-causal-gaps-nan", "bwd", ("issue", "1"),
+                 id="bwd-issue-1"),
 ], ["fwd", "bwd"]))
-def test_under_thread_sanitizer(label, schedule):
+def test_under_thread_sanitizer(label, kind, schedule):
     """Built with ThreadSanitizer, copies landing and wgmma operands read at random points (or
     at issue, the earliest moment): the mbarrier protocol (the forward's q_full, k_full, v_full,
     ready, k_empty, v_empty; the backward's kv_full, kv_ready, q_full, ready, empty) and the
@@ -51,7 +53,7 @@ def test_under_thread_sanitizer(label, schedule):
     the run)."""
     extra = {} if schedule is None else dict(VARLEN_EMULATION_SCHEDULE=schedule[0],
                                              VARLEN_EMULATION_SEED=schedule[1])
-    assert "ok" in _run(label, _tsan_env(**extra))
+    assert "ok" in _run(label, kind, _tsan_env(**extra))
 
 
 @pytest.mark.parametrize("label, schedule, seed", cases([
@@ -68,8 +70,8 @@ def test_forward_under_landing_schedules(label, schedule, seed):
     them (the default is the latest moment): a release or a wait out of place changes what a
     wgmma reads. (The one-warp-at-a-time schedule cannot run warpgroup collectives or mbarrier
     waits: docs/hopper.md, "What it does not model".)"""
-    assert "ok" in _run(label, dict(VARLEN_EMULATION_SCHEDULE=schedule,
-                                    VARLEN_EMULATION_SEED=seed))
+    assert "ok" in _run(label, "fwd", dict(VARLEN_EMULATION_SCHEDULE=schedule,
+                                           VARLEN_EMULATION_SEED=seed))
 
 
 def test_deterministic_backward_is_bitwise_repeatable():
@@ -83,22 +85,23 @@ def test_deterministic_backward_is_bitwise_repeatable():
     label = "B3-fp16-D64-BN128-deterministic-gqa"
     digests = set()
     for seed in ("1", "3"):
-        out = _run(label, dict(VARLEN_EMULATION_SCHEDULE="random", VARLEN_EMULATION_SEED=seed))
+        out = _run(label, "bwd",
+                   dict(VARLEN_EMULATION_SCHEDULE="random", VARLEN_EMULATION_SEED=seed))
         digests.add(re.search(rf"digest {label} (\w+)", out).group(1))
     assert len(digests) == 1, f"{label}: the gradients differ between schedules: {digests}"
 
 
-# Mutations of the kernels that the cases must catch: name -> (kernel source, old, new, case,
-# what the failure says). Each is compiled from a mutated copy of the kernel sources
+# Mutations of the kernels that the cases must catch: name -> (kernel source, old, new, run
+# (LABEL or LABEL:KIND), what the failure says). Each is compiled from a mutated copy of the kernel sources
 # (VARLEN_EMULATION_SOURCE_DIR).
 MUTATIONS = {
     "fwd-no-v-row-zeroing": ("fwd_sm90.cuh", "        if (r < rows && !bad) continue;",
-                             "        continue;", FIRST["fwd"], "out: NaN pattern differs"),
+                             "        continue;", f"{FIRST}:fwd", "out: NaN pattern differs"),
     # every chunk taken as a full one: no mask
     "fwd-no-mask": ("fwd_sm90.cuh", "query_rows_mask<Cfg::PACK>(pol, tile.pos, w, c)",
                     "query_rows_mask<Cfg::PACK>(pol, tile.pos, w, "
                     "[&] { auto f = c; f.full = true; return f; }())",
-                    "B3-bf16-D64-BM64-mixed-masks-gqa", "differs"),
+                    "B3-bf16-D64-BM64-mixed-masks-gqa:fwd", "differs"),
     # GQA packing: a packed row's mask taken at position row (not row / pack), its output
     # written as an unpacked tile's
     "fwd-pack-mask-by-row": ("fwd_sm90.cuh", "query_rows_mask<Cfg::PACK>(pol, tile.pos, w, c)",
@@ -129,12 +132,12 @@ MUTATIONS = {
     "bwd-no-key-row-zeroing": ("bwd_sm90.cuh",
                                "    if (t >= rows || bad) fill_row<Cfg, Cfg::BN>(s_k, t, 0u);",
                                "    if (bad) fill_row<Cfg, Cfg::BN>(s_k, t, 0u);",
-                               FIRST["bwd"], "dq: NaN pattern differs"),
+                               f"{FIRST}:bwd", "dq: NaN pattern differs"),
     # Q rows past a query chunk (NaN padding) meet dS^T = 0 in dK += dS^T Q
     "bwd-no-query-row-zeroing": ("bwd_sm90.cuh",
                                  "    if (t >= rows || bad_q) fill_row<Cfg, Cfg::BQ>(s_q, t, 0u);",
                                  "    if (bad_q) fill_row<Cfg, Cfg::BQ>(s_q, t, 0u);",
-                                 FIRST["bwd"], "dk: NaN pattern differs"),
+                                 f"{FIRST}:bwd", "dk: NaN pattern differs"),
     # a NaN in a dout row of a partial chunk must reach delta, hence exactly its pairs
     "bwd-no-delta-flag": ("bwd_sm90.cuh", "    if (bad_q || bad_do) s_delta[t] = nan_f();", "",
                           "B2-fp16-D128-BN64-softcap-nan-k-q-dout", "NaN pattern differs"),
@@ -142,7 +145,7 @@ MUTATIONS = {
     "bwd-no-ds-swizzle": ("bwd_sm90.cuh",
                           "(((2 * wg_warp + (w.lane / 8) % 2) ^ (ds_row % 8)) << 4)",
                           "((2 * wg_warp + (w.lane / 8) % 2) << 4)",
-                          "B3-bf16-D64-BN64-mixed-masks-gqa", "dq: max abs error"),
+                          "B3-bf16-D64-BM64-mixed-masks-gqa:bwd", "dq: max abs error"),
     # the producer refills a stage the consumers still read: the barrier phases go wrong, which
     # the emulation reports either at an mbarrier or, once a consumer thread has run past its
     # warpgroup's last collective and returned, at that collective or at the exit of a warp

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from emulation.sm90_cases import CASES, run_case
+from emulation.sm90_cases import CASES, RUNS, run_case
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("label", [k for k, c in CASES.items() if c["dtype"] == "float16"])
-def test_case_on_hopper(label):
+@pytest.mark.parametrize("label, kind", [
+    pytest.param(label, kind, id=f"{label}-{kind}") for label, kind in RUNS
+    if CASES[label]["dtype"] == "float16"])
+def test_case_on_hopper(label, kind):
     cupy = pytest.importorskip("cupy")
     pytest.importorskip("cuda.bindings.driver", reason="needs cuda-bindings (tensor maps)")
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("needs an sm_90 GPU")
-    run_case(label, device=True)
+    run_case(label, kind, device=True)
