@@ -54,7 +54,7 @@ def test_the_sm90a_steps_select_tests_that_exist():
     tests."""
     text = _script()
     block = text[text.index('if [ "$MODE" = sm90a ]'):text.index('elif [ "$MODE" = numba ]')]
-    assert "VARLEN_CUPY_PATH=sm90a" in block and "varlen.backends._cupy_sm90" in block
+    assert "VARLEN_CUPY_PATH=sm90a" in block and "varlen.backends.cupy.sm90" in block
     expr = re.search(r'tests/gpu/test_cupy_gpu.py \\\s*-k "([^"]+)"', block)[1]
     words = [w for w in re.split(r"\s+or\s+", expr)]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",

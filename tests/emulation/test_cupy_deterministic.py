@@ -211,7 +211,7 @@ def _case_repeat(label, once=""):
     import emulation.cupy as emu
     from varlen.backends.cupy import BACKEND
     from varlen.testing import check_against_reference
-    from varlen.backends.cupy.traits import bwd_query_chunk
+    from varlen.backends.cupy.traits import tile_size
     b, block_m = _batch(label, np.random.default_rng(7))
     block_n = BLOCK_N.get(label, 64)
     emu.install_fake_cupy(block_m, block_n)
@@ -227,7 +227,7 @@ def _case_repeat(label, once=""):
                                 deterministic=det, **kw)
     first = backward(b, True)
     Hq, D = b.q.shape[1], b.q.shape[2]
-    bq = bwd_query_chunk(D, block_n)
+    bq = tile_size("bwd", "mma", b.dtype, D, block_m, block_n).query_chunk
     assert len(seen) == 1, f"{label}: {len(seen)} int32 buffers, expected dq_order only"
     _check_dq_order(label, seen[0], plan, Hq, bq)
     if once:

@@ -431,6 +431,7 @@ def test_struct_layout_matches_the_kernels():
         pytest.skip("needs a C++ compiler")
     import tempfile
     from varlen.backends.cupy.plan import PLAN_BUILD_DTYPE, PLAN_SIDE_DTYPE
+    from emulation.cupy import EMULATION_DIR
     from varlen.kernels_cuda import SOURCE_DIR
     side = [f'std::printf("side %s %zu\\n", "{n}", offsetof(varlen::PlanSide, {n}));'
             for n in PLAN_SIDE_DTYPE.names]
@@ -444,7 +445,8 @@ def test_struct_layout_matches_the_kernels():
         with open(path, "w") as f:
             f.write(src)
         subprocess.run([CXX, "-std=c++20", "-pthread", "-DVARLEN_HOST_EMULATION",
-                        f"-I{SOURCE_DIR}", path, "-o", os.path.join(d, "layout")], check=True)
+                        f"-I{SOURCE_DIR}", f"-I{EMULATION_DIR}", path, "-o",
+                        os.path.join(d, "layout")], check=True)
         out = subprocess.run([os.path.join(d, "layout")], capture_output=True, text=True,
                              check=True).stdout.split("\n")
     sizes = out[0].split()
