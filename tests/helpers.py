@@ -31,8 +31,12 @@ if CASES_SIZE not in ("quick", "full"):
 
 
 def _key(item):
-    """What `cases` matches a quick choice against: a pytest.param's id, else the item."""
-    return item.id if isinstance(item, type(pytest.param(None))) else item
+    """What `cases` matches a quick choice against: a pytest.param's id (or its value, or
+    values, without one), else the item."""
+    if not isinstance(item, type(pytest.param(None))):
+        return item
+    return item.id if item.id is not None else (
+        item.values[0] if len(item.values) == 1 else item.values)
 
 
 def cases(full, quick, size=None):

@@ -20,6 +20,7 @@ from varlen import reference  # noqa: E402
 from varlen.comm.partition import document_work  # noqa: E402
 
 from comm_workers.cases import TOL, Case, _assert_close, _policy, make_global  # noqa: E402
+from helpers import cases, covering  # noqa: E402
 
 # (case, partition keywords): max_doc_len forces splits in these small batches.
 DOC_CASES = [
@@ -104,9 +105,17 @@ def _cu(lengths):
 LENGTHS = [(7,), (0,), (5, 0, 13, 1, 8, 31, 3, 0), (1, 1, 1, 1, 1, 64), (100, 3, 2)]
 
 
-@pytest.mark.parametrize("max_doc_len", [None, 0, 6])
-@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "L" + "-".join(map(str, ls)))
+# every lengths, cp and split threshold; at the quick size every lengths and every cp under each
+# threshold
+PLACEMENTS = cases([pytest.param(lengths, cp, max_doc_len,
+                                 id=f"L{'-'.join(map(str, lengths))}-{cp}-{max_doc_len}")
+                    for max_doc_len in (None, 0, 6) for cp in (1, 2, 3, 4, 5)
+                    for lengths in LENGTHS],
+                   covering(lambda p: (p.values[0], p.values[2]),
+                            lambda p: (p.values[1], p.values[2])))
+
+
+@pytest.mark.parametrize("lengths, cp, max_doc_len", PLACEMENTS)
 def test_every_token_on_exactly_one_rank(lengths, cp, max_doc_len):
     cu = _cu(lengths)
     part = vc.partition(cu, cp, "document", max_doc_len=max_doc_len)
@@ -216,8 +225,11 @@ def test_cross_attention_needs_the_same_placement():
 # Methods on the document partition
 # --------------------------------------------------------------------------------------------
 
-COMBOS = [pytest.param(case, kw, cp, method, id=f"cp{cp}-{case.id}-{method}")
-          for cp in (1, 2, 3, 4) for case, kw in DOC_CASES for method in _methods(case, cp)]
+# every cp, case and method; at the quick size every case and method, and every cp
+COMBOS = cases([pytest.param(case, kw, cp, method, id=f"cp{cp}-{case.id}-{method}")
+                for cp in (1, 2, 3, 4) for case, kw in DOC_CASES
+                for method in _methods(case, cp)],
+               covering(lambda p: (p.values[0].id, p.values[3]), lambda p: p.values[2]))
 
 
 @pytest.mark.parametrize("case, kw, cp, method", COMBOS)

@@ -11,6 +11,7 @@ import varlen.comm as vc
 import varlen.torch as vt
 
 from comm_workers.torch_cp import Spec, check_bad_inputs, check_rank, resolved
+from helpers import cases, covering
 
 WINDOW = varlen.Mask(window_left=3, window_right=1)
 
@@ -46,8 +47,10 @@ def _id(spec, cp):
             f"{spec.method}-{str(spec.dtype)[6:]}-{spec.scheme}")
 
 
-COMBOS = [pytest.param(s, cp, id=_id(s, cp)) for s in SPECS for cp in (2, 4)
-          if s.method != "ulysses" or s.Hq % cp == 0]
+# every spec on 2 and 4 ranks; at the quick size every spec, and both sizes
+COMBOS = cases([pytest.param(s, cp, id=_id(s, cp)) for s in SPECS for cp in (2, 4)
+                if s.method != "ulysses" or s.Hq % cp == 0],
+               covering(lambda p: SPECS.index(p.values[0]), lambda p: p.values[1]))
 
 
 @pytest.fixture

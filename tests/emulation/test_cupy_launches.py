@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import emulate_script, needs_cxx
+from helpers import cases, emulate_script, needs_cxx
 
 
 GARBAGE = 1e4                # what every pad row of the inputs holds
@@ -138,7 +138,7 @@ def test_pad_blocks_cover_every_row(rows, heads, threads, want):
 # --------------------------------------------------------------------------------------------
 
 @needs_cxx
-@pytest.mark.parametrize("label", list(LAYOUTS))
+@pytest.mark.parametrize("label", cases(LAYOUTS, [next(iter(LAYOUTS))]))
 def test_kernels_write_every_pad_row(label):
     _emulate("pad-rows", label)
 

@@ -34,7 +34,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import emulate_script, needs_cxx
+from helpers import cases, emulate_script, needs_cxx
 
 CXX = os.environ.get("CXX", "g++")
 POISON = 0x5A5A5A5A          # what a fresh integer buffer of the stand-in cupy holds
@@ -66,6 +66,9 @@ CASES = {
     "B40-many-mixed-4x4-maxlen-small-threads": ("many40", "many40", True, "mixed", (4, 4), True,
                                                 (8, 8)),
 }
+# the smoke run's case: zero-length and one-row sequences (the last one empty), per-sequence
+# masks, lengths off the tiles, several warps
+SMOKE = "B6-zero-one-last0-mixed-64x64"
 SEGMENT_CASES = ("CP2-zigzag-gathered", "CP3-zigzag-other-rank", "B3-m2-random")
 ERROR_CASES = ("past-buffer-q", "before-buffer-k", "longer-than-max_seqlen-q",
                "longer-than-max_seqlen-k")
@@ -356,14 +359,17 @@ def _case_step_launches():
 # --------------------------------------------------------------------------------------------
 
 @needs_cxx
-@pytest.mark.parametrize("label", list(CASES))
+@pytest.mark.parametrize("label", [
+    pytest.param(label, marks=pytest.mark.smoke if label == SMOKE else ())
+    for label in cases(CASES, [SMOKE, "B0-empty-batch-pad-rows"])])
 def test_fused_plan_equals_array_code(label):
     _emulate("layout", label)
 
 
 @needs_cxx
-@pytest.mark.parametrize("label", ["B40-many-mixed-4x4-maxlen-small-threads",
-                                   "B300-many-mixed-16x8-shipped-threads"])
+@pytest.mark.parametrize("label", cases(["B40-many-mixed-4x4-maxlen-small-threads",
+                                         "B300-many-mixed-16x8-shipped-threads"],
+                                        ["B40-many-mixed-4x4-maxlen-small-threads"]))
 def test_fused_plan_under_a_permuted_warp_schedule(label, monkeypatch):
     """Warps one at a time in a seeded order (the schedule that catches a removed barrier of
     the scan kernel, emulation/mutations.py): the same plan, with blocks of 8 threads
@@ -375,14 +381,15 @@ def test_fused_plan_under_a_permuted_warp_schedule(label, monkeypatch):
 
 
 @needs_cxx
-@pytest.mark.parametrize("label", SEGMENT_CASES)
+@pytest.mark.parametrize("label", cases(SEGMENT_CASES, SEGMENT_CASES[:1]))
 def test_fused_plan_of_given_segments_equals_array_code(label):
     _emulate("segments", label)
 
 
 @needs_cxx
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("label", ERROR_CASES)
+@pytest.mark.parametrize("label, where", cases(
+    [pytest.param(label, where, id=f"{label}-{where}") for where in ("host", "device")
+     for label in ERROR_CASES], ["past-buffer-q-host", "longer-than-max_seqlen-k-device"]))
 def test_fused_plan_reports_the_same_errors(label, where):
     _emulate("error", label, where)
 

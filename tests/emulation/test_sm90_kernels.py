@@ -92,8 +92,8 @@ def test_deterministic_backward_is_bitwise_repeatable():
 
 
 # Mutations of the kernels that the cases must catch: name -> (kernel source, old, new, run
-# (LABEL or LABEL:KIND), what the failure says). Each is compiled from a mutated copy of the kernel sources
-# (VARLEN_EMULATION_SOURCE_DIR).
+# (LABEL or LABEL:KIND), what the failure says). Each is compiled from a mutated copy of the
+# kernel sources (VARLEN_EMULATION_SOURCE_DIR).
 MUTATIONS = {
     "fwd-no-v-row-zeroing": ("fwd_sm90.cuh", "        if (r < rows && !bad) continue;",
                              "        continue;", f"{FIRST}:fwd", "out: NaN pattern differs"),

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cases
+
 pytest.importorskip("mpi4py")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +38,7 @@ def _mpiexec(n, args, tmp_path, timeout=150, launcher=()):
     return r, time.perf_counter() - t
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", cases([pytest.param(2, marks=pytest.mark.smoke), 3, 4], [2]))
 def test_cases_under_mpiexec(n, tmp_path):
     # `python -m mpi4py` turns an uncaught exception on any rank into MPI_Abort.
     r, _ = _mpiexec(n, [sys.executable, "-m", "mpi4py", str(WORKER), "cases"], tmp_path)
@@ -44,7 +46,7 @@ def test_cases_under_mpiexec(n, tmp_path):
     assert f"OK size={n}" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", cases([2, 3, 4], [2]))
 def test_document_cases_under_mpiexec(n, tmp_path):
     """The document scheme's cases and methods (tests/test_comm_document.py, its worker)."""
     worker = ROOT / "tests" / "test_comm_document.py"
