@@ -103,6 +103,10 @@ def cupy_backend(request) -> str:
     return request.config.getoption("--cupy-backend")
 
 
+_TIER_OF = {}                           # nodeid -> tier
+_TIER_SECONDS = {}                      # tier -> [tests run, seconds]
+
+
 @pytest.hookimpl(tryfirst=True)         # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -110,8 +114,29 @@ def pytest_collection_modifyitems(config, items):
         tier = tier_of(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(tier)
+        item.user_properties.append(("tier", tier))         # in a --junitxml report
+        _TIER_OF[item.nodeid] = tier
         if tier == "gpu" and not HAS_GPU:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    tier = _TIER_OF.get(report.nodeid)
+    if tier is not None:
+        count = _TIER_SECONDS.setdefault(tier, [0, 0.0])
+        count[0] += report.when == "call"
+        count[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each tier's tests and seconds (setup, call and teardown), so that every run records
+    them."""
+    if _TIER_SECONDS:
+        terminalreporter.write_sep("=", "seconds by tier")
+        for tier in TIERS:
+            if tier in _TIER_SECONDS:
+                n, seconds = _TIER_SECONDS[tier]
+                terminalreporter.write_line(f"{tier:>12}: {seconds:8.1f} s in {n} tests")
 
 
 def pytest_report_header(config):
