@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import varlen
@@ -70,6 +71,16 @@ def covering(*keys):
                 s.add(v)
         return any(new)
     return keep
+
+
+# Batches for a CUDA graph captured once and replayed (tests/gpu/test_cupy_gpu.py,
+# tests/numba/test_numba_graph.py): the same B and packed totals (the same buffer shapes),
+# other lengths and per-sequence masks (window_left, window_right, bottom_right).
+GRAPH_BATCHES = (([100, 0, 37, 200, 1], [120, 3, 37, 180, 1]),
+                 ([1, 150, 137, 0, 50], [64, 64, 64, 100, 49]))
+GRAPH_MASKS = tuple(tuple(np.array(f, np.int32) for f in m) for m in (
+    ([-1, -1, 16, -1, 0], [0, -1, 0, 0, -1], [1, 0, 0, 1, 1]),
+    ([8, -1, -1, 32, -1], [0, 0, -1, 0, 0], [0, 1, 1, 0, 0])))
 
 
 def fwd_bwd(batch: Batch, backend="numpy", **kw):

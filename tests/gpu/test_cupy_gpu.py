@@ -22,7 +22,8 @@ import varlen
 from varlen import Mask
 from varlen.backends import Problem
 
-from helpers import TESTS, check_against_reference, covered_rows, make_batch
+from helpers import (GRAPH_BATCHES, GRAPH_MASKS, TESTS, check_against_reference, covered_rows,
+                     make_batch)
 
 pytestmark = pytest.mark.gpu
 
@@ -190,15 +191,6 @@ def test_rejects_what_it_cannot_run(cupy_backend):
     plan = varlen.plan(cu, cu, num_rows_q=4, num_rows_k=4, block_m=32, block_n=32)
     with pytest.raises(ValueError, match="tiles"):
         varlen.attention_forward(q16, q16, q16, cu, cu, backend=cupy_backend, plan=plan)
-
-
-# Same B and packed totals (same buffer shapes), different lengths and masks.
-GRAPH_BATCHES = (([100, 0, 37, 200, 1], [120, 3, 37, 180, 1]),
-                 ([1, 150, 137, 0, 50], [64, 64, 64, 100, 49]))
-GRAPH_MASKS = ((np.array([-1, -1, 16, -1, 0], np.int32), np.array([0, -1, 0, 0, -1], np.int32),
-                np.array([1, 0, 0, 1, 1], np.int32)),
-               (np.array([8, -1, -1, 32, -1], np.int32), np.array([0, 0, -1, 0, 0], np.int32),
-                np.array([0, 1, 1, 0, 0], np.int32)))
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
