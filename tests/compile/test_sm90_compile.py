@@ -86,7 +86,7 @@ def test_sm90_cubins_are_kept_on_disk_between_processes(tmp_path, monkeypatch):
     """`cubin_path` builds a kernel's cubin once into the cache folder and serves it after that
     without NVRTC; other build options (a kernel source changed: they carry its hash) make
     another key. `warm` builds in worker processes; `dispatched_specs` lists every variant the
-    backend can run under VARLEN_CUPY_PATH=sm90a with its default tiles, packs included."""
+    implementation `cupy:sm90a` runs with its default tiles, packs included."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
     import varlen.backends.cupy.compile as _cupy_compile
     import varlen.backends.cupy.sm90 as _cupy_sm90
