@@ -119,6 +119,7 @@ def test_release_before_the_barrier_aborts(tmp_path):
 
 def _capture_dq_order():
     """Makes the launcher's dq_order buffers start as STALE and records them: the list."""
+    import varlen.backends.cupy.mma as _cupy_kernels
     seen = []
     alloc = _cupy_kernels.alloc
 
