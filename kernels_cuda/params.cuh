@@ -5,7 +5,7 @@
 // of their own before it (a tensor map must be a __grid_constant__ parameter).
 //
 // The launchers fill them through NumPy dtypes of the same layout (varlen/backends/cupy/
-// launch.py: STRIDES_DTYPE, FWD_PARAMS_DTYPE, BWD_PARAMS_DTYPE), which tests/test_cupy_compile.py
+// launch.py: STRIDES_DTYPE, FWD_PARAMS_DTYPE, BWD_PARAMS_DTYPE), which tests/compile/test_cupy_compile.py
 // compares with sizeof/offsetof. Plain C++ without CUDA types, so that test compiles it with g++.
 #pragma once
 

@@ -4,7 +4,7 @@
 // PlanView has the fields of varlen.plan.KernelView, in the same order; the launchers
 // (varlen/backends/cupy/launch.py, plan_view_arg) fill it from Plan.view() through a NumPy
 // dtype of the same layout (PLAN_VIEW_DTYPE, compared with sizeof/offsetof by
-// tests/test_cupy_compile.py). Plain C++ without CUDA types, so that test compiles it with g++.
+// tests/compile/test_cupy_compile.py). Plain C++ without CUDA types, so that test compiles it with g++.
 #pragma once
 
 namespace varlen {

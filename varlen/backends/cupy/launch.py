@@ -31,7 +31,7 @@ from .traits import STATIC_SMEM_LIMIT
 
 # The structs of kernels_cuda/plan_view.cuh and params.cuh as aligned NumPy dtypes (C layout:
 # each field at a multiple of its size, the whole padded to its largest field);
-# tests/test_cupy_compile.py compares them with the C sizeof/offsetof.
+# tests/compile/test_cupy_compile.py compares them with the C sizeof/offsetof.
 # PlanView: KernelView's fields in order, its arrays as 64-bit device addresses.
 PLAN_VIEW_DTYPE = np.dtype([(name, np.uint64 if i < KernelView.NUM_ARRAYS else np.int32)
                             for i, name in enumerate(KernelView._fields)], align=True)

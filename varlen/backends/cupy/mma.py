@@ -58,9 +58,13 @@ class KernelSpec(Variant):
 
     # ---- geometry -----------------------------------------------------------------------
 
+    def tiles_of(self, kind: str):
+        """`traits.tile_size` of pass `kind` ("fwd" | "bwd") at this variant's tiles."""
+        return tile_size(kind, "mma", self.dtype, self.head_dim, self.block_m, self.block_n)
+
     @property
     def tiles(self):
-        return tile_size(self.kind, "mma", self.dtype, self.head_dim, self.block_m, self.block_n)
+        return self.tiles_of(self.kind)
 
     @property
     def stride(self) -> int:
@@ -68,22 +72,19 @@ class KernelSpec(Variant):
 
     @property
     def bwd_query_chunk(self) -> int:
-        """Query rows per step of the dK/dV kernel (`traits.tile_size`)."""
-        return tile_size("bwd", "mma", self.dtype, self.head_dim, self.block_m,
-                         self.block_n).query_chunk
+        """Query rows per step of the dK/dV kernel."""
+        return self.tiles_of("bwd").query_chunk
 
     @property
     def fwd_chunk(self) -> int:
-        """Keys per step of the forward (`traits.tile_size`); a 128-key plan tile is walked in
-        the chunks of a 64-key one (the same registers)."""
-        return tile_size("fwd", "mma", self.dtype, self.head_dim, self.block_m,
-                         self.block_n).key_chunk
+        """Keys per step of the forward; a 128-key plan tile is walked in the chunks of a
+        64-key one (the same registers)."""
+        return self.tiles_of("fwd").key_chunk
 
     @property
     def fwd_stages(self) -> int:
-        """K/V stages of the forward (`traits.tile_size`)."""
-        return tile_size("fwd", "mma", self.dtype, self.head_dim, self.block_m,
-                         self.block_n).stages
+        """K/V stages of the forward."""
+        return self.tiles_of("fwd").stages
 
     @property
     def dkdv_parts(self) -> int:

@@ -71,7 +71,20 @@ BWD_KERNEL = "varlen_bwd_dkdv_sm90"
 
 
 class _Sm90Variant(Variant):
+    """What both kernels' variants share: their head dims, the shared-memory check, the kernel
+    by role, the name (the kernel template and `template_args`) and the label."""
+
     HEAD_DIMS = SM90_HEAD_DIMS
+    KERNEL = ""             # the kernel template
+
+    @property
+    def name(self) -> str:
+        return f"{self.KERNEL}<{', '.join(map(str, self.template_args))}>"
+
+    def _label(self, kind, *parts, **flags) -> str:
+        """`KIND-sm90a-dtype-PARTS`, then the name of each flag that is set."""
+        return "-".join([kind, "sm90a", self.dtype, *parts,
+                         *(flag for flag, on in flags.items() if on)])
 
     def check_smem(self):
         if self.smem > OPTIN_SMEM:
@@ -89,6 +102,7 @@ class FwdSpec(_Sm90Variant):
     packed per position."""
 
     ROLE = "fwd"
+    KERNEL = FWD_KERNEL
     dtype: str          # "float16" | "bfloat16"
     head_dim: int
     block_m: int
@@ -130,14 +144,14 @@ class FwdSpec(_Sm90Variant):
         return -(-data // 8) * 8 + 8 * FWD_BARRIERS + SMEM_ALIGN
 
     @property
-    def name(self) -> str:
-        return (f"{FWD_KERNEL}<{self.ctype}, {self.head_dim}, {self.block_m}, "
-                f"{self.block_n}, {cxx_bool(self.softcap)}, {self.key_chunk}, {self.pack}>")
+    def template_args(self) -> tuple:
+        return (self.ctype, self.head_dim, self.block_m, self.block_n, cxx_bool(self.softcap),
+                self.key_chunk, self.pack)
 
     @property
     def label(self) -> str:
-        return (f"fwd-sm90a-{self.dtype}-D{self.head_dim}-BM{self.block_m}-BN{self.block_n}"
-                f"-KN{self.key_chunk}-P{self.pack}{'-softcap' if self.softcap else ''}")
+        return self._label("fwd", f"D{self.head_dim}", f"BM{self.block_m}", f"BN{self.block_n}",
+                           f"KN{self.key_chunk}", f"P{self.pack}", softcap=self.softcap)
 
     @property
     def plan_block_m(self) -> int:
@@ -151,6 +165,7 @@ class BwdSpec(_Sm90Variant):
     whether dQ is added in a fixed order (`deterministic=True`)."""
 
     ROLE = "dkdv"
+    KERNEL = BWD_KERNEL
     dtype: str          # "float16" | "bfloat16"
     head_dim: int
     block_n: int
@@ -193,14 +208,14 @@ class BwdSpec(_Sm90Variant):
         return data + 8 * BWD_BARRIERS + SMEM_ALIGN
 
     @property
-    def name(self) -> str:
-        return (f"{BWD_KERNEL}<{self.ctype}, {self.head_dim}, {self.block_n}, "
-                f"{self.query_chunk}, {cxx_bool(self.softcap)}, {cxx_bool(self.ordered_dq)}>")
+    def template_args(self) -> tuple:
+        return (self.ctype, self.head_dim, self.block_n, self.query_chunk,
+                cxx_bool(self.softcap), cxx_bool(self.ordered_dq))
 
     @property
     def label(self) -> str:
-        return (f"bwd-sm90a-{self.dtype}-D{self.head_dim}-BN{self.block_n}"
-                f"{'-softcap' if self.softcap else ''}{'-ordered' if self.ordered_dq else ''}")
+        return self._label("bwd", f"D{self.head_dim}", f"BN{self.block_n}",
+                           softcap=self.softcap, ordered=self.ordered_dq)
 
 
 def fwd_spec_for(plan, q, softcap: float) -> FwdSpec:

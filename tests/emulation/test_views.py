@@ -223,7 +223,7 @@ def test_cupy_copies_an_unaligned_view_with_a_warning():
 
 
 # --------------------------------------------------------------------------------------------
-# Emulated side: python tests/test_views.py views LABEL | unaligned
+# Emulated side: python tests/emulation/test_views.py views LABEL | unaligned
 # --------------------------------------------------------------------------------------------
 
 def _install(impl, block_m, block_n):
