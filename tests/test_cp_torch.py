@@ -4,14 +4,15 @@ in-process ranks (gloo ranks and the torchrun training example:
 tests/multiprocess/test_cp_torch_ranks.py)."""
 import numpy as np
 import pytest
-import torch
 
-import varlen
-import varlen.comm as vc
-import varlen.torch as vt
+torch = pytest.importorskip("torch")
 
-from comm_workers.torch_cp import Spec, check_bad_inputs, check_rank, resolved
-from helpers import cases, covering
+import varlen  # noqa: E402
+import varlen.comm as vc  # noqa: E402
+import varlen.torch as vt  # noqa: E402
+
+from comm_workers.torch_cp import Spec, check_bad_inputs, check_rank, resolved  # noqa: E402
+from helpers import cases, covering  # noqa: E402
 
 WINDOW = varlen.Mask(window_left=3, window_right=1)
 

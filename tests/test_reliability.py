@@ -171,3 +171,28 @@ def test_the_readme_lists_every_extra():
         listed = set(re.findall(r"`\[(\w+)\]`", "".join(line for line in f
                                                       if line.startswith("| `["))))
     assert extras <= listed, f"README's extras table lacks {sorted(extras - listed)}"
+
+
+# ---- the suite itself -----------------------------------------------------------------------
+
+BLOCK_FRAMEWORKS = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "jax", "jaxlib", "cupy", "transformers"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "", "-p", "no:cacheprovider", "tests"]))
+"""
+
+
+def test_every_test_file_collects_without_torch_jax_or_cupy():
+    """A machine without the optional frameworks collects the whole suite: the tests that need
+    one skip (importorskip) instead of failing collection."""
+    import subprocess
+    import sys
+    from helpers import ROOT
+    run = subprocess.run([sys.executable, "-c", BLOCK_FRAMEWORKS], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
