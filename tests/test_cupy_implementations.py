@@ -19,7 +19,7 @@ import pytest
 import varlen
 import varlen.backends.cupy.launch as _cupy_launch
 import varlen.backends.cupy.mma as _cupy_mma
-import varlen.backends.cupy.traits as _cupy_spec
+import varlen.backends.cupy.traits as _cupy_traits
 from varlen import backends
 from varlen.backends import Problem
 from varlen.backends.cupy import BACKEND, MmaImplementation, Sm90aImplementation
@@ -209,8 +209,8 @@ def test_plan_asks_the_named_backend_for_its_builder(monkeypatch):
 # dK/dV kernel needs more than 99 KiB (108032 B at D = 192, 104704 B at D = 256): no tiles there
 # (None).
 BIG_TILES = {D: (128, 128) if D in (96, 128) else (128, 64) if D <= 128 else (64, 64)
-             for D in _cupy_spec.HEAD_DIMS}
-SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_spec.HEAD_DIMS}
+             for D in _cupy_traits.HEAD_DIMS}
+SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_traits.HEAD_DIMS}
 # A stand-in GPU with less shared memory per block than any shipped one: 64 KiB.
 SMALL_SMEM = DeviceInfo((8, 9), 64 * KIB, "a GPU with 64 KiB per block")
 
@@ -227,8 +227,8 @@ def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
 def test_tiles_fit_the_device(device, tiles):
     from varlen.backends.cupy import BACKEND
     with BACKEND.stand_in_device(device):
-        for D in _cupy_spec.HEAD_DIMS:
-            for dtype in _cupy_spec.DTYPES:
+        for D in _cupy_traits.HEAD_DIMS:
+            for dtype in _cupy_traits.DTYPES:
                 blocks = BACKEND.default_blocks(dtype, D)
                 if tiles[D] is None:
                     why = BACKEND.supports(_call(dtype, D))

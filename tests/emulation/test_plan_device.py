@@ -14,8 +14,8 @@ in its own process (the emulation replaces `cupy`), run by this file's __main__.
   the NumPy code's message at once for host arrays, and on a device set the flag of that same
   message, which `varlen.check_device_errors()` raises later (no host read while building).
 * Launches: `varlen.plan`, the cupy backend's setup hook and `build_plan` of device segments
-  issue 2 kernel launches per plan (the array code: about 260 array operations);
-  `VARLEN_PLAN_BUILDER=arrays` still selects the array code. A whole step on the plan: the
+  issue 2 kernel launches per plan (the array code: about 260 array operations). A whole
+  step on the plan: the
   forward is 1 launch, each backward mode 3, memsets and fills counted (none: the kernels
   write the pad rows).
 * The launcher's struct dtype has the C layout of `PlanBuildParams` (the kernels' NVRTC build
