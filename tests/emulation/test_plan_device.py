@@ -15,9 +15,8 @@ in its own process (the emulation replaces `cupy`), run by this file's __main__.
   message, which `varlen.check_device_errors()` raises later (no host read while building).
 * Launches: `varlen.plan`, the cupy backend's setup hook and `build_plan` of device segments
   issue 2 kernel launches per plan (the array code: about 260 array operations). A whole
-  step on the plan: the
-  forward is 1 launch, each backward mode 3, memsets and fills counted (none: the kernels
-  write the pad rows).
+  step on the plan: the forward is 1 launch, each backward mode 3, memsets and fills counted
+  (none: the kernels write the pad rows).
 * The launcher's struct dtype has the C layout of `PlanBuildParams` (the kernels' NVRTC build
   for sm_80 and sm_90 without spills: tests/compile/test_cupy_compile.py).
 * On a GPU (marker `gpu`): the same batches against the CuPy array code and the NumPy plan, and
