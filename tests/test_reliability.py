@@ -196,3 +196,29 @@ def test_every_test_file_collects_without_torch_jax_or_cupy():
     run = subprocess.run([sys.executable, "-c", BLOCK_FRAMEWORKS], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_the_readme_tier_table_is_the_suite_s():
+    """README's tier table names every tier of tests/conftest.py, each with its folder, and its
+    full command is the one `.ci/run` runs; the default command's tiers are setup.cfg's."""
+    import configparser
+    import os
+    import re
+    from conftest import FOLDER_TIERS, TIERS
+    from helpers import ROOT
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme.split("### Test tiers", 1)[1].split("\n\n")[2]
+    rows = {r.split("|")[1].strip().split(" ")[0]: r for r in table.splitlines()[2:]}
+    missing = set(TIERS) - {"slow"} - set(rows)
+    assert not missing, f"README's tier table lacks {missing}"
+    for folder, tier in FOLDER_TIERS.items():
+        assert f"`tests/{folder}/`" in rows[tier], (tier, rows[tier])
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    full = re.search(r"`(VARLEN_TEST_CASES=full python -m pytest [^`]*)`", table)[1]
+    assert full in ci, f".ci/run does not run README's full command {full}"
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    assert '-m "quick or smoke or gpu"' in cfg["tool:pytest"]["addopts"]
+    assert "@@" not in readme, "a figure of the README's tier table is not filled in"
