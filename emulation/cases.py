@@ -6,7 +6,8 @@ emulation [--quick]`): each a dict of `run_case`'s arguments.
 back to; BQ = 32 query chunks and the dQ phase with two warps per 16 query rows at D > 64),
 forward and both backward modes; `wide_key_tile_cases()` those of (128, 128); among
 them a batch with more CTAs than the SMs the emulation stands for (H100_SM_COUNT, an H100
-SXM) and blocks that visit three or more partner tiles. CI runs each in its own process (tests/test_emulation_variants.py).
+SXM) and blocks that visit three or more partner tiles. CI runs each in its own process
+(tests/emulation/test_emulation_variants.py).
 """
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ The kernel sources are compiled with g++ (`-DVARLEN_HOST_EMULATION`, see
 primitives (ldmatrix, mma.sync, shuffles) emulated from the PTX ISA's fragment layouts. The
 real launchers of `varlen.backends.cupy` drive them: a stand-in `cupy` module turns each kernel
 launch into a call of the emulated kernel with the very argument tuple a GPU launch would
-get, passed as a GPU launch passes it (a pointer to each argument's bytes; the `PlanView` and
-`CallParams` structs by value), each argument's size checked against its parameter's. So
-argument order, struct layouts, scalar types, grids, shared-memory sizes (and the >48 KiB
-opt-in) are exercised too. Fresh buffers are NaN-filled; results are compared with the
+get, passed as a GPU launch passes it (a pointer to each argument's bytes; the `FwdParams` or
+`BwdParams` struct, and the sm_90a kernels' tensor maps, by value), each argument's size
+checked against its parameter's. So argument order, struct layouts, scalar types, grids,
+shared-memory sizes (and the >48 KiB opt-in) are exercised too, and the launchers' choice of
+reading a view where it lies (`launch.data`, run on the host arrays). Fresh buffers are NaN-filled; results are compared with the
 float64 reference (`varlen.testing`, STYLE.md tolerances).
 
 Besides the kernels' logic (fragment indexing, schedule walking, masks, online softmax,
@@ -124,21 +125,30 @@ def _compile_command(source, out, flags, source_dir, defines=()):
             f"-I{EMULATION_DIR}", *defines, source, "-o", out]
 
 
-def _build(T, D, BM, BN, BQ, SC):
+def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None):
+    """The library of variant (T, D, BM, BN, BQ, SC): every kernel's entry point, with the
+    tiles the launchers pass as template arguments (None: `traits.tile_size`'s): `KN` and
+    `STAGES` of the mma.sync forward, `KN90` of the sm_90a forward."""
     race, schedule, seed, strict_banks, source_dir = _mode()
-    key = (T, D, BM, BN, BQ, SC, race, source_dir)
+    mma = traits.tile_size("fwd", "mma", "float16", D, BM, BN)
+    KN = mma.key_chunk if KN is None else KN
+    STAGES = mma.stages if STAGES is None else STAGES
+    KN90 = traits.tile_size("fwd", "sm90a", "float16", D, BM, BN).key_chunk if KN90 is None \
+        else KN90
+    key = (T, D, BM, BN, BQ, SC, KN, STAGES, KN90, race, source_dir)
     if key not in _libs:
         if race and not tsan_loaded():
             raise RuntimeError("VARLEN_EMULATION_RACE=1 needs the ThreadSanitizer runtime "
                                f"preloaded: LD_PRELOAD={tsan_runtime()} (or use --race)")
         os.makedirs(BUILD_DIR, exist_ok=True)
         flags = TSAN_FLAGS if race else ()
-        tag = hashlib.sha256(f"{key[:6]}{flags}{_sources_hash(source_dir)}".encode())
+        tag = hashlib.sha256(f"{key[:9]}{flags}{_sources_hash(source_dir)}".encode())
         path = os.path.join(BUILD_DIR, f"varlen_emu_{tag.hexdigest()[:16]}.so")
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
             defines = (f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
-                       f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}")
+                       f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}", f"-DEMU_KN={KN}",
+                       f"-DEMU_STAGES={STAGES}", f"-DEMU_KN90={KN90}")
             cmd = _compile_command(os.path.join(EMULATION_DIR, "host_emulation_entry.cu"), tmp,
                                    flags, source_dir, defines)
             subprocess.run(cmd, check=True)
@@ -185,25 +195,28 @@ class _Kernel:
         kind, args = re.fullmatch(r"(\w+)<(.*)>", name).groups()
         a = [x.strip() for x in args.split(",")]
         T, D, BM, BN, SC = a[0], 64, block_m, block_n, "false"
+        tiles = {}
         if kind == "varlen_fwd":
             D, BM, BN, SC = int(a[1]), int(a[2]), int(a[3]), a[4]
+            tiles = dict(KN=int(a[5]), STAGES=int(a[6]))
         elif kind == "varlen_bwd_dkdv":
             D, BN, SC = int(a[1]), int(a[2]), a[4]
             # ordered dQ (a 7th argument, true) is atomic dQ in a fixed order
             kind += "_ordered" if a[6:] == ["true"] else "_atomic" if a[5] == "true" else ""
-        elif kind == "varlen_bwd_preprocess":
+        elif kind in ("varlen_bwd_preprocess", "varlen_bwd_dq_convert"):
             D = int(a[1])
-        elif kind != "varlen_bwd_dq_convert":
+        else:
             raise AssertionError(f"unknown kernel {name}")
         # the dK/dV kernel's query chunk everywhere, so that one library serves the variant
         bq = (int(a[3]) if kind.startswith("varlen_bwd_dkdv")
               else traits.tile_size("bwd", "mma", "float16", D, 64, BN).query_chunk)
-        self._bind(kind, T, D, BM, BN, bq, SC)
+        self._bind(kind, T, D, BM, BN, bq, SC, **tiles)
 
-    def _bind(self, kind, T, D, BM, BN, bq, SC):
-        """The entry point `kind` of the library of variant (T, D, BM, BN, bq, SC)."""
+    def _bind(self, kind, T, D, BM, BN, bq, SC, **tiles):
+        """The entry point `kind` of the library of variant (T, D, BM, BN, bq, SC) (`tiles`:
+        `_build`'s)."""
         name = self.name
-        self.lib = _build(T, D, BM, BN, bq, SC)
+        self.lib = _build(T, D, BM, BN, bq, SC, **tiles)
         self.key = kind.encode()
         sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
         n = self.lib.emu_param_sizes(self.key, sizes)
@@ -253,6 +266,15 @@ class _Kernel:
         return value
 
 
+def _counted(name: str, kind: str):
+    """The ndarray method `name`, counted as a host read of `kind` (`DeviceArray`)."""
+    def method(self, *args):
+        self._read(kind)
+        return getattr(np.ndarray, name)(self, *args)
+    method.__name__ = name
+    return method
+
+
 class DeviceArray(np.ndarray):
     """A device array of the stand-in cupy: a NumPy array that counts in `host_reads`, under
     `watch_host_reads`, every way the host takes its values as CuPy would copy them from a
@@ -268,33 +290,10 @@ class DeviceArray(np.ndarray):
         self._read("get")
         return np.array(self.view(np.ndarray))
 
-    def item(self, *args):
-        self._read("item")
-        return super().item(*args)
-
-    def tolist(self):
-        self._read("tolist")
-        return super().tolist()
-
-    def __iter__(self):
-        self._read("iter")
-        return super().__iter__()
-
-    def __bool__(self):
-        self._read("bool")
-        return super().__bool__()
-
-    def __int__(self):
-        self._read("int")
-        return super().__int__()
-
-    def __float__(self):
-        self._read("float")
-        return super().__float__()
-
-    def __index__(self):
-        self._read("index")
-        return super().__index__()
+    item, tolist = _counted("item", "item"), _counted("tolist", "tolist")
+    __iter__, __bool__ = _counted("__iter__", "iter"), _counted("__bool__", "bool")
+    __int__, __float__ = _counted("__int__", "int"), _counted("__float__", "float")
+    __index__ = _counted("__index__", "index")
 
     def __getitem__(self, key):
         r = super().__getitem__(key)
@@ -323,13 +322,16 @@ def watch_host_reads():
         _watching = False
 
 
-def _host_data(a):
-    """`launch.data` for host arrays: contiguous, 16-byte aligned (the emulated
-    cp.async checks the alignment of every global address, as the GPU requires)."""
-    a = np.ascontiguousarray(a)
-    if a.ctypes.data % 16:
-        a = a.copy()
-    return _device(a)
+# The launchers' policy for their inputs (a view read where it lies, else a packed copy and a
+# warning), which the stand-in runs on host arrays.
+_launch_data = cupy_launch.data
+
+
+def _host_data(a, name, **kw):
+    """`launch.data` for host arrays: the launchers' own policy, on the host addresses (the
+    emulated cp.async and TMA check the alignment of every global address, as the GPU does),
+    the result a stand-in device array."""
+    return _device(_launch_data(a, name, **kw))
 
 
 class _Device:
@@ -383,7 +385,7 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
     from varlen.backends.cupy import plan as cupy_plan
     cupy_launch._modules.clear()
     cupy_plan._modules.clear()
-    cupy_launch.data = _host_data                    # host arrays have no device pointer
+    cupy_launch.data = _host_data                    # host arrays as stand-in device arrays
     cupy_launch.address = lambda a: 0 if a is None else a.ctypes.data
     set_nan_fill(True)                               # an unwritten output element shows
     return fake
@@ -438,31 +440,48 @@ def cp_case_ranks(cp_size=2, seed=0):
         yield rank, plan, q, k, v, dout
 
 
+def numpy_reference(plan, q, k, v, dout, **kw) -> dict:
+    """out, lse, dq, dk and dv of the NumPy backend on `plan`, in float64: what the CuPy
+    backend's passes on the same plan (segments out of row order, say) are held to
+    (`assert_near`)."""
+    from varlen.backends import numpy_backend
+    ref = numpy_backend.BACKEND
+    q, k, v, dout = (x.astype(np.float64) for x in (q, k, v, dout))
+    out, lse = ref.forward(plan, q, k, v, **kw)
+    return dict(zip(("out", "lse", "dq", "dk", "dv"),
+                    (out, lse, *ref.backward(plan, dout, q, k, v, out, lse, **kw))))
+
+
+def assert_near(label, got: dict, want: dict) -> None:
+    """Each array of `got` within 2^-7 of the largest magnitude of `want`'s of its name plus
+    2^-10; lse with the same -inf rows and the others within 1e-2."""
+    for name, a in got.items():
+        w = want[name]
+        if name == "lse":
+            finite = np.isfinite(w)
+            assert np.array_equal(np.isfinite(a), finite), f"{label} lse: -inf rows differ"
+            assert np.abs(a[finite] - w[finite]).max(initial=0.0) <= 1e-2, f"{label} lse"
+            continue
+        err = float(np.abs(a.astype(np.float64) - w).max(initial=0.0))
+        bound = 2.0 ** -7 * float(np.abs(w).max(initial=0.0)) + 2.0 ** -10
+        assert err <= bound, f"{label} {name}: max error {err:.3e} > {bound:.3e}"
+
+
 def run_cp_case(label="CP2-zigzag-segments-fp16-D64", cp_size=2, seed=0):
     """Context-parallel segment plans (cp_case_ranks) through the emulated kernels, against the
     NumPy backend on the same plan, for every rank."""
     from varlen.backends import cupy as cupy_backend
-    from varlen.backends import numpy_backend
     install_fake_cupy(64)
+    backend = cupy_backend.BACKEND
     for rank, plan, q, k, v, dout in cp_case_ranks(cp_size, seed):
-        scale = 1.0 / math.sqrt(q.shape[2])
-        f64 = [x.astype(np.float64) for x in (dout, q, k, v)]
-        ref_backend, backend = numpy_backend.BACKEND, cupy_backend.BACKEND
-        ref_out, ref_lse = ref_backend.forward(plan, *f64[1:], softmax_scale=scale, softcap=0.0)
-        ref = (ref_out, *ref_backend.backward(plan, f64[0], *f64[1:], ref_out, ref_lse,
-                                              softmax_scale=scale, softcap=0.0))
-        out, lse = backend.forward(plan, q, k, v, softmax_scale=scale, softcap=0.0)
+        kw = dict(softmax_scale=1.0 / math.sqrt(q.shape[2]), softcap=0.0)
+        want = numpy_reference(plan, q, k, v, dout, **kw)
+        out, lse = backend.forward(plan, q, k, v, **kw)
+        assert_near(f"{label} rank {rank}", dict(out=out, lse=lse), want)
         for det in (False, True):
-            got = (out, *backend.backward(plan, dout, q, k, v, out, lse, softmax_scale=scale,
-                                          softcap=0.0, deterministic=det))
-            for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-                err = float(np.abs(a.astype(np.float64) - b).max())
-                bound = 2.0 ** -7 * float(np.abs(b).max()) + 2.0 ** -10
-                assert err <= bound, (f"{label} rank {rank} {name} (deterministic={det}): "
-                                      f"max error {err:.3e} > {bound:.3e}")
-        finite = np.isfinite(ref_lse)
-        assert np.array_equal(np.isfinite(lse), finite), f"{label} rank {rank}: lse -inf rows"
-        assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-2, f"{label} rank {rank}: lse"
+            grads = backend.backward(plan, dout, q, k, v, out, lse, deterministic=det, **kw)
+            assert_near(f"{label} rank {rank} (deterministic={det})",
+                        dict(zip(("dq", "dk", "dv"), grads)), want)
 
 
 def strict_cases():

@@ -13,12 +13,13 @@ the sources in a temporary directory, which the emulation then compiles
 2. `--strict --schedule wait`: copies land only at their wait (random landing lands a copy
    issued chunks ahead long before it is read, hiding a missing wait for it);
 3. `--strict --race`: the ThreadSanitizer build (a data race report);
-4. the non-finite backward case of tests/test_cupy_edges.py (NaN in q) under both modes above:
-   the barrier that orders the first chunk's delta stores before a NaN flag only matters there.
+4. the non-finite backward case of tests/emulation/test_cupy_edges.py (NaN in q) under both
+   modes above: the barrier that orders the first chunk's delta stores before a NaN flag only
+   matters there.
 
-The device plan's kernels (`plan_build.cuh`) run a case of tests/test_plan_device.py instead
-(300 sequences over the shipped scan and tile blocks, several warps each, so that every thread
-has partial sums to publish), compared with the NumPy plan: with warps one at a time in a
+The device plan's kernels (`plan_build.cuh`) run a case of tests/emulation/test_plan_device.py
+instead (300 sequences over the shipped scan and tile blocks, several warps each, so that every
+thread has partial sums to publish), compared with the NumPy plan: with warps one at a time in a
 seeded order, then under ThreadSanitizer.
 
 A mutation no run catches is a gap of the emulation (exit status 1). The strict cases reach three
@@ -27,15 +28,14 @@ from the third). Prints one line per mutation: the site, caught or not, by what,
 
 The sm_90a kernels (`fwd_sm90.cuh`, `bwd_sm90.cuh`) have sites of their own: every
 `mbar_wait`, `wgmma_wait<N>`, `wgmma_fence`, named barrier (`named_bar_sync`/`named_bar_arrive`),
-`fence_proxy_async`, `fence_barrier_init` and `__syncthreads()` call. The forward's run the
-pipeline's case of tests/test_sm90_forward.py (two consumer warpgroups in ping-pong, 1 to 6 key
-chunks per query tile, partial chunks whose boxes hold NaN rows, a NaN in a present key; the
-persistent loop's 16 work items over 3 blocks, so Q's handshake and the ring's phases run
-across items), the
-backward's two cases of tests/test_sm90_backward.py (two consumer warpgroups, four query chunks
-per key tile: the ring wraps twice; a partial query chunk and a ragged key tile, NaN in the pad
-rows; then the deterministic mode, whose consumers' barrier orders the dQ additions), with the
-threads free-running:
+`fence_proxy_async`, `fence_barrier_init` and `__syncthreads()` call. Their runs take cases of
+emulation/sm90_cases.py (`SM90_CASES`): the forward's, the pipeline's case (two consumer
+warpgroups in ping-pong, 1 to 6 key chunks per query tile, partial chunks whose boxes hold NaN
+rows, a NaN in a present key; the persistent loop's 16 work items over 3 blocks, so Q's
+handshake and the ring's phases run across items); the backward's, four cases (two consumer
+warpgroups, four query chunks per key tile: the ring wraps twice; a partial query chunk and a
+ragged key tile, NaN in the pad rows; D = 256; then the deterministic mode, whose consumers'
+barrier orders the dQ additions), with the threads free-running:
 
 1. TMA copies landing and wgmma operands read at the latest moment (`wait`);
 2. both at seeded random points (`random`, seed 1);
@@ -70,7 +70,8 @@ SM90_SITE = re.compile(
     r"\b((?:sm90::)?(?:mbar_wait|wgmma_wait<\d+>|wgmma_fence|named_bar_sync|named_bar_arrive|"
     r"fence_proxy_async|fence_barrier_init)\((?:[^;()]|\([^;()]*\))*\)|__syncthreads\(\));")
 EMULATION = [sys.executable, "-m", "emulation", "--strict", "--fail-fast"]
-EDGE_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_cupy_edges.py"),
+TESTS = os.path.join(ROOT, "tests")
+EDGE_CASE = [sys.executable, os.path.join(TESTS, "emulation", "test_cupy_edges.py"),
              "nonfinite-backward", "q"]
 # (label, command, extra environment); the race runs re-execute under the TSan runtime.
 RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {}),
@@ -78,14 +79,13 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
         ("race", [*EMULATION, "--race"], {}),
         ("schedule, NaN case", EDGE_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"}),
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
-SM90_CASES = {"fwd_sm90.cuh": ("test_sm90_forward.py", ("B7-bf16-D64-BM128-chunks-1-2-3-6",)),
-              "bwd_sm90.cuh": ("test_sm90_backward.py", ("B2-bf16-D128-BN128-full-gqa",
-                                                         "B3-fp16-D64-BN128-deterministic-gqa",
-                                                         "B3-bf16-D256-softcap-gqa-nan",
-                                                         "B3-bf16-D128-BN128-deterministic-"
-                                                         "softcap-nan"))}
+# The cases of emulation/sm90_cases.py each sm_90a kernel source's sites run.
+SM90_CASES = {"fwd_sm90.cuh": ("B7-bf16-D64-BM128-chunks-1-2-3-6",),
+              "bwd_sm90.cuh": ("B2-bf16-D128-BN128-full-gqa", "B3-fp16-D64-BN128-deterministic-gqa",
+                               "B3-bf16-D256-softcap-gqa-nan",
+                               "B3-bf16-D128-BN128-deterministic-softcap-nan")}
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
-PLAN_CASE = [sys.executable, os.path.join(ROOT, "tests", "test_plan_device.py"), "layout",
+PLAN_CASE = [sys.executable, os.path.join(TESTS, "emulation", "test_plan_device.py"), "layout",
              "B300-many-mixed-16x8-shipped-threads"]
 PLAN_RUNS = (("plan schedule", PLAN_CASE, {"VARLEN_EMULATION_SCHEDULE": "random",
                                            "VARLEN_EMULATION_SEED": "1"}),
@@ -94,8 +94,7 @@ PLAN_RUNS = (("plan schedule", PLAN_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"
 
 def sm90_runs(name):
     """The runs of the case of sm_90a kernel source `name`."""
-    test, labels = SM90_CASES[name]
-    case = [sys.executable, os.path.join(ROOT, "tests", test), *labels]
+    case = [sys.executable, "-m", "emulation.sm90_cases", *SM90_CASES[name]]
     return (("sm90 wait-landing", case, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "wait"}),
             ("sm90 random-landing", case, {**SM90_ENV, "VARLEN_EMULATION_SCHEDULE": "random",
                                            "VARLEN_EMULATION_SEED": "1"}),
@@ -164,7 +163,7 @@ def mutate(site, dst):
 def _env(source_dir, extra):
     from emulation.cupy import TSAN_OPTIONS, tsan_runtime
     env = dict(os.environ, VARLEN_EMULATION_SOURCE_DIR=source_dir, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
     for k in ("VARLEN_EMULATION_RACE", "VARLEN_EMULATION_SCHEDULE", "LD_PRELOAD"):
         env.pop(k, None)
     env.update(extra)

@@ -34,15 +34,13 @@ class EmulatedRuntime:
     @staticmethod
     def _build_args(spec) -> tuple:
         """`emulation.cupy._build`'s (type, D, BM, BN, BQ, softcap) of the build holding the
-        kernel of `spec`."""
+        kernel of `spec`, and its tiles (the forward's key chunk)."""
         softcap = "true" if spec.softcap else "false"
         if isinstance(spec, sm90.BwdSpec):
-            return (spec.ctype, spec.head_dim, 64, spec.block_n, spec.query_chunk, softcap)
-        default = sm90.FwdSpec(spec.dtype, spec.head_dim, spec.block_m, spec.block_n,
-                               spec.softcap).key_chunk
-        assert spec.key_chunk == default, f"{spec.name}: the emulation builds the default key chunk only"
+            return (spec.ctype, spec.head_dim, 64, spec.block_n, spec.query_chunk, softcap), {}
         bq = 32 if spec.head_dim > 64 else 64
-        return (spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq, softcap)
+        return ((spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq, softcap),
+                dict(KN90=spec.key_chunk))
 
     @staticmethod
     def entry(spec) -> bytes:
@@ -53,7 +51,8 @@ class EmulatedRuntime:
         return key if spec.pack == 1 else key + b"_pack%d" % spec.pack
 
     def _lib(self, spec):
-        lib = _build(*self._build_args(spec))
+        args, tiles = self._build_args(spec)
+        lib = _build(*args, **tiles)
         # VARLEN_EMULATION_SCHEDULE picks when TMA copies land and wgmma operands are read
         # (seeded by VARLEN_EMULATION_SEED), with the threads free-running: warpgroup
         # collectives and mbarrier waits cannot run one warp at a time

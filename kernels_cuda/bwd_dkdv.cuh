@@ -124,20 +124,18 @@ template <typename T, typename Cfg>
 struct QueryStages {
     static constexpr int STAGE_ELEMS = Cfg::BQ * Cfg::STRIDE;
     DkdvSmem<T, Cfg> s;
-    const T* q;              // [Tq, Hq, D]
-    const T* dout;           // [Tq, Hq, D]
-    const float* lse2;       // [Hq, Tq]
-    const float* delta;      // [Hq, Tq]
-    int Hq;
-    int Tq;
+    const BwdParams& params; // q, dout [Tq, Hq, D]; lse2, delta [Hq, Tq]
     int head0;               // the first query head of the block's key head
 
     __device__ __forceinline__ void load(const Chunk& c, int stage) const {
         const int head = head0 + c.head;
         load_tile_async<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(
-            s.q + stage * STAGE_ELEMS, head_rows<Cfg::D>(q, Hq, head), c.row, c.rows);
+            s.q + stage * STAGE_ELEMS,
+            head_rows(static_cast<const T*>(params.q), params.q_strides, head), c.row, c.rows);
         load_tile_async<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(
-            s.dout + stage * STAGE_ELEMS, head_rows<Cfg::D>(dout, Hq, head), c.row, c.rows);
+            s.dout + stage * STAGE_ELEMS,
+            head_rows(static_cast<const T*>(params.dout), params.dout_strides, head), c.row,
+            c.rows);
         // lse2 and delta travel in the same group as Q and dO (no exposed global load before
         // the barrier). A row past the chunk is stored directly: lse2 = +inf, delta = 0. The
         // stage was released by the barrier that ended its last use.
@@ -146,9 +144,9 @@ struct QueryStages {
             float* p_lse2 = s.lse2 + stage * Cfg::BQ + r;
             float* p_delta = s.delta + stage * Cfg::BQ + r;
             if (r < c.rows) {
-                const int64_t idx = static_cast<int64_t>(head) * Tq + c.row + r;
-                cp_async_4(p_lse2, lse2 + idx, true);
-                cp_async_4(p_delta, delta + idx, true);
+                const int64_t idx = static_cast<int64_t>(head) * params.plan.rows_q + c.row + r;
+                cp_async_4(p_lse2, params.lse2 + idx, true);
+                cp_async_4(p_delta, params.delta + idx, true);
             } else {
                 *p_lse2 = pos_inf();
                 *p_delta = 0.f;
@@ -264,19 +262,11 @@ template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ATOMIC_DQ,
           bool ORDERED_DQ = false>
 __global__ void __launch_bounds__(DkdvConfig<D, BN, BQ, ATOMIC_DQ>::NUM_THREADS,
                                   DkdvConfig<D, BN, BQ, ATOMIC_DQ>::MIN_BLOCKS)
-varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
-                const T* __restrict__ k,            // [Tk, Hk, D]
-                const T* __restrict__ v,            // [Tk, Hk, D]
-                const T* __restrict__ dout,         // [Tq, Hq, D]
-                const float* __restrict__ lse2,     // [Hq, Tq] base-2 lse, +inf: no key
-                const float* __restrict__ delta,    // [Hq, Tq]
-                T* __restrict__ dk,                 // [Tk, Hk, D]
-                T* __restrict__ dv,                 // [Tk, Hk, D]
-                float* __restrict__ dq_accum,       // [Tq, Hq, D] (ATOMIC_DQ only)
-                int* __restrict__ dq_order,         // [Hq + 1, Tq] (ORDERED_DQ only)
-                const PlanView plan, const CallParams call) {
+varlen_bwd_dkdv(const BwdParams params) {
     using Cfg = DkdvConfig<D, BN, BQ, ATOMIC_DQ>;
     static_assert(ATOMIC_DQ || !ORDERED_DQ, "ordered dQ is atomic dQ in a fixed order");
+    const PlanView& plan = params.plan;
+    const CallParams& call = params.call;
     // How the register tiles of a chunk are walked and whether the dQ phase keeps its dS
     // fragments: the choice ptxas allocates without a spill, on sm_80 and sm_90 alike (so the
     // host emulation runs the GPUs' choice). One register tile at a time; at D = 128 with 8
@@ -291,10 +281,9 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const DkdvSmem<T, Cfg> smem(smem_raw);
-    const QueryStages<T, Cfg> qs{smem, q, dout, lse2, delta, call.Hq, plan.rows_q,
-                                 b.i_khead * b.group};
-    b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.k, k, call.Hk);
-    b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.v, v, call.Hk);
+    const QueryStages<T, Cfg> qs{smem, params, b.i_khead * b.group};
+    b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.k, static_cast<const T*>(params.k), params.k_strides);
+    b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.v, static_cast<const T*>(params.v), params.v_strides);
     const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
     constexpr int DC = Cfg::DC;
     bool first = true;
@@ -359,10 +348,12 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
             }
             if constexpr (ATOMIC_DQ) {
                 if (part == 0) {
-                    const auto dq_rows = head_rows<D>(dq_accum, call.Hq, qs.head0 + c.head);
+                    const auto dq_rows = head_rows(params.dq_accum, packed_strides<D>(call.Hq),
+                                                   qs.head0 + c.head);
                     if constexpr (ORDERED_DQ) {
                         add_dq_atomic<T, Cfg, DS_HELD>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
-                                              OrderedDq{dq_order, plan, call, b.tile, qs.head0});
+                                              OrderedDq{params.dq_order, plan, call, b.tile,
+                                                        qs.head0});
                     } else {
                         add_dq_atomic<T, Cfg, DS_HELD>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
                                               UnorderedDq{});
@@ -370,8 +361,8 @@ varlen_bwd_dkdv(const T* __restrict__ q,            // [Tq, Hq, D]
                 }
             }
         });
-        HeadRows<T> dk_rows = head_rows<D>(dk, call.Hk, b.i_head);
-        HeadRows<T> dv_rows = head_rows<D>(dv, call.Hk, b.i_head);
+        HeadRows<T> dk_rows = head_rows(static_cast<T*>(params.dk), params.dk_strides, b.i_head);
+        HeadRows<T> dv_rows = head_rows(static_cast<T*>(params.dv), params.dv_strides, b.i_head);
         dk_rows.p += col0;
         dv_rows.p += col0;
         if constexpr (Cfg::D_PARTS > 1) {

@@ -16,6 +16,8 @@
 // The kernels after it on the stream write only their tiles' rows: no row has two writers.
 //
 // varlen_bwd_dq_convert: dq = dq_accum (fp32, atomically accumulated) in the input dtype.
+//
+// Both take the backward's BwdParams (params.cuh), as the dK/dV kernels do.
 #pragma once
 
 #include "common.cuh"
@@ -32,19 +34,14 @@ using namespace varlen;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(PREPROCESS_WARPS * WARP_SIZE)
-varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
-                      const T* __restrict__ dout,    // [Tq, Hq, D]
-                      const float* __restrict__ lse, // [Hq, Tq]
-                      float* __restrict__ delta,     // [Hq, Tq]
-                      float* __restrict__ lse2,      // [Hq, Tq]
-                      float* __restrict__ dq_accum,  // [Tq, Hq, D] zeroed
-                      T* __restrict__ dk,            // [Tk, Hk, D] pad rows
-                      T* __restrict__ dv,            // [Tk, Hk, D] pad rows
-                      int* __restrict__ dq_order,    // [Hq + 1, Tq]; null: no ordered dQ
-                      const PlanView plan, const CallParams call) {
+varlen_bwd_preprocess(const BwdParams params) {
     static_assert(D % WARP_SIZE == 0, "each lane reads D / 32 elements of a row");
+    const PlanView& plan = params.plan;
     const int Tq = plan.rows_q;
-    const int Hq = call.Hq;
+    const int Hq = params.call.Hq;
+    const T* out = static_cast<const T*>(params.out);
+    const T* dout = static_cast<const T*>(params.dout);
+    int* dq_order = params.dq_order;
     const int lane = threadIdx.x % WARP_SIZE;
     const int64_t pairs = static_cast<int64_t>(Tq) * Hq;
     const int64_t step = static_cast<int64_t>(gridDim.x) * PREPROCESS_WARPS;
@@ -53,8 +50,10 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
          pair < pairs; pair += step) {
         const int64_t row = pair / Hq;
         const int head = static_cast<int>(pair % Hq);
-        const T* p_o = out + pair * D;
-        const T* p_do = dout + pair * D;
+        const T* p_o = out + row * params.out_strides.row +
+                       static_cast<int64_t>(head) * params.out_strides.head;
+        const T* p_do = dout + row * params.dout_strides.row +
+                        static_cast<int64_t>(head) * params.dout_strides.head;
         float sum = 0.f;
         #pragma unroll
         for (int i = 0; i < D / WARP_SIZE; ++i) {
@@ -62,16 +61,18 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
             sum += ElemTraits<T>::to_float(p_o[d]) * ElemTraits<T>::to_float(p_do[d]);
         }
         #pragma unroll
-        for (int i = 0; i < D / WARP_SIZE; ++i) dq_accum[pair * D + lane + i * WARP_SIZE] = 0.f;
+        for (int i = 0; i < D / WARP_SIZE; ++i) {
+            params.dq_accum[pair * D + lane + i * WARP_SIZE] = 0.f;
+        }
         #pragma unroll
         for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
             sum += __shfl_xor_sync(0xffffffffu, sum, offset);
         }
         if (lane == 0) {
             const int64_t idx = static_cast<int64_t>(head) * Tq + row;
-            const float l = lse[idx];
-            delta[idx] = is_finite(l) ? sum : nan_f();
-            lse2[idx] = is_finite(l) ? l * LOG2E : pos_inf();
+            const float l = params.lse[static_cast<int64_t>(head) * params.lse_stride + row];
+            params.delta[idx] = is_finite(l) ? sum : nan_f();
+            params.lse2[idx] = is_finite(l) ? l * LOG2E : pos_inf();
             if (dq_order != nullptr) dq_order[idx] = 0;
         }
     }
@@ -94,25 +95,37 @@ varlen_bwd_preprocess(const T* __restrict__ out,     // [Tq, Hq, D]
     // Pad rows of dk and dv.
     const int64_t windows =
         (static_cast<int64_t>(plan.rows_k) + PAD_ROWS_PER_THREAD - 1) / PAD_ROWS_PER_THREAD;
-    const int64_t k_elems = static_cast<int64_t>(call.Hk) * D;
     constexpr int NUM_THREADS = PREPROCESS_WARPS * WARP_SIZE;
     #pragma unroll 1
     for (int64_t w = static_cast<int64_t>(blockIdx.x) * NUM_THREADS + threadIdx.x; w < windows;
          w += static_cast<int64_t>(gridDim.x) * NUM_THREADS) {
         for_each_pad_run(plan.k_tiles, plan.num_k_tiles, plan.rows_k, w,
                          [&](int64_t begin, int64_t end) {
-            zero_rows(dk, k_elems, begin, end);
-            zero_rows(dv, k_elems, begin, end);
+            zero_head_rows<D>(static_cast<T*>(params.dk), params.dk_strides, params.call.Hk,
+                              begin, end);
+            zero_head_rows<D>(static_cast<T*>(params.dv), params.dv_strides, params.call.Hk,
+                              begin, end);
         });
     }
 }
 
-template <typename T>
+// dq [Tq, Hq, D] (its rows and heads dq_strides apart) = dq_accum (packed fp32), in the input
+// dtype: a grid-stride loop over the rows, a block's threads over a row's Hq * D elements.
+template <typename T, int D>
 __global__ void __launch_bounds__(CONVERT_THREADS)
-varlen_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, int64_t n) {
-    const int64_t step = static_cast<int64_t>(gridDim.x) * CONVERT_THREADS;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * CONVERT_THREADS + threadIdx.x; i < n;
-         i += step) {
-        dq[i] = ElemTraits<T>::from_float(dq_accum[i]);
+varlen_bwd_dq_convert(const BwdParams params) {
+    const int64_t rows = params.plan.rows_q;
+    const int row_elems = params.call.Hq * D;       // < 2^24: Hq <= 65535, D <= 256
+    T* dq = static_cast<T*>(params.dq);
+    #pragma unroll 1
+    for (int64_t t = blockIdx.x; t < rows; t += gridDim.x) {
+        const float* src = params.dq_accum + t * row_elems;
+        T* dst = dq + t * params.dq_strides.row;
+        #pragma unroll 1
+        for (int j = threadIdx.x; j < row_elems; j += CONVERT_THREADS) {
+            const int h = j / D;
+            dst[static_cast<int64_t>(h) * params.dq_strides.head + (j - h * D)] =
+                ElemTraits<T>::from_float(src[j]);
+        }
     }
 }

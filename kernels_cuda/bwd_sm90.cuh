@@ -114,6 +114,10 @@ struct BwdSm90Config {
     // Named barriers: 0 is __syncthreads, 1 .. NUM_CONSUMERS one per consumer warpgroup, then
     // one over every consumer thread (ordered dQ)
     static constexpr uint32_t CONSUMERS_BAR = 1 + NUM_CONSUMERS;
+    // The threads that add to dQ (ordered dQ: every consumer thread), and the threads of the
+    // barrier around the dS stores: a warpgroup's, or with DQ_BY_COLUMNS every consumer's
+    static constexpr int ADDERS = NUM_CONSUMERS * WG_THREADS;
+    static constexpr uint32_t DS_BAR_THREADS = DQ_BY_COLUMNS ? ADDERS : WG_THREADS;
     // + ALIGN: the block rounds its base up to the swizzle's repeat (see FwdSm90Config)
     static constexpr int ALIGN = 1024;
     static constexpr int SMEM_BYTES = OFF_BARS + 8 * NUM_BARS + ALIGN;
@@ -307,22 +311,186 @@ __device__ __forceinline__ void store_fragment_rows(const float (&acc)[NB][4],
     }
 }
 
+// The dS/dP step of one subtile of BQS queries of the chunk in stage s (FlashAttention-2,
+// Alg. 2, lines 11-16, transposed), for one consumer warpgroup: S^T = K Q^T and dP^T = V dO^T,
+// P^T and dS^T (softmax_backward), dS^T into the warpgroup's dS buffer for the dQ step (the
+// barrier `ds_bar` before the first subtile's stores and after the last's), dV += P^T dO and
+// dK += dS^T Q. A function of its own so that the consumer's chunk loop reads as its protocol:
+// wait for the stage, the subtiles, release the stage, the dQ step.
+template <typename T, typename Cfg, bool HAS_SOFTCAP>
+__device__ __forceinline__ void bwd_sm90_dsdp_subtile(
+    float (&dk_frag)[Cfg::DC / 2], float (&dv_frag)[Cfg::DC / 2], const BwdSm90Smem<T, Cfg>& sm,
+    int s, int sub, sm90::u64 desc_k, sm90::u64 desc_v, sm90::u64 desc_q, sm90::u64 desc_do,
+    sm90::u64 desc_q_mn, sm90::u64 desc_do_mn, unsigned char* p_ds_row, uint32_t ds_bar,
+    const SeqPolicy& pol, const TileInfo& tile, const CallParams& call, const WarpSlot& w) {
+    constexpr int BQS = Cfg::BQS, D = Cfg::D, DC = Cfg::DC;
+    constexpr uint32_t ROW = Cfg::BOX_ROW_BYTES;
+    constexpr uint32_t BOX_KV = Cfg::BN * ROW;  // bytes per box of 64 columns
+    constexpr uint32_t BOX_Q = Cfg::BQ * ROW;
+    const int col = sub * BQS;               // the subtile's first query of the chunk
+    // [64, BQS] S^T = K Q^T, then P^T, and dP^T = V dO^T, then dS^T
+    float acc_s[BQS / 8][4];
+    float acc_dp[BQS / 8][4];
+    auto& s_frag = reinterpret_cast<float (&)[BQS / 2]>(acc_s);
+    auto& dp_frag = reinterpret_cast<float (&)[BQS / 2]>(acc_dp);
+    sm90::wgmma_fence_operand(s_frag);
+    sm90::wgmma_fence_operand(dp_frag);
+    // frag = X Y^T over the head dim: X = K or V (this warpgroup's keys), Y = the
+    // subtile's rows of Q or dO, in k16 steps inside boxes of 64 columns
+    const auto product_t = [&](float (&frag)[BQS / 2], sm90::u64 desc_x, sm90::u64 desc_y) {
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t step = (kk % 4) * 32;
+            sm90::wgmma_ss<T, BQS, false, false>(
+                frag, sm90::desc_advance(desc_x, (kk / 4) * BOX_KV + step),
+                sm90::desc_advance(desc_y, (kk / 4) * BOX_Q + col * ROW + step), kk > 0);
+        }
+    };
+    sm90::wgmma_fence();
+    product_t(s_frag, desc_k, desc_q);
+    product_t(dp_frag, desc_v, desc_do);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::wgmma_fence_operand(s_frag);
+    sm90::wgmma_fence_operand(dp_frag);
+
+    // the subtile's queries as a chunk of their own (none left: all masked, P^T =
+    // dS^T = 0), as in the mma.sync kernel
+    const Chunk cols = sm.chunk(s)->load().from(col);
+    softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp, key_rows_mask<Cfg::BN>(pol, tile, w, cols),
+                                  ColStats{sm.lse2(s) + col, sm.delta(s) + col}, call, w.lane);
+    // P^T and dS^T as BQS / 16 A fragments (k = queries), all written before the
+    // wgmma.fence
+    uint32_t p_frag[BQS / 16][4];
+    uint32_t ds_frag[BQS / 16][4];
+    #pragma unroll
+    for (int j = 0; j < BQS / 16; ++j) {
+        c_to_a<T>(p_frag[j], acc_s, j);
+        c_to_a<T>(ds_frag[j], acc_dp, j);
+    }
+
+    // dS^T -> dS [BQ][64 keys] by stmatrix.trans: the A fragment of k-step j is the x4
+    // set of matrices (queries col + 16 j + 8 (i / 2) .., keys 16 warp + 8 (i % 2) ..),
+    // i = 0..3, each transposed into 8 query rows of 8 keys (16 bytes, their
+    // 128B-swizzled chunk). The warpgroup's last dQ product has retired in every warp
+    // before the buffer is rewritten (the barrier before the first subtile's stores);
+    // the barrier after the last one publishes them.
+    if (sub == 0) sm90::named_bar_sync(ds_bar, Cfg::DS_BAR_THREADS);
+    #pragma unroll
+    for (int j = 0; j < BQS / 16; ++j) {
+        sm90::stmatrix_x4_trans(p_ds_row + (col + j * 16) * ROW, ds_frag[j]);
+    }
+    if (sub == Cfg::SUBTILES - 1) {
+        sm90::fence_proxy_async();
+        sm90::named_bar_sync(ds_bar, Cfg::DS_BAR_THREADS);
+    }
+
+    // dV += P^T dO, dK += dS^T Q: A from registers, dO and Q MN-major (k16 steps of 16
+    // rows, the next 64 columns of the head dim one box further)
+    sm90::wgmma_fence_operand(dv_frag);
+    sm90::wgmma_fence_operand(dk_frag);
+    sm90::wgmma_fence();
+    #pragma unroll
+    for (int j = 0; j < BQS / 16; ++j) {
+        sm90::wgmma_rs<T, DC, true>(dv_frag, p_frag[j],
+                                    sm90::desc_advance(desc_do_mn, (col + 16 * j) * ROW), true);
+    }
+    #pragma unroll
+    for (int j = 0; j < BQS / 16; ++j) {
+        sm90::wgmma_rs<T, DC, true>(dk_frag, ds_frag[j],
+                                    sm90::desc_advance(desc_q_mn, (col + 16 * j) * ROW), true);
+    }
+    sm90::wgmma_commit();
+    // retired before the next subtile and dQ: the P^T and dS^T fragments they read free
+    // their registers
+    sm90::wgmma_wait<0>();
+    sm90::wgmma_fence_operand(dv_frag);
+    sm90::wgmma_fence_operand(dk_frag);
+}
+
+// The dQ step of query chunk c, once its dS is in the consumers' dS buffers: dQ [BQ, DQ_WIDTH]
+// += dS K over this warpgroup's DQ_KEYS keys and columns, DQ_COLS at a time, by fp32
+// reductions into dq_accum. With ORDERED_DQ the hand-off: the leader waits for the tile's turn
+// at the chunk and every adder passes the consumers' barrier after it, the second warpgroup
+// adds each slice after the first where both add to the same columns, and after the last
+// slice the turn is handed on (bwd_dq_ordered.cuh). A function of its own: the ordering
+// protocol in one place, apart from the products that make dS.
+template <typename T, typename Cfg, bool ORDERED_DQ>
+__device__ __forceinline__ void bwd_sm90_add_dq(const Chunk& c, const BwdParams& params,
+                                                const TileInfo& tile, int head0,
+                                                sm90::u64 desc_dq_a, sm90::u64 desc_dq_b,
+                                                int col_box0, int c_wg, const WarpSlot& w) {
+    constexpr uint32_t BOX_KV = Cfg::BN * Cfg::BOX_ROW_BYTES;
+    constexpr uint32_t KSTEP_MN = 16 * Cfg::BOX_ROW_BYTES;  // a k16 step of an MN-major B
+    constexpr int ADDERS = Cfg::ADDERS;
+    const int wg_warp = w.warp % 4;             // the warp's slot in its warpgroup
+    // The first column box of this warpgroup's dQ columns, read from threadIdx where used:
+    // held in a register through the chunk, or folded into a pointer or descriptor held
+    // there, it cost 8-12 bytes of spills at D = 128 under a softcap.
+    const auto dq_box0 = [col_box0] {
+        const int c = static_cast<int>(threadIdx.x / Cfg::WG_THREADS) - 1;   // c_wg
+        return Cfg::DQ_BY_COLUMNS ? c / Cfg::COL_PARTS * (Cfg::DQ_WIDTH / Cfg::BOX_COLS)
+                                  : col_box0;
+    };
+    // The first thread of the last consumer warpgroup leads (read where used: no register held
+    // across the chunk). With two consumers the first warpgroup, which adds first, learns of
+    // the turn only through the barrier after the wait (in the emulation a wgmma synchronises
+    // its own warpgroup, which would hide a missing barrier from a leader among the adders).
+    const auto leader = [] {
+        return threadIdx.x == Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;
+    };
+    HeadRows<float> dq_rows = head_rows(params.dq_accum, packed_strides<Cfg::D>(params.call.Hq),
+                                        head0 + c.head);
+    dq_rows.p += dq_box0() * Cfg::DQ_COLS;
+    const OrderedDq order{params.dq_order, params.plan, params.call, tile, head0};
+    if constexpr (ORDERED_DQ) {
+        order.acquire(c, leader());
+        sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);   // every adder after the wait
+    }
+    #pragma unroll
+    for (int n = 0; n < Cfg::DQ_WIDTH / Cfg::DQ_COLS; ++n) {
+        float acc_dq[Cfg::DQ_COLS / 8][4];
+        auto& dq_frag = reinterpret_cast<float (&)[Cfg::DQ_COLS / 2]>(acc_dq);
+        sm90::wgmma_fence();
+        #pragma unroll
+        for (int j = 0; j < Cfg::DQ_KEYS / 16; ++j) {
+            sm90::wgmma_ss<T, Cfg::DQ_COLS, false, true>(
+                dq_frag, sm90::desc_advance(desc_dq_a, j / 4 * Cfg::DS_BYTES + j % 4 * 32),
+                sm90::desc_advance(desc_dq_b, (dq_box0() + n) * BOX_KV + j * KSTEP_MN), j > 0);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::wgmma_fence_operand(dq_frag);
+        // ordered: the second warpgroup adds this slice once the first has added it (where
+        // both add to the same columns)
+        constexpr bool HAND_OVER = ORDERED_DQ && Cfg::KEY_GROUPS > 1 && !Cfg::DQ_BY_COLUMNS;
+        if (HAND_OVER && c_wg == 1) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
+        atomic_add_rows(acc_dq, dq_rows, c.row + 16 * wg_warp, c.rows - 16 * wg_warp,
+                        n * Cfg::DQ_COLS, w.lane);
+        if (HAND_OVER && c_wg == 0) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
+    }
+    if constexpr (ORDERED_DQ) {
+        order.release<false>(c, 0, leader(), ADDERS, [] {
+            sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
+        });
+    }
+}
+
 // One consumer warpgroup c: key rows 64 g .. 64 g + 63 of the tile and head-dim columns
 // DC p .. DC p + DC - 1 (g = c / COL_PARTS, p = c % COL_PARTS). `w` is the warp's slot among
-// the consumer warps (row0: the key row of its fragment's row 0 in the tile).
+// the consumer warps (row0: the key row of its fragment's row 0 in the tile). Per query chunk:
+// wait for its stage, the dS/dP step of each subtile (bwd_sm90_dsdp_subtile), release the
+// stage, the dQ step (bwd_sm90_add_dq); then dK and dV of its keys and columns.
 template <typename T, typename Cfg, bool HAS_SOFTCAP, bool ORDERED_DQ>
-__device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm, T* dk, T* dv,
-                                                  float* dq_accum, int* dq_order,
-                                                  const PlanView& plan,
-                                                  const CallParams& call, const TileInfo& tile,
+__device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
+                                                  const BwdParams& params, const TileInfo& tile,
                                                   int i_khead, int group, int c_wg,
                                                   const WarpSlot& w) {
-    constexpr int STAGES = Cfg::STAGES, BN = Cfg::BN, BQ = Cfg::BQ, D = Cfg::D, DC = Cfg::DC;
+    constexpr int STAGES = Cfg::STAGES, BQ = Cfg::BQ, DC = Cfg::DC;
     constexpr uint32_t ROW = Cfg::BOX_ROW_BYTES;
-    constexpr uint32_t BOX_KV = BN * ROW;       // bytes per box of 64 columns
+    constexpr uint32_t BOX_KV = Cfg::BN * ROW;  // bytes per box of 64 columns
     constexpr uint32_t BOX_Q = BQ * ROW;
-    constexpr uint32_t KSTEP_MN = 16 * ROW;     // a k16 step of an MN-major operand: 16 rows
-    const SeqPolicy pol = SeqPolicy::load(plan, tile.seq);
+    const SeqPolicy pol = SeqPolicy::load(params.plan, tile.seq);
     const int wg_warp = w.warp % 4;             // the warp's slot in its warpgroup
     const int key_group = c_wg / Cfg::COL_PARTS;
     const int col_box0 = c_wg % Cfg::COL_PARTS * (DC / Cfg::BOX_COLS);   // its first column box
@@ -344,32 +512,16 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
     static_assert(Cfg::DS_BYTES == Cfg::WG_ROWS * ROW, "dS and K move alike per warpgroup");
     // dQ's A and B: this warpgroup's dS (sm.ds(c_wg)) and K rows, or with DQ_BY_COLUMNS every
     // group's dS (ds(0), ds(1): the next 64 keys one buffer further) and all BN rows of K, from
-    // the first column box of its dQ columns. That box is read from threadIdx where used: held
-    // in a register through the chunk, or folded into a pointer or descriptor held there, it
-    // cost 8-12 bytes of spills at D = 128 under a softcap.
-    const auto dq_box0 = [col_box0] {
-        const int c = static_cast<int>(threadIdx.x / Cfg::WG_THREADS) - 1;   // c_wg
-        return Cfg::DQ_BY_COLUMNS ? c / Cfg::COL_PARTS * (Cfg::DQ_WIDTH / Cfg::BOX_COLS)
-                                  : col_box0;
-    };
+    // the first column box of its dQ columns (bwd_sm90_add_dq).
     const sm90::u64 desc_dq_a = Cfg::DQ_BY_COLUMNS
         ? sm90::smem_desc(sm.ds(0), 0, Cfg::ATOM_BYTES, sm90::Swizzle::B128)
         : sm90::desc_advance(desc_k, Cfg::OFF_DS + (c_wg - key_group) * Cfg::DS_BYTES);
     const sm90::u64 desc_dq_b = Cfg::DQ_BY_COLUMNS
         ? sm90::smem_desc(sm.k(), BOX_KV, Cfg::ATOM_BYTES, sm90::Swizzle::B128)
         : desc_k_mn;
-    constexpr int ADDERS = Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;     // ordered dQ
     // The barrier around the dS stores: this warpgroup's, or with DQ_BY_COLUMNS every
     // consumer's (each reads the others' dS)
     const uint32_t ds_bar = Cfg::DQ_BY_COLUMNS ? Cfg::CONSUMERS_BAR : 1 + c_wg;
-    constexpr uint32_t DS_BAR_THREADS = Cfg::DQ_BY_COLUMNS ? ADDERS : Cfg::WG_THREADS;
-    // The first thread of the last consumer warpgroup leads (read where used: no register held
-    // across the chunk). With two consumers the first warpgroup, which adds first, learns of
-    // the turn only through the barrier after the wait (in the emulation a wgmma synchronises
-    // its own warpgroup, which would hide a missing barrier from a leader among the adders).
-    const auto leader = [] {
-        return threadIdx.x == Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;
-    };
 
     // [64, DC] dK and dV of this warpgroup's keys and columns (this warp: 16 rows), as wgmma D
     // fragments
@@ -398,140 +550,23 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         const sm90::u64 desc_do_mn = sm90::smem_desc(sm.dout(s) + col_box0 * BQ * Cfg::BOX_COLS,
                                                      BOX_Q, Cfg::ATOM_BYTES,
                                                      sm90::Swizzle::B128);
-
         // Per subtile of BQS queries (the whole chunk but at D = 256, where two halves keep S^T
         // and dP^T to 32 registers each beside dK and dV):
         #pragma unroll
         for (int sub = 0; sub < Cfg::SUBTILES; ++sub) {
-            constexpr int BQS = Cfg::BQS;
-            const int col = sub * BQS;               // the subtile's first query of the chunk
-            // [64, BQS] S^T = K Q^T, then P^T, and dP^T = V dO^T, then dS^T
-            float acc_s[BQS / 8][4];
-            float acc_dp[BQS / 8][4];
-            auto& s_frag = reinterpret_cast<float (&)[BQS / 2]>(acc_s);
-            auto& dp_frag = reinterpret_cast<float (&)[BQS / 2]>(acc_dp);
-            sm90::wgmma_fence_operand(s_frag);
-            sm90::wgmma_fence_operand(dp_frag);
-            // frag = X Y^T over the head dim: X = K or V (this warpgroup's keys), Y = the
-            // subtile's rows of Q or dO, in k16 steps inside boxes of 64 columns
-            const auto product_t = [&](float (&frag)[BQS / 2], sm90::u64 desc_x,
-                                       sm90::u64 desc_y) {
-                #pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    const uint32_t step = (kk % 4) * 32;
-                    sm90::wgmma_ss<T, BQS, false, false>(
-                        frag, sm90::desc_advance(desc_x, (kk / 4) * BOX_KV + step),
-                        sm90::desc_advance(desc_y, (kk / 4) * BOX_Q + col * ROW + step), kk > 0);
-                }
-            };
-            sm90::wgmma_fence();
-            product_t(s_frag, desc_k, desc_q);
-            product_t(dp_frag, desc_v, desc_do);
-            sm90::wgmma_commit();
-            sm90::wgmma_wait<0>();
-            sm90::wgmma_fence_operand(s_frag);
-            sm90::wgmma_fence_operand(dp_frag);
-
-            // the subtile's queries as a chunk of their own (none left: all masked, P^T =
-            // dS^T = 0), as in the mma.sync kernel
-            const Chunk cols = sm.chunk(s)->load().from(col);
-            softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp, key_rows_mask<BN>(pol, tile, w, cols),
-                                          ColStats{sm.lse2(s) + col, sm.delta(s) + col}, call,
-                                          w.lane);
-            // P^T and dS^T as BQS / 16 A fragments (k = queries), all written before the
-            // wgmma.fence
-            uint32_t p_frag[BQS / 16][4];
-            uint32_t ds_frag[BQS / 16][4];
-            #pragma unroll
-            for (int j = 0; j < BQS / 16; ++j) {
-                c_to_a<T>(p_frag[j], acc_s, j);
-                c_to_a<T>(ds_frag[j], acc_dp, j);
-            }
-
-            // dS^T -> dS [BQ][64 keys] by stmatrix.trans: the A fragment of k-step j is the x4
-            // set of matrices (queries col + 16 j + 8 (i / 2) .., keys 16 warp + 8 (i % 2) ..),
-            // i = 0..3, each transposed into 8 query rows of 8 keys (16 bytes, their
-            // 128B-swizzled chunk). The warpgroup's last dQ product has retired in every warp
-            // before the buffer is rewritten (the barrier before the first subtile's stores);
-            // the barrier after the last one publishes them.
-            if (sub == 0) sm90::named_bar_sync(ds_bar, DS_BAR_THREADS);
-            #pragma unroll
-            for (int j = 0; j < BQS / 16; ++j) {
-                sm90::stmatrix_x4_trans(p_ds_row + (col + j * 16) * ROW, ds_frag[j]);
-            }
-            if (sub == Cfg::SUBTILES - 1) {
-                sm90::fence_proxy_async();
-                sm90::named_bar_sync(ds_bar, DS_BAR_THREADS);
-            }
-
-            // dV += P^T dO, dK += dS^T Q: A from registers, dO and Q MN-major (k16 steps of 16
-            // rows, the next 64 columns of the head dim one box further)
-            sm90::wgmma_fence_operand(dv_frag);
-            sm90::wgmma_fence_operand(dk_frag);
-            sm90::wgmma_fence();
-            #pragma unroll
-            for (int j = 0; j < BQS / 16; ++j) {
-                sm90::wgmma_rs<T, DC, true>(dv_frag, p_frag[j],
-                                            sm90::desc_advance(desc_do_mn, (col + 16 * j) * ROW),
-                                            true);
-            }
-            #pragma unroll
-            for (int j = 0; j < BQS / 16; ++j) {
-                sm90::wgmma_rs<T, DC, true>(dk_frag, ds_frag[j],
-                                            sm90::desc_advance(desc_q_mn, (col + 16 * j) * ROW),
-                                            true);
-            }
-            sm90::wgmma_commit();
-            // retired before the next subtile and dQ: the P^T and dS^T fragments they read free
-            // their registers
-            sm90::wgmma_wait<0>();
-            sm90::wgmma_fence_operand(dv_frag);
-            sm90::wgmma_fence_operand(dk_frag);
+            bwd_sm90_dsdp_subtile<T, Cfg, HAS_SOFTCAP>(dk_frag, dv_frag, sm, s, sub, desc_k,
+                                                       desc_v, desc_q, desc_do, desc_q_mn,
+                                                       desc_do_mn, p_ds_row, ds_bar, pol, tile,
+                                                       params.call, w);
         }
         // the stage's Q, dO, lse2, delta and chunk are no longer read
         const Chunk c = sm.chunk(s)->load();
         sm90::mbar_arrive(sm.empty(s));
-
-        // dQ [BQ, DQ_WIDTH] += dS K over this warpgroup's DQ_KEYS keys and columns, DQ_COLS at a
-        // time
-        HeadRows<float> dq_rows = head_rows<D>(dq_accum, call.Hq, i_khead * group + c.head);
-        dq_rows.p += dq_box0() * Cfg::DQ_COLS;
-        const OrderedDq order{dq_order, plan, call, tile, i_khead * group};
-        if constexpr (ORDERED_DQ) {
-            order.acquire(c, leader());
-            sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);   // every adder after the wait
-        }
-        #pragma unroll
-        for (int n = 0; n < Cfg::DQ_WIDTH / Cfg::DQ_COLS; ++n) {
-            float acc_dq[Cfg::DQ_COLS / 8][4];
-            auto& dq_frag = reinterpret_cast<float (&)[Cfg::DQ_COLS / 2]>(acc_dq);
-            sm90::wgmma_fence();
-            #pragma unroll
-            for (int j = 0; j < Cfg::DQ_KEYS / 16; ++j) {
-                sm90::wgmma_ss<T, Cfg::DQ_COLS, false, true>(
-                    dq_frag, sm90::desc_advance(desc_dq_a, j / 4 * Cfg::DS_BYTES + j % 4 * 32),
-                    sm90::desc_advance(desc_dq_b, (dq_box0() + n) * BOX_KV + j * KSTEP_MN),
-                    j > 0);
-            }
-            sm90::wgmma_commit();
-            sm90::wgmma_wait<0>();
-            sm90::wgmma_fence_operand(dq_frag);
-            // ordered: the second warpgroup adds this slice once the first has added it (where
-            // both add to the same columns)
-            constexpr bool HAND_OVER = ORDERED_DQ && Cfg::KEY_GROUPS > 1 && !Cfg::DQ_BY_COLUMNS;
-            if (HAND_OVER && c_wg == 1) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
-            atomic_add_rows(acc_dq, dq_rows, c.row + 16 * wg_warp, c.rows - 16 * wg_warp,
-                            n * Cfg::DQ_COLS, w.lane);
-            if (HAND_OVER && c_wg == 0) sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
-        }
-        if constexpr (ORDERED_DQ) {
-            order.release<false>(c, 0, leader(), ADDERS, [] {
-                sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);
-            });
-        }
+        bwd_sm90_add_dq<T, Cfg, ORDERED_DQ>(c, params, tile, i_khead * group, desc_dq_a,
+                                            desc_dq_b, col_box0, c_wg, w);
     }
-    HeadRows<T> dk_rows = head_rows<D>(dk, call.Hk, i_khead);
-    HeadRows<T> dv_rows = head_rows<D>(dv, call.Hk, i_khead);
+    HeadRows<T> dk_rows = head_rows(static_cast<T*>(params.dk), params.dk_strides, i_khead);
+    HeadRows<T> dv_rows = head_rows(static_cast<T*>(params.dv), params.dv_strides, i_khead);
     dk_rows.p += col_box0 * Cfg::BOX_COLS;
     dv_rows.p += col_box0 * Cfg::BOX_COLS;
     store_fragment_rows<T>(acc_dk, dk_rows, tile.row + w.row0, tile.rows - w.row0, w.lane);
@@ -542,27 +577,23 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
 
 using namespace varlen;
 
-// Tensor maps (made by the launcher, varlen/backends/_cupy_sm90_bwd.py): 3D over the packed
-// arrays, dims (D, H, T) innermost first, box (64, 1, BQ) for Q and dO and (64, 1, BN) for K and
-// V, 128B swizzle, zero fill past row T.
+// Tensor maps (made by the launcher, varlen/backends/cupy/sm90.py, from the pointers and strides
+// of params): 3D over the arrays, dims (D, H, T) innermost first, strides those of the heads and
+// rows, box (64, 1, BQ) for Q and dO and (64, 1, BN) for K and V, 128B swizzle, zero fill past
+// row T. The other arrays (lse2, delta, dk, dv, dq_accum, dq_order) through params.
 template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ORDERED_DQ>
 __global__ void __launch_bounds__(BwdSm90Config<D, BN, BQ>::NUM_THREADS, 1)
 varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq, Hq, D]
                      const __grid_constant__ sm90::TensorMap map_k,    // k [Tk, Hk, D]
                      const __grid_constant__ sm90::TensorMap map_v,    // v [Tk, Hk, D]
                      const __grid_constant__ sm90::TensorMap map_do,   // dout [Tq, Hq, D]
-                     const float* __restrict__ lse2,     // [Hq, Tq] base-2 lse, +inf: no key
-                     const float* __restrict__ delta,    // [Hq, Tq]
-                     T* __restrict__ dk,                 // [Tk, Hk, D]
-                     T* __restrict__ dv,                 // [Tk, Hk, D]
-                     float* __restrict__ dq_accum,       // [Tq, Hq, D]
-                     int* __restrict__ dq_order,         // [Hq + 1, Tq]: ORDERED_DQ only
-                     const PlanView plan, const CallParams call) {
+                     const BwdParams params) {
     using Cfg = BwdSm90Config<D, BN, BQ>;
+    const PlanView& plan = params.plan;
     const int i_tile = blockIdx.x, i_khead = blockIdx.y;
     const TileInfo tile = load_tile(plan.k_tiles, i_tile);
     if (tile.seq < 0) return;
-    const int group = call.Hq / call.Hk;
+    const int group = params.call.Hq / params.call.Hk;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t misalign = sm90::smem_addr(smem_raw) % Cfg::ALIGN;
@@ -582,8 +613,8 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
 
     if (threadIdx.x < Cfg::WG_THREADS) {
         sm90::setmaxnreg<Cfg::PRODUCER_REGS, false>();
-        bwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, &map_do, lse2, delta, sm, plan, tile,
-                                  i_tile, i_khead, group);
+        bwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, &map_do, params.lse2, params.delta,
+                                  sm, plan, tile, i_tile, i_khead, group);
     } else {
         sm90::setmaxnreg<Cfg::CONSUMER_REGS, true>();
         const int t = threadIdx.x - Cfg::WG_THREADS;
@@ -594,8 +625,7 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
         const int key_warp = Cfg::COL_PARTS == 1 ? t / WARP_SIZE
                                                  : c_wg / Cfg::COL_PARTS * 4 + t / WARP_SIZE % 4;
         const WarpSlot w{t % WARP_SIZE, t / WARP_SIZE, key_warp * WARP_ROWS};
-        bwd_sm90_consumer<T, Cfg, HAS_SOFTCAP, ORDERED_DQ>(sm, dk, dv, dq_accum, dq_order, plan,
-                                                           call, tile, i_khead, group, c_wg,
-                                                           w);
+        bwd_sm90_consumer<T, Cfg, HAS_SOFTCAP, ORDERED_DQ>(sm, params, tile, i_khead, group,
+                                                           c_wg, w);
     }
 }

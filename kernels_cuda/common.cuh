@@ -2,7 +2,7 @@
 // tests for non-finite values, the rows of one head of a packed array, a thread's warp and lane.
 #pragma once
 
-#include "plan_view.cuh"
+#include "params.cuh"
 
 #ifdef VARLEN_HOST_EMULATION
 #include "host_emulation.cuh"
@@ -11,12 +11,6 @@
 #include <cuda_bf16.h>
 #endif
 
-// NVRTC compiles without the C library headers: the fixed-width types come from here (the
-// host emulation of the kernels takes them from <cstdint>).
-#ifndef VARLEN_HOST_EMULATION
-using int64_t = long long;
-using uint32_t = unsigned int;
-#endif
 static_assert(sizeof(int64_t) == 8 && sizeof(uint32_t) == 4, "fixed-width integer types");
 
 namespace varlen {
@@ -101,19 +95,26 @@ __device__ __forceinline__ bool any_nonfinite(const uint4& v) {
     return (x & SIGNS) != 0;
 }
 
-// The rows of one head of a packed [T, H, D] array: row r starts at p + r * stride, in 64-bit
+// The rows of one head of a [T, H, D] array: row r starts at p + r * stride, in 64-bit
 // arithmetic (T * H * D may exceed 2^31).
 template <typename T>
 struct HeadRows {
     T* p;               // row 0 of the head
-    int64_t stride;     // H * D elements
+    int64_t stride;     // elements from one row to the next (Strides::row)
 
     __device__ __forceinline__ T* row(int r) const { return p + static_cast<int64_t>(r) * stride; }
 };
 
-template <int D, typename T>
-__device__ __forceinline__ HeadRows<T> head_rows(T* base, int num_heads, int head) {
-    return HeadRows<T>{base + static_cast<int64_t>(head) * D, static_cast<int64_t>(num_heads) * D};
+// Head `head`'s rows of an array whose rows and heads lie `s` apart.
+template <typename T>
+__device__ __forceinline__ HeadRows<T> head_rows(T* base, const Strides& s, int head) {
+    return HeadRows<T>{base + static_cast<int64_t>(head) * s.head, s.row};
+}
+
+// The strides of a packed [T, num_heads, D] array (the backward's fp32 dQ accumulator).
+template <int D>
+__device__ __forceinline__ Strides packed_strides(int num_heads) {
+    return Strides{num_heads * D, D};
 }
 
 // This thread's lane and warp in a block whose warps own WARP_M rows of the tile each.

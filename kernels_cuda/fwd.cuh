@@ -5,10 +5,10 @@
 // fragment read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP).
 // Q's fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
-// [KN][D+8] and V [KN][D+8] (KN = 64, or 32 at D >= 96, BM = 128 and at D > 128, where
-// BM = 64 only; the chunks walk the plan's row schedule, which does not depend on its key
-// tile: a tile of BN = 128 keys is 2 or 4 chunks); K and V wait separately
-// (KvPipeline), so Q K^T starts while V is in flight.
+// [KN][D+8] and V [KN][D+8] (KN and STAGES from the launcher's tile_size: KN = 64, or 32 at
+// D >= 96, BM = 128 and at D > 128, where BM = 64 only; the chunks walk the plan's row
+// schedule, which does not depend on its key tile: a tile of BN = 128 keys is 2 or 4
+// chunks); K and V wait separately (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
 // and lse; hidden keys never reach it (mask_scores, KvStages::zero_nonfinite).
@@ -25,21 +25,18 @@
 
 namespace varlen {
 
-template <int D_, int BM, int BN>
+// The tiles come from the launcher (varlen/backends/cupy/traits.py, tile_size): KN keys per
+// chunk and STAGES K/V stages; the static_asserts below state the constraints its choice meets.
+template <int D_, int BM, int BN, int KN_, int STAGES_>
 struct FwdConfig {
     static constexpr int D = D_;
+    static constexpr int KN = KN_;                       // keys per chunk (a K or V stage)
+    static constexpr int STAGES = STAGES_;               // K/V stages in flight
     static constexpr int NUM_WARPS = 4;
     static constexpr int NUM_THREADS = NUM_WARPS * WARP_SIZE;
     static constexpr int WARP_M = BM / NUM_WARPS;      // query rows per warp
     static constexpr int MT = WARP_M / WARP_ROWS;       // m16 tiles per warp
     static constexpr int STRIDE = smem_stride<D>();
-    // Keys per chunk: those of a 64-key plan tile (a 128-key tile is walked in the same
-    // chunks): 64, or 32 where the fp32 accumulators O and S of 64 keys take 160 or more
-    // registers per lane, too many for the rest (D = 96 and 128 at BM = 128), and at D > 128
-    // (BM = 64 only: O alone takes D / 2 registers), where half-tile stages also keep two
-    // blocks per SM (D = 192: 76 800 B instead of 128 000 B).
-    static constexpr int KN_64 = MT * (D + 64) / 2 >= 160 || D > 128 ? 32 : 64;
-    static constexpr int KN = BN < KN_64 ? BN : KN_64;
     // Registers per lane of Q's fragments and of the accumulators. Q stays in registers when
     // both leave ~48 for addresses, softmax state and the cursor; the softcap's tanh keeps a
     // second fp32 value per score live (MT * KN / 2 more), which moves Q to shared memory at
@@ -58,12 +55,9 @@ struct FwdConfig {
     __host__ __device__ static constexpr bool q_in_regs(bool has_softcap) {
         return D <= 192 && Q_REGS + ACC_REGS + (has_softcap ? MT * KN / 2 : 0) <= Q_BUDGET;
     }
-    // Three K/V stages where two blocks of them still fit an A100 SM (164 KiB, 1 KiB reserved
-    // per block), else two: a third stage never costs a block per SM.
     __host__ __device__ static constexpr int smem_elems(int stages) {
         return (BM + 2 * stages * KN) * STRIDE;
     }
-    static constexpr int STAGES = 2 * (2 * smem_elems(3) + 1024) <= 164 * 1024 ? 3 : 2;
     static constexpr int SMEM_ELEMS = smem_elems(STAGES);
     // Blocks per SM the registers must allow: two (128 threads x 2 leave ptxas every register
     // up to 255) with two m16 tiles per warp; three (168 registers) with one, up to D = 96.
@@ -74,6 +68,20 @@ struct FwdConfig {
     static_assert(D % 16 == 0, "Q K^T consumes the head dim in k-steps of 16");
     static_assert(D <= 128 || MT == 1, "above D = 128 a warp's O accumulators of 16 rows take "
                   "D / 2 registers: one m16 tile per warp (BM = 64)");
+    static_assert(KN <= BN && BN % KN == 0, "a key chunk is a part of the plan's key tile, so "
+                  "that the chunks of a tile inherit its full/partial flag");
+    static_assert(KN == 32 || KN == 64, "key chunks of 32 or 64: the [16, KN] fp32 scores of "
+                  "each m16 tile live in registers beside O");
+    static_assert(KN == 32 || MT * (D + 64) / 2 < 160, "chunks of 64 keys only where O and S "
+                  "of 64 keys take fewer than 160 registers per lane (at D = 96 and 128 with "
+                  "BM = 128 they leave too few for the rest)");
+    static_assert(D <= 128 || KN == 32, "above D = 128 chunks of 32 keys: half-tile stages keep "
+                  "two blocks per SM at D = 192 (76 800 B, not 128 000 B)");
+    static_assert(STAGES == 2 || STAGES == 3, "two or three K/V stages");
+    // Shared memory per SM of an A100 (164 KiB) and what the driver reserves per block (1 KiB).
+    static_assert(STAGES == 2 || 2 * (2 * smem_elems(3) + 1024) <= 164 * 1024,
+                  "a third K/V stage only where two blocks of it still fit an A100 SM: a third "
+                  "stage must never cost a block per SM");
 };
 
 // The A operand of S = Q K^T for a warp's MT m16 tiles: fragments held in registers
@@ -113,33 +121,35 @@ struct QOperand {
 
 // Where a query tile's output goes: row r of the tile is position first + r / PACK of query
 // head head0 + r % PACK (PACK > 1: the packed heads of fwd_sm90), `rows` of them present.
-// 64-bit offsets (T * H * D may exceed 2^31).
+// 64-bit offsets (T * H * D may exceed 2^31). The tile's first row is addressed once and its
+// rows from there (with the first row's offset added per row, the sm_90a forward spilled 24 B
+// at D = 128, BM = 64 with a softcap once the strides came from the params).
 template <typename T, int D, int PACK = 1>
 struct TileOutput {
-    T* out;               // out [0][head0]
-    float* lse;           // lse [head0][0]
-    int64_t out_stride;   // Hq D: one position further
-    int64_t lse_stride;   // Tq: one head further
-    int first;            // the tile's first packed row
+    T* out;               // out [first][head0]: the tile's first row
+    float* lse;           // lse [head0][first]
+    int out_stride;       // one position further (Strides::row of out)
+    int head_stride;      // one head further (Strides::head of out; PACK > 1)
+    int64_t lse_stride;   // one head further in lse (PACK > 1)
     int rows;
 
     __device__ __forceinline__ T* row(int r) const {
-        return out + static_cast<int64_t>(first + r / PACK) * out_stride + (r % PACK) * D;
+        return out + static_cast<int64_t>(r / PACK) * out_stride +
+               static_cast<int64_t>(r % PACK) * head_stride;
     }
     __device__ __forceinline__ float* lse_at(int r) const {
-        return lse + static_cast<int64_t>(r % PACK) * lse_stride + (first + r / PACK);
+        return lse + static_cast<int64_t>(r % PACK) * lse_stride + r / PACK;
     }
 };
 
 template <typename T, int D, int PACK = 1>
-__device__ __forceinline__ TileOutput<T, D, PACK> tile_output(T* out, float* lse,
-                                                              const PlanView& plan,
-                                                              const CallParams& call,
+__device__ __forceinline__ TileOutput<T, D, PACK> tile_output(const FwdParams& params,
                                                               const TileInfo& tile, int head0) {
-    return TileOutput<T, D, PACK>{out + static_cast<int64_t>(head0) * D,
-                                  lse + static_cast<int64_t>(head0) * plan.rows_q,
-                                  static_cast<int64_t>(call.Hq) * D, plan.rows_q, tile.row,
-                                  tile.rows * PACK};
+    const Strides& s = params.out_strides;
+    T* out = static_cast<T*>(params.out) + static_cast<int64_t>(tile.row) * s.row +
+             static_cast<int64_t>(head0) * s.head;
+    float* lse = params.lse + static_cast<int64_t>(head0) * params.lse_stride + tile.row;
+    return TileOutput<T, D, PACK>{out, lse, s.row, s.head, params.lse_stride, tile.rows * PACK};
 }
 
 // O / l of this warp's rows, through its rows of the Q buffer, and their natural-log lse (one
@@ -171,37 +181,35 @@ using namespace varlen;
 
 // Pad block i_pad of a forward grid of NUM_THREADS-thread blocks: out 0 and lse -inf on the
 // rows of its windows that no query tile covers (for_each_pad_run).
-template <int D, int NUM_THREADS, typename T>
-__device__ __forceinline__ void write_forward_pad_rows(T* out, float* lse, const PlanView& plan,
-                                                       const CallParams& call, int i_pad) {
+template <typename T, int D, int NUM_THREADS>
+__device__ __forceinline__ void write_forward_pad_rows(const FwdParams& params, int i_pad) {
+    const PlanView& plan = params.plan;
+    const int Hq = params.call.Hq;
     for_each_pad_run(plan.q_tiles, plan.num_q_tiles, plan.rows_q, pad_window<NUM_THREADS>(i_pad),
                      [&](int64_t begin, int64_t end) {
-        zero_rows(out, static_cast<int64_t>(call.Hq) * D, begin, end);
+        zero_head_rows<D>(static_cast<T*>(params.out), params.out_strides, Hq, begin, end);
         #pragma unroll 1
-        for (int h = 0; h < call.Hq; ++h) {
-            float* p_lse = lse + static_cast<int64_t>(h) * plan.rows_q;
+        for (int h = 0; h < Hq; ++h) {
+            float* p_lse = params.lse + static_cast<int64_t>(h) * params.lse_stride;
             #pragma unroll 1
             for (int64_t r = begin; r < end; ++r) p_lse[r] = neg_inf();
         }
     });
 }
 
-template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP>
-__global__ void __launch_bounds__(FwdConfig<D, BM, BN>::NUM_THREADS,
-                                  FwdConfig<D, BM, BN>::MIN_BLOCKS)
-varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
-           const T* __restrict__ k,           // [Tk, Hk, D]
-           const T* __restrict__ v,           // [Tk, Hk, D]
-           T* __restrict__ out,               // [Tq, Hq, D]
-           float* __restrict__ lse,           // [Hq, Tq]
-           const PlanView plan, const CallParams call) {
-    using Cfg = FwdConfig<D, BM, BN>;
+template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int STAGES>
+__global__ void __launch_bounds__(FwdConfig<D, BM, BN, KN, STAGES>::NUM_THREADS,
+                                  FwdConfig<D, BM, BN, KN, STAGES>::MIN_BLOCKS)
+varlen_fwd(const FwdParams params) {
+    using Cfg = FwdConfig<D, BM, BN, KN, STAGES>;
     constexpr int MT = Cfg::MT;
+    const PlanView& plan = params.plan;
+    const CallParams& call = params.call;
     // The pad blocks come first in the grid: query tiles run in reverse slot order (TileBlock).
     const int i_pad = pad_block_index(static_cast<int>(gridDim.x - 1 - blockIdx.x),
                                       plan.num_q_tiles);
     if (i_pad >= 0) {
-        write_forward_pad_rows<D, Cfg::NUM_THREADS>(out, lse, plan, call, i_pad);
+        write_forward_pad_rows<T, D, Cfg::NUM_THREADS>(params, i_pad);
         return;
     }
     const TileBlock<false, Cfg::WARP_M> b(plan, call);
@@ -210,13 +218,14 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* s_q = reinterpret_cast<T*>(smem_raw);                          // [BM][STRIDE]
-    constexpr int KN = Cfg::KN;
-    const KvStages<T, D, KN, Cfg::NUM_THREADS, Cfg::STAGES> kv(s_q + BM * Cfg::STRIDE, k, v,
-                                                               call.Hk, b.i_khead);
-    b.template load_rows<BM, D, Cfg::NUM_THREADS>(s_q, q, call.Hq);
+    const KvStages<T, D, KN, Cfg::NUM_THREADS, STAGES> kv(
+        s_q + BM * Cfg::STRIDE, static_cast<const T*>(params.k), params.k_strides,
+        static_cast<const T*>(params.v), params.v_strides, b.i_khead);
+    b.template load_rows<BM, D, Cfg::NUM_THREADS>(s_q, static_cast<const T*>(params.q),
+                                                  params.q_strides);
     cp_async_commit();
     PartnerCursor<KN> keys = key_cursor<KN>(plan, b.i_tile);
-    using Pipeline = KvPipeline<Cfg::STAGES, KN>;
+    using Pipeline = KvPipeline<STAGES, KN>;
     Pipeline pipe;
     pipe.start(keys, kv);
     constexpr bool Q_IN_REGS = Cfg::q_in_regs(HAS_SOFTCAP);
@@ -260,5 +269,5 @@ varlen_fwd(const T* __restrict__ q,           // [Tq, Hq, D]
         }, kv.v_at(stage), 0, w.lane);
     });
     store_output<T, D, Cfg::STRIDE>(acc_o, softmax, s_q,
-                                    tile_output<T, D>(out, lse, plan, call, b.tile, b.i_head), w);
+                                    tile_output<T, D>(params, b.tile, b.i_head), w);
 }

@@ -48,16 +48,14 @@
 
 namespace varlen {
 
-// Rows of a key chunk: 128 where two stages of K and V fit next to Q and the output stage
-// (D <= 128), 64 at D = 256.
-__host__ __device__ constexpr int sm90_key_chunk(int d) { return d <= 128 ? 128 : 64; }
-
 template <int D_, int BM_, int BN_, int KN_, int PACK_ = 1>
 struct FwdSm90Config {
     static constexpr int D = D_;
     static constexpr int BM = BM_;                       // rows of a tile (wgmma M per consumer)
     static constexpr int BN = BN_;                       // the plan's key tiles
-    static constexpr int KN = KN_;                       // rows of a key chunk, a K or V stage
+    // rows of a key chunk, a K or V stage: the launcher's tile_size, 128 where two stages of K
+    // and V fit next to Q and the output stage (D <= 128), 64 at D = 256 (SMEM_BYTES below)
+    static constexpr int KN = KN_;
     // Query heads per position in a tile: 1, or PACK heads of one key head packed into the M
     // of a tile of BM / PACK positions (the plan's query tiles), its row r position r / PACK of
     // head r % PACK ("GQA packing" in docs/hopper.md)
@@ -432,13 +430,14 @@ __device__ __forceinline__ void rescale(float (&acc_o)[NO][4], const float (&cor
 // warpgroup's turn (PingPong). `w` is the warp's slot among the consumer warps, `i_head` the
 // item's first query head (of PACK). Moves `ring` past the item.
 template <typename T, typename Cfg, bool HAS_SOFTCAP>
-__device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm, T* out,
-                                                     float* lse, const PlanView& plan,
-                                                     const CallParams& call, const TileInfo& tile,
+__device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm,
+                                                     const FwdParams& params, const TileInfo& tile,
                                                      int i_tile, int i_head, int c_wg,
                                                      const WarpSlot& w, sm90::u64 desc_q,
                                                      Sm90Ring& ring) {
     constexpr int STAGES = Cfg::STAGES, KN = Cfg::KN, D = Cfg::D;
+    const PlanView& plan = params.plan;
+    const CallParams& call = params.call;
     const SeqPolicy pol = SeqPolicy::load(plan, tile.seq);
 
     // [16, D] output rows and [16, KN] scores of this warp, as the warpgroup's wgmma D
@@ -535,8 +534,7 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
     }
     store_output<T, D, Cfg::OUT_STRIDE>(reinterpret_cast<const float (&)[1][D / 8][4]>(acc_o),
                                         softmax, sm.out(),
-                                        tile_output<T, D, Cfg::PACK>(out, lse, plan, call, tile,
-                                                                     i_head),
+                                        tile_output<T, D, Cfg::PACK>(params, tile, i_head),
                                         w);
     // the warp's rows of the output stage were read back by other lanes: the next item's
     // staging must follow those reads
@@ -547,9 +545,11 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
 
 // One consumer warpgroup over the block's work items (the producer's, in the same order).
 template <typename T, typename Cfg, bool HAS_SOFTCAP>
-__device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T* out, float* lse,
-                                                  const PlanView& plan, const CallParams& call,
-                                                  int c_wg, const WarpSlot& w) {
+__device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm,
+                                                  const FwdParams& params, int c_wg,
+                                                  const WarpSlot& w) {
+    const PlanView& plan = params.plan;
+    const CallParams& call = params.call;
     // K-major A: this warpgroup's 64 rows of Q, 8-row atoms SBO apart
     const sm90::u64 desc_q = sm90::smem_desc(reinterpret_cast<unsigned char*>(sm.q()) +
                                                  c_wg * Cfg::WG_ROWS * Cfg::BOX_ROW_BYTES,
@@ -559,7 +559,7 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
         const int i_tile = work.tile(plan, call);
         const TileInfo tile = load_tile(plan.q_tiles, i_tile);
         if (tile.seq < 0) continue;
-        fwd_sm90_consume_item<T, Cfg, HAS_SOFTCAP>(sm, out, lse, plan, call, tile, i_tile,
+        fwd_sm90_consume_item<T, Cfg, HAS_SOFTCAP>(sm, params, tile, i_tile,
                                                    work.head(plan, call), c_wg, w, desc_q, ring);
     }
 }
@@ -568,22 +568,21 @@ __device__ __forceinline__ void fwd_sm90_consumer(const Sm90Smem<T, Cfg>& sm, T*
 
 using namespace varlen;
 
-// Tensor maps (made by the launcher, varlen/backends/_cupy_sm90.py): 3D over the packed arrays,
-// dims (D, H, T) innermost first, box (64, PACK, BM / PACK) for Q (PACK heads of BM / PACK
-// positions: row r of the box is position r / PACK of head r % PACK, the plan's query tiles
-// being BM / PACK rows) and (64, 1, KN) for K and V, 128B swizzle, zero fill past row T. BN is
-// the plan's key tile, KN the key chunk. PACK divides Hq / Hk. Grid (G, 1) with
-// G <= num_q_tiles x Hq / PACK work items (at most the SMs x CTAs per SM, at least 1).
-template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN = sm90_key_chunk(D),
-          int PACK = 1>
+// Tensor maps (made by the launcher, varlen/backends/cupy/sm90.py, from the pointers and strides
+// of params): 3D over the arrays, dims (D, H, T) innermost first, strides those of the heads and
+// rows, box (64, PACK, BM / PACK) for Q (PACK heads of BM / PACK positions: row r of the box
+// is position r / PACK of head r % PACK, the plan's query tiles being BM / PACK rows) and
+// (64, 1, KN) for K and V, 128B swizzle, zero fill past row T. BN is the plan's key tile, KN
+// the key chunk. PACK divides Hq / Hk. Grid (G, 1) with G <= num_q_tiles x Hq / PACK work
+// items (at most the SMs x CTAs per SM, at least 1). out and lse through params.
+template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int PACK>
 __global__ void __launch_bounds__(FwdSm90Config<D, BM, BN, KN, PACK>::NUM_THREADS, 1)
 varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D]
                 const __grid_constant__ sm90::TensorMap map_k,   // k [Tk, Hk, D]
                 const __grid_constant__ sm90::TensorMap map_v,   // v [Tk, Hk, D]
-                T* __restrict__ out,                             // [Tq, Hq, D]
-                float* __restrict__ lse,                         // [Hq, Tq]
-                const PlanView plan, const CallParams call) {
+                const FwdParams params) {
     using Cfg = FwdSm90Config<D, BM, BN, KN, PACK>;
+    const PlanView& plan = params.plan;
     // The rows of no tile (as varlen_fwd's pad blocks, whose windows the block takes in turn:
     // pad block i_pad of a grid of one row of blocks), by the whole block before its items.
     // Block G - 1 - b takes the windows b, b + G, ...: the last blocks, whose items are the
@@ -592,7 +591,7 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
     for (int i_pad = static_cast<int>(gridDim.x - 1 - blockIdx.x);
          static_cast<int64_t>(i_pad) * Cfg::NUM_THREADS * PAD_ROWS_PER_THREAD < plan.rows_q;
          i_pad += static_cast<int>(gridDim.x)) {
-        write_forward_pad_rows<D, Cfg::NUM_THREADS>(out, lse, plan, call, i_pad);
+        write_forward_pad_rows<T, D, Cfg::NUM_THREADS>(params, i_pad);
     }
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -615,11 +614,11 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
 
     if (threadIdx.x < Cfg::WG_THREADS) {
         sm90::setmaxnreg<Cfg::PRODUCER_REGS, false>();
-        fwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, sm, plan, call);
+        fwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, sm, plan, params.call);
     } else {
         sm90::setmaxnreg<Cfg::CONSUMER_REGS, true>();
         const int t = threadIdx.x - Cfg::WG_THREADS;
         const WarpSlot w{t % WARP_SIZE, t / WARP_SIZE, (t / WARP_SIZE) * WARP_ROWS};
-        fwd_sm90_consumer<T, Cfg, HAS_SOFTCAP>(sm, out, lse, plan, call, t / Cfg::WG_THREADS, w);
+        fwd_sm90_consumer<T, Cfg, HAS_SOFTCAP>(sm, params, t / Cfg::WG_THREADS, w);
     }
 }

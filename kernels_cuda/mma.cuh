@@ -125,15 +125,17 @@ __device__ __forceinline__ void for_each_own_chunk(F&& f) {
 // Asynchronously copies rows [row, row + ROWS) x columns [0, D) of one head of a packed array
 // into a padded shared tile [ROWS][D + SMEM_PAD]; rows >= valid_rows are zero-filled, so no
 // value of a row outside the tile (another sequence, a padding gap) ever enters shared memory.
-// Only row `row` is addressed for them (it is valid whenever valid_rows > 0).
+// Only row `row` is addressed for them (it is valid whenever valid_rows > 0). Each chunk's
+// address is its row's, row + r (< 2^31 for a valid row), times the stride: no 64-bit row
+// pointer is held across the chunks (held, it spilled in the forward at D = 192 once the
+// strides came from the params).
 template <int ROWS, int D, int NUM_THREADS, typename T>
 __device__ __forceinline__ void load_tile_async(T* s_dst, const HeadRows<const T>& src, int row,
                                                 int valid_rows) {
     constexpr int STRIDE = smem_stride<D>();
-    const T* p_src = src.row(row);
     for_each_own_chunk<ROWS, D, NUM_THREADS>([&](int r, int col) {
         const bool valid = r < valid_rows;
-        const T* p = p_src + (valid ? static_cast<int64_t>(r) * src.stride + col : 0);
+        const T* p = src.row(valid ? row + r : row) + (valid ? col : 0);
         cp_async_16(s_dst + r * STRIDE + col, p, valid);
     });
 }

@@ -138,12 +138,13 @@ struct TileBlock {
           i_khead(KEY_TILES ? i_head : i_head / group),
           tile(load_tile(KEY_TILES ? plan.k_tiles : plan.q_tiles, i_tile)), w(warp_slot<WARP_M>()) {}
 
-    // Issues the copies of head i_head's rows of the tile, from a packed [T, H, D] array, into
-    // s_dst [ROWS][D + 8].
+    // Issues the copies of head i_head's rows of the tile, from a [T, H, D] array whose rows
+    // and heads lie `strides` apart, into s_dst [ROWS][D + 8].
     template <int ROWS, int D, int NUM_THREADS, typename T>
-    __device__ __forceinline__ void load_rows(T* s_dst, const T* base, int num_heads) const {
-        load_tile_async<ROWS, D, NUM_THREADS>(s_dst, head_rows<D>(base, num_heads, i_head),
-                                              tile.row, tile.rows);
+    __device__ __forceinline__ void load_rows(T* s_dst, const T* base,
+                                              const Strides& strides) const {
+        load_tile_async<ROWS, D, NUM_THREADS>(s_dst, head_rows(base, strides, i_head), tile.row,
+                                              tile.rows);
     }
 };
 
@@ -156,11 +157,12 @@ struct KvStages {
     HeadRows<const T> k;
     HeadRows<const T> v;
 
-    // Stages from s_base on; k and v are packed [Tk, Hk, D] arrays.
-    __device__ __forceinline__ KvStages(T* s_base, const T* k_base, const T* v_base, int Hk,
-                                        int i_khead)
-        : s_k(s_base), s_v(s_base + NUM_STAGES * STAGE_ELEMS), k(head_rows<D>(k_base, Hk, i_khead)),
-          v(head_rows<D>(v_base, Hk, i_khead)) {}
+    // Stages from s_base on; k and v are [Tk, Hk, D] arrays, their rows and heads `k_strides`
+    // and `v_strides` apart.
+    __device__ __forceinline__ KvStages(T* s_base, const T* k_base, const Strides& k_strides,
+                                        const T* v_base, const Strides& v_strides, int i_khead)
+        : s_k(s_base), s_v(s_base + NUM_STAGES * STAGE_ELEMS),
+          k(head_rows(k_base, k_strides, i_khead)), v(head_rows(v_base, v_strides, i_khead)) {}
 
     __device__ __forceinline__ void load_k(const Chunk& c, int stage) const {
         load_tile_async<BN, D, NUM_THREADS>(s_k + stage * STAGE_ELEMS, k, c.row, c.rows);

@@ -11,7 +11,7 @@
 // Every size (slots, segments, threads) is host-known; nothing is read back. Arithmetic is in
 // 64-bit with floor division where the NumPy code divides (`//` floors negative numerators),
 // and results are cast to int32 as `astype(np.int32)` does. Launched by
-// varlen/backends/_cupy_plan.py, which fills `PlanBuildParams` in one place.
+// varlen/backends/cupy/plan.py, which fills `PlanBuildParams` in one place.
 #pragma once
 
 #include "tile_scheduler.cuh"

@@ -1,10 +1,10 @@
-// What a kernel reads of the plan and of the call: two structs passed by value, filled by the
-// launcher in one place (FlashAttention's Flash_fwd_params).
+// What a kernel reads of the plan and of the call: two structs, members of each kernel family's
+// params struct (params.cuh), filled by the launcher in one place.
 //
 // PlanView has the fields of varlen.plan.KernelView, in the same order; the launchers
-// (varlen/backends/_cupy_kernels.py) fill it from Plan.view() through a NumPy dtype of the same
-// layout (PLAN_VIEW_DTYPE in varlen/backends/_cupy_spec.py, compared with sizeof/offsetof by
-// tests/test_cupy_compile.py). Plain C++ without CUDA types, so that test compiles it with g++.
+// (varlen/backends/cupy/launch.py, plan_view_arg) fill it from Plan.view() through a NumPy
+// dtype of the same layout (PLAN_VIEW_DTYPE, compared with sizeof/offsetof by
+// tests/compile/test_cupy_compile.py). Plain C++ without CUDA types, so that test compiles it with g++.
 #pragma once
 
 namespace varlen {

@@ -127,7 +127,7 @@ struct PartnerCursor {
 // tile covers; what is left is exactly the complement of the rows the tile blocks write,
 // whatever the order of the segments (all-gathered context-parallel segments are not in row
 // order): no row is written twice or by two threads, none is left out. The launchers
-// (varlen/backends/_cupy_kernels.py) size the grids with the same constant.
+// (varlen/backends/cupy/mma.py) size the grids with the same constant.
 constexpr int PAD_ROWS_PER_THREAD = 32;
 
 // The index of slot i_slot among the pad blocks of a grid over num_slots tile slots, or -1 for
@@ -180,15 +180,24 @@ __device__ __forceinline__ void for_each_pad_run(const int* p_tiles, int num_til
     }
 }
 
-// Zeros rows [begin, end) of a packed array of row_elems elements per row (16-byte multiples,
-// 16-byte aligned rows), in 16-byte stores.
-template <typename T>
-__device__ __forceinline__ void zero_rows(T* base, int64_t row_elems, int64_t begin,
-                                          int64_t end) {
-    uint4* p = reinterpret_cast<uint4*>(base + begin * row_elems);
-    const int64_t n = (end - begin) * row_elems * static_cast<int64_t>(sizeof(T)) / 16;
+// Zeros rows [begin, end) of heads 0 .. heads - 1 of a [T, H, D] array whose rows and heads
+// lie `s` apart (each head's row of D elements 16-byte aligned: the launchers' outputs), in
+// 16-byte stores.
+template <int D, typename T>
+__device__ __forceinline__ void zero_head_rows(T* base, const Strides& s, int heads,
+                                               int64_t begin, int64_t end) {
+    constexpr int VECS = D * static_cast<int>(sizeof(T)) / 16;
+    static_assert(D * sizeof(T) % 16 == 0, "a head's row is whole 16-byte chunks");
     #pragma unroll 1
-    for (int64_t i = 0; i < n; ++i) p[i] = uint4{0u, 0u, 0u, 0u};
+    for (int64_t r = begin; r < end; ++r) {
+        #pragma unroll 1
+        for (int h = 0; h < heads; ++h) {
+            T* row = base + r * s.row + static_cast<int64_t>(h) * s.head;
+            uint4* p = reinterpret_cast<uint4*>(row);
+            #pragma unroll
+            for (int i = 0; i < VECS; ++i) p[i] = uint4{0u, 0u, 0u, 0u};
+        }
+    }
 }
 
 // The key chunks of KN rows of query tile i_tile (forward, dQ).

@@ -1,5 +1,5 @@
 // Entry point of the CuPy module: every kernel template of the backend. The host side
-// (varlen/backends/_cupy_kernels.py) names instantiations through name expressions.
+// (varlen/backends/cupy/mma.py) names instantiations through name expressions.
 #include "fwd.cuh"
 #include "bwd_preprocess.cuh"
 #include "bwd_dkdv.cuh"

@@ -18,8 +18,8 @@
 #   warm_cache  every kernel variant compiled for this GPU in parallel (CuPy's disk cache)
 #   sanitizer_{memcheck,racecheck,synccheck,initcheck}
 #               compute-sanitizer on one small case that runs every kernel once
-#               (tests/test_cupy_gpu.py::test_one_small_case_per_kernel)
-#   gpu_tests   tests/test_cupy_gpu.py: parity, determinism, graphs, streams, a multi-wave grid,
+#               (tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel)
+#   gpu_tests   tests/gpu/test_cupy_gpu.py: parity, determinism, graphs, streams, a multi-wave grid,
 #               rows past 2**31 elements, large magnitudes, the tensor-core and special-function
 #               model of the host emulation against this GPU
 #   bench       scripts/perf_model.py --measure: torch SDPA (flash, cuDNN), varlen_attn and
@@ -31,12 +31,12 @@
 #   sm90_device  compute capability 9.0 (else nothing more runs, and the check fails)
 #   sm90_warm    every sm_90a variant the backend dispatches, built by NVRTC in parallel into
 #                the cubin cache (python -m varlen.backends.cupy.sm90)
-#   sm90_tests   the `gpu` cases of tests/test_sm90_forward.py and test_sm90_backward.py: the
-#                emulated cases' batches through the cubins and the driver's tensor maps
-#   sm90_parity  tests/test_cupy_gpu.py's reference parity (GQA packing chosen as it falls),
+#   sm90_tests   tests/gpu/test_sm90_gpu.py: the emulated cases' batches through the cubins
+#                and the driver's tensor maps
+#   sm90_parity  tests/gpu/test_cupy_gpu.py's reference parity (GQA packing chosen as it falls),
 #                deterministic repeatability, graph capture and the callers' stream
 #   sm90_{memcheck,synccheck}
-#                compute-sanitizer on tests/test_cupy_gpu.py::test_one_small_case_per_kernel
+#                compute-sanitizer on tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel
 #   sm90_bench   scripts/perf_model.py --measure: the sm_90a kernels as the cupy runner against
 #                torch SDPA, varlen_attn and compiled flex_attention (bf16, D=128, 8k and 16k)
 # Passing it is what makes the sm_90a kernels the default on sm_90 (docs/hopper.md,
@@ -175,7 +175,7 @@ sanitize() {  # tool: the small case under compute-sanitizer; it must run, not s
               # ($CUPY_BACKEND names the implementation: cupy, or cupy:sm90a)
     local log rc
     log=$("$SANITIZER" --tool "$1" --error-exitcode 3 --print-limit 20 "$PY" -m pytest -q -x \
-        --cupy-backend="$CUPY_BACKEND" "tests/test_cupy_gpu.py::test_one_small_case_per_kernel" 2>&1)
+        --cupy-backend="$CUPY_BACKEND" "tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel" 2>&1)
     rc=$?
     echo "compute-sanitizer: $SANITIZER"
     echo "$log"
@@ -214,10 +214,10 @@ elif [ "$MODE" = sm90a ]; then
     export CUPY_BACKEND=cupy:sm90a
     export VARLEN_SM90A_CACHE="${VARLEN_SM90A_CACHE:-${TMPDIR:-/tmp}/varlen_sm90a_cache}"
     run_step sm90_warm 50 "$PY" -m varlen.backends.cupy.sm90 16
-    run_step sm90_tests 120 "$PY" -m pytest -q -rfEs -m gpu tests/test_sm90_forward.py \
-        tests/test_sm90_backward.py --junitxml="$LOGS/sm90_tests.xml"
+    run_step sm90_tests 120 "$PY" -m pytest -q -rfEs -m gpu tests/gpu/test_sm90_gpu.py \
+        --junitxml="$LOGS/sm90_tests.xml"
     grep -q "[0-9] passed" "$LOGS/sm90_tests.log" || record sm90_tests_ran 5 0
-    run_step sm90_parity 100 "$PY" -m pytest -q -rfEs --cupy-backend="$CUPY_BACKEND" tests/test_cupy_gpu.py \
+    run_step sm90_parity 100 "$PY" -m pytest -q -rfEs --cupy-backend="$CUPY_BACKEND" tests/gpu/test_cupy_gpu.py \
         -k "matches_reference or deterministic or graph_capture or callers_stream" \
         --junitxml="$LOGS/sm90_parity.xml"
     grep -q "[0-9] passed" "$LOGS/sm90_parity.log" || record sm90_parity_ran 5 0
@@ -230,12 +230,12 @@ elif [ "$MODE" = numba ]; then
     run_step numba_tests 150 "$PY" -m pytest -q -rfEs tests/numba \
         --junitxml="$LOGS/numba_tests.xml"
     run_step gpu_tests 60 "$PY" -m pytest -q -rfEs -m gpu tests --ignore=tests/numba \
-        --ignore=tests/test_cupy_gpu.py --junitxml="$LOGS/gpu_tests.xml"
+        --ignore=tests/gpu/test_cupy_gpu.py --junitxml="$LOGS/gpu_tests.xml"
     run_step bench_numba 50 "$PY" scripts/bench_numba.py --quick --json "$LOGS/bench_numba.json"
 else
     run_step warm_cache 60 "$PY" -m varlen.backends.cupy.mma 16
     sanitizer_steps sanitizer 35 memcheck racecheck synccheck initcheck
-    run_step gpu_tests 120 "$PY" -m pytest -q -rfEs -s tests/test_cupy_gpu.py \
+    run_step gpu_tests 120 "$PY" -m pytest -q -rfEs -s tests/gpu/test_cupy_gpu.py \
         --junitxml="$LOGS/gpu_tests.xml"
     grep -q "[0-9] passed" "$LOGS/gpu_tests.log" || record gpu_tests_ran 5 0
     run_step bench 100 "$PY" scripts/perf_model.py --measure --json "$OUT_DIR/bench.json"

@@ -208,7 +208,7 @@ def wide_table():
 
 # Registers per thread of the bfloat16 dK/dV kernel (atomic dQ, no softcap) as NVRTC 13.5
 # compiles it for (sm_80, sm_90), by (D, BN): with the shared memory they set the CTAs per SM
-# (tests/test_cupy_compile.py checks them against scripts/compile_kernels.py's report).
+# (tests/compile/test_cupy_compile.py checks them against scripts/compile_kernels.py's report).
 DKDV_REGISTERS = {(32, 64): (192, 164), (64, 64): (243, 253), (96, 64): (244, 248),
                   (128, 64): (255, 255), (32, 128): (217, 219), (64, 128): (255, 253),
                   (96, 128): (236, 239), (128, 128): (255, 254)}

@@ -1,5 +1,6 @@
 """Shared test helpers: adversarial packed batches and dtype-aware comparisons (from
-`varlen.testing`), and a forward-and-backward call through the public API.
+`varlen.testing`), a forward-and-backward call through the public API, the size of the sweeps
+(`cases`), and the runs of emulated cases in processes of their own.
 
 Tolerances follow STYLE.md: a backend's error against the float64 reference must be within a
 small factor (2x output, 3x gradients) of a naive same-dtype computation's error, plus a
@@ -13,12 +14,73 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import varlen
 from varlen.testing import (EPS, FLOOR_UNIT, Batch, assert_close, assert_lse,  # noqa: F401
                             check_against_reference, covered_rows, make_batch, naive_same_dtype,
                             np_dtype)
+
+
+# The size of the sweeps, as JAX's JAX_NUM_GENERATED_CASES: "quick" (the default) runs the part
+# of each large parametrisation that its `cases` call keeps, adversarial cases included; "full"
+# (CI: .ci/run) runs all of it.
+CASES_SIZE = os.environ.get("VARLEN_TEST_CASES", "quick")
+if CASES_SIZE not in ("quick", "full"):
+    raise ValueError(f"VARLEN_TEST_CASES={CASES_SIZE!r}; expected 'quick' or 'full'")
+
+
+def _key(item):
+    """What `cases` matches a quick choice against: a pytest.param's id (or its value, or
+    values, without one), else the item."""
+    if not isinstance(item, type(pytest.param(None))):
+        return item
+    return item.id if item.id is not None else (
+        item.values[0] if len(item.values) == 1 else item.values)
+
+
+def cases(full, quick, size=None):
+    """The parametrisation of a sweep at this run's size (`size`: "quick" or "full", default
+    VARLEN_TEST_CASES): all of `full`, or the items of it that `quick` keeps: a predicate of an
+    item, or a collection of items (pytest.param ids for params), each of which must be in
+    `full`. In `full`'s order."""
+    full = list(full)
+    if (size or CASES_SIZE) == "full":
+        return full
+    if callable(quick):
+        return [x for x in full if quick(x)]
+    quick = list(quick)
+    missing = [q for q in quick if q not in [_key(x) for x in full]]
+    if missing:
+        raise ValueError(f"quick cases {missing} are not among the full cases")
+    return [x for x in full if _key(x) in quick]
+
+
+def covering(*keys):
+    """A predicate for `cases` that keeps, in order, each item showing a value of one of
+    `keys` (functions of an item) that no kept item showed before: every value of every key
+    appears at least once. The predicate remembers what it kept: make one per sweep."""
+    seen = [set() for _ in keys]
+
+    def keep(item):
+        values = [key(item) for key in keys]
+        new = [v not in s for v, s in zip(values, seen)]
+        if any(new):
+            for v, s in zip(values, seen):
+                s.add(v)
+        return any(new)
+    return keep
+
+
+# Batches for a CUDA graph captured once and replayed (tests/gpu/test_cupy_gpu.py,
+# tests/numba/test_numba_graph.py): the same B and packed totals (the same buffer shapes),
+# other lengths and per-sequence masks (window_left, window_right, bottom_right).
+GRAPH_BATCHES = (([100, 0, 37, 200, 1], [120, 3, 37, 180, 1]),
+                 ([1, 150, 137, 0, 50], [64, 64, 64, 100, 49]))
+GRAPH_MASKS = tuple(tuple(np.array(f, np.int32) for f in m) for m in (
+    ([-1, -1, 16, -1, 0], [0, -1, 0, 0, -1], [1, 0, 0, 1, 1]),
+    ([8, -1, -1, 32, -1], [0, 0, -1, 0, 0], [0, 1, 1, 0, 0])))
 
 
 def fwd_bwd(batch: Batch, backend="numpy", **kw):
@@ -36,53 +98,58 @@ ROOT = os.path.dirname(TESTS)
 needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                                reason="needs a C++20 compiler")
 
-_CASE_RUNNER = """
-import sys
-sys.path.insert(0, {tests!r})
-from {module} import run_case
-print("ok", sys.argv[1], f"{{run_case(sys.argv[1]):.1f}} s")
-"""
-
-
 # Exit status of an emulated case that cannot run on this machine (the test skips).
 SKIP_STATUS = 77
+# The emulation's mode settings (emulation/cupy.py), which `run_emulated(clean=True)` drops;
+# where it builds (VARLEN_EMULATION_DIR) and from which sources stay.
+EMULATION_MODE = ("VARLEN_EMULATION_RACE", "VARLEN_EMULATION_SCHEDULE", "VARLEN_EMULATION_SEED",
+                  "VARLEN_EMULATION_STRICT_BANKS", "VARLEN_EMULATION_TIMEOUT")
+
+
+def run_emulated(args, env=None, *, timeout: int = 1800,
+                 clean: bool = False) -> subprocess.CompletedProcess:
+    """`python ARGS` in a fresh process from the repository root (the host emulation replaces
+    `cupy` there), `env` added to the environment, without this process's emulation mode with
+    `clean`. The caller asserts on the result."""
+    base = {k: v for k, v in os.environ.items() if not (clean and k in EMULATION_MODE)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**base, **(env or {})})
+
+
+def emulate(args, env=None, *, timeout: int = 1800, clean: bool = False) -> str:
+    """`run_emulated`, asserting that it passed; its output. A run that exits with SKIP_STATUS
+    skips the test, with its last line of output as the reason."""
+    proc = run_emulated(args, env, timeout=timeout, clean=clean)
+    if proc.returncode == SKIP_STATUS:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, (f"emulated {' '.join(map(str, args))}:\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
 
 
 def emulate_script(path: str, *case, timeout: int = 900) -> str:
-    """Runs `case` of the test file `path`'s __main__ in a fresh process (the host emulation
-    replaces `cupy` there), asserting that it passed; its output. A case that exits with
-    SKIP_STATUS skips the test, with its last line of output as the reason."""
-    proc = subprocess.run([sys.executable, os.path.abspath(path), *case], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
-    if proc.returncode == SKIP_STATUS:
-        pytest.skip(proc.stdout.strip().splitlines()[-1])
-    assert proc.returncode == 0, (f"emulated case {' '.join(case)}:\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
-    return proc.stdout
+    """`emulate` of `case` of the test file `path`'s __main__."""
+    return emulate([os.path.abspath(path), *case], timeout=timeout)
 
 
-def run_case_process(module: str, label: str, env=None) -> subprocess.CompletedProcess:
-    """`run_case(label)` of test module `module` in a fresh Python process (the host
-    emulation replaces `cupy` there), `env` added to the environment; prints "ok LABEL".
-    The caller asserts on the result."""
-    return subprocess.run([sys.executable, "-c", _CASE_RUNNER.format(tests=TESTS, module=module),
-                           label], capture_output=True, text=True, timeout=1800, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+def mutated_sources(tmp_path, name: str, old: str, new: str):
+    """A copy of the kernel sources under `tmp_path` with the one `old` of kernel source `name`
+    replaced by `new`: the folder, for VARLEN_EMULATION_SOURCE_DIR."""
+    from varlen.kernels_cuda import SOURCE_DIR
+    src = tmp_path / "kernels_cuda"
+    shutil.copytree(SOURCE_DIR, src)
+    path = src / name
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} is not in {name} once: update the mutation"
+    path.write_text(text.replace(old, new))
+    return src
 
 
-def run_case_ok(module: str, label: str, env=None) -> str:
-    """`run_case_process`, asserting that the case passed; its output."""
-    proc = run_case_process(module, label, env)
-    assert proc.returncode == 0, (f"{label} (host emulation):\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
-    return proc.stdout
-
-
-def run_mutated_case(module: str, label: str, source_dir) -> subprocess.CompletedProcess:
-    """`run_case_process` on kernel sources from `source_dir` (a mutated copy), with a short
+def run_mutated(args, source_dir, env=None) -> subprocess.CompletedProcess:
+    """`run_emulated` on the kernel sources of `source_dir` (a mutated copy), with a short
     emulation timeout for a deadlock."""
-    return run_case_process(module, label, {"VARLEN_EMULATION_SOURCE_DIR": str(source_dir),
-                                            "VARLEN_EMULATION_TIMEOUT": "20"})
+    return run_emulated(args, {"VARLEN_EMULATION_SOURCE_DIR": str(source_dir),
+                               "VARLEN_EMULATION_TIMEOUT": "20", **(env or {})})
 
 
 def assert_mutant_caught(proc: subprocess.CompletedProcess, name: str, label: str, says) -> None:

@@ -40,7 +40,7 @@ def _cupy_sees_a_gpu() -> bool:
 
 HELP = {
     "varlen": (["-m", "varlen", "--help"], "demo"),
-    "varlen-demo": (["-m", "varlen", "demo", "--help"], "best backend"),
+    "varlen-demo": (["-m", "varlen", "demo", "--help"], "default backend"),
     "comm": (["-m", "varlen.comm", "--help"], "demo"),
     "comm-demo": (["-m", "varlen.comm", "demo", "--help"], "--ranks"),
     "bench": ([script("bench.py"), "--help"], "--runners"),
@@ -118,7 +118,7 @@ def test_compile_kernels_json_shows_progress():
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert [(row["kernel"], row["arch"]) for row in rows] == [
-        ("varlen_fwd<__half, 64, 64, 64, false>", "sm_80")], rows
+        ("varlen_fwd<__half, 64, 64, 64, false, 64, 3>", "sm_80")], rows
     assert "compiling 1 kernel(s)" in r.stderr and "[1/1] sm_80" in r.stderr, r.stderr
 
 

@@ -13,9 +13,13 @@ from varlen.backends import Problem
 from varlen.backends.numpy_backend import NumpyBackend
 
 from comm_workers.cases import CASES, Case, cases_for, check_case, make_global, methods_for
+from helpers import cases, covering
 
-COMBOS = [pytest.param(case, cp, method, id=f"cp{cp}-{case.id}-{method}")
-          for cp in (1, 2, 3, 4) for case in cases_for(cp) for method in methods_for(case, cp)]
+# every cp, case and method; at the quick size every case and method, and every cp
+COMBOS = cases([pytest.param(case, cp, method, id=f"cp{cp}-{case.id}-{method}")
+                for cp in (1, 2, 3, 4) for case in cases_for(cp)
+                for method in methods_for(case, cp)],
+               covering(lambda p: (p.values[0].id, p.values[2]), lambda p: p.values[1]))
 
 
 @pytest.mark.parametrize("case, cp, method", COMBOS)

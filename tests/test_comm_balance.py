@@ -36,10 +36,11 @@ def test_pairs_add_up_to_the_whole(cpb, window, scheme):
 
 
 def test_quick_run_writes_png_and_json(cpb, tmp_path, capsys):
-    png, js = tmp_path / "w.png", tmp_path / "w.json"
-    assert cpb.main(["--tokens", "8192", "--mean", "512", "--cp", "2", "4", "--out", str(png),
+    out, js = tmp_path / "w", tmp_path / "w.json"
+    assert cpb.main(["--tokens", "8192", "--mean", "512", "--cp", "2", "4", "--out", str(out),
                      "--json", str(js)]) == 0
-    assert png.stat().st_size > 0
+    for cp in (2, 4):
+        assert (out / f"cp_balance-cp{cp}.png").stat().st_size > 0
     res = json.loads(js.read_text())["results"]
     for rows in res.values():
         for cp in (2, 4):

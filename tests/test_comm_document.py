@@ -1,12 +1,10 @@
 """The document scheme of `varlen.comm.partition`: placement, shards, and the three methods on
-it (in-process ranks, and real `mpiexec` ranks through this file run as a worker), with the
-ring's traffic: only split documents' rows, only between the ranks that share them.
+it (in-process ranks, and real `mpiexec` ranks through this file run as a worker:
+tests/multiprocess/test_comm_mpi.py), with the ring's traffic: only split documents' rows, only
+between the ranks that share them.
 
     mpiexec -n N python -m mpi4py tests/test_comm_document.py      # the worker
 """
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from varlen import reference  # noqa: E402
 from varlen.comm.partition import document_work  # noqa: E402
 
 from comm_workers.cases import TOL, Case, _assert_close, _policy, make_global  # noqa: E402
+from helpers import cases, covering  # noqa: E402
 
 # (case, partition keywords): max_doc_len forces splits in these small batches.
 DOC_CASES = [
@@ -106,9 +105,17 @@ def _cu(lengths):
 LENGTHS = [(7,), (0,), (5, 0, 13, 1, 8, 31, 3, 0), (1, 1, 1, 1, 1, 64), (100, 3, 2)]
 
 
-@pytest.mark.parametrize("max_doc_len", [None, 0, 6])
-@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "L" + "-".join(map(str, ls)))
+# every lengths, cp and split threshold; at the quick size every lengths and every cp under each
+# threshold
+PLACEMENTS = cases([pytest.param(lengths, cp, max_doc_len,
+                                 id=f"L{'-'.join(map(str, lengths))}-{cp}-{max_doc_len}")
+                    for max_doc_len in (None, 0, 6) for cp in (1, 2, 3, 4, 5)
+                    for lengths in LENGTHS],
+                   covering(lambda p: (p.values[0], p.values[2]),
+                            lambda p: (p.values[1], p.values[2])))
+
+
+@pytest.mark.parametrize("lengths, cp, max_doc_len", PLACEMENTS)
 def test_every_token_on_exactly_one_rank(lengths, cp, max_doc_len):
     cu = _cu(lengths)
     part = vc.partition(cu, cp, "document", max_doc_len=max_doc_len)
@@ -218,8 +225,11 @@ def test_cross_attention_needs_the_same_placement():
 # Methods on the document partition
 # --------------------------------------------------------------------------------------------
 
-COMBOS = [pytest.param(case, kw, cp, method, id=f"cp{cp}-{case.id}-{method}")
-          for cp in (1, 2, 3, 4) for case, kw in DOC_CASES for method in _methods(case, cp)]
+# every cp, case and method; at the quick size every case and method, and every cp
+COMBOS = cases([pytest.param(case, kw, cp, method, id=f"cp{cp}-{case.id}-{method}")
+                for cp in (1, 2, 3, 4) for case, kw in DOC_CASES
+                for method in _methods(case, cp)],
+               covering(lambda p: (p.values[0].id, p.values[3]), lambda p: p.values[2]))
 
 
 @pytest.mark.parametrize("case, kw, cp, method", COMBOS)
@@ -310,22 +320,8 @@ def test_training_entry_point_takes_a_document_partition():
 
 
 # --------------------------------------------------------------------------------------------
-# Real mpiexec ranks: this file is the worker
+# Real mpiexec ranks (tests/multiprocess/test_comm_mpi.py): this file is the worker
 # --------------------------------------------------------------------------------------------
-
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-
-
-@pytest.mark.mpi
-@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_cases_under_mpiexec(n, tmp_path):
-    pytest.importorskip("mpi4py")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
-    r = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", __file__],
-                       capture_output=True, text=True, timeout=300, cwd=_HERE.parent, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert f"OK document size={n}" in r.stdout, r.stdout + r.stderr
 
 
 def _worker():

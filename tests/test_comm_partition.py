@@ -5,6 +5,8 @@ import pytest
 
 import varlen.comm as vc
 
+from helpers import cases, covering
+
 LENGTHS = [
     (7,),                       # seeds/000
     (0,),
@@ -37,9 +39,16 @@ def test_schemes_name_every_scheme_partition_takes():
         vc.partition(_cu([7]), 2, "striped")
 
 
-@pytest.mark.parametrize("scheme", vc.SCHEMES)
-@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "L" + "-".join(map(str, ls)))
+def _grid(schemes):
+    """(lengths, cp, scheme) for every scheme, cp of 1 to 5 and lengths; at the quick size
+    every lengths and every cp under each scheme."""
+    grid = [pytest.param(lengths, cp, scheme, id=f"L{'-'.join(map(str, lengths))}-{cp}-{scheme}")
+            for scheme in schemes for cp in (1, 2, 3, 4, 5) for lengths in LENGTHS]
+    return cases(grid, covering(lambda p: (p.values[0], p.values[2]),
+                                lambda p: (p.values[1], p.values[2])))
+
+
+@pytest.mark.parametrize("lengths, cp, scheme", _grid(vc.SCHEMES))
 def test_every_token_on_exactly_one_rank(lengths, cp, scheme):
     cu = _cu(lengths)
     part = vc.partition(cu, cp, scheme)
@@ -54,9 +63,7 @@ def test_every_token_on_exactly_one_rank(lengths, cp, scheme):
     np.testing.assert_array_equal(part.unshard(shards), x)
 
 
-@pytest.mark.parametrize("scheme", vc.CHUNK_SCHEMES)
-@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "L" + "-".join(map(str, ls)))
+@pytest.mark.parametrize("lengths, cp, scheme", _grid(vc.CHUNK_SCHEMES))
 def test_chunk_schemes_pad_each_sequence_to_whole_chunks(lengths, cp, scheme):
     T = int(sum(lengths))
     part = vc.partition(_cu(lengths), cp, scheme)

@@ -1,24 +1,19 @@
 """`varlen.torch.context_parallel_attention`: outputs and gradients of every rank's shards
 against the single-process `varlen.torch.varlen_attention` and the float64 reference, on
-in-process ranks, on gloo ranks (torch.multiprocessing over loopback) and in the torchrun
-training example."""
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
+in-process ranks (gloo ranks and the torchrun training example:
+tests/multiprocess/test_cp_torch_ranks.py)."""
 import numpy as np
 import pytest
-import torch
 
-import varlen
-import varlen.comm as vc
-import varlen.torch as vt
+torch = pytest.importorskip("torch")
 
-from comm_workers.torch_cp import Spec, check_bad_inputs, check_rank, resolved
+import varlen  # noqa: E402
+import varlen.comm as vc  # noqa: E402
+import varlen.torch as vt  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from comm_workers.torch_cp import Spec, check_bad_inputs, check_rank, resolved  # noqa: E402
+from helpers import cases, covering  # noqa: E402
+
 WINDOW = varlen.Mask(window_left=3, window_right=1)
 
 SPECS = [
@@ -53,8 +48,10 @@ def _id(spec, cp):
             f"{spec.method}-{str(spec.dtype)[6:]}-{spec.scheme}")
 
 
-COMBOS = [pytest.param(s, cp, id=_id(s, cp)) for s in SPECS for cp in (2, 4)
-          if s.method != "ulysses" or s.Hq % cp == 0]
+# every spec on 2 and 4 ranks; at the quick size every spec, and both sizes
+COMBOS = cases([pytest.param(s, cp, id=_id(s, cp)) for s in SPECS for cp in (2, 4)
+                if s.method != "ulysses" or s.Hq % cp == 0],
+               covering(lambda p: SPECS.index(p.values[0]), lambda p: p.values[1]))
 
 
 @pytest.fixture
@@ -153,44 +150,3 @@ def test_without_torch_distributed_group():
     q = torch.zeros(4, 1, 8)
     with pytest.raises(RuntimeError, match="init_process_group"):
         vt.context_parallel_attention(q, q, q, part)
-
-
-# --------------------------------------------------------------------------------------------
-# Real processes: gloo over loopback
-# --------------------------------------------------------------------------------------------
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    return env
-
-
-@pytest.mark.parametrize("cp", [2, 4], ids=["cp2", "cp4"])
-def test_gloo_ranks(cp):
-    """Every spec of the worker, a sub-group, and the bad inputs, on `cp` gloo processes."""
-    run = subprocess.run([sys.executable, str(ROOT / "tests/comm_workers/torch_cp.py"),
-                          "spawn", str(cp)], env=_env(), capture_output=True, text=True,
-                         timeout=420)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    for r in range(cp):
-        assert f"rank {r} ok" in run.stdout, run.stdout
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_torchrun_training_example_matches_cp1():
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                          "2", "--master-addr", "127.0.0.1", "--master-port",
-                          str(_free_port()), str(ROOT / "docs/examples/train_cp_torch.py")],
-                         env=_env(), capture_output=True, text=True, timeout=420)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("step ")]
-    assert len(lines) == 5, run.stdout
-    for ln in lines:
-        cp2, cp1 = float(ln.split()[4]), float(ln.split()[6])
-        assert abs(cp2 - cp1) <= 1e-4 * abs(cp1), ln
-

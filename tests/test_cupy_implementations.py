@@ -2,22 +2,36 @@
 registry and in `explain()`, each with its reason to refuse a call, `backend="cupy:sm90a"` naming
 one, the family `backend="cupy"` choosing per pass, and `varlen.plan(..., backend=...)` asking
 the named backend for its plan builder. Device questions are answered by stand-in devices (no
-GPU here); the launches are stubbed to name themselves."""
+GPU here); the launches are stubbed to name themselves. Device support of `cupy:mma` on stand-in
+device properties: compute capability sm_80 or newer, plan tiles whose kernels fit the GPU's
+opt-in shared memory per block (a 99 KiB sm_86/sm_89 gets the same (128, 64) tiles as an A100,
+and runs the deterministic backward wherever the atomic one runs: the same kernels), device
+attributes read once per device, and the same NVRTC options (include directories) at run time
+as in the compile-budget check."""
 from __future__ import annotations
+
+import sys
+import types
 
 import numpy as np
 import pytest
 
 import varlen
+import varlen.backends.cupy.launch as _cupy_launch
+import varlen.backends.cupy.mma as _cupy_mma
+import varlen.backends.cupy.traits as _cupy_traits
 from varlen import backends
 from varlen.backends import Problem
 from varlen.backends.cupy import BACKEND, MmaImplementation, Sm90aImplementation
+from varlen.backends.cupy.mma import KernelSpec
 from varlen.backends.cupy.traits import DeviceInfo
 
-H100 = DeviceInfo((9, 0), 227 * 1024, "NVIDIA H100")
-A100 = DeviceInfo((8, 0), 163 * 1024, "NVIDIA A100")
-L40S = DeviceInfo((8, 9), 99 * 1024, "NVIDIA L40S")
-T4 = DeviceInfo((7, 5), 64 * 1024, "Tesla T4")
+KIB = 1024
+H100 = DeviceInfo((9, 0), 227 * KIB, "NVIDIA H100")
+A100 = DeviceInfo((8, 0), 163 * KIB, "NVIDIA A100")
+A6000 = DeviceInfo((8, 6), 99 * KIB, "NVIDIA RTX A6000")
+L40S = DeviceInfo((8, 9), 99 * KIB, "NVIDIA L40S")
+T4 = DeviceInfo((7, 5), 64 * KIB, "Tesla T4")
 
 
 def device_call(dtype="float16", head_dim=64, head_dim_v=None):
@@ -181,3 +195,138 @@ def test_plan_asks_the_named_backend_for_its_builder(monkeypatch):
     with pytest.raises(ValueError, match=r"backend='tpu' is not a known backend"):
         varlen.plan(cu, cu, backend="tpu")
     assert host.block_m == 64
+
+
+# --------------------------------------------------------------------------------------------
+# Device support of the mma.sync implementation: tiles that fit, old GPUs, device attributes,
+# NVRTC options
+# --------------------------------------------------------------------------------------------
+
+# The tiles the backend's plans get, by head dim: (128, 64) up to D = 128, where the forward
+# and the backward (both dQ modes run the same dK/dV kernel) take at most 69632 and 75264 B, so
+# they fit 99 KiB too; (128, 128) at D = 96 and 128 where it fits (dK/dV: 125952 and 158720 B,
+# not in 99 KiB, which falls back to (128, 64)). Above D = 128 only (64, 64) compiles, and its
+# dK/dV kernel needs more than 99 KiB (108032 B at D = 192, 104704 B at D = 256): no tiles there
+# (None).
+BIG_TILES = {D: (128, 128) if D in (96, 128) else (128, 64) if D <= 128 else (64, 64)
+             for D in _cupy_traits.HEAD_DIMS}
+SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_traits.HEAD_DIMS}
+# A stand-in GPU with less shared memory per block than any shipped one: 64 KiB.
+SMALL_SMEM = DeviceInfo((8, 9), 64 * KIB, "a GPU with 64 KiB per block")
+
+
+def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
+    """What `supports` reads of a call (the setup record's attributes)."""
+    return types.SimpleNamespace(dtype=dtype, head_dim=D, head_dim_v=D, on_device=True,
+                                 grads=() if backward else None, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("device, tiles", [(A100, BIG_TILES), (A6000, SMALL_SMEM_TILES),
+                                           (L40S, SMALL_SMEM_TILES), (H100, BIG_TILES)],
+                         ids=["sm_80-163KiB", "sm_86-99KiB", "sm_89-99KiB", "sm_90-227KiB"])
+def test_tiles_fit_the_device(device, tiles):
+    from varlen.backends.cupy import BACKEND
+    with BACKEND.stand_in_device(device):
+        for D in _cupy_traits.HEAD_DIMS:
+            for dtype in _cupy_traits.DTYPES:
+                blocks = BACKEND.default_blocks(dtype, D)
+                if tiles[D] is None:
+                    why = BACKEND.supports(_call(dtype, D))
+                    dkdv = KernelSpec("bwd", dtype, D, 64, 64, False).kernels()["dkdv_atomic"]
+                    assert why and "no tile size fits" in why and f"{dkdv.smem} B" in why, why
+                    assert blocks == (64, 64), f"{device.arch} D={D}: tiles {blocks}"
+                    continue
+                assert blocks == tiles[D], f"{device.arch} D={D}: tiles {blocks}"
+                assert BACKEND.supports(_call(dtype, D)) is None, f"{device.arch} D={D} forward"
+                assert BACKEND.supports(_call(dtype, D, backward=True)) is None
+                for kind, roles in (("fwd", "fwd"), ("bwd", "bwd")):
+                    spec = KernelSpec(kind, dtype, D, *blocks, False)
+                    for role in _cupy_mma.ROLES[roles]:
+                        assert spec.kernels()[role].smem <= device.smem_optin, (
+                            f"{device.arch}: {spec.kernels()[role].name} does not fit")
+                why = BACKEND.supports(_call(dtype, D, backward=True, deterministic=True))
+                assert why is None, f"{device.arch} D={D} deterministic: {why}"
+
+
+def test_deterministic_backward_needs_what_the_atomic_one_needs():
+    """Ordered dQ runs the atomic dK/dV kernel's layout: the same shared memory, so the
+    deterministic backward fits wherever the atomic one does, and is refused, naming its
+    kernel and both sizes, where it does not."""
+    from varlen.backends.cupy import BACKEND
+    for spec in _cupy_mma.all_specs():
+        if spec.kind == "bwd":
+            k = spec.kernels()
+            assert k["dkdv_ordered"].smem == k["dkdv_atomic"].smem, spec.label
+            assert k["dkdv_ordered"].threads == k["dkdv_atomic"].threads, spec.label
+    with BACKEND.stand_in_device(SMALL_SMEM):
+        # a plan built elsewhere with tiles the GPU cannot hold is refused before any launch
+        plan = types.SimpleNamespace(block_m=64, block_n=64)
+        q = np.zeros((1, 1, 128), np.float16)
+        lse = np.zeros((1, 1), np.float32)
+        with pytest.raises(ValueError, match=r"tiles \(64, 64\) .* varlen_bwd_dkdv<__half, 128, "
+                                             r"64, 32, false, true, true> needs 75264 B .* "
+                                             r"allows at most 65536 B"):
+            BACKEND.backward(plan, q, q, q, q, q, lse, softmax_scale=1.0, softcap=0.0,
+                             deterministic=True)
+
+
+def test_old_gpus_are_refused():
+    from varlen.backends.cupy import BACKEND
+    with BACKEND.stand_in_device(T4):
+        why = BACKEND.supports(_call())
+    assert "sm_75" in why and "compute capability 7.5" in why and "sm_80" in why, why
+
+
+def _stub_cupy(reads, options=None):
+    """A `cupy` module with the few attributes the backend reads of a device and a RawModule
+    that records its NVRTC options; `reads` counts the attribute reads per device."""
+    class Device:
+        def __init__(self, device=0):
+            self.id = device
+
+        @property
+        def compute_capability(self):
+            reads[self.id] = reads.get(self.id, 0) + 1
+            return "86"
+
+        @property
+        def attributes(self):
+            return {"MaxSharedMemoryPerBlockOptin": 99 * KIB}
+
+    class RawModule:
+        def __init__(self, code=None, options=(), name_expressions=()):
+            options_seen.extend(options)
+
+    options_seen = options if options is not None else []
+    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"stub"})
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device, runtime=runtime),
+                                 RawModule=RawModule)
+
+
+def test_device_attributes_are_read_once_per_device(monkeypatch):
+    import varlen.backends.cupy as cupy_backend
+    reads = {}
+    monkeypatch.setitem(sys.modules, "cupy", _stub_cupy(reads))
+    cupy_backend.device_info.cache_clear()
+    try:
+        for _ in range(3):
+            assert cupy_backend.device_info(0) == DeviceInfo((8, 6), 99 * KIB, "stub")
+            cupy_backend.BACKEND.supports(_call())
+            cupy_backend.BACKEND.default_blocks("bfloat16", 128)
+        cupy_backend.device_info(1)
+        assert reads == {0: 1, 1: 1}, f"device attributes read {reads} times"
+    finally:
+        cupy_backend.device_info.cache_clear()
+
+
+def test_runtime_nvrtc_options_are_the_compile_checks(monkeypatch):
+    """The options CuPy's RawModule gets are the compile check's, include directories too."""
+    import varlen.backends.cupy.compile as _cupy_compile
+    runtime = []
+    monkeypatch.setitem(sys.modules, "cupy", _stub_cupy({}, runtime))
+    _cupy_launch.Module(KernelSpec("fwd", "bfloat16", 128, 128, 64, False))
+    check = _cupy_compile.program_options("sm_80")
+    assert [o for o in check if o.startswith(("-I", "-D", "--use_fast_math"))] == runtime
+    includes = [o[2:] for o in runtime if o.startswith("-I")]
+    for d in _cupy_compile.cuda_include_dirs():
+        assert d in includes, f"runtime NVRTC options miss the CUDA headers {d}: {runtime}"

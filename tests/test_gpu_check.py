@@ -54,26 +54,27 @@ def test_an_unknown_mode_is_refused(tmp_path):
 
 
 def test_the_sm90a_steps_select_tests_that_exist():
-    """The sm_90a parity step's -k expression selects tests of tests/test_cupy_gpu.py (collected
-    here, skipped without a GPU), and the files its test step names hold `gpu` tests."""
+    """The sm_90a parity step's -k expression selects tests of tests/gpu/test_cupy_gpu.py
+    (collected here, skipped without a GPU), and the files its test step names hold `gpu`
+    tests."""
     text = _script()
     block = text[text.index('if [ "$MODE" = sm90a ]'):text.index('elif [ "$MODE" = numba ]')]
     assert "CUPY_BACKEND=cupy:sm90a" in block and "varlen.backends.cupy.sm90" in block
-    assert '--cupy-backend="$CUPY_BACKEND" tests/test_cupy_gpu.py' in block
+    assert '--cupy-backend="$CUPY_BACKEND" tests/gpu/test_cupy_gpu.py' in block
     assert '--backend "$CUPY_BACKEND"' in block
     assert "VARLEN_CUPY_PATH" not in text
-    expr = re.search(r'tests/test_cupy_gpu.py \\\s*-k "([^"]+)"', block)[1]
+    expr = re.search(r'tests/gpu/test_cupy_gpu.py \\\s*-k "([^"]+)"', block)[1]
     words = [w for w in re.split(r"\s+or\s+", expr)]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                           "tests/test_cupy_gpu.py", "-k", expr], cwd=ROOT,
+                           "tests/gpu/test_cupy_gpu.py", "-k", expr], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     collected = [line for line in proc.stdout.splitlines() if "::" in line]
     for w in words:
         assert any(w in line for line in collected), f"-k {w!r} selects nothing: {proc.stdout}"
-    for path in ("tests/test_sm90_forward.py", "tests/test_sm90_backward.py"):
+    for path in ("tests/gpu/test_sm90_gpu.py",):
         assert path in block
         with open(os.path.join(ROOT, path)) as f:
-            assert "@pytest.mark.gpu" in f.read(), path
+            assert "pytest.mark.gpu" in f.read(), path
 
 
 def test_the_benchmark_holds_the_sm90a_kernels_to_their_targets():

@@ -8,11 +8,13 @@ from hypothesis import strategies as st
 
 import varlen
 
-from helpers import check_against_reference, fwd_bwd, make_batch
+from helpers import CASES_SIZE, check_against_reference, fwd_bwd, make_batch
 from test_plan import check_schedule_exact
 
-# more examples locally: VARLEN_PROPERTY_EXAMPLES=600 python -m pytest tests/test_properties.py
-EXAMPLES = int(os.environ.get("VARLEN_PROPERTY_EXAMPLES", "60"))
+# examples per run: 20 at the quick size, 60 with VARLEN_TEST_CASES=full; more locally:
+# VARLEN_PROPERTY_EXAMPLES=600 python -m pytest tests/test_properties.py
+EXAMPLES = int(os.environ.get("VARLEN_PROPERTY_EXAMPLES",
+                              {"quick": "20", "full": "60"}[CASES_SIZE]))
 window = st.sampled_from([-1, 0, 1, 2, 5, 9])
 
 

@@ -156,3 +156,69 @@ def test_comm_call_on_tensors_that_require_grad_warns():
             vc.attention_forward(x, x, x, part, group)
         vt.context_parallel_attention(x, x, x, part, group).sum().backward()
     assert x.grad is not None
+
+
+def test_the_readme_lists_every_extra():
+    """The extras table lacked `[cpu]`."""
+    import configparser
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(root, "setup.cfg"))
+    extras = set(cfg["options.extras_require"])
+    with open(os.path.join(root, "README.md")) as f:
+        listed = set(re.findall(r"`\[(\w+)\]`", "".join(line for line in f
+                                                      if line.startswith("| `["))))
+    assert extras <= listed, f"README's extras table lacks {sorted(extras - listed)}"
+
+
+# ---- the suite itself -----------------------------------------------------------------------
+
+BLOCK_FRAMEWORKS = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "jax", "jaxlib", "cupy", "transformers"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "", "-p", "no:cacheprovider", "tests"]))
+"""
+
+
+def test_every_test_file_collects_without_torch_jax_or_cupy():
+    """A machine without the optional frameworks collects the whole suite: the tests that need
+    one skip (importorskip) instead of failing collection."""
+    import subprocess
+    import sys
+    from helpers import ROOT
+    run = subprocess.run([sys.executable, "-c", BLOCK_FRAMEWORKS], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_the_readme_tier_table_is_the_suite_s():
+    """README's tier table names every tier of tests/conftest.py, each with its folder, and its
+    full command is the one `.ci/run` runs; the default command's tiers are setup.cfg's."""
+    import configparser
+    import os
+    import re
+    from conftest import FOLDER_TIERS, TIERS
+    from helpers import ROOT
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme.split("### Test tiers", 1)[1].split("\n\n")[2]
+    rows = {r.split("|")[1].strip().split(" ")[0]: r for r in table.splitlines()[2:]}
+    missing = set(TIERS) - {"slow"} - set(rows)
+    assert not missing, f"README's tier table lacks {missing}"
+    for folder, tier in FOLDER_TIERS.items():
+        assert f"`tests/{folder}/`" in rows[tier], (tier, rows[tier])
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    full = re.search(r"`(VARLEN_TEST_CASES=full python -m pytest [^`]*)`", table)[1]
+    assert full in ci, f".ci/run does not run README's full command {full}"
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    assert '-m "quick or smoke or gpu"' in cfg["tool:pytest"]["addopts"]
+    assert "@@" not in readme, "a figure of the README's tier table is not filled in"

@@ -78,7 +78,7 @@ def _host_call(fn, result_shapes):
     def run(*args):
         def call(*arrays):
             # JAX hands the callback its own (immutable) arrays: the backends take NumPy ones
-            return tuple(np.asarray(r) for r in fn(*(np.asarray(a) for a in arrays)))
+            return tuple(np.asarray(r) for r in fn(*jax.tree.map(np.asarray, arrays)))
         return jax.pure_callback(call, result_shapes, *args, vmap_method="sequential")
     return run
 

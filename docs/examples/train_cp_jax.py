@@ -12,7 +12,7 @@ under `jax.jit` with shard_map's default checks.
 
 The script then trains the same model without context parallelism (`varlen.jax.varlen_attention`
 on the whole batch) and checks that the per-step losses agree to float32 rounding; it exits with
-status 1 if they do not.
+status 1 if they do not. The toy data: packed_documents.py, beside it.
 """
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
+import packed_documents  # noqa: E402
 import varlen  # noqa: E402
 import varlen.comm as vc  # noqa: E402
 import varlen.jax as vj  # noqa: E402
+from packed_documents import LENGTHS  # noqa: E402
 
 VOCAB, DIM, HEADS, KV_HEADS, LAYERS, STEPS, LR = 32, 32, 4, 2, 2, 5, 0.5
-LENGTHS = (13, 29, 1, 20, 7)          # documents of one packed batch (70 rows: not 4k)
 MASK = varlen.Mask(window_left=np.array([-1, 8, -1, -1, 4], np.int32), window_right=0)
 
 
@@ -73,20 +74,8 @@ def token_loss_sum(logits, targets):
 
 def packed_batch(step: int):
     """cu_seqlens, tokens, next-token targets (-1: none) and in-document positions."""
-    rng = np.random.default_rng(step)
-    cu = np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int32)
-    tokens = rng.integers(0, VOCAB, cu[-1]).astype(np.int32)
-    # Learnable structure: every token is mostly its predecessor plus one.
-    for b in range(len(LENGTHS)):
-        for i in range(cu[b] + 1, cu[b + 1]):
-            if rng.random() < 0.8:
-                tokens[i] = (tokens[i - 1] + 1) % VOCAB
-    targets = np.full_like(tokens, -1)
-    positions = np.zeros_like(tokens)
-    for b in range(len(LENGTHS)):
-        targets[cu[b]:cu[b + 1] - 1] = tokens[cu[b] + 1:cu[b + 1]]
-        positions[cu[b]:cu[b + 1]] = np.arange(LENGTHS[b])
-    return cu, tokens, targets, positions
+    cu, *rows = packed_documents.packed_batch(step, VOCAB, ignore=-1)
+    return (cu, *(x.astype(np.int32) for x in rows))
 
 
 def sgd(params, grads):

@@ -10,7 +10,7 @@ the parameter gradients are summed over the group (all ranks hold the same param
 
 Rank 0 then trains the same model without context parallelism (`varlen.torch.varlen_attention`
 on the whole batch) and checks that the per-step losses agree to float32 rounding; the
-script exits with status 1 if they do not.
+script exits with status 1 if they do not. The toy data: packed_documents.py, beside it.
 """
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import packed_documents
 import varlen
 import varlen.comm as vc
 import varlen.torch as vt
+from packed_documents import LENGTHS
 
 VOCAB, DIM, HEADS, KV_HEADS, LAYERS, STEPS = 32, 32, 4, 2, 2, 5
-LENGTHS = (13, 29, 1, 20, 7)          # documents of one packed batch (70 rows: not 4k)
 MASK = varlen.Mask(window_left=np.array([-1, 8, -1, -1, 4], np.int32), window_right=0)
 
 
@@ -66,21 +67,9 @@ class TinyLM(torch.nn.Module):
 
 
 def packed_batch(step: int):
-    """Tokens, next-token targets (-100: none) and in-document positions of one batch."""
-    rng = np.random.default_rng(step)
-    cu = np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int32)
-    tokens = rng.integers(0, VOCAB, cu[-1])
-    # Learnable structure: every token is mostly its predecessor plus one.
-    for b in range(len(LENGTHS)):
-        for i in range(cu[b] + 1, cu[b + 1]):
-            if rng.random() < 0.8:
-                tokens[i] = (tokens[i - 1] + 1) % VOCAB
-    targets = np.full_like(tokens, -100)
-    positions = np.zeros_like(tokens)
-    for b in range(len(LENGTHS)):
-        targets[cu[b]:cu[b + 1] - 1] = tokens[cu[b] + 1:cu[b + 1]]
-        positions[cu[b]:cu[b + 1]] = np.arange(LENGTHS[b])
-    return cu, torch.from_numpy(tokens), torch.from_numpy(targets), torch.from_numpy(positions)
+    """cu_seqlens, tokens, next-token targets (-100: none) and in-document positions."""
+    cu, *rows = packed_documents.packed_batch(step, VOCAB, ignore=-100)
+    return (cu, *map(torch.from_numpy, rows))
 
 
 def make_model():

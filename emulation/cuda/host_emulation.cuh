@@ -486,33 +486,31 @@ inline void count_ldmatrix_banks(hostemu::Warp& w, int l) {
 }
 
 // ldmatrix.m8n8.x4: lanes 8i..8i+7 address the rows of matrix i; lane l gets, in register
-// i, M_i[l/4][2(l%4)] (low 16 bits) and M_i[l/4][2(l%4)+1] (high 16 bits).
-__attribute__((noinline)) inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+// i, M_i[l/4][2(l%4)] (low 16 bits) and M_i[l/4][2(l%4)+1] (high 16 bits); with .trans
+// (`trans`), M_i[2(l%4)][l/4] (low) and M_i[2(l%4)+1][l/4] (high). `site`: the call site of
+// the instruction in the kernel, which every lane of the warp must share.
+inline void ldmatrix_x4_at(uint32_t (&r)[4], const void* p, bool trans, const void* site) {
     hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
-    check_aligned16(p, "ldmatrix row");
+    check_aligned16(p, trans ? "ldmatrix.trans row" : "ldmatrix row");
     w.ptr[l] = p;
-    hostemu::meet(w, l, hostemu::K_LDSM, __builtin_return_address(0));
+    hostemu::meet(w, l, trans ? hostemu::K_LDSM_T : hostemu::K_LDSM, site);
     count_ldmatrix_banks(w, l);
     for (int i = 0; i < 4; ++i) {
-        const void* row = w.ptr[8 * i + l / 4];
-        r[i] = ld16(row, 2 * (l % 4)) | ((uint32_t)ld16(row, 2 * (l % 4) + 1) << 16);
+        const void* const* rows = w.ptr + 8 * i;
+        r[i] = trans ? ld16(rows[2 * (l % 4)], l / 4) |
+                           ((uint32_t)ld16(rows[2 * (l % 4) + 1], l / 4) << 16)
+                     : ld16(rows[l / 4], 2 * (l % 4)) |
+                           ((uint32_t)ld16(rows[l / 4], 2 * (l % 4) + 1) << 16);
     }
     w.bar.arrive_and_wait();
 }
 
-// .trans: lane l gets M_i[2(l%4)][l/4] (low) and M_i[2(l%4)+1][l/4] (high).
+__attribute__((noinline)) inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    ldmatrix_x4_at(r, p, false, __builtin_return_address(0));
+}
+
 __attribute__((noinline)) inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-    hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
-    check_aligned16(p, "ldmatrix.trans row");
-    w.ptr[l] = p;
-    hostemu::meet(w, l, hostemu::K_LDSM_T, __builtin_return_address(0));
-    count_ldmatrix_banks(w, l);
-    for (int i = 0; i < 4; ++i) {
-        const void* r0 = w.ptr[8 * i + 2 * (l % 4)];
-        const void* r1 = w.ptr[8 * i + 2 * (l % 4) + 1];
-        r[i] = ld16(r0, l / 4) | ((uint32_t)ld16(r1, l / 4) << 16);
-    }
-    w.bar.arrive_and_wait();
+    ldmatrix_x4_at(r, p, true, __builtin_return_address(0));
 }
 
 template <typename T> float to_f(uint16_t bits);

@@ -1,10 +1,12 @@
 // Host-emulation entry points (see host_emulation.cuh): one variant per build, chosen with
-// -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC=. Compiled with g++ -x c++
+// -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC= and the tiles of traits.tile_size
+// the launchers pass as template arguments, -DEMU_KN= -DEMU_STAGES= (the mma.sync forward's
+// key chunk and stages) -DEMU_KN90= (the sm_90a forward's key chunk). Compiled with g++ -x c++
 // -DVARLEN_HOST_EMULATION, never by NVRTC.
 //
 // Arguments travel as a GPU launch passes them (cuLaunchKernel's kernelParams): an array of
 // pointers, one per kernel parameter, each to that parameter's bytes; the kernel then gets
-// every parameter by value, the PlanView and CallParams structs included. emu_param_sizes
+// every parameter by value, the FwdParams and BwdParams structs included. emu_param_sizes
 // states each parameter's size, so the caller can refuse an argument of the wrong size.
 #include <cstddef>
 #include <cstring>
@@ -17,6 +19,7 @@ namespace {
 
 using T = EMU_T;
 constexpr int D = EMU_D, BM = EMU_BM, BN = EMU_BN, BQ = EMU_BQ;
+constexpr int KN = EMU_KN, STAGES = EMU_STAGES, KN90 = EMU_KN90;
 constexpr bool SC = EMU_SC;
 
 template <typename F, F KERNEL>
@@ -52,11 +55,11 @@ struct Kernel {
 };
 
 const Kernel KERNELS[] = {
-    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC>),
+    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC, KN, STAGES>),
     VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic", varlen_bwd_dkdv<T, D, BN, BQ, SC, true>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true>),
-    VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T, D>),
     VARLEN_EMU_KERNEL("varlen_plan_scan", varlen_plan_scan),
     VARLEN_EMU_KERNEL("varlen_plan_tiles", varlen_plan_tiles),
 };
@@ -112,13 +115,10 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
 #if (EMU_D == 64 || EMU_D == 128 || EMU_D == 256) && (EMU_BM == 64 || EMU_BM == 128)
 namespace {
 const Kernel SM90_KERNELS[] = {
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack2",
-                      varlen_fwd_sm90<T, D, BM, BN, SC, sm90_key_chunk(D), 2>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack4",
-                      varlen_fwd_sm90<T, D, BM, BN, SC, sm90_key_chunk(D), 4>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack8",
-                      varlen_fwd_sm90<T, D, BM, BN, SC, sm90_key_chunk(D), 8>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 1>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack2", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 2>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack4", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 4>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack8", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 8>),
 #if (EMU_D <= 128 && EMU_BN <= 128) || (EMU_D == 256 && EMU_BN == 64)
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90", varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, false>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90_ordered",

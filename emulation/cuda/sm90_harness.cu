@@ -1,6 +1,7 @@
 // Kernels that exercise the primitives of kernels_cuda/sm90.cuh one at a time, for
-// tests/test_emulation_sm90.py. Compiled with g++ through the host emulation (the extern "C"
-// entry points at the end launch them) and with NVRTC for sm_90a (the inline PTX assembles).
+// tests/emulation/test_emulation_sm90.py. Compiled with g++ through the host emulation (the
+// extern "C" entry points at the end launch them) and with NVRTC for sm_90a (the inline PTX
+// assembles).
 // Layout expectations live in the test, written from the PTX ISA; here only data moves.
 #include "sm90.cuh"
 

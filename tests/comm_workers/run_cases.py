@@ -121,7 +121,11 @@ def expect_collectives(group):
 
 
 def main(mode, timeout):
-    group = vc.init(MPI.COMM_WORLD, backend="mpi", timeout=timeout)
+    # Start-up (imports, the group's own exchange) with the default timeout: a loaded machine
+    # can start one rank seconds after another. `timeout` bounds the waits under test.
+    group = vc.init(MPI.COMM_WORLD, backend="mpi")
+    group.allgather_object(None)
+    group.timeout = timeout
     t = time.perf_counter()
     if mode == "cases":
         n, worst = run_cases(group)

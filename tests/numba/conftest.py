@@ -4,8 +4,9 @@ The root conftest picks the simulator before numba is imported when no GPU is us
 test modules read the mode from `numba_testing.SIM`. Here:
 
 * The PTX compile pass (`compile_check.py`) runs in a subprocess with the simulator off; it is
-  started as soon as the suite is collected, so it compiles while the simulated tests run, and
-  `test_numba_ptx.py` collects its result.
+  started as soon as the suite is collected, if `test_numba_ptx.py` is among the tests
+  selected, so it compiles while the simulated tests run, and `test_numba_ptx.py` collects its
+  result.
 """
 import os
 import subprocess
@@ -20,8 +21,9 @@ ROOT = HERE.parent.parent
 _COMPILE = {}
 
 
-def pytest_collection_modifyitems(config, items):
-    if any(item.nodeid.split("::")[0].endswith("test_numba_ptx.py") for item in items):
+def pytest_collection_finish(session):
+    # after `-m` and `-k` have deselected: only when a test of test_numba_ptx.py will run
+    if any(item.nodeid.split("::")[0].endswith("test_numba_ptx.py") for item in session.items):
         start_compile_check()
 
 

@@ -11,30 +11,22 @@ import pytest
 from varlen import Mask
 from varlen.backends.numba_backend import BACKEND as NUMBA, plan_from_cu_seqlens
 
-from helpers import check_against_reference, make_batch
+from helpers import GRAPH_BATCHES, GRAPH_MASKS, check_against_reference, make_batch
 
 pytestmark = pytest.mark.gpu
-
-# Same B and the same packed totals (so the same buffer shapes), different lengths.
-BATCHES = (([100, 0, 37, 200, 1], [120, 3, 37, 180, 1]),
-           ([1, 150, 137, 0, 50], [64, 64, 64, 100, 49]))
-MASKS = ((np.array([-1, -1, 16, -1, 0], np.int32), np.array([0, -1, 0, 0, -1], np.int32),
-          np.array([1, 0, 0, 1, 1], np.int32)),
-         (np.array([8, -1, -1, 32, -1], np.int32), np.array([0, 0, -1, 0, 0], np.int32),
-          np.array([0, 1, 1, 0, 0], np.int32)))
 
 
 def test_graph_replay_with_new_cu_seqlens():
     import cupy as cp
     rng = np.random.default_rng(5)
     batches = [make_batch(rng, lq, lk, Hq=4, Hk=2, D=64, dtype="float16",
-                          mask=Mask(*m)) for (lq, lk), m in zip(BATCHES, MASKS)]
+                          mask=Mask(*m)) for (lq, lk), m in zip(GRAPH_BATCHES, GRAPH_MASKS)]
     first = batches[0]
     Tq, Tk = first.q.shape[0], first.k.shape[0]
     assert all(b.q.shape == first.q.shape and b.k.shape == first.k.shape for b in batches)
     names = ("q", "k", "v", "dout", "cu_q", "cu_k")
     buf = {n: cp.asarray(getattr(first, n)) for n in names}
-    mbuf = [cp.asarray(f) for f in MASKS[0]]
+    mbuf = [cp.asarray(f) for f in GRAPH_MASKS[0]]
     s = cp.cuda.Stream(non_blocking=True)
     kw = dict(softmax_scale=0.125, softcap=0.0)
 
@@ -52,7 +44,7 @@ def test_graph_replay_with_new_cu_seqlens():
         s.begin_capture()
         plan, out, lse, grads = step()
         graph = s.end_capture()
-    for batch, m in zip(batches, MASKS):
+    for batch, m in zip(batches, GRAPH_MASKS):
         with s:
             for n in names:
                 buf[n][...] = cp.asarray(getattr(batch, n))

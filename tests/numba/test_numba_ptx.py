@@ -2,11 +2,14 @@
 and computes its integers in 64 bits.
 
 The compile runs in its own process (`compile_check.py`, started by this directory's conftest
-when the suite is collected, so it overlaps the simulated tests).
+when the suite is collected, so it overlaps the simulated tests). Tier `compile` (NVVM), kept
+beside the Numba suite it checks.
 """
 import json
 
 import pytest
+
+pytestmark = pytest.mark.compile
 
 TIMEOUT_S = 600
 

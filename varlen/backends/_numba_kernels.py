@@ -401,12 +401,12 @@ class Variant:
     `block_n` for dK/dV (one key row each). Tiles are staged in float32 shared memory.
     """
 
-    dtype: str
-    head_dim: int
-    head_dim_v: int
-    block_m: int
-    block_n: int
-    has_softcap: bool
+    dtype: str          # of q, k, v (DTYPES)
+    head_dim: int       # D: of q and k
+    head_dim_v: int     # Dv: of v and the output
+    block_m: int        # query rows per tile: threads of the forward and dQ kernels
+    block_n: int        # key rows per tile: threads of the dK/dV kernel
+    has_softcap: bool   # HAS_SOFTCAP
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -7,10 +7,13 @@ Three kinds of working arrays are accepted, and results come back as the same ki
 
 * CuPy arrays (a CUDA device): kernels take them directly and launch on CuPy's current stream
   (through `cuda.external_stream`), outputs are CuPy arrays, nothing is read back to the host.
+  A view (a transposed or sliced array) is read where it lies: the kernels index every array
+  through its strides (Numba compiles them for the array's layout).
 * Numba device arrays (a CUDA device, or the simulator's fake device): the same, on Numba's
   default stream.
-* NumPy arrays (the host): copied to the device (or the simulator) once, run, copied back. This
-  is how CI runs the kernels in the Numba CUDA simulator (`NUMBA_ENABLE_CUDASIM=1`).
+* NumPy arrays (the host): copied to the device (or the simulator) once, run, copied back; a
+  view is packed on the way (a transfer moves one contiguous buffer). This is how CI runs the
+  kernels in the Numba CUDA simulator (`NUMBA_ENABLE_CUDASIM=1`).
 
 Every size that shapes a launch (grids, tile-table slots, workspaces) comes from array shapes,
 `B`, block sizes and the optional `max_seqlen_*` bounds, never from device values, so plan,
@@ -94,6 +97,7 @@ class Context:
         if kind is not None and _is_bf16(x.dtype):
             x = x.view(np.uint16)
         if self.kind == "host" and kind == "host":
+            # the copy to the device packs a view: a transfer moves one contiguous buffer
             return cuda.to_device(np.ascontiguousarray(x))
         if kind == self.kind or (self.kind == "host" and kind == "numba"):
             return x

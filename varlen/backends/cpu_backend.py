@@ -4,8 +4,9 @@
 kernels' working arrays and work lists and run `_cpu_kernels.py` (the method, tile sizes and
 threading are described in docs/cpu_backend.md):
 
-1. pack: inputs to the working dtype (float32 for float16/bfloat16/float32, float64 for
-   float64) in head-group-major layouts, non-finite values replaced by 0 and flagged per row;
+1. pack: inputs, read where they lie (a view through its strides), to the working dtype
+   (float32 for float16/bfloat16/float32, float64 for float64) in head-group-major layouts,
+   non-finite values replaced by 0 and flagged per row;
 2. work list: forward items are (chunk of query tiles, key head), backward items (range of
    one sequence's key tiles, key head), sorted longest first by the work the schedule says
    they hold;
@@ -64,8 +65,10 @@ def _working_dtype(dtype) -> np.dtype:
 
 
 def _as(x, wdt):
-    """`x` as a C-contiguous array of `wdt` (no copy when it already is one)."""
-    return np.ascontiguousarray(x) if x.dtype == wdt else np.asarray(x).astype(wdt)
+    """`x` as the packing kernels read it: itself, a view read where it lies (Numba compiles
+    the kernels for its strides), when its dtype is `wdt`; else converted to `wdt` (float16 and
+    bfloat16 have no Numba type), row-major."""
+    return x if x.dtype == wdt else np.asarray(x).astype(wdt, order="C")
 
 
 def _view(plan: Plan):

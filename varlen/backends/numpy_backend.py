@@ -129,7 +129,7 @@ def _take(x, rows, ok):
     """`(x[rows] in float64, bad [n, R, H])`: rows that are not real are zeroed (a pad row may
     hold anything, NaN included, and is never read), non-finite values are zeroed and flagged
     (`_nonfinite.split_finite`)."""
-    g = x[rows].astype(np.float64)
+    g = x[rows].astype(np.float64, copy=False)
     if not ok.all():
         g[~ok] = 0.0
     return split_finite(g, ok)
@@ -288,8 +288,9 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     G = Hq // Hk
     # FA-2 preprocess: delta = rowsum(dO * O) per query row and head, [Tq, Hk, G]; a
     # non-finite dO or O row makes its delta non-finite, which flags the row.
-    delta = np.einsum("ikgd,ikgd->ikg", dout.astype(np.float64).reshape(Tq, Hk, G, Dv),
-                      out.astype(np.float64).reshape(Tq, Hk, G, Dv))
+    delta = np.einsum("ikgd,ikgd->ikg",
+                      dout.astype(np.float64, copy=False).reshape(Tq, Hk, G, Dv),
+                      out.astype(np.float64, copy=False).reshape(Tq, Hk, G, Dv))
     arrays = (dout, q, k, v, delta, lse.astype(np.float64).T.reshape(Tq, Hk, G))
     dq = alloc(np, q.shape, q.dtype)
     dq[~plan.q.covered()] = 0

@@ -1,20 +1,26 @@
 """What every launch of this backend shares: the structs the kernels take by value, the data
 arguments, the module cache and the grids of the grid-stride kernels.
 
-What a kernel reads of the plan travels as one `PlanView` struct by value (`plan_view_arg`),
-and the call's heads and scalars as one `CallParams` struct (`call_params_arg`); the data
-pointers come before them as typed arguments. A struct argument is a 0-d NumPy array of the
-aligned dtype below: CuPy passes a NumPy array of size one by value, its bytes becoming the
-kernel parameter (every CuPy since 8; a `numpy.void` scalar of this size is refused by CuPy 13
-and 14). The other scalars are cast explicitly (`cupy.int32`, `cupy.int64`): a bare Python
-int would travel as a 64-bit value.
+Every kernel takes one params struct of its family by value (kernels_cuda/params.cuh: the
+forward's `FwdParams`, the backward's `BwdParams`), filled here in one place (`fwd_params_arg`,
+`bwd_params_arg`): each array's device address and the row and head strides, in elements,
+where it lies; the plan's `PlanView` (`plan_view_arg`) and the call's `CallParams`
+(`call_params_arg`) as members. The sm_90a kernels take their tensor maps before it. A struct
+argument is a 0-d NumPy array of the aligned dtype below: CuPy passes a NumPy array of size one
+by value, its bytes becoming the kernel parameter (every CuPy since 8; a `numpy.void` scalar of
+this size is refused by CuPy 13 and 14).
 
-`address(a)` and `data(a)` are the two places a launch touches a device array's memory: the
-host emulation of the kernels (tests) replaces both with their host-array forms.
+`data(a, name)` decides whether an input is read where it lies: a view is, when its last dim is
+contiguous and, for the inputs the kernels copy in 16-byte chunks (cp.async, TMA), its address
+and its other strides are multiples of 16 bytes; otherwise it is copied, packed, with a
+`RuntimeWarning` naming it and why (once per argument and reason). `address(a)` and `data(a)`
+are the two places a launch touches a device array's memory: the host emulation of the kernels
+(tests) replaces `address` with its host form and wraps `data`.
 """
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -23,15 +29,43 @@ from ..._array import alloc
 from ...plan import KernelView
 from .traits import STATIC_SMEM_LIMIT
 
-# The structs of kernels_cuda/plan_view.cuh as aligned NumPy dtypes (C layout: each field at a
-# multiple of its size, the whole padded to its largest field); tests/test_cupy_compile.py
-# compares them with the C sizeof/offsetof.
+# The structs of kernels_cuda/plan_view.cuh and params.cuh as aligned NumPy dtypes (C layout:
+# each field at a multiple of its size, the whole padded to its largest field);
+# tests/compile/test_cupy_compile.py compares them with the C sizeof/offsetof.
 # PlanView: KernelView's fields in order, its arrays as 64-bit device addresses.
 PLAN_VIEW_DTYPE = np.dtype([(name, np.uint64 if i < KernelView.NUM_ARRAYS else np.int32)
                             for i, name in enumerate(KernelView._fields)], align=True)
 CALL_PARAMS_DTYPE = np.dtype([("Hq", np.int32), ("Hk", np.int32), ("softmax_scale", np.float32),
                               ("softcap", np.float32)], align=True)
-STRUCT_DTYPES = {"PlanView": PLAN_VIEW_DTYPE, "CallParams": CALL_PARAMS_DTYPE}
+STRIDES_DTYPE = np.dtype([("row", np.int32), ("head", np.int32)], align=True)
+# Strides are 32-bit (params.cuh; the offsets computed from them 64-bit): a view whose rows or
+# heads lie further apart is copied.
+MAX_STRIDE = 2 ** 31 - 1
+
+
+def _params_dtype(arrays, strided):
+    """A params struct: the addresses of `arrays`, the Strides fields `strided` ({field: the
+    array whose strides it holds}), lse's stride, the plan and the call."""
+    return np.dtype([(name, np.uint64) for name in arrays]
+                    + [(field, STRIDES_DTYPE) for field in strided]
+                    + [("lse_stride", np.int64), ("plan", PLAN_VIEW_DTYPE),
+                       ("call", CALL_PARAMS_DTYPE)], align=True)
+
+
+FWD_ARRAYS = ("q", "k", "v", "out", "lse")
+FWD_STRIDED = {f"{name}_strides": name for name in ("q", "k", "v", "out")}
+BWD_ARRAYS = ("q", "k", "v", "out", "dout", "lse", "lse2", "delta", "dq_accum", "dq_order", "dq",
+              "dk", "dv")
+BWD_STRIDED = {f"{name}_strides": name for name in ("q", "k", "v", "out", "dout", "dq", "dk",
+                                                    "dv")}
+FWD_PARAMS_DTYPE = _params_dtype(FWD_ARRAYS, FWD_STRIDED)
+BWD_PARAMS_DTYPE = _params_dtype(BWD_ARRAYS, BWD_STRIDED)
+STRUCT_DTYPES = {"PlanView": PLAN_VIEW_DTYPE, "CallParams": CALL_PARAMS_DTYPE,
+                 "Strides": STRIDES_DTYPE, "FwdParams": FWD_PARAMS_DTYPE,
+                 "BwdParams": BWD_PARAMS_DTYPE}
+# cp.async and ldmatrix move 16-byte chunks, TMA boxes start at 16-byte aligned addresses: the
+# alignment of a row of an input they read, and of its row and head strides, in bytes.
+CHUNK_ALIGN = 16
 
 MAX_GRID_Y = 65535
 # Blocks of the grid-stride kernels (preprocess, dQ conversion): enough to fill any GPU.
@@ -50,13 +84,51 @@ def address(a) -> int:
     return 0 if a is None else a.data.ptr
 
 
-def data(a):
-    """A contiguous view of an input whose rows are 16-byte aligned (a copy otherwise)."""
+# (argument, reason) pairs already warned about in this process: each is said once.
+_warned: set = set()
+
+
+def _copy_reason(a, align: int, tma: bool) -> tuple | None:
+    """(reason key, why) when the kernels cannot read `a` where it lies, else None. Strides
+    of dims of size 1 are never used and not judged."""
+    e = a.dtype.itemsize
+    shape, strides = a.shape, a.strides
+    if a.ndim and shape[-1] > 1 and strides[-1] != e:
+        return "last dim", f"its last dim is not contiguous (strides {strides} bytes)"
+    outer = [s for n, s in zip(shape[:-1], strides[:-1]) if n > 1]
+    if a.ndim == 3 and any(abs(s // e) > MAX_STRIDE for s in outer):
+        return "stride", (f"its strides {tuple(s // e for s in strides)} elements exceed the "
+                          f"kernels' 32-bit strides")
+    if tma and any(s <= 0 for s in outer):
+        return "tensor map", (f"its strides {strides} bytes are not all positive, as a tensor "
+                              f"map's are")
+    if align > e and a.size:
+        if address(a) % align:
+            return "address", f"its first element is not {align}-byte aligned"
+        if any(s % align for s in outer):
+            return "strides", f"its strides {strides} bytes are not multiples of {align}"
+    return None
+
+
+def data(a, name: str, *, align: int = CHUNK_ALIGN, tma: bool = False):
+    """Input `name` as the kernels read it: `a` itself, a view read where it lies, when its
+    last dim is contiguous, the strides of a [T, H, D] array at most 2^31 - 1 elements
+    (`Strides`, 32-bit) and, with `align` (bytes), its first element and its other strides multiples of `align` (rows that cp.async or TMA copy in 16-byte chunks; `align=1` for an
+    input read element by element); with `tma`, its strides are positive too (a tensor map's
+    are unsigned; sm_90a). Otherwise a packed copy, and a RuntimeWarning naming `name` and
+    why, once per argument and reason (`_warned`)."""
+    why = _copy_reason(a, align, tma)
+    if why is None:
+        return a
+    key, reason = why
+    if (name, key) not in _warned:
+        _warned.add((name, key))
+        warnings.warn(f"{name}: {reason}; copied", RuntimeWarning, stacklevel=3)
     import cupy
-    a = cupy.ascontiguousarray(a)
-    if a.data.ptr % 16:
-        a = a.copy()
-    return a
+    copy = cupy.ascontiguousarray(a)
+    if copy is a or address(copy) % CHUNK_ALIGN:     # a contiguous view, misaligned
+        copy = copy.copy()
+    return copy
 
 
 def index_array(a):
@@ -86,11 +158,46 @@ def call_params_arg(Hq: int, Hk: int, softmax_scale: float, softcap: float) -> n
     return struct(CALL_PARAMS_DTYPE, (Hq, Hk, softmax_scale, softcap))
 
 
-def pointer(a):
-    """`a` as a kernel argument; None as a null pointer of 8 bytes, like the pointer it stands
-    for (an argument the variant never touches)."""
-    import cupy
-    return cupy.uint64(0) if a is None else a
+def strides(a) -> tuple:
+    """(row, head) strides in elements of a [T, H, D] array (0, 0 for None). A dim of size 1
+    gets its packed stride: the kernels never step along it, and a tensor map is given only
+    multiples of 16 bytes."""
+    if a is None:
+        return 0, 0
+    T, H, D = a.shape
+    e = a.dtype.itemsize
+    row, head = (s // e for s in a.strides[:2])
+    return (row if T > 1 else H * D), (head if H > 1 else D)
+
+
+def _params_arg(dtype, strided, plan_arg: PlanArg, call, arrays: dict) -> np.ndarray:
+    arg = alloc(np, (), dtype, fill=0)
+    for name, a in arrays.items():
+        arg[name] = address(a)
+    for field, name in strided.items():
+        arg[field] = strides(arrays[name])
+    lse = arrays["lse"]
+    arg["lse_stride"] = 0 if lse is None else (lse.strides[0] // lse.dtype.itemsize
+                                               if lse.shape[0] > 1 else lse.shape[1])
+    arg["plan"] = plan_arg.struct
+    arg["call"] = call
+    return arg
+
+
+def fwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, lse) -> np.ndarray:
+    """The forward kernels' `FwdParams`: q, k, v [T, H, D] where they lie (`data`), out and
+    lse, the plan's struct (`plan_view_arg`) and `CallParams` (`call_params_arg`)."""
+    return _params_arg(FWD_PARAMS_DTYPE, FWD_STRIDED, plan_arg, call,
+                       dict(q=q, k=k, v=v, out=out, lse=lse))
+
+
+def bwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, dout, lse, lse2, delta, dq_accum,
+                   dq_order, dq, dk, dv) -> np.ndarray:
+    """The backward kernels' `BwdParams` (every field; None: a null pointer, an argument the
+    kernels of this launch never touch)."""
+    return _params_arg(BWD_PARAMS_DTYPE, BWD_STRIDED, plan_arg, call,
+                       dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse, lse2=lse2, delta=delta,
+                            dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk, dv=dv))
 
 
 def check_heads(Hq: int):

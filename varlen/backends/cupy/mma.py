@@ -58,9 +58,13 @@ class KernelSpec(Variant):
 
     # ---- geometry -----------------------------------------------------------------------
 
+    def tiles_of(self, kind: str):
+        """`traits.tile_size` of pass `kind` ("fwd" | "bwd") at this variant's tiles."""
+        return tile_size(kind, "mma", self.dtype, self.head_dim, self.block_m, self.block_n)
+
     @property
     def tiles(self):
-        return tile_size(self.kind, "mma", self.dtype, self.head_dim, self.block_m, self.block_n)
+        return self.tiles_of(self.kind)
 
     @property
     def stride(self) -> int:
@@ -68,22 +72,19 @@ class KernelSpec(Variant):
 
     @property
     def bwd_query_chunk(self) -> int:
-        """Query rows per step of the dK/dV kernel (`traits.tile_size`)."""
-        return tile_size("bwd", "mma", self.dtype, self.head_dim, self.block_m,
-                         self.block_n).query_chunk
+        """Query rows per step of the dK/dV kernel."""
+        return self.tiles_of("bwd").query_chunk
 
     @property
     def fwd_chunk(self) -> int:
-        """Keys per step of the forward (`traits.tile_size`); a 128-key plan tile is walked in
-        the chunks of a 64-key one (the same registers)."""
-        return tile_size("fwd", "mma", self.dtype, self.head_dim, self.block_m,
-                         self.block_n).key_chunk
+        """Keys per step of the forward; a 128-key plan tile is walked in the chunks of a
+        64-key one (the same registers)."""
+        return self.tiles_of("fwd").key_chunk
 
     @property
     def fwd_stages(self) -> int:
-        """K/V stages of the forward (`traits.tile_size`)."""
-        return tile_size("fwd", "mma", self.dtype, self.head_dim, self.block_m,
-                         self.block_n).stages
+        """K/V stages of the forward."""
+        return self.tiles_of("fwd").stages
 
     @property
     def dkdv_parts(self) -> int:
@@ -123,11 +124,15 @@ class KernelSpec(Variant):
         return self
 
     def fwd_name(self) -> str:
+        """`varlen_fwd<T, D, BM, BN, HAS_SOFTCAP, KN, STAGES>`: the key chunk and stages of
+        `traits.tile_size`, which FwdConfig checks."""
         return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.fwd_block_n}, "
-                f"{cxx_bool(self.softcap)}>")
+                f"{cxx_bool(self.softcap)}, {self.fwd_chunk}, {self.fwd_stages}>")
 
     def dkdv_name(self, ordered_dq: bool = False) -> str:
-        """Both dQ modes add dQ in the kernel (ATOMIC_DQ = true); ordered_dq fixes the order."""
+        """`varlen_bwd_dkdv<T, D, BN, BQ, HAS_SOFTCAP, ATOMIC_DQ, ORDERED_DQ>`, BQ the query
+        chunk of `traits.tile_size`. Both dQ modes add dQ in the kernel (ATOMIC_DQ = true);
+        ordered_dq fixes the order."""
         ordered = ", true" if ordered_dq else ""
         return (f"varlen_bwd_dkdv<{self.ctype}, {self.head_dim}, {self.block_n}, "
                 f"{self.bwd_query_chunk}, {cxx_bool(self.softcap)}, true{ordered}>")
@@ -136,7 +141,7 @@ class KernelSpec(Variant):
         return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}>"
 
     def convert_name(self) -> str:
-        return f"varlen_bwd_dq_convert<{self.ctype}>"
+        return f"varlen_bwd_dq_convert<{self.ctype}, {self.head_dim}>"
 
     def kernels(self) -> dict:
         """{role: KernelLaunch} of the module's kernels, in launch order; roles "fwd", or
@@ -211,10 +216,12 @@ def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: f
     """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf).
 
     One launch, no fill: the forward kernel writes every row of both, its query tiles' rows
-    and, in the pad blocks past the tile slots, the rows of no tile. None when Tq == 0.
+    and, in the pad blocks past the tile slots, the rows of no tile. None when Tq == 0. q, k
+    and v are read where they lie (`launch.data`: views whose last dim is contiguous and rows
+    16-byte aligned).
     """
     import cupy
-    q, k, v = L.data(q), L.data(k), L.data(v)
+    q, k, v = L.data(q, "q"), L.data(k, "k"), L.data(v, "v")
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
     L.check_heads(Hq)
@@ -223,10 +230,10 @@ def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: f
     if Tq == 0 or Hq == 0:
         return out, lse
     mod = module(spec)
-    plan_arg = L.plan_view_arg(plan)
-    mod.launch("fwd", grid=_tile_grid(mod, "fwd", plan.num_q_tiles, Tq, Hq),
-               args=(q, k, v, out, lse, plan_arg.struct,
-                     L.call_params_arg(Hq, Hk, softmax_scale, softcap)))
+    plan_arg = L.plan_view_arg(plan)          # referenced until the launch is enqueued
+    params = L.fwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
+                              q=q, k=k, v=v, out=out, lse=lse)
+    mod.launch("fwd", grid=_tile_grid(mod, "fwd", plan.num_q_tiles, Tq, Hq), args=(params,))
     return out, lse
 
 
@@ -236,9 +243,11 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     `deterministic` (bitwise repeatable).
 
     `dkdv`, when given, launches the dK/dV step in place of this module's kernels (the sm_90a
-    kernel, `sm90.backward`): `dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, dq_order,
-    plan_struct, call)`, with the same contract (its key tiles' rows of dk and dv, dQ added to
-    the zeroed fp32 `dq_accum`, in the order `dq_order` sets when `deterministic`, else None).
+    kernel, `sm90.backward`): `dkdv(params, q, k, v, dout)`, `params` the `BwdParams` struct
+    of the three launches, with the same contract (its key tiles' rows of dk and dv, dQ added
+    to the zeroed fp32 `dq_accum`, in the order `dq_order` sets when `deterministic`, else
+    null). q, k, v, dout and out are read where they lie (`launch.data`; out element by
+    element, so only its last dim must be contiguous).
 
     Three launches, no fill. The preprocessing computes delta and the base-2 lse and writes
     what the next two kernels do not: the zeroed fp32 dQ accumulator, the pad rows of dk and dv
@@ -249,8 +258,10 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     is 0.
     """
     import cupy
-    q, k, v, dout, out = L.data(q), L.data(k), L.data(v), L.data(dout), L.data(out)
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    q, k, v, dout = L.data(q, "q"), L.data(k, "k"), L.data(v, "v"), L.data(dout, "dout")
+    out, lse = L.data(out, "out", align=1), L.data(lse, "lse", align=1)
+    if lse.dtype != np.float32:
+        lse = lse.astype(cupy.float32)
     Tq, Hq, D = q.shape
     Tk, Hk, _ = k.shape
     L.check_heads(Hq)
@@ -261,8 +272,6 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     if not (queries or keys):
         return dq, dk, dv
     mod = module(spec)
-    plan_arg = L.plan_view_arg(plan)
-    call = L.call_params_arg(Hq, Hk, softmax_scale, softcap)
 
     # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units; the zeroed
     # dQ accumulator, the pad rows, the dQ order.
@@ -270,26 +279,25 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     lse2 = alloc(cupy, (Hq, Tq), np.float32)
     dq_accum = alloc(cupy, (Tq, Hq, D), np.float32)
     dq_order = alloc(cupy, (Hq + 1, Tq), np.int32) if deterministic else None
+    plan_arg = L.plan_view_arg(plan)          # referenced until the launches are enqueued
+    params = L.bwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
+                              q=q, k=k, v=v, out=out, dout=dout, lse=lse, lse2=lse2,
+                              delta=delta, dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk,
+                              dv=dv)
     slot_rows = plan.num_q_tiles * plan.block_m if deterministic else 0
     threads = mod.kernels["preprocess"].threads
     items = max(Tq * Hq * threads // PREPROCESS_WARPS, _pad_windows(Tk), slot_rows)
-    mod.launch("preprocess", grid=(L.stride_blocks(items, threads),),
-               args=(out, dout, lse, delta, lse2, dq_accum, dk, dv,
-                     L.pointer(dq_order), plan_arg.struct, call))
-    inputs = (q, k, v, dout, lse2, delta)
+    mod.launch("preprocess", grid=(L.stride_blocks(items, threads),), args=(params,))
     if keys and plan.num_k_tiles:
         if dkdv is not None:
-            dkdv(*inputs, dk, dv, dq_accum, L.pointer(dq_order), plan_arg.struct, call)
+            dkdv(params, q, k, v, dout)
         else:
             role = "dkdv_ordered" if deterministic else "dkdv_atomic"
-            mod.launch(role, grid=(plan.num_k_tiles, Hk),
-                       args=(*inputs, dk, dv, dq_accum, L.pointer(dq_order), plan_arg.struct,
-                             call))
+            mod.launch(role, grid=(plan.num_k_tiles, Hk), args=(params,))
     if not queries:
         return dq, dk, dv
-    n = dq_accum.size
-    mod.launch("dq_convert", grid=(L.stride_blocks(n, CONVERT_THREADS),),
-               args=(dq_accum, dq, cupy.int64(n)))
+    # a block per query row (grid-stride), its threads over the row's Hq * D elements
+    mod.launch("dq_convert", grid=(L.stride_blocks(Tq, 1),), args=(params,))
     return dq, dk, dv
 
 

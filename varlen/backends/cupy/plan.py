@@ -17,8 +17,8 @@ Host (NumPy) arrays, as the host emulation passes them, get fresh flags that are
 once, as `varlen.plan` raises them on the host.
 
 Everything the kernels read and write travels as one `PlanBuildParams` struct by value, filled
-in `_params` (its NumPy twin `PLAN_BUILD_DTYPE` has the C layout; tests/test_plan_device.py
-compares them).
+in `_params` (its NumPy twin `PLAN_BUILD_DTYPE` has the C layout;
+tests/emulation/test_plan_device.py compares them).
 """
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ specialisation (kernels_cuda/fwd_sm90.cuh, bwd_sm90.cuh; docs/hopper.md).
 (`persistent_grid`; the runtime says how many SMs the device has), each looping with a static
 stride over the work items (query tile slot, head) in reverse slot order, as `varlen_fwd`
 takes them (a sequence's heaviest tiles first under a causal mask). It reads the same
-`PlanView` and `CallParams` as the mma.sync kernels and three CUDA tensor maps over the packed
-q, k, v (3D: (D, H, T) innermost first, boxes of 64 head-dim columns x 1 head x BM rows for q,
-KN rows for k and v, 128B swizzle, zero fill past row T). KN, the key chunk of the pipeline,
-comes from `traits.tile_size`.
+`FwdParams` as the mma.sync forward and three CUDA tensor maps over q, k, v where they lie
+(3D: (D, H, T) innermost first, their head and row strides, boxes of 64 head-dim columns x 1
+head x BM rows for q, KN rows for k and v, 128B swizzle, zero fill past row T). KN, the key
+chunk of the pipeline, comes from `traits.tile_size`.
 
 GQA packing: where the query heads outnumber the key heads (Hq / Hk = G > 1) and short
 sequences leave the rows of a query tile mostly empty, the kernel packs P query heads of one
@@ -71,7 +71,20 @@ BWD_KERNEL = "varlen_bwd_dkdv_sm90"
 
 
 class _Sm90Variant(Variant):
+    """What both kernels' variants share: their head dims, the shared-memory check, the kernel
+    by role, the name (the kernel template and `template_args`) and the label."""
+
     HEAD_DIMS = SM90_HEAD_DIMS
+    KERNEL = ""             # the kernel template
+
+    @property
+    def name(self) -> str:
+        return f"{self.KERNEL}<{', '.join(map(str, self.template_args))}>"
+
+    def _label(self, kind, *parts, **flags) -> str:
+        """`KIND-sm90a-dtype-PARTS`, then the name of each flag that is set."""
+        return "-".join([kind, "sm90a", self.dtype, *parts,
+                         *(flag for flag, on in flags.items() if on)])
 
     def check_smem(self):
         if self.smem > OPTIN_SMEM:
@@ -89,6 +102,7 @@ class FwdSpec(_Sm90Variant):
     packed per position."""
 
     ROLE = "fwd"
+    KERNEL = FWD_KERNEL
     dtype: str          # "float16" | "bfloat16"
     head_dim: int
     block_m: int
@@ -130,14 +144,14 @@ class FwdSpec(_Sm90Variant):
         return -(-data // 8) * 8 + 8 * FWD_BARRIERS + SMEM_ALIGN
 
     @property
-    def name(self) -> str:
-        return (f"{FWD_KERNEL}<{self.ctype}, {self.head_dim}, {self.block_m}, "
-                f"{self.block_n}, {cxx_bool(self.softcap)}, {self.key_chunk}, {self.pack}>")
+    def template_args(self) -> tuple:
+        return (self.ctype, self.head_dim, self.block_m, self.block_n, cxx_bool(self.softcap),
+                self.key_chunk, self.pack)
 
     @property
     def label(self) -> str:
-        return (f"fwd-sm90a-{self.dtype}-D{self.head_dim}-BM{self.block_m}-BN{self.block_n}"
-                f"-KN{self.key_chunk}-P{self.pack}{'-softcap' if self.softcap else ''}")
+        return self._label("fwd", f"D{self.head_dim}", f"BM{self.block_m}", f"BN{self.block_n}",
+                           f"KN{self.key_chunk}", f"P{self.pack}", softcap=self.softcap)
 
     @property
     def plan_block_m(self) -> int:
@@ -151,6 +165,7 @@ class BwdSpec(_Sm90Variant):
     whether dQ is added in a fixed order (`deterministic=True`)."""
 
     ROLE = "dkdv"
+    KERNEL = BWD_KERNEL
     dtype: str          # "float16" | "bfloat16"
     head_dim: int
     block_n: int
@@ -193,14 +208,14 @@ class BwdSpec(_Sm90Variant):
         return data + 8 * BWD_BARRIERS + SMEM_ALIGN
 
     @property
-    def name(self) -> str:
-        return (f"{BWD_KERNEL}<{self.ctype}, {self.head_dim}, {self.block_n}, "
-                f"{self.query_chunk}, {cxx_bool(self.softcap)}, {cxx_bool(self.ordered_dq)}>")
+    def template_args(self) -> tuple:
+        return (self.ctype, self.head_dim, self.block_n, self.query_chunk,
+                cxx_bool(self.softcap), cxx_bool(self.ordered_dq))
 
     @property
     def label(self) -> str:
-        return (f"bwd-sm90a-{self.dtype}-D{self.head_dim}-BN{self.block_n}"
-                f"{'-softcap' if self.softcap else ''}{'-ordered' if self.ordered_dq else ''}")
+        return self._label("bwd", f"D{self.head_dim}", f"BN{self.block_n}",
+                           softcap=self.softcap, ordered=self.ordered_dq)
 
 
 def fwd_spec_for(plan, q, softcap: float) -> FwdSpec:
@@ -287,16 +302,19 @@ def persistent_grid(work_items: int, sm_count: int) -> int:
 
 
 def map_layout(a, box_rows: int, box_heads: int = 1):
-    """The tensor map of a packed [T, H, D] array as (dims, byte strides of dims 1 and 2, box),
-    innermost first: boxes of 64 columns of `box_heads` heads of `box_rows` rows."""
+    """The tensor map of a [T, H, D] array whose last dim is contiguous as (dims, byte strides
+    of dims 1 and 2, box), innermost first: its own head and row strides (`launch.strides`;
+    multiples of 16 bytes, positive: `launch.data(..., tma=True)`), boxes of 64 columns of
+    `box_heads` heads of `box_rows` rows."""
     T, H, D = a.shape
     e = a.dtype.itemsize
-    return (D, H, T), (D * e, H * D * e), (BOX_COLS, box_heads, box_rows)
+    row, head = L.strides(a)
+    return (D, H, T), (head * e, row * e), (BOX_COLS, box_heads, box_rows)
 
 
 def encode_args(a, box_rows: int, box_heads: int = 1) -> tuple:
     """The arguments of the driver's `cuTensorMapEncodeTiled` (cuda-bindings) for the map of a
-    packed [T, H, D] CuPy array (`map_layout`): the dims and strides as `cuuint64_t`, the box and
+    [T, H, D] CuPy array (`map_layout`): the dims and strides as `cuuint64_t`, the box and
     element strides as `cuuint32_t` (the bindings refuse plain ints in those lists), 128B
     swizzle, zero fill."""
     from cuda.bindings import driver as cu
@@ -424,9 +442,10 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | 
     """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf),
     as `mma.forward`, by the sm_90a kernel: one launch of `persistent_grid` blocks over
     num_q_tiles x Hq / pack work items, no fill (the blocks also write the rows of no tile).
-    `pack`: query heads per position in a tile (`pack_for`; None: `choose_pack`)."""
+    `pack`: query heads per position in a tile (`pack_for`; None: `choose_pack`). q, k and v
+    are read where they lie (`launch.data` with the tensor maps' rules)."""
     import cupy
-    q, k, v = L.data(q), L.data(k), L.data(v)
+    q, k, v = (L.data(a, name, tma=True) for a, name in ((q, "q"), (k, "k"), (v, "v")))
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
     L.check_heads(Hq)
@@ -440,13 +459,13 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | 
     rt = runtime()
     rt.prepare(spec)
     kplan = packed_plan(plan, pack)
-    plan_arg = L.plan_view_arg(kplan)
+    plan_arg = L.plan_view_arg(kplan)         # referenced until the launch is enqueued
+    params = L.fwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
+                              q=q, k=k, v=v, out=out, lse=lse)
     maps = (rt.tensor_map(q, spec.plan_block_m, pack), rt.tensor_map(k, spec.key_chunk),
             rt.tensor_map(v, spec.key_chunk))
     grid = persistent_grid(int(kplan.num_q_tiles) * (Hq // pack), rt.sm_count())
-    rt.launch(spec, grid=(grid, 1),
-              args=(*maps, out, lse, plan_arg.struct,
-                    L.call_params_arg(Hq, Hk, softmax_scale, softcap)))
+    rt.launch(spec, grid=(grid, 1), args=(*maps, params))
     return out, lse
 
 
@@ -455,19 +474,21 @@ def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: fl
     """`(dq, dk, dv)` in the input dtype, as `mma.backward`: dq [Tq, Hq, D], dk and dv
     [Tk, Hk, D]; pad rows and rows without a visible pair 0; dQ's additions in a fixed order
     with `deterministic` (bitwise repeatable). The same three launches, `varlen_bwd_dkdv_sm90`
-    in place of the mma.sync dK/dV kernel."""
+    in place of the mma.sync dK/dV kernel. q, k, v and dout are read where they lie
+    (`launch.data` with the tensor maps' rules), out where the preprocessing can."""
     from . import mma
     spec = bwd_spec_for(plan, q, softcap, deterministic)
     # the preprocessing and the conversion depend on the element type and head dim only
     aux = mma.KernelSpec("bwd", spec.dtype, spec.head_dim, 64, 64, False)
+    q, k, v, dout = (L.data(a, name, tma=True)
+                     for a, name in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")))
 
-    def dkdv(q, k, v, dout, lse2, delta, dk, dv, dq_accum, dq_order, plan_struct, call):
+    def dkdv(params, q, k, v, dout):
         rt = runtime()
         rt.prepare(spec)
         maps = (rt.tensor_map(q, spec.query_chunk), rt.tensor_map(k, spec.block_n),
                 rt.tensor_map(v, spec.block_n), rt.tensor_map(dout, spec.query_chunk))
-        rt.launch(spec, grid=(plan.num_k_tiles, k.shape[1]),
-                  args=(*maps, lse2, delta, dk, dv, dq_accum, dq_order, plan_struct, call))
+        rt.launch(spec, grid=(plan.num_k_tiles, k.shape[1]), args=(*maps, params))
 
     return mma.backward(aux, plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                         softcap=softcap, deterministic=bool(deterministic), dkdv=dkdv)

@@ -26,18 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from helpers import emulate_script, needs_cxx
+from helpers import cases, emulate_script, mutated_sources, needs_cxx, run_mutated
 import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-SOURCE_DIR = os.path.join(ROOT, "kernels_cuda")
 # What a fresh dq_order buffer holds here, so that a counter the preprocessing does not zero
 # shows.
 STALE = 0x5A5A5A5A
@@ -70,7 +66,9 @@ SCHEDULES = {"B7-perseq-gqa-fp16-D64": ("random", 1),
 
 
 @needs_cxx
-@pytest.mark.parametrize("label", list(BATCHES))
+@pytest.mark.parametrize("label", [
+    pytest.param(label, marks=pytest.mark.smoke if label == "B7-perseq-gqa-fp16-D64" else ())
+    for label in cases(BATCHES, ["B7-perseq-gqa-fp16-D64"])])
 def test_bitwise_repeatable_across_runs_and_schedules(label):
     out = emulate_script(__file__, "repeat", label, timeout=1800)
     assert f"{label} ok" in out, out
@@ -82,19 +80,12 @@ def test_context_parallel_segments():
     assert "cp ok" in out, out
 
 
-def _run_mutated(tmp_path, right, wrong, env=()):
+def _run_mutated(tmp_path, right, wrong, env=None):
     """The first repeat case on kernel sources with `right` (once in bwd_dq_ordered.cuh)
     replaced by `wrong`: the finished process."""
-    src = tmp_path / "kernels_cuda"
-    shutil.copytree(SOURCE_DIR, src)
-    path = src / "bwd_dq_ordered.cuh"
-    text = path.read_text()
-    assert text.count(right) == 1, f"{right!r} moved: update this mutation"
-    path.write_text(text.replace(right, wrong))
-    return subprocess.run([sys.executable, os.path.abspath(__file__), "repeat",
-                           "B7-perseq-gqa-fp16-D64", "once"], capture_output=True, text=True,
-                          timeout=1800, cwd=ROOT,
-                          env={**os.environ, "VARLEN_EMULATION_SOURCE_DIR": str(src), **dict(env)})
+    src = mutated_sources(tmp_path, "bwd_dq_ordered.cuh", right, wrong)
+    return run_mutated([os.path.abspath(__file__), "repeat", "B7-perseq-gqa-fp16-D64", "once"],
+                       src, env)
 
 
 @needs_cxx
@@ -123,7 +114,7 @@ def test_release_before_the_barrier_aborts(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Emulated side: python tests/test_cupy_deterministic.py repeat LABEL [once] | cp
+# Emulated side: python tests/emulation/test_cupy_deterministic.py repeat LABEL [once] | cp
 # --------------------------------------------------------------------------------------------
 
 def _capture_dq_order():
@@ -175,7 +166,6 @@ def _check_dq_order(label, dq_order, plan, Hq, bq):
 def _fresh_kernels():
     """Forget the compiled modules, so that the next launches read the emulation schedule of
     the environment again (the library itself stays loaded)."""
-    import varlen.backends.cupy.launch as _cupy_launch
     _cupy_launch._modules.clear()
 
 
@@ -238,7 +228,7 @@ def _case_repeat(label, once=""):
                                 deterministic=det, **kw)
     first = backward(b, True)
     Hq, D = b.q.shape[1], b.q.shape[2]
-    bq = tile_size("bwd", "mma", "float16", D, 64, block_n).query_chunk
+    bq = tile_size("bwd", "mma", b.dtype, D, block_m, block_n).query_chunk
     assert len(seen) == 1, f"{label}: {len(seen)} int32 buffers, expected dq_order only"
     _check_dq_order(label, seen[0], plan, Hq, bq)
     if once:
@@ -270,7 +260,6 @@ def _case_cp():
     per-sequence windows: the counters, repeatability across schedules and the atomic mode's
     bits, and agreement with the NumPy backend on the same plan."""
     import emulation.cupy as emu
-    from varlen.backends import numpy_backend
     import varlen.backends.cupy as cupy_backend
     emu.install_fake_cupy(64)
     seen = _capture_dq_order()
@@ -290,14 +279,8 @@ def _case_cp():
         _equal(f"rank {rank}: the atomic mode",
                backend.backward(plan, dout, q, k, v, out, lse, deterministic=False, **kw),
                first)
-        f64 = [x.astype(np.float64) for x in (dout, q, k, v)]
-        ref = numpy_backend.BACKEND
-        ref_out, ref_lse = ref.forward(plan, *f64[1:], **kw)
-        want = ref.backward(plan, f64[0], *f64[1:], ref_out, ref_lse, **kw)
-        for name, a, w in zip(("dq", "dk", "dv"), first, want):
-            err = float(np.abs(a.astype(np.float64) - w).max())
-            bound = 2.0 ** -7 * float(np.abs(w).max()) + 2.0 ** -10
-            assert err <= bound, f"rank {rank} {name}: max error {err:.3e} > {bound:.3e}"
+        emu.assert_near(f"rank {rank}", dict(zip(("dq", "dk", "dv"), first)),
+                        emu.numpy_reference(plan, q, k, v, dout, **kw))
     print("cp ok")
 
 

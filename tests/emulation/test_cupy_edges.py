@@ -11,32 +11,24 @@
   elements (sparse anonymous memory maps: only its rows are ever touched) is computed at the
   right addresses, forward and backward (dK/dV with atomic dQ, and with ordered dQ); the
   forward's pad blocks and the backward preprocessing write the rows no tile covers at
-  element offsets past 2**31 and nothing else; and the forward kernel walks the last key chunks of a
-  sequence of 2**31 - 1 keys (chunk counts without an int32 overflow, element offsets near
-  2**36).
-* Device support, on stand-in device properties: compute capability sm_80 or newer, plan tiles
-  whose kernels fit the GPU's opt-in shared memory per block (a 99 KiB sm_86/sm_89 gets the
-  same (128, 64) tiles as an A100, and runs the deterministic backward wherever the atomic one
-  runs: the same kernels), device attributes read once per device, and the same NVRTC options
-  (include directories) at run time as in the compile-budget check.
+  element offsets past 2**31 and nothing else; and the forward kernel walks the last key
+  chunks of a sequence of 2**31 - 1 keys (chunk counts without an int32 overflow, element
+  offsets near 2**36).
+
+(Device support, on stand-in device properties: tests/test_cupy_implementations.py.)
 """
 from __future__ import annotations
 
 import math
 import mmap
 import sys
-import types
 
 import numpy as np
 import pytest
 
-import varlen.backends.cupy.traits as _cupy_traits
-from varlen.backends.cupy.traits import DeviceInfo
-from varlen.backends.cupy.mma import KernelSpec
+import varlen.backends.cupy.launch as _cupy_launch
 
-from helpers import SKIP_STATUS, emulate_script, needs_cxx
-import varlen.backends.cupy.launch as _cupy_launch  # noqa: E402
-import varlen.backends.cupy.mma as _cupy_mma  # noqa: E402
+from helpers import SKIP_STATUS, cases, emulate_script, needs_cxx
 
 
 
@@ -62,15 +54,16 @@ BACKWARD_TENSORS = ("q", "k", "v", "dout", "out", "lse")
 
 
 @needs_cxx
-@pytest.mark.parametrize("tensor, softcap", [(t, 0.0) for t in FORWARD_TENSORS] + [("k", 5.0)],
-                         ids=[*FORWARD_TENSORS, "k-softcap"])
+@pytest.mark.parametrize("tensor, softcap", cases(
+    [*(pytest.param(t, 0.0, id=t) for t in FORWARD_TENSORS),
+     pytest.param("k", 5.0, id="k-softcap")], ["q", "k-softcap"]))
 def test_nonfinite_forward_matches_reference_pattern(tensor, softcap):
     # under a softcap, tanh would turn an infinite score into a finite one: still NaN
     _emulate("nonfinite-forward", tensor, str(softcap))
 
 
 @needs_cxx
-@pytest.mark.parametrize("tensor", BACKWARD_TENSORS)
+@pytest.mark.parametrize("tensor", cases(BACKWARD_TENSORS, ["q", "out"]))
 def test_nonfinite_backward_matches_reference_pattern(tensor):
     _emulate("nonfinite-backward", tensor)
 
@@ -247,7 +240,8 @@ def _case_large_offsets():
     out = _sparse((Tq, Hq, D), np.float16)
     lse = np.full((Hq, Tq), np.nan, np.float32)
     _cupy_mma.module(spec_for(plan, q, kind="fwd", softcap=0.0)).launch(
-        "fwd", grid=(plan.num_q_tiles, Hq), args=(q, k, v, out, lse, plan_arg.struct, call))
+        "fwd", grid=(plan.num_q_tiles, Hq),
+        args=(_cupy_launch.fwd_params_arg(plan_arg, call, q=q, k=k, v=v, out=out, lse=lse),))
     _assert_finite_close("out rows past 2**31 elements", out[rq], ref_out, 2e-2)
     _assert_finite_close("lse", lse[:, rq], ref_lse, 2e-2)
     assert np.isfinite(out[rq]).all() and np.isfinite(lse[:, rq]).all(), "unwritten rows"
@@ -259,12 +253,14 @@ def _case_large_offsets():
     lse2, delta = np.zeros((Hq, Tq), np.float32), np.zeros((Hq, Tq), np.float32)
     lse2[:, rq] = lse[:, rq] * math.log2(math.e)
     delta[:, rq] = (out[rq].astype(np.float32) * dout[rq].astype(np.float32)).sum(-1).T
-    inputs = (q, k, v, dout, lse2, delta)
     dk, dv = np.zeros(k.shape, np.float16), np.zeros(v.shape, np.float16)
     dq_accum = np.zeros((Tq, Hq, D), np.float32)
-    null = _cupy_launch.pointer(None)
-    module.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk),
-                  args=(*inputs, dk, dv, dq_accum, null, plan_arg.struct, call))
+
+    def params(dq_accum, dq_order):
+        return _cupy_launch.bwd_params_arg(plan_arg, call, q=q, k=k, v=v, out=None, dout=dout,
+                                           lse=None, lse2=lse2, delta=delta, dq_accum=dq_accum,
+                                           dq_order=dq_order, dq=None, dk=dk, dv=dv)
+    module.launch("dkdv_atomic", grid=(plan.num_k_tiles, Hk), args=(params(dq_accum, None),))
     # ordered dQ: the counters (zero) and the query tile slot of each row, as the
     # preprocessing writes them (kernels_cuda/bwd_dq_ordered.cuh)
     dq_order = _sparse((Hq + 1, Tq), np.int32)
@@ -272,7 +268,7 @@ def _case_large_offsets():
         dq_order[Hq, row:row + rows] = slot
     dq_ordered = np.zeros((Tq, Hq, D), np.float32)
     module.launch("dkdv_ordered", grid=(plan.num_k_tiles, Hk),
-                  args=(*inputs, dk, dv, dq_ordered, dq_order, plan_arg.struct, call))
+                  args=(params(dq_ordered, dq_order),))
     for name, got, want in (("dq (atomic)", dq_accum[rq], ref_grads[0]),
                             ("dq (ordered)", dq_ordered[rq], ref_grads[0]),
                             ("dk", dk[rk], ref_grads[1]), ("dv", dv[rk], ref_grads[2])):
@@ -310,8 +306,9 @@ def _case_large_pad_offsets():
                           k_pos=i32([0]), seqlen_q=i32(0), seqlen_k=i32(0),
                           window_left=i32(-1), window_right=i32(-1), bottom_right=i32(0),
                           q_row_sched=np.zeros((1, 1, 5), np.int32),
-                          k_row_sched=np.zeros((1, 1, 5), np.int32), batch=1, mq=1, mk=1, num_q_tiles=1, num_k_tiles=1, block_m=128,
-                          block_n=64, rows_q=rows_q, rows_k=rows_k)
+                          k_row_sched=np.zeros((1, 1, 5), np.int32), batch=1, mq=1, mk=1,
+                          num_q_tiles=1, num_k_tiles=1, block_m=128, block_n=64, rows_q=rows_q,
+                          rows_k=rows_k)
         return _cupy_launch.plan_view_arg(type("HandPlan", (), {"view": lambda self: view})())
     call = _cupy_launch.call_params_arg(H, H, 1.0 / math.sqrt(D), 0.0)
     q = k = v = _sparse((T, H, D), dt)                              # never read
@@ -321,13 +318,15 @@ def _case_large_pad_offsets():
     lse = np.full((H, T), np.nan, np.float32)
     fwd = _cupy_mma.module(KernelSpec("fwd", "bfloat16", D, 128, 64, False))
     fwd.launch("fwd", grid=_cupy_mma._tile_grid(fwd, "fwd", 1, T, H),
-               args=(q, k, v, out, lse, hand_plan(T, 0).struct, call))
+               args=(_cupy_launch.fwd_params_arg(hand_plan(T, 0), call, q=q, k=k, v=v, out=out,
+                                                 lse=lse),))
     bwd = _cupy_mma.module(KernelSpec("bwd", "bfloat16", D, 128, 64, False))
     none = np.zeros((H, 1), np.float32)                             # no query rows
-    null = _cupy_launch.pointer(None)
     blocks = -(-_cupy_mma._pad_windows(T) // bwd.kernels["preprocess"].threads)
     bwd.launch("preprocess", grid=(blocks,),
-               args=(q, q, none, none, none, null, dk, dv, null, hand_plan(0, T).struct, call))
+               args=(_cupy_launch.bwd_params_arg(
+                   hand_plan(0, T), call, q=q, k=k, v=v, out=q, dout=q, lse=none, lse2=none,
+                   delta=none, dq_accum=None, dq_order=None, dq=None, dk=dk, dv=dv),))
     for name, a in (("out", out), ("dk", dk), ("dv", dv)):
         a = a[first_pad - 1:].astype(np.float32)
         assert (a[1:] == 0).all(), f"{name}: pad rows past 2**31 elements not 0"
@@ -378,8 +377,10 @@ def _case_long_sequence():
     out = np.zeros((Lq, Hq, D), np.float16)
     lse = np.full((Hq, Lq), -np.inf, np.float32)
     module = _cupy_mma.module(KernelSpec("fwd", "float16", D, 64, bn, False))
-    module.launch("fwd", grid=(1, Hq), args=(q, k, v, out, lse, plan_arg.struct,
-                                             _cupy_launch.call_params_arg(Hq, Hk, scale, 0.0)))
+    call = _cupy_launch.call_params_arg(Hq, Hk, scale, 0.0)
+    module.launch("fwd", grid=(1, Hq),
+                  args=(_cupy_launch.fwd_params_arg(plan_arg, call, q=q, k=k, v=v, out=out,
+                                                    lse=lse),))
     # the same attention on the keys [first, Lk): query i sees keys i .. i + left of them
     cu_q, cu_k = np.array([0, Lq], np.int32), np.array([0, Lk - first], np.int32)
     mask = varlen.Mask(window_left=left, window_right=0, bottom_right=True)
@@ -390,148 +391,7 @@ def _case_long_sequence():
 
 
 # --------------------------------------------------------------------------------------------
-# Device support
-# --------------------------------------------------------------------------------------------
-
-KIB = 1024
-A100 = DeviceInfo((8, 0), 163 * KIB, "NVIDIA A100")
-A6000 = DeviceInfo((8, 6), 99 * KIB, "NVIDIA RTX A6000")
-L40S = DeviceInfo((8, 9), 99 * KIB, "NVIDIA L40S")
-H100 = DeviceInfo((9, 0), 227 * KIB, "NVIDIA H100")
-T4 = DeviceInfo((7, 5), 64 * KIB, "Tesla T4")
-# The tiles the backend's plans get, by head dim: (128, 64) up to D = 128, where the forward
-# and the backward (both dQ modes run the same dK/dV kernel) take at most 69632 and 75264 B, so
-# they fit 99 KiB too; (128, 128) at D = 96 and 128 where it fits (dK/dV: 125952 and 158720 B,
-# not in 99 KiB, which falls back to (128, 64)). Above D = 128 only (64, 64) compiles, and its
-# dK/dV kernel needs more than 99 KiB (108032 B at D = 192, 104704 B at D = 256): no tiles there
-# (None).
-BIG_TILES = {D: (128, 128) if D in (96, 128) else (128, 64) if D <= 128 else (64, 64)
-             for D in _cupy_traits.HEAD_DIMS}
-SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_traits.HEAD_DIMS}
-# A stand-in GPU with less shared memory per block than any shipped one: 64 KiB.
-SMALL_SMEM = DeviceInfo((8, 9), 64 * KIB, "a GPU with 64 KiB per block")
-
-
-def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
-    """What `supports` reads of a call (the setup record's attributes)."""
-    return types.SimpleNamespace(dtype=dtype, head_dim=D, head_dim_v=D, on_device=True,
-                                 grads=() if backward else None, deterministic=deterministic)
-
-
-@pytest.mark.parametrize("device, tiles", [(A100, BIG_TILES), (A6000, SMALL_SMEM_TILES),
-                                           (L40S, SMALL_SMEM_TILES), (H100, BIG_TILES)],
-                         ids=["sm_80-163KiB", "sm_86-99KiB", "sm_89-99KiB", "sm_90-227KiB"])
-def test_tiles_fit_the_device(device, tiles):
-    from varlen.backends.cupy import BACKEND
-    with BACKEND.stand_in_device(device):
-        for D in _cupy_traits.HEAD_DIMS:
-            for dtype in _cupy_traits.DTYPES:
-                blocks = BACKEND.default_blocks(dtype, D)
-                if tiles[D] is None:
-                    why = BACKEND.supports(_call(dtype, D))
-                    dkdv = KernelSpec("bwd", dtype, D, 64, 64, False).kernels()["dkdv_atomic"]
-                    assert why and "no tile size fits" in why and f"{dkdv.smem} B" in why, why
-                    assert blocks == (64, 64), f"{device.arch} D={D}: tiles {blocks}"
-                    continue
-                assert blocks == tiles[D], f"{device.arch} D={D}: tiles {blocks}"
-                assert BACKEND.supports(_call(dtype, D)) is None, f"{device.arch} D={D} forward"
-                assert BACKEND.supports(_call(dtype, D, backward=True)) is None
-                for kind, roles in (("fwd", "fwd"), ("bwd", "bwd")):
-                    spec = KernelSpec(kind, dtype, D, *blocks, False)
-                    for role in _cupy_mma.ROLES[roles]:
-                        assert spec.kernels()[role].smem <= device.smem_optin, (
-                            f"{device.arch}: {spec.kernels()[role].name} does not fit")
-                why = BACKEND.supports(_call(dtype, D, backward=True, deterministic=True))
-                assert why is None, f"{device.arch} D={D} deterministic: {why}"
-
-
-def test_deterministic_backward_needs_what_the_atomic_one_needs():
-    """Ordered dQ runs the atomic dK/dV kernel's layout: the same shared memory, so the
-    deterministic backward fits wherever the atomic one does, and is refused, naming its
-    kernel and both sizes, where it does not."""
-    from varlen.backends.cupy import BACKEND
-    for spec in _cupy_mma.all_specs():
-        if spec.kind == "bwd":
-            k = spec.kernels()
-            assert k["dkdv_ordered"].smem == k["dkdv_atomic"].smem, spec.label
-            assert k["dkdv_ordered"].threads == k["dkdv_atomic"].threads, spec.label
-    with BACKEND.stand_in_device(SMALL_SMEM):
-        # a plan built elsewhere with tiles the GPU cannot hold is refused before any launch
-        plan = types.SimpleNamespace(block_m=64, block_n=64)
-        q = np.zeros((1, 1, 128), np.float16)
-        lse = np.zeros((1, 1), np.float32)
-        with pytest.raises(ValueError, match=r"tiles \(64, 64\) .* varlen_bwd_dkdv<__half, 128, "
-                                             r"64, 32, false, true, true> needs 75264 B .* "
-                                             r"allows at most 65536 B"):
-            BACKEND.backward(plan, q, q, q, q, q, lse, softmax_scale=1.0, softcap=0.0,
-                             deterministic=True)
-
-
-def test_old_gpus_are_refused():
-    from varlen.backends.cupy import BACKEND
-    with BACKEND.stand_in_device(T4):
-        why = BACKEND.supports(_call())
-    assert "sm_75" in why and "compute capability 7.5" in why and "sm_80" in why, why
-
-
-def _stub_cupy(reads, options=None):
-    """A `cupy` module with the few attributes the backend reads of a device and a RawModule
-    that records its NVRTC options; `reads` counts the attribute reads per device."""
-    class Device:
-        def __init__(self, device=0):
-            self.id = device
-
-        @property
-        def compute_capability(self):
-            reads[self.id] = reads.get(self.id, 0) + 1
-            return "86"
-
-        @property
-        def attributes(self):
-            return {"MaxSharedMemoryPerBlockOptin": 99 * KIB}
-
-    class RawModule:
-        def __init__(self, code=None, options=(), name_expressions=()):
-            options_seen.extend(options)
-
-    options_seen = options if options is not None else []
-    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"stub"})
-    return types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device, runtime=runtime),
-                                 RawModule=RawModule)
-
-
-def test_device_attributes_are_read_once_per_device(monkeypatch):
-    import varlen.backends.cupy as cupy_backend
-    reads = {}
-    monkeypatch.setitem(sys.modules, "cupy", _stub_cupy(reads))
-    cupy_backend.device_info.cache_clear()
-    try:
-        for _ in range(3):
-            assert cupy_backend.device_info(0) == DeviceInfo((8, 6), 99 * KIB, "stub")
-            cupy_backend.BACKEND.supports(_call())
-            cupy_backend.BACKEND.default_blocks("bfloat16", 128)
-        cupy_backend.device_info(1)
-        assert reads == {0: 1, 1: 1}, f"device attributes read {reads} times"
-    finally:
-        cupy_backend.device_info.cache_clear()
-
-
-def test_runtime_nvrtc_options_are_the_compile_checks(monkeypatch):
-    """The options CuPy's RawModule gets are the compile check's, include directories too."""
-    import varlen.backends.cupy.compile as _cupy_compile
-    import varlen.backends.cupy.mma as _cupy_mma
-    runtime = []
-    monkeypatch.setitem(sys.modules, "cupy", _stub_cupy({}, runtime))
-    _cupy_launch.Module(KernelSpec("fwd", "bfloat16", 128, 128, 64, False))
-    check = _cupy_compile.program_options("sm_80")
-    assert [o for o in check if o.startswith(("-I", "-D", "--use_fast_math"))] == runtime
-    includes = [o[2:] for o in runtime if o.startswith("-I")]
-    for d in _cupy_compile.cuda_include_dirs():
-        assert d in includes, f"runtime NVRTC options miss the CUDA headers {d}: {runtime}"
-
-
-# --------------------------------------------------------------------------------------------
-# The emulated cases (python tests/test_cupy_edges.py CASE [ARG])
+# The emulated cases (python tests/emulation/test_cupy_edges.py CASE [ARG])
 # --------------------------------------------------------------------------------------------
 
 CASES = {"nonfinite-forward": _case_nonfinite_forward,

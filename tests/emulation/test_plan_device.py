@@ -14,12 +14,11 @@ in its own process (the emulation replaces `cupy`), run by this file's __main__.
   the NumPy code's message at once for host arrays, and on a device set the flag of that same
   message, which `varlen.check_device_errors()` raises later (no host read while building).
 * Launches: `varlen.plan`, the cupy backend's setup hook and `build_plan` of device segments
-  issue 2 kernel launches per plan (the array code: about 260 array operations);
-  `VARLEN_PLAN_BUILDER=arrays` still selects the array code. A whole step on the plan: the
-  forward is 1 launch, each backward mode 3, memsets and fills counted (none: the kernels
-  write the pad rows).
-* The kernels compile with NVRTC for sm_80 and sm_90 without spills, and the launcher's struct
-  dtype has the C layout of `PlanBuildParams`.
+  issue 2 kernel launches per plan (the array code: about 260 array operations). A whole
+  step on the plan: the forward is 1 launch, each backward mode 3, memsets and fills counted
+  (none: the kernels write the pad rows).
+* The launcher's struct dtype has the C layout of `PlanBuildParams` (the kernels' NVRTC build
+  for sm_80 and sm_90 without spills: tests/compile/test_cupy_compile.py).
 * On a GPU (marker `gpu`): the same batches against the CuPy array code and the NumPy plan, and
   the errors through `check_device_errors()`.
 """
@@ -34,7 +33,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import emulate_script, needs_cxx
+from helpers import cases, emulate_script, needs_cxx
 
 CXX = os.environ.get("CXX", "g++")
 POISON = 0x5A5A5A5A          # what a fresh integer buffer of the stand-in cupy holds
@@ -66,6 +65,9 @@ CASES = {
     "B40-many-mixed-4x4-maxlen-small-threads": ("many40", "many40", True, "mixed", (4, 4), True,
                                                 (8, 8)),
 }
+# the smoke run's case: zero-length and one-row sequences (the last one empty), per-sequence
+# masks, lengths off the tiles, several warps
+SMOKE = "B6-zero-one-last0-mixed-64x64"
 SEGMENT_CASES = ("CP2-zigzag-gathered", "CP3-zigzag-other-rank", "B3-m2-random")
 ERROR_CASES = ("past-buffer-q", "before-buffer-k", "longer-than-max_seqlen-q",
                "longer-than-max_seqlen-k")
@@ -353,14 +355,17 @@ def _case_step_launches():
 # --------------------------------------------------------------------------------------------
 
 @needs_cxx
-@pytest.mark.parametrize("label", list(CASES))
+@pytest.mark.parametrize("label", [
+    pytest.param(label, marks=pytest.mark.smoke if label == SMOKE else ())
+    for label in cases(CASES, [SMOKE, "B0-empty-batch-pad-rows"])])
 def test_fused_plan_equals_array_code(label):
     _emulate("layout", label)
 
 
 @needs_cxx
-@pytest.mark.parametrize("label", ["B40-many-mixed-4x4-maxlen-small-threads",
-                                   "B300-many-mixed-16x8-shipped-threads"])
+@pytest.mark.parametrize("label", cases(["B40-many-mixed-4x4-maxlen-small-threads",
+                                         "B300-many-mixed-16x8-shipped-threads"],
+                                        ["B40-many-mixed-4x4-maxlen-small-threads"]))
 def test_fused_plan_under_a_permuted_warp_schedule(label, monkeypatch):
     """Warps one at a time in a seeded order (the schedule that catches a removed barrier of
     the scan kernel, emulation/mutations.py): the same plan, with blocks of 8 threads
@@ -372,14 +377,15 @@ def test_fused_plan_under_a_permuted_warp_schedule(label, monkeypatch):
 
 
 @needs_cxx
-@pytest.mark.parametrize("label", SEGMENT_CASES)
+@pytest.mark.parametrize("label", cases(SEGMENT_CASES, SEGMENT_CASES[:1]))
 def test_fused_plan_of_given_segments_equals_array_code(label):
     _emulate("segments", label)
 
 
 @needs_cxx
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("label", ERROR_CASES)
+@pytest.mark.parametrize("label, where", cases(
+    [pytest.param(label, where, id=f"{label}-{where}") for where in ("host", "device")
+     for label in ERROR_CASES], ["past-buffer-q-host", "longer-than-max_seqlen-k-device"]))
 def test_fused_plan_reports_the_same_errors(label, where):
     _emulate("error", label, where)
 
@@ -456,16 +462,6 @@ def test_struct_layout_matches_the_kernels():
             assert dtype.fields[name][1] == int(offset), f"{where}.{name}: C offset {offset}"
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_plan_kernels_compile_without_spills(arch):
-    pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    import varlen.backends.cupy.compile as _cupy_compile
-    from varlen.backends.cupy.plan import KERNELS
-    _, usage = _cupy_compile.compile_names(KERNELS, arch)
-    for name in KERNELS:
-        assert usage[name]["spill_stores"] + usage[name]["spill_loads"] == 0, (name, usage)
-
-
 # --------------------------------------------------------------------------------------------
 # On a GPU
 # --------------------------------------------------------------------------------------------
@@ -515,7 +511,7 @@ def test_fused_plan_on_gpu_defers_errors(label):
 
 
 # --------------------------------------------------------------------------------------------
-# python tests/test_plan_device.py layout|segments LABEL, error LABEL host|device, launches,
+# python tests/emulation/test_plan_device.py layout|segments LABEL, error LABEL host|device, launches,
 # step-launches
 # --------------------------------------------------------------------------------------------
 

@@ -1,12 +1,18 @@
 """The CuPy tensor-core backend on a GPU: parity with the float64 reference, determinism,
 graph capture. Skipped without a CUDA GPU (marker `gpu`).
 
+The backend is `--cupy-backend` (the `cupy_backend` fixture): `cupy`, the family, by default;
+`cupy:sm90a` or `cupy:mma` for one implementation. A call the backend does not support (its
+`supports()`, as xformers generates its tests from each op's) skips with the backend's reason.
+
 Tolerances are STYLE.md's ratio tolerances (varlen.testing): the error against float64 may
 be at most 2x (output) / 3x (gradients) the error of a naive same-dtype computation, plus a
 rounding floor, with a relative-RMS and a max-abs check.
 """
 from __future__ import annotations
 
+import os
+import sys
 import zlib
 
 import numpy as np
@@ -14,8 +20,10 @@ import pytest
 
 import varlen
 from varlen import Mask
+from varlen.backends import Problem
 
-from helpers import check_against_reference, covered_rows, make_batch
+from helpers import (GRAPH_BATCHES, GRAPH_MASKS, TESTS, check_against_reference, covered_rows,
+                     make_batch)
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +67,17 @@ def _host(a):
     return cp.asnumpy(a)
 
 
-def _run(b, *, softcap=0.0, deterministic=False, plan=None, backend="cupy"):
+def _require(backend, dtype, head_dim):
+    """Skip what `backend` does not support, with its reason."""
+    why = varlen.backends.get(backend).supports(
+        Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, on_device=True))
+    if why:
+        pytest.skip(f"{backend}: {why}")
+
+
+def _run(b, backend, *, softcap=0.0, deterministic=False, plan=None):
+    """Forward and backward of batch `b` on the device through the public API."""
+    _require(backend, b.dtype, b.q.shape[2])
     dev = {n: _device(getattr(b, n)) for n in ("q", "k", "v", "dout")}
     cu = dict(cu_seqlens_q=_device(b.cu_q), cu_seqlens_k=_device(b.cu_k))
     lay = dict(seq_offsets_q=None if b.off_q is None else _device(b.off_q),
@@ -83,11 +101,11 @@ def _device_mask(mask):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_matches_reference(case, D, dtype):
+def test_matches_reference(case, D, dtype, cupy_backend):
     name, lq, lk, Hq, Hk, mask, gaps, softcap = case
     rng = np.random.default_rng(zlib.crc32(f"{name}{D}{dtype}".encode()))
     b = make_batch(rng, lq, lk, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask, gaps=gaps)
-    out, lse, grads = _run(b, softcap=softcap)
+    out, lse, grads = _run(b, cupy_backend, softcap=softcap)
     out, lse, grads = _host(out), _host(lse), [_host(g) for g in grads]
     assert out.dtype == b.q.dtype and lse.dtype == np.float32
     check_against_reference(b, out, lse, grads, softcap=softcap, label=f"{name}/D{D}/{dtype}")
@@ -100,12 +118,12 @@ def test_matches_reference(case, D, dtype):
 
 
 @pytest.mark.parametrize("D, dtype", [(32, "bfloat16"), (96, "float16")], ids=["D32", "D96"])
-def test_other_head_dims(D, dtype):
+def test_other_head_dims(D, dtype, cupy_backend):
     rng = np.random.default_rng(D)
     b = make_batch(rng, [0, 130, 7, 64], [5, 100, 7, 200], Hq=4, Hk=2, D=D, dtype=dtype,
                    mask=PER_SEQ_4, gaps=True)
     for det in (False, True):
-        out, lse, grads = _run(b, softcap=2.0, deterministic=det)
+        out, lse, grads = _run(b, cupy_backend, softcap=2.0, deterministic=det)
         check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
                                 softcap=2.0, label=f"D{D}/{dtype} deterministic={det}")
 
@@ -116,7 +134,7 @@ PER_SEQ_4 = Mask(window_left=np.array([-1, 11, -1, -1], np.int32),
 
 
 @pytest.mark.parametrize("block", [(64, 64), (128, 64)], ids=["BM64", "BM128"])
-def test_both_tile_sizes(block):
+def test_both_tile_sizes(block, cupy_backend):
     """Plans with either supported tile size give reference results (incl. the bwd query
     chunks that split a 128-row plan tile)."""
     import cupy as cp
@@ -128,7 +146,7 @@ def test_both_tile_sizes(block):
                        num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=block[0],
                        block_n=block[1])
     for det in (False, True):
-        out, lse, grads = _run(b, plan=plan, deterministic=det)
+        out, lse, grads = _run(b, cupy_backend, plan=plan, deterministic=det)
         check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
                                 label=f"blocks {block} deterministic={det}")
 
@@ -139,16 +157,17 @@ PER_SEQ_5 = Mask(window_left=np.array([-1, 7, -1, -1, 0], np.int32),
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_deterministic_backward_is_bitwise_repeatable(dtype):
+def test_deterministic_backward_is_bitwise_repeatable(dtype, cupy_backend):
     rng = np.random.default_rng(3)
     b = make_batch(rng, [300, 0, 513, 77], None, Hq=8, Hk=2, D=64, dtype=dtype,
                    mask="causal", gaps=True)
-    runs = [[_host(g).view(np.uint16) for g in _run(b, deterministic=True)[2]] for _ in range(3)]
+    runs = [[_host(g).view(np.uint16) for g in _run(b, cupy_backend, deterministic=True)[2]]
+            for _ in range(3)]
     for r in runs[1:]:
         for name, a, c in zip(("dq", "dk", "dv"), runs[0], r):
             assert np.array_equal(a, c), f"{name} differs between deterministic runs"
     # dK/dV have one writer per row even with atomic dQ; the two dQ paths agree closely.
-    fast = [_host(g) for g in _run(b, deterministic=False)[2]]
+    fast = [_host(g) for g in _run(b, cupy_backend, deterministic=False)[2]]
     for name, a, c in zip(("dk", "dv"), runs[0][1:], fast[1:]):
         a64 = a.view(b.q.dtype).astype(np.float64)
         assert np.abs(a64 - c.astype(np.float64)).max() <= 2 ** -8 * np.abs(a64).max(), (
@@ -159,32 +178,23 @@ def test_deterministic_backward_is_bitwise_repeatable(dtype):
     assert np.abs(dq_det - dq_fast).max() <= 2 ** -6 * scale, "atomic and deterministic dQ"
 
 
-def test_rejects_what_it_cannot_run():
+def test_rejects_what_it_cannot_run(cupy_backend):
     import cupy as cp
     q = cp.zeros((4, 2, 64), cp.float32)
     cu = cp.asarray([0, 4], cp.int32)
     with pytest.raises(ValueError, match="cupy"):
-        varlen.attention_forward(q, q, q, cu, cu, backend="cupy")
+        varlen.attention_forward(q, q, q, cu, cu, backend=cupy_backend)
     h = cp.zeros((4, 2, 80), cp.float16)
     with pytest.raises(ValueError, match="head_dim"):
-        varlen.attention_forward(h, h, h, cu, cu, backend="cupy")
+        varlen.attention_forward(h, h, h, cu, cu, backend=cupy_backend)
     q16 = cp.zeros((4, 2, 64), cp.float16)
     plan = varlen.plan(cu, cu, num_rows_q=4, num_rows_k=4, block_m=32, block_n=32)
     with pytest.raises(ValueError, match="tiles"):
-        varlen.attention_forward(q16, q16, q16, cu, cu, backend="cupy", plan=plan)
-
-
-# Same B and packed totals (same buffer shapes), different lengths and masks.
-GRAPH_BATCHES = (([100, 0, 37, 200, 1], [120, 3, 37, 180, 1]),
-                 ([1, 150, 137, 0, 50], [64, 64, 64, 100, 49]))
-GRAPH_MASKS = ((np.array([-1, -1, 16, -1, 0], np.int32), np.array([0, -1, 0, 0, -1], np.int32),
-                np.array([1, 0, 0, 1, 1], np.int32)),
-               (np.array([8, -1, -1, 32, -1], np.int32), np.array([0, 0, -1, 0, 0], np.int32),
-                np.array([0, 1, 1, 0, 0], np.int32)))
+        varlen.attention_forward(q16, q16, q16, cu, cu, backend=cupy_backend, plan=plan)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
-def test_graph_capture_replays_with_new_cu_seqlens(deterministic):
+def test_graph_capture_replays_with_new_cu_seqlens(deterministic, cupy_backend):
     """Plan building, forward and backward captured once; each replay reads the captured
     buffers' current contents (new lengths, masks and data) and gives that batch's result."""
     import cupy as cp
@@ -196,7 +206,7 @@ def test_graph_capture_replays_with_new_cu_seqlens(deterministic):
     buf = {n: _device(getattr(first, n)) for n in names}
     mbuf = [cp.asarray(f) for f in GRAPH_MASKS[0]]
     s = cp.cuda.Stream(non_blocking=True)
-    kw = dict(softmax_scale=0.125, backend="cupy")
+    kw = dict(softmax_scale=0.125, backend=cupy_backend)
 
     def step():
         mask = Mask(*mbuf)
@@ -230,21 +240,21 @@ def test_graph_capture_replays_with_new_cu_seqlens(deterministic):
                                 softmax_scale=0.125, label="graph replay")
 
 
-def test_runs_on_the_callers_stream():
+def test_runs_on_the_callers_stream(cupy_backend):
     """Results are ordered on the current stream: a non-default stream needs no extra sync."""
     import cupy as cp
     rng = np.random.default_rng(9)
     b = make_batch(rng, [90, 33], None, Hq=2, Hk=2, D=64, dtype="float16", mask="causal")
     s = cp.cuda.Stream(non_blocking=True)
     with s:
-        out, lse, grads = _run(b)
+        out, lse, grads = _run(b, cupy_backend)
         host = _host(out), _host(lse), [_host(g) for g in grads]
     check_against_reference(b, *host[:2], host[2], label="side stream")
 
 
 # ---- what the GPU check (scripts/gpu_check.sh) adds: sanitizer case, scale, numerics ---------
 
-def test_one_small_case_per_kernel():
+def test_one_small_case_per_kernel(cupy_backend):
     """Forward, atomic-dQ and deterministic backward of one small batch at the shipped default
     (bf16, D=128, tiles (128, 64), 5 key tiles for the last query tile): every kernel once.
     The GPU check runs this test under compute-sanitizer; CuPy's memory pool is off meanwhile,
@@ -257,14 +267,14 @@ def test_one_small_case_per_kernel():
         b = make_batch(rng, [300, 33], None, Hq=2, Hk=1, D=128, dtype="bfloat16",
                        mask="causal", gaps=True)
         for det in (False, True):
-            out, lse, grads = _run(b, deterministic=det)
+            out, lse, grads = _run(b, cupy_backend, deterministic=det)
             check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
                                     label=f"sanitizer case deterministic={det}")
     finally:
         cp.cuda.set_allocator(old.malloc)
 
 
-def test_more_ctas_than_sms():
+def test_more_ctas_than_sms(cupy_backend):
     """Grids of several waves (4 x 1024 causal tokens, 8 query and 4 key heads: 256 query-tile
     CTAs and 256 key-tile CTAs against 132 SMs on an H100), many dK/dV blocks adding to the same
     dQ rows, heaviest tiles last."""
@@ -274,7 +284,7 @@ def test_more_ctas_than_sms():
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     assert 4 * (1024 // 128) * 8 > sms, "the grid fits in one wave on this GPU"
     for det in (False, True):
-        out, lse, grads = _run(b, deterministic=det)
+        out, lse, grads = _run(b, cupy_backend, deterministic=det)
         check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
                                 label=f"multi-wave deterministic={det}")
 
@@ -290,7 +300,7 @@ def _rows_scaled(b, name, factor):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("what", ["scores-1e2", "softcap-saturated", "dout-near-fp16-max"])
-def test_large_magnitudes(what, dtype):
+def test_large_magnitudes(what, dtype, cupy_backend):
     """|scores| of 1e2 to 1e3 (a near one-hot softmax), a softcap far into saturation, and dO
     near the float16 range; the tolerances are the usual ratio to a naive same-dtype error."""
     rng = np.random.default_rng(zlib.crc32(f"{what}{dtype}".encode()))
@@ -304,14 +314,14 @@ def test_large_magnitudes(what, dtype):
     else:
         _rows_scaled(b, "dout", 1000.0)              # |dO| up to ~5e3, dP ~ 1e4 in fp32
     for det in (False, True):
-        out, lse, grads = _run(b, softcap=softcap, deterministic=det)
+        out, lse, grads = _run(b, cupy_backend, softcap=softcap, deterministic=det)
         grads = [_host(g) for g in grads]
         assert all(np.isfinite(g.astype(np.float64)).all() for g in grads), "overflow"
         check_against_reference(b, _host(out), _host(lse), grads, softcap=softcap,
                                 label=f"{what}/{dtype} deterministic={det}")
 
 
-def test_offsets_past_2_31_elements():
+def test_offsets_past_2_31_elements(cupy_backend):
     """A sequence at the end of packed arrays of 2**21 rows x 8 heads x 128 (2**31 elements
     each, 4 GiB in bf16): every address of its rows needs 64 bits."""
     import cupy as cp
@@ -328,7 +338,7 @@ def test_offsets_past_2_31_elements():
         dev[n] = a.view(small.q.dtype)
     cu = cp.asarray(np.array([0, L], np.int32))
     off = cp.asarray(np.array([start, start + L], np.int32))
-    kw = dict(seq_offsets_q=off, seq_offsets_k=off, mask="causal", backend="cupy")
+    kw = dict(seq_offsets_q=off, seq_offsets_k=off, mask="causal", backend=cupy_backend)
     out, lse = varlen.attention_forward(dev["q"], dev["k"], dev["v"], cu, cu, **kw)
     for det in (False, True):
         grads = varlen.attention_backward(dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
@@ -384,6 +394,7 @@ def test_tensor_cores_and_special_functions_match_the_emulation_model(tmp_path_f
     mma.m16n8k16 bf16 -> f32 bit for bit with the tensor-core model (blocks of 16 on sm_90,
     8 on sm_80), and ex2/lg2/tanh under --use_fast_math within the PTX bounds the model uses."""
     import cupy as cp
+    sys.path.insert(0, os.path.join(TESTS, "emulation"))
     import test_emulation_math as em
     from varlen.backends.cupy.compile import compile_options
     major = cp.cuda.Device().compute_capability[0]

@@ -1,5 +1,6 @@
 """The Hopper primitives of kernels_cuda/sm90.cuh: their host emulation pinned against the PTX
-ISA's layouts, and their inline PTX assembled for sm_90a with NVRTC.
+ISA's layouts (their inline PTX assembled for sm_90a with NVRTC:
+tests/compile/test_sm90_compile.py).
 
 The harness (emulation/cuda/sm90_harness.cu) only moves data; every expectation here is written
 out by hand from the ISA: the wgmma D and A register fragments, the descriptor's bit fields, the
@@ -20,7 +21,7 @@ import pytest
 import emulation.cupy as _cupy_emulation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HARNESS = os.path.join(HERE, "..", "emulation", "cuda", "sm90_harness.cu")
+HARNESS = os.path.join(_cupy_emulation.EMULATION_DIR, "sm90_harness.cu")
 LANDING = _cupy_emulation.LANDING
 SWIZZLE = {"none": 0, "32B": 1, "64B": 2, "128B": 3}        # CUtensorMapSwizzle
 SWIZZLE_BYTES = {"none": 0, "32B": 32, "64B": 64, "128B": 128}
@@ -609,8 +610,9 @@ def pipeline_result(out, consumers):
     return np.concatenate([to_matrix(out[c], 64) for c in range(consumers)])
 
 
-@pytest.mark.parametrize("landing,consumers", [("wait", 1), ("issue", 1), ("random", 1),
-                                               ("wait", 2), ("random", 2)])
+@pytest.mark.parametrize("landing,consumers", [
+    pytest.param("wait", 1, marks=pytest.mark.smoke), ("issue", 1), ("random", 1), ("wait", 2),
+    ("random", 2)])
 def test_warp_specialised_pipeline(lib, landing, consumers):
     a16, b16, expected = pipeline_operands(11, consumers)
     out = np.full((consumers, 128, 32), np.nan, np.float32)
@@ -649,36 +651,3 @@ print("pipeline ok")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0 and "pipeline ok" in proc.stdout, proc.stderr[-4000:]
-
-
-# ---- the device side assembles ----------------------------------------------------------------
-
-def test_device_side_assembles_for_sm90a():
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    import varlen.backends.cupy.traits as _cupy_traits
-    with open(HARNESS, "rb") as f:
-        src = f.read()
-    err, prog = nvrtc.nvrtcCreateProgram(src, b"emulation_sm90_harness.cu", 0, [], [])
-    names = [f"sm90_wgmma<{t}, {n}, {m}>" for t in ("__half", "__nv_bfloat16")
-             for n in (32, 64, 128, 256) for m in MODES.values()]
-    names += ["sm90_attention_tile<__half>", "sm90_attention_tile<__nv_bfloat16>"]
-    try:
-        for name in names:
-            nvrtc.nvrtcAddNameExpression(prog, name.encode())
-        import varlen.backends.cupy.compile as _cupy_compile
-        opts = [b"--gpu-architecture=sm_90a", b"--std=c++17", b"-Xptxas=-v",
-                *(o.encode() for o in _cupy_compile.compile_options())]
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.rstrip(b"\x00").decode(errors="replace")
-        assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"NVRTC for sm_90a failed:\n{log}"
-        cubin_size = nvrtc.nvrtcGetCUBINSize(prog)[1]
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    assert cubin_size > 0, "no cubin: ptxas did not run"
-    for kernel in ("sm90_tma_box", "sm90_mbar_phases", "sm90_stmatrix", "sm90_wgmma",
-                   "sm90_pipeline", "sm90_attention_tile", "sm90_named_pingpong"):
-        assert f"Compiling entry function '{kernel}" in log or kernel in log, f"{kernel} missing"
-    assert not re.search(r"[1-9]\d* bytes spill", log), f"register spills:\n{log}"

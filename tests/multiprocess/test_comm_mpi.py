@@ -1,9 +1,10 @@
 """Real `mpiexec` ranks on the CPU: the MPI group, the NumPy backend, float64.
 
 Each launch runs every case and method valid for its size in one job
-(`tests/comm_workers/run_cases.py`) and compares each rank's shard of out, lse, dq, dk, dv
-with the shard of the single-process reference. A hang becomes a subprocess timeout. The
-failure modes run on 2 ranks with a 2-5 s group timeout: every one must end every rank.
+(`tests/comm_workers/run_cases.py`; the document scheme's: `tests/test_comm_document.py`) and
+compares each rank's shard of out, lse, dq, dk, dv with the shard of the single-process
+reference. A hang becomes a subprocess timeout. The failure modes run on 2 ranks with a 2-5 s
+group timeout: every one must end every rank.
 """
 import contextlib
 import glob
@@ -17,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cases
+
 pytest.importorskip("mpi4py")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "comm_workers" / "run_cases.py"
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
@@ -35,12 +38,21 @@ def _mpiexec(n, args, tmp_path, timeout=150, launcher=()):
     return r, time.perf_counter() - t
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", cases([pytest.param(2, marks=pytest.mark.smoke), 3, 4], [2]))
 def test_cases_under_mpiexec(n, tmp_path):
     # `python -m mpi4py` turns an uncaught exception on any rank into MPI_Abort.
     r, _ = _mpiexec(n, [sys.executable, "-m", "mpi4py", str(WORKER), "cases"], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"OK size={n}" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("n", cases([2, 3, 4], [2]))
+def test_document_cases_under_mpiexec(n, tmp_path):
+    """The document scheme's cases and methods (tests/test_comm_document.py, its worker)."""
+    worker = ROOT / "tests" / "test_comm_document.py"
+    r, _ = _mpiexec(n, [sys.executable, "-m", "mpi4py", str(worker)], tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"OK document size={n}" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.fixture

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import cases, covering
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import os
@@ -106,7 +108,9 @@ def _id(case, cp):
     return f"cp{cp}-T{sum(lengths)}-B{len(lengths)}-Hq{Hq}-Hk{Hk}-{mask}-{method}{scheme}"
 
 
-COMBOS = [(case, cp) for case in CASES for cp in (2, 4)]
+# every case on 2 and 4 devices; at the quick size every case, and both sizes
+COMBOS = cases([(case, cp) for case in CASES for cp in (2, 4)],
+               covering(lambda c: CASES.index(c[0]), lambda c: c[1]))
 
 CP_SCRIPT = textwrap.dedent("""
     import json, os, sys

@@ -1,4 +1,4 @@
-"""The host emulation's GPU arithmetic (kernels_cuda/host_emulation_math.cuh) against the PTX
+"""The host emulation's GPU arithmetic (emulation/cuda/host_emulation_math.cuh) against the PTX
 ISA's stated bounds: each approximate special function within its bound and reaching it, flush to
 zero of subnormal inputs and results, the tensor-core accumulation model (exact products,
 alignment to the largest exponent with truncation, round toward zero, blocks of 16 or 8), and the

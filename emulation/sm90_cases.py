@@ -1,0 +1,370 @@
+"""The sm_90a kernels' cases: small adversarial packed batches for the forward
+(kernels_cuda/fwd_sm90.cuh) and the backward (bwd_sm90.cuh) of `cupy:sm90a`, and the one runner
+that checks a case against the float64 reference, through the host emulation or on a Hopper GPU.
+
+    python -m emulation.sm90_cases LABEL[:KIND] ...    # the runs in this process, in the
+                                                       # emulation mode of the environment
+
+Lengths keep the work small: the emulation runs one OS thread per CUDA thread (256 or 384 per
+block here), block after block. The forward is persistent: the emulation's stand-in device has
+`EMULATED_SM_COUNT` (3) SMs, or the `ctas` of a case, so each block loops over several (tile
+slot, head) work items; the runner checks that the launch had that many blocks.
+
+A case's fields: the batch (`make_batch`'s lengths, heads, dtype, mask,
+gaps; `mask` a name or ("mixed",) / ("window",), `_mask`), `softcap`, the plan's `block_m` and
+`block_n` (64 when absent), `nan_in_pad` (every row outside a sequence holds NaN), `nan`
+({tensor: (sequence, row inside it)}: a NaN in k, v or dout before the call, in q after the
+reference forward, so that out and lse of its row stay finite; row -1 is the sequence's last),
+and per kind: `ctas`, `pack` (an int, or "auto": the launcher's choice, `expect_pack`) for the
+forward; `deterministic` for the backward. A run is a case and a kind ("fwd" or "bwd"): the
+batches of `BOTH` run through both kernels, the others through one.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+
+import numpy as np
+
+# Batches both kernels run.
+BOTH = {
+    # zero-length sequences (the last one too), length 1, lengths off the tile, a pad gap with
+    # NaN in it, causal; backward: two query heads of one key head, four query chunks for the
+    # first key tile of the long sequence (the two-stage ring wraps twice)
+    "B4-fp16-D64-BM64-causal-gaps-nan": dict(
+        lengths_q=[0, 1, 70, 0], lengths_k=[0, 1, 70, 0], Hq=2, Hk=1, D=64, dtype="float16",
+        mask="causal", gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
+    # per-sequence masks (full, causal, sliding window bottom-right), GQA 4:2, bf16
+    "B3-bf16-D64-BM64-mixed-masks-gqa": dict(
+        lengths_q=[5, 33, 17], lengths_k=[9, 33, 80], Hq=4, Hk=2, D=64, dtype="bfloat16",
+        mask=("mixed",), gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
+    # key tiles of 128: the forward's key chunks of 128 (wgmma N = 128 for S), a ragged last
+    # one; the backward's two consumer warpgroups at D = 64; causal bottom-right
+    "B2-bf16-D64-BM64-BN128-causal-gaps-nan": dict(
+        lengths_q=[40, 90], lengths_k=[40, 150], Hq=1, Hk=1, D=64, dtype="bfloat16",
+        mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64, block_n=128,
+        nan_in_pad=True),
+}
+
+FORWARD = {
+    # two consumer warpgroups, D = 128, three key tiles for one query tile (the ring wraps)
+    "B2-bf16-D128-BM128-full-3tiles": dict(
+        lengths_q=[3, 100], lengths_k=[150, 2], Hq=1, Hk=1, D=128, dtype="bfloat16",
+        mask="full", gaps=True, softcap=0.0, block_m=128, nan_in_pad=True),
+    # a NaN in a visible key of one sequence only, softcap, fp16 D = 128
+    # (and as many blocks as work items: each block runs one, the grid a non-persistent one has)
+    "B2-fp16-D128-BM64-softcap-nan-visible": dict(
+        lengths_q=[20, 9], lengths_k=[65, 9], Hq=1, Hk=1, D=128, dtype="float16",
+        mask="causal_bottom_right", gaps=False, softcap=5.0, block_m=64, nan_in_pad=False,
+        nan={"v": (1, -1)}, ctas=132),
+    # D = 256 (four boxes of 64 columns, wgmma N = 256 for P V), one consumer warpgroup
+    "B3-fp16-D256-BM64-causal-gaps-nan": dict(
+        lengths_q=[1, 0, 70], lengths_k=[1, 0, 70], Hq=2, Hk=1, D=256, dtype="float16",
+        mask="causal", gaps=True, softcap=0.0, block_m=64, nan_in_pad=True),
+    # the pipeline's prologue and epilogue: key chunks of 128 (pairs of the plan's 64-row key
+    # tiles) numbering 1, 2, 3 and 6 per query tile, the last one a lone partial tile; two
+    # consumer warpgroups in ping-pong; a query tile without keys; a NaN in the last key of a
+    # sequence of its own (a partial chunk: the producer hands the NaN to the key's K row); a
+    # tile whose last chunk is full (its V is waited for by the consumers alone)
+    "B7-bf16-D64-BM128-chunks-1-2-3-6": dict(
+        lengths_q=[3, 64, 129, 40, 0, 5, 10], lengths_k=[100, 200, 300, 700, 0, 70, 256],
+        Hq=2, Hk=1, D=64, dtype="bfloat16", mask="full", gaps=True, softcap=0.0, block_m=128,
+        nan_in_pad=True, nan={"v": (5, -1)}),
+    # sliding windows: in sequence 0 (20 keys back) the second chunk of a query tile is fully
+    # masked for the first warpgroup's rows (P = 0 under a finite running max), the first
+    # chunk for some rows of the second (their max stays -inf into the pipeline); sequence 1
+    # (200 keys back, bottom-right) has three chunks, partial at both ends
+    "B2-fp16-D64-BM128-window-masked-chunks": dict(
+        lengths_q=[400, 30], lengths_k=[400, 290], Hq=1, Hk=1, D=64, dtype="float16",
+        mask=("window",), gaps=True, softcap=0.0, block_m=128, nan_in_pad=True),
+    # zero-length and length-1 sequences, GQA 2:1, a softcap, and a NaN in the one key of
+    # sequence 1 (its query turns NaN, no other sequence does); D = 128, two warpgroups
+    "B5-fp16-D128-BM128-gqa-softcap-nan-key": dict(
+        lengths_q=[0, 1, 90, 140, 1], lengths_k=[0, 1, 300, 150, 0], Hq=2, Hk=1, D=128,
+        dtype="float16", mask="causal_bottom_right", gaps=True, softcap=5.0, block_m=128,
+        nan_in_pad=True, nan={"v": (1, -1)}),
+    # The persistent loop. Two blocks over 2 x 3 heads of tiles with 1, 3 and 2 key chunks
+    # (pairs of 64-row tiles; the K/V ring's stages and phases run on across items, so items
+    # of odd chunk counts wrap it mid-item), zero-length and length-1 sequences, a slot whose
+    # tile has no keys, a gap after the last sequence (pad rows written by the blocks before
+    # their items, NaN in every row outside a sequence), GQA 3:1 (a block's items alternate
+    # over the heads of a slot: the next item's Q is another head's), mixed per-sequence masks,
+    # two consumer warpgroups in ping-pong (the turn restarts per item)
+    "P6-bf16-D64-BM128-2ctas-gqa-mixed": dict(
+        lengths_q=[130, 1, 0, 70, 5, 40], lengths_k=[300, 1, 20, 150, 0, 200], Hq=3, Hk=1,
+        D=64, dtype="bfloat16", mask=("mixed",), gaps=True, softcap=0.0, block_m=128,
+        nan_in_pad=True, ctas=2),
+    # one consumer warpgroup, D = 128 under a softcap, fp16, a NaN in a key of sequence 2 seen
+    # by some of its queries, GQA 2:1, three blocks over 18 items (6 of unused slots)
+    "P5-fp16-D128-BM64-3ctas-softcap-nan-key": dict(
+        lengths_q=[100, 0, 64, 1, 90], lengths_k=[140, 3, 64, 1, 200], Hq=2, Hk=1, D=128,
+        dtype="float16", mask="causal_bottom_right", gaps=True, softcap=5.0, block_m=64,
+        nan_in_pad=True, nan={"v": (2, -1)}, ctas=3),
+    # D = 256 (chunks of 64 keys: 1 to 5 per tile), two blocks, GQA 2:1
+    "P4-bf16-D256-BM64-2ctas-causal": dict(
+        lengths_q=[130, 1, 0, 60], lengths_k=[250, 1, 0, 60], Hq=2, Hk=1, D=256,
+        dtype="bfloat16", mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64,
+        nan_in_pad=True, ctas=2),
+    # GQA packing (`pack` query heads of one key head per position, the plan's query tiles
+    # block_m / pack rows; "auto": the launcher's choice, `expect_pack`). Decoding-like: one to
+    # three queries per sequence against up to 200 keys, GQA 8:2 packed by 4 (two consumer
+    # warpgroups, 32 positions per tile), a zero-length sequence, NaN in every row outside a
+    # sequence and in one visible key, bottom-right causal
+    "G6-fp16-D64-BM128-pack4-decode-nan-key": dict(
+        lengths_q=[1, 1, 0, 3, 2, 1], lengths_k=[50, 130, 0, 3, 200, 1], Hq=8, Hk=2, D=64,
+        dtype="float16", mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=128,
+        nan_in_pad=True, nan={"v": (4, -1)}, pack="auto", expect_pack=4),
+    # packed by 2 at D = 128 (one consumer warpgroup, tiles of 32 positions: rows g and g + 8
+    # 4 positions apart), per-sequence full / causal / sliding masks over sequences longer than
+    # a tile, a softcap
+    "G4-bf16-D128-BM64-pack2-mixed-softcap": dict(
+        lengths_q=[5, 70, 17, 45], lengths_k=[9, 70, 80, 100], Hq=4, Hk=2, D=128,
+        dtype="bfloat16", mask=("mixed",), gaps=True, softcap=5.0, block_m=64, nan_in_pad=True,
+        pack=2),
+    # packed by 8 (GQA 8:1, tiles of 16 positions: rows g and g + 8 one position apart), causal
+    # top-left with sequences of 1 to 3 tiles, two blocks of the persistent loop
+    "G4-bf16-D64-BM128-pack8-causal-2ctas": dict(
+        lengths_q=[20, 7, 1, 40], lengths_k=[20, 7, 1, 40], Hq=8, Hk=1, D=64,
+        dtype="bfloat16", mask="causal", gaps=True, softcap=0.0, block_m=128, nan_in_pad=True,
+        pack=8, ctas=2),
+}
+
+BACKWARD = {
+    # softcap, D = 128, a NaN in a key of sequence 1 that only its last query sees, and NaN in
+    # a q row and a dout row of sequence 0 (a partial chunk): nothing else may turn NaN
+    "B2-fp16-D128-BN64-softcap-nan-k-q-dout": dict(
+        lengths_q=[20, 9], lengths_k=[65, 9], Hq=1, Hk=1, D=128, dtype="float16",
+        mask="causal_bottom_right", gaps=False, softcap=5.0, block_m=64, block_n=64,
+        nan_in_pad=False, nan={"k": (1, 8), "q": (0, 3), "dout": (0, 5)}),
+    # two consumer warpgroups (BN = 128), D = 128, plan tiles of 128 queries (two chunks each),
+    # GQA 2:1: four chunks per key tile
+    "B2-bf16-D128-BN128-full-gqa": dict(
+        lengths_q=[100, 3], lengths_k=[150, 2], Hq=2, Hk=1, D=128, dtype="bfloat16",
+        mask="full", gaps=True, softcap=0.0, block_m=128, block_n=128, nan_in_pad=True),
+    # deterministic dQ: three key tiles meet each query tile of the long sequence (ranks 0-2,
+    # sequence 1's tiles after sequence 0's slots), two consumer warpgroups hand each column
+    # slice over, GQA 2:1 (the chunks of two query heads per key tile), a softcap
+    "B3-fp16-D64-BN128-deterministic-gqa": dict(
+        lengths_q=[30, 130, 0], lengths_k=[20, 300, 5], Hq=2, Hk=1, D=64, dtype="float16",
+        mask="full", gaps=True, softcap=5.0, block_m=128, block_n=128, nan_in_pad=True,
+        deterministic=True),
+    # two consumer warpgroups at D = 128 (BN = 128) split dQ's columns, each over the dS of the
+    # whole key tile (one reduction per dQ element and chunk), in the ordered mode: three key
+    # tiles meet the long sequence's query tiles; a softcap, GQA 2:1, NaN in a key, a q row
+    # and a dout row
+    "B3-bf16-D128-BN128-deterministic-softcap-nan": dict(
+        lengths_q=[30, 130, 0], lengths_k=[20, 300, 5], Hq=2, Hk=1, D=128, dtype="bfloat16",
+        mask="full", gaps=True, softcap=5.0, block_m=128, block_n=128, nan_in_pad=False,
+        nan={"k": (1, 8), "q": (1, 40), "dout": (1, 50)}, deterministic=True),
+    # deterministic dQ with one consumer warpgroup, D = 128, causal: ranks of a triangle
+    "B2-bf16-D128-BN64-deterministic-causal": dict(
+        lengths_q=[150, 7], lengths_k=[150, 70], Hq=1, Hk=1, D=128, dtype="bfloat16",
+        mask="causal_bottom_right", gaps=False, softcap=0.0, block_m=64, block_n=64,
+        nan_in_pad=False, deterministic=True),
+    # D = 256: two consumer warpgroups share the 64 keys of a tile, each with half the columns
+    # of dK, dV and dQ, in two query subtiles of 32 per chunk; lengths off the subtile (a chunk
+    # of 20 rows: its second subtile empty), GQA 2:1, a softcap, NaN in the pad rows
+    "B3-bf16-D256-softcap-gqa-nan": dict(
+        lengths_q=[20, 0, 75], lengths_k=[70, 3, 40], Hq=2, Hk=1, D=256, dtype="bfloat16",
+        mask="causal_bottom_right", gaps=True, softcap=5.0, block_m=64, block_n=64,
+        nan_in_pad=True),
+    # D = 256, deterministic: three key tiles meet the long sequence's query tiles, and NaN in
+    # a key, a q row and a dout row
+    "B2-fp16-D256-deterministic-nan": dict(
+        lengths_q=[130, 9], lengths_k=[150, 9], Hq=1, Hk=1, D=256, dtype="float16",
+        mask="full", gaps=False, softcap=0.0, block_m=64, block_n=64, nan_in_pad=False,
+        nan={"k": (1, 8), "q": (0, 40), "dout": (0, 50)}, deterministic=True),
+}
+
+# label -> case, with the kernels (`kinds`) that run it
+CASES = {**{k: dict(c, kinds=("fwd", "bwd")) for k, c in BOTH.items()},
+         **{k: dict(c, kinds=("fwd",)) for k, c in FORWARD.items()},
+         **{k: dict(c, kinds=("bwd",)) for k, c in BACKWARD.items()}}
+assert len(CASES) == len(BOTH) + len(FORWARD) + len(BACKWARD), "a label names two cases"
+# every run: (case, kind)
+RUNS = [(label, kind) for label, c in CASES.items() for kind in c["kinds"]]
+
+# the forward pipeline's case: two warpgroups, 1 to 6 chunks, partial chunks with NaN in their
+# boxes, 16 work items (2 of an unused slot) over 3 blocks
+PIPELINE = "B7-bf16-D64-BM128-chunks-1-2-3-6"
+# the persistent loop's case: 21 work items (3 of an unused slot) over 2 blocks
+PERSISTENT = "P6-bf16-D64-BM128-2ctas-gqa-mixed"
+PACKED = "G6-fp16-D64-BM128-pack4-decode-nan-key"
+# the first case, both kinds (the sanitizer's, the smoke run's), and the quick run's: those, the
+# persistent loop and GQA packing
+FIRST = "B4-fp16-D64-BM64-causal-gaps-nan"
+QUICK = [(FIRST, "fwd"), (FIRST, "bwd"), (PERSISTENT, "fwd"), (PACKED, "fwd")]
+# the column of a row's NaN (`nan`), by tensor
+NAN_COLUMN = {"q": 11, "k": 3, "v": 3, "dout": 7}
+
+def _mask(spec, B):
+    """A case's mask: a name, or per sequence: ("mixed",) full, causal and a bottom-right
+    window of 7 keys in turn; ("window",) windows of 20 keys (top-left) and 200 keys
+    (bottom-right) in turn."""
+    import varlen
+    if spec == ("window",):
+        return varlen.Mask(window_left=np.array([20, 200] * B, np.int32)[:B],
+                           window_right=np.zeros(B, np.int32),
+                           bottom_right=np.array([0, 1] * B, np.int32)[:B])
+    if spec != ("mixed",):
+        return spec
+    return varlen.Mask(window_left=np.array([-1, -1, 7] * B, np.int32)[:B],
+                       window_right=np.array([-1, 0, 0] * B, np.int32)[:B],
+                       bottom_right=np.array([0, 0, 1] * B, np.int32)[:B])
+
+
+def _row(b, side, seq, i):
+    """Packed row of position i (-1: the last) of sequence `seq` on side "q" or "k"."""
+    cu, off = (b.cu_q, b.off_q) if side == "q" else (b.cu_k, b.off_k)
+    if i < 0:
+        i += int(cu[seq + 1] - cu[seq])
+    return int((cu if off is None else off)[seq]) + i
+
+
+def batch(c):
+    """The packed batch of case `c`, NaN in it where the case says (q's NaN aside)."""
+    from varlen.testing import covered_rows, make_batch
+    b = make_batch(np.random.default_rng(0), c["lengths_q"], c["lengths_k"], Hq=c["Hq"],
+                   Hk=c["Hk"], D=c["D"], dtype=c["dtype"], mask=_mask(c["mask"],
+                                                                      len(c["lengths_q"])),
+                   gaps=c["gaps"])
+    if c["nan_in_pad"]:
+        # every row outside a sequence (pad gaps, rows past the last one) holds NaN: a TMA box
+        # that reads them must not let them reach a visible score, a P V product or a gradient
+        rows_k, rows_q = covered_rows(b, "k"), covered_rows(b, "q")
+        for name, rows in (("k", rows_k), ("v", rows_k), ("q", rows_q), ("dout", rows_q)):
+            getattr(b, name)[~rows] = np.nan
+    for name, (seq, i) in c.get("nan", {}).items():
+        if name != "q":
+            getattr(b, name)[_row(b, "k" if name in "kv" else "q", seq, i), 0,
+                             NAN_COLUMN[name]] = np.nan
+    return b
+
+
+def plan_of(c, b):
+    import varlen
+    return varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
+                       block_m=c["block_m"], block_n=c.get("block_n", 64))
+
+
+def _nan_pattern(label, got, want):
+    bad = np.isnan(want)
+    assert np.array_equal(np.isnan(got), bad), (
+        f"{label}: NaN pattern differs: {int(np.isnan(got).sum())} NaN, {int(bad.sum())} "
+        f"expected, first wrong rows {np.unique(np.argwhere(np.isnan(got) != bad)[:, 0])[:8]}")
+    return np.where(bad, 0.0, got), np.where(bad, 0.0, want)
+
+
+def _forward(label, c, plan, args, runtime):
+    """The forward of case `c` (pack as the case says): (out, lse)."""
+    from varlen.backends.cupy import sm90
+    pack, chosen = c.get("pack", 1), c.get("pack")
+    if pack == "auto":
+        chosen, pack = None, sm90.pack_for(plan, args[1].shape[0], c["Hq"], c["Hk"],
+                                           c["block_m"])
+        assert pack == c["expect_pack"], (label, pack, c["expect_pack"])
+    out_lse = sm90.forward(plan, *args[1:4], pack=chosen, softmax_scale=1.0 / math.sqrt(c["D"]),
+                           softcap=c["softcap"])
+    if runtime is not None:
+        # one launch of min(work items, SMs) blocks: with fewer SMs than items, blocks loop;
+        # packed, over the plan of block_m / pack query rows, a work item per group of heads
+        kplan = sm90.packed_plan(plan, pack)
+        assert kplan.block_m == c["block_m"] // pack, (label, kplan.block_m)
+        items = kplan.num_q_tiles * (c["Hq"] // pack)
+        assert runtime.grids == [(max(1, min(items, runtime.sm_count())), 1)], (
+            label, runtime.grids, items)
+    return out_lse
+
+
+def run_case(label: str, kind: str, device: bool = False) -> float:
+    """Runs case `label` through the emulated sm_90a kernel of `kind` ("fwd" or "bwd"; on a
+    Hopper GPU with `device`: float16 cases only); raises AssertionError on a mismatch. Returns
+    the seconds the kernel's pass took. A backward prints the digest of its gradients' bits."""
+    import varlen
+    from varlen.backends.cupy import sm90
+    from varlen.testing import assert_close, assert_lse, covered_rows, naive_same_dtype
+    c = CASES[label]
+    assert kind in c["kinds"], f"{label} is a case of {c['kinds']}"
+    runtime = None
+    if not device:
+        import emulation.cupy
+        import emulation.sm90
+        emulation.cupy.install_fake_cupy(c["block_m"])
+        runtime = emulation.sm90.install(c.get("ctas", emulation.sm90.EMULATED_SM_COUNT))
+    b = batch(c)
+    plan = plan_of(c, b)
+    why = varlen.backends.get("cupy:sm90a").runs(kind, plan, b.q, c["softcap"])
+    assert why is None, f"{label}: cupy:sm90a has no {kind} variant for it: {why}"
+    kw = dict(softmax_scale=1.0 / math.sqrt(c["D"]), softcap=c["softcap"])
+    ref_out, ref_lse = (np.asarray(x) for x in b.ref_forward(**kw))
+    # the tolerances' scale: a same-dtype computation's error (the naive computation lets a
+    # NaN value row reach the rows that hide it: 0 x NaN)
+    naive = naive_same_dtype(b, **kw)
+    naive_err = float(np.max(np.abs(naive - ref_out)[np.isfinite(naive) & np.isfinite(ref_out)],
+                             initial=0.0))
+    # a backward is given out and lse of the reference, which carry a NaN of the forward to the
+    # query rows
+    out, lse = ref_out.astype(b.q.dtype), ref_lse.astype(np.float32)
+    if kind == "bwd" and c.get("deterministic"):
+        ranks = _ranks(plan)
+        assert ranks.max() >= 2, f"{label}: at most {ranks.max() + 1} key tiles per query tile"
+    if "q" in c.get("nan", {}):
+        b.q[_row(b, "q", *c["nan"]["q"]), 0, NAN_COLUMN["q"]] = np.nan
+    args = [b.dout, b.q, b.k, b.v, out, lse]
+    if device:
+        import cupy
+        args = [cupy.asarray(a) for a in args]
+    t0 = time.perf_counter()
+    if kind == "fwd":
+        got = _forward(label, c, plan, args, runtime)
+    else:
+        got = sm90.backward(plan, *args, deterministic=c.get("deterministic", False), **kw)
+    if device:
+        cupy.cuda.Device().synchronize()
+        got = tuple(cupy.asnumpy(g) for g in got)
+    seconds = time.perf_counter() - t0
+    got = [np.asarray(g).astype(np.float64) for g in got]
+    if kind == "fwd":
+        got_out, want_out = _nan_pattern(f"{label} out", got[0], ref_out)
+        got_lse, want_lse = _nan_pattern(f"{label} lse", got[1], ref_lse)
+        assert_close(f"{label} out", got_out, want_out, dtype=c["dtype"], naive_err=naive_err)
+        assert_lse(f"{label} lse", got_lse, want_lse, dtype=c["dtype"])
+        return seconds
+    # the gradients' bits, for the comparison between schedules
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(g).tobytes() for g in got))
+    print("digest", label, digest.hexdigest()[:16], flush=True)
+    # check_against_reference's tolerances: a same-dtype computation's error, relative to each
+    # gradient's scale
+    amax_out = float(np.max(np.abs(ref_out[np.isfinite(ref_out)]), initial=0.0))
+    dout_ok = np.where(covered_rows(b)[:, None, None] & np.isfinite(b.dout.astype(np.float64)),
+                       b.dout.astype(np.float64), 0.0)
+    magnitude = amax_out * float(np.max(np.abs(dout_ok), initial=0.0))
+    rel = naive_err / max(amax_out, 1e-30)
+    for name, g, want in zip(("dq", "dk", "dv"), got, b.ref_backward(out=out, lse=lse, **kw)):
+        g, want = _nan_pattern(f"{label} {name}", g, np.asarray(want))
+        assert_close(f"{label} {name}", g, want, dtype=c["dtype"],
+                     naive_err=rel * max(float(np.max(np.abs(want), initial=0.0)), 1e-30),
+                     factor=3.0, floor=16.0, magnitude=magnitude)
+    return seconds
+
+
+def _ranks(plan):
+    """Key tiles per used query tile, minus one: the highest rank of an ordered dQ addition."""
+    sched = np.asarray(plan.q_sched)
+    used = np.asarray(plan.q_tiles)[:, 0] >= 0
+    return (sched[..., 3] - sched[..., 0]).sum(-1)[used] - 1
+
+
+def parse(arg: str) -> list:
+    """The runs `arg` names: LABEL (each kind of the case) or LABEL:KIND."""
+    label, _, kind = arg.partition(":")
+    return [(label, k) for k in (CASES[label]["kinds"] if not kind else (kind,))]
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        for label, kind in parse(arg):
+            print("ok", f"{label}:{kind}", f"{run_case(label, kind):.1f} s", flush=True)
