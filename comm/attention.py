@@ -555,7 +555,7 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
         softmax_scale: default `1/sqrt(D)`. softcap: as in `varlen.attention_forward`.
         method: `"ring"` (K/V travel the ring, overlapped with compute), `"allgather"` (K/V
             gathered once) or `"ulysses"` (all-to-all over heads; `Hq % cp_size == 0`).
-        backend: `"numpy"`, `"numba"`, `"cupy"` or None (as in the single-process API).
+        backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (as in the single-process API).
         plan: this rank's step plans, `varlen.comm.plan(part, group.rank, ...)`, built once
             and passed to every layer. Default: the partition's cached plans for this rank,
             mask, method and backend tiles (built on first use; a mask with device arrays is

@@ -42,7 +42,7 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
     """Attention over a packed variable-length batch. Returns `(out, lse)`.
 
     Args:
-        q: `[Tq, Hq, D]` float16, bfloat16, float32 (or float64 on the NumPy backend).
+        q: `[Tq, Hq, D]` float16, bfloat16, float32 (or float64 on the host backends).
         k: `[Tk, Hk, D]`, same dtype; `Hq % Hk == 0` (query head h reads key head
             `h // (Hq // Hk)`: GQA/MQA).
         v: `[Tk, Hk, Dv]`, same dtype.
@@ -65,7 +65,9 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
         softcap: if > 0, scores become `softcap * tanh(scores / softcap)`.
         max_seqlen_q, max_seqlen_k: optional upper bounds on the lengths (host ints); they
             shrink the tile table and are checked when validation is on.
-        backend: `"numpy"`, `"numba"`, `"cupy"` or None (the fastest that supports the call).
+        backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (the fastest that supports the
+            call: `"cpu"` for host float16/bfloat16/float32 data when its BLAS tile products are
+            usable, else `"numpy"`; docs/api.md).
         plan: a `varlen.plan(...)` for this layout and mask, reused across calls and layers.
 
     Returns:
@@ -94,7 +96,7 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
         dout: `[Tq, Hq, Dv]`, the gradient of the output, q's dtype.
         out, lse: what `attention_forward` returned for these inputs.
         deterministic: bitwise-repeatable accumulation of dQ (device backends use atomics
-            otherwise; the NumPy backend is always deterministic).
+            otherwise; the host backends are always deterministic).
         The other arguments are those of `attention_forward`, with the same values.
 
     Padding rows get zero gradients; so do queries with no visible key, and keys no query sees.

@@ -239,8 +239,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         softcap: float; when > 0, scores go through `softcap * tanh(scores / softcap)`.
         max_seqlen_q, max_seqlen_k: optional ints bounding the lengths (smaller tile tables;
             checked when validation is on).
-        backend: `"numpy"`, `"numba"`, `"cupy"` or None (NumPy for CPU tensors, the fastest
-            GPU backend for CUDA tensors).
+        backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (for CPU tensors `"cpu"` when
+            its BLAS tile products are usable, else `"numpy"`, and `"numpy"` for float64; the
+            fastest GPU backend for CUDA tensors; docs/api.md).
         deterministic: bool, bitwise-repeatable backward (device backends accumulate dQ with
             atomics otherwise).
         plan: optional `varlen.plan(...)` of this layout and mask, reused across calls and

@@ -9,7 +9,8 @@ the caller as they are. Traced, forward and backward are each one opaque call ch
 platform when the computation is lowered (`jax.lax.platform_dependent`):
 
 * CPU (and any platform without CUDA): `jax.pure_callback` hands NumPy views of the operands to
-  `varlen.attention_forward` / `varlen.attention_backward` (NumPy backend by default).
+  `varlen.attention_forward` / `varlen.attention_backward` (the `cpu` backend by default, or
+  `numpy` for float64 and without the `[cpu]` extra).
 * CUDA: `jax.experimental.buffer_callback` hands XLA's device buffers and stream to the callback;
   the operands become CuPy arrays through DLPack on that stream, the GPU backend runs on it, and
   the results are copied into XLA's output buffers on it. Nothing waits on the host.
@@ -313,8 +314,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         softmax_scale: float multiplying `q @ k^T`; None means `1/sqrt(D)`.
         softcap: float; above 0 the scores become `softcap * tanh(scores / softcap)`.
         max_seqlen_q, max_seqlen_k: optional Python ints bounding the lengths.
-        backend: `"numpy"`, `"numba"`, `"cupy"` or None (NumPy on the CPU, the fastest GPU
-            backend on CUDA).
+        backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (on the CPU `"cpu"` when its
+            BLAS tile products are usable, else `"numpy"`, and `"numpy"` for float64; the
+            fastest GPU backend on CUDA; docs/api.md).
         deterministic: bool, bitwise-repeatable backward.
         plan: optional `varlen.plan(...)` of this layout and mask, reused across calls and
             layers; a static argument (a new Plan object is a new trace under `jax.jit`).

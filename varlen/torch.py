@@ -12,7 +12,8 @@ hold no attention math. The wrapper only turns its arguments into what the op sc
 implementations run the setup step's data-free checks, so a bad call fails while
 `torch.compile(fullgraph=True)` traces it, and give the output shapes and dtypes.
 
-CPU tensors run on the NumPy backend (zero-copy through `Tensor.numpy()`); CUDA tensors on the
+CPU tensors run on a host backend, `cpu` by default (`numpy` for float64 or without the `[cpu]`
+extra), zero-copy through `Tensor.numpy()`; CUDA tensors on the
 fastest GPU backend, on the tensor's device and PyTorch's current stream (which the core API
 makes CuPy's current stream), so the call is ordered with the surrounding PyTorch work and never
 synchronises the host. See `docs/frameworks.md`.
