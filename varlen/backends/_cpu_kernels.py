@@ -45,6 +45,9 @@ LN2 = 0.6931471805599453            # ln(2)
 EXP2_FLOOR = -127.0
 # tanh(|x|) rounds to 1 in float32 and float64 beyond this.
 TANH_CLAMP = 20.0
+# Keys whose probabilities the forward sums in the working dtype before it adds them to the
+# softmax denominator, kept in float64 (docs/cpu_backend.md, "Accuracy").
+L_BLOCK = 16
 # Fast-math flags: FMA contraction, reciprocals and signed zeros only. No `nnan`/`ninf` (masked
 # scores are -inf, and the non-finite rules must hold) and no `reassoc` (summation order fixed).
 FASTMATH = {"contract", "arcp", "nsz"}
@@ -162,9 +165,22 @@ def _xgemm(typingctx, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, l
 _N, _T = ord("N"), ord("T")
 
 
-# Products too small for a BLAS call (or no BLAS) take one strided loop nest. Like BLAS, it
-# forms the product from zero and adds it to `c` once, so an accumulator is rounded once per
-# product.
+# Products too small for a BLAS call (or no BLAS) take loop nests. Like BLAS, they form the
+# product from zero and add it to `c` once, so an accumulator is rounded once per product.
+#
+# The inner dimension of a product is cut into chunks of at most KBLOCK, each added into `c`
+# in turn: a float32 sum runs sequentially along it (BLAS's micro-kernels and the loops
+# alike), and its rounding error grows with its length (docs/cpu_backend.md, "Accuracy").
+KBLOCK = 128
+# `mm_nt` (the scores, forward and backward) sends products of at most this many
+# multiply-adds to its loops even where BLAS is used: BLAS libraries run small products
+# through kernels that sum in another order than their large ones (OpenBLAS's Skylake-X
+# kernels for this transpose up to M * N = 1200, its SVE kernels up to 64^3), and the
+# backward's scores must be bitwise the forward's, which are formed in products of other
+# shapes (docs/cpu_backend.md, "Accuracy"). The loops and a large BLAS product both form each
+# element as one FMA chain along the inner dimension.
+NT_LOOPS_MAX = 64 ** 3
+
 
 @kernel(fastmath=FASTMATH)
 def _mm_loops(a, a_i, a_k, b, b_k, b_j, c, M, N, K, beta):
@@ -178,15 +194,42 @@ def _mm_loops(a, a_i, a_k, b, b_k, b_j, c, M, N, K, beta):
             c[i, j] = c[i, j] + acc if beta != 0 else acc
 
 
+@kernel(fastmath=FASTMATH)
+def _mm_nt_loops(a, b, c, k0, kn, beta, bt):
+    """`c[M, N] = a[:, k0:k0 + kn] @ b[:, k0:k0 + kn].T (+ c if beta)`, with `b`'s chunk
+    transposed into the scratch `bt` (at least `(kn + 1) * N`) so that a row of `c` is formed
+    by vector FMAs along it, one chain per element along k (as `_mm_loops` forms it)."""
+    M, N = c.shape
+    t = bt[:kn * N].reshape(kn, N)                           # [kn, N]
+    for j in range(N):
+        for k in range(kn):
+            t[k, j] = b[j, k0 + k]
+    acc = bt[kn * N:kn * N + N]
+    for i in range(M):
+        row = acc if beta != 0 else c[i]
+        fill(row, 0, N, 0)
+        for k in range(kn):
+            x, tk = a[i, k0 + k], t[k]
+            for j in range(N):
+                row[j] += x * tk[j]
+        if beta != 0:
+            out = c[i]
+            for j in range(N):
+                out[j] = out[j] + acc[j]
+
+
 @kernel(cache=True)
-def mm_nt(a, b, c, beta, blas_min):
-    """Row-major `c[M, N] = a[M, K] @ b[N, K].T (+ c if beta)`; contiguous operands."""
+def mm_nt(a, b, c, beta, blas_min, bt):
+    """Row-major `c[M, N] = a[M, K] @ b[N, K].T (+ c if beta)`; contiguous operands, `bt`
+    scratch of at least `(KBLOCK + 1) * N` (`_mm_nt_loops`)."""
     M, K = a.shape
     N = b.shape[0]
-    if M * N * K >= blas_min:
-        _xgemm(_T, _N, N, M, K, 1.0, b, K, a, K, beta, c, N)
-    elif M > 0 and N > 0:
-        _mm_loops(a.ravel(), K, 1, b.ravel(), 1, K, c, M, N, K, beta)
+    for k0 in range(0, max(K, 1), KBLOCK):
+        kn, bk = min(KBLOCK, K - k0), beta if k0 == 0 else 1.0
+        if M * N * kn >= blas_min and M * N * kn > NT_LOOPS_MAX:
+            _xgemm(_T, _N, N, M, kn, 1.0, b[:, k0:], K, a[:, k0:], K, bk, c, N)
+        elif M > 0 and N > 0:
+            _mm_nt_loops(a, b, c, k0, kn, bk, bt)
 
 
 @kernel(cache=True)
@@ -194,10 +237,12 @@ def mm_nn(a, b, c, beta, blas_min):
     """Row-major `c[M, N] = a[M, K] @ b[K, N] (+ c if beta)`; contiguous operands."""
     M, K = a.shape
     N = b.shape[1]
-    if M * N * K >= blas_min:
-        _xgemm(_N, _N, N, M, K, 1.0, b, N, a, K, beta, c, N)
-    elif M > 0 and N > 0:
-        _mm_loops(a.ravel(), K, 1, b.ravel(), N, 1, c, M, N, K, beta)
+    for k0 in range(0, max(K, 1), KBLOCK):
+        kn, bk = min(KBLOCK, K - k0), beta if k0 == 0 else 1.0
+        if M * N * kn >= blas_min:
+            _xgemm(_N, _N, N, M, kn, 1.0, b[k0:], N, a[:, k0:], K, bk, c, N)
+        elif M > 0 and N > 0:
+            _mm_loops(a.ravel()[k0:], K, 1, b.ravel()[k0 * N:], N, 1, c, M, N, kn, bk)
 
 
 @kernel(cache=True)
@@ -205,10 +250,12 @@ def mm_tn(a, b, c, beta, blas_min):
     """Row-major `c[M, N] = a[K, M].T @ b[K, N] (+ c if beta)`; contiguous operands."""
     K, M = a.shape
     N = b.shape[1]
-    if M * N * K >= blas_min:
-        _xgemm(_N, _T, N, M, K, 1.0, b, N, a, M, beta, c, N)
-    elif M > 0 and N > 0:
-        _mm_loops(a.ravel(), 1, M, b.ravel(), N, 1, c, M, N, K, beta)
+    for k0 in range(0, max(K, 1), KBLOCK):
+        kn, bk = min(KBLOCK, K - k0), beta if k0 == 0 else 1.0
+        if M * N * kn >= blas_min:
+            _xgemm(_N, _T, N, M, kn, 1.0, b[k0:], N, a[k0:], M, bk, c, N)
+        elif M > 0 and N > 0:
+            _mm_loops(a.ravel()[k0 * M:], 1, M, b.ravel()[k0 * N:], N, 1, c, M, N, kn, bk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,11 +446,10 @@ def visible_pairs(pv, i, j, b):
 # would cost more than it saves on small calls and little on large ones.
 
 @kernel(parallel=True, cache=True)
-def pack_rows(x, G, scale, out, flag):
-    """`x [T, Hk * G, d] * scale` -> `out [Hk, T * G, d]` (working dtype) and
-    `flag [Hk, T * G]`. Rows in parallel: each writes only its own elements."""
+def pack_rows(x, G, out, flag):
+    """`x [T, Hk * G, d]` -> `out [Hk, T * G, d]` (working dtype) and `flag [Hk, T * G]`.
+    Rows in parallel: each writes only its own elements."""
     T, H, d = x.shape
-    w = like(out, scale)
     for t in prange(T):
         for h in range(H):
             kh, g = h // G, h % G
@@ -413,16 +459,17 @@ def pack_rows(x, G, scale, out, flag):
                 v = x[t, h, e]
                 ok = np.isfinite(v)
                 bad |= not ok
-                out[kh, r, e] = v * w if ok else like(out, 0.0)
+                out[kh, r, e] = v if ok else like(out, 0.0)
             flag[kh, r] = bad
 
 
 @kernel(parallel=True, cache=True)
-def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, flag):
+def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, lse2_lo, flag):
     """Backward query side: `dout_w [Hk, Tq * G, Dv]` as `pack_rows`, `delta = rowsum(dO * O)`,
-    `lse2 = lse * log2(e)` (`+inf` where lse is not finite, so such a row's P is 0), and
-    `flag` raised where dout, out or lse of the row is not finite (OR-ed into `flag`). Rows in
-    parallel, each summed in a fixed order."""
+    `lse * log2(e)` as the working-dtype pair `lse2 + lse2_lo` (the product in float64, split;
+    `lse2 = +inf` where lse is not finite, so such a row's P is 0), and `flag` raised where
+    dout, out or lse of the row is not finite (OR-ed into `flag`). Rows in parallel, each
+    summed in a fixed order."""
     T, H, d = dout.shape
     for t in prange(T):
         for h in range(H):
@@ -440,9 +487,12 @@ def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, flag):
             delta[kh, r] = acc
             s = lse[h, t]
             if np.isfinite(s):
-                lse2[kh, r] = s * LOG2E
+                x = np.float64(s) * LOG2E
+                lse2[kh, r] = x
+                lse2_lo[kh, r] = x - np.float64(lse2[kh, r])
             else:
                 lse2[kh, r] = np.inf
+                lse2_lo[kh, r] = 0
                 bad = True
             if bad:
                 flag[kh, r] = True
@@ -483,9 +533,9 @@ def fill(x, start, stop, value):
 
 @kernel(fastmath=FASTMATH)
 def _scores_pass(S, n, lo, hi, c, cap, tile_max):
-    """Scores in the log2 domain in `S[:n]` (under softcap `cap * tanh(s * c)`; without, Q was
-    packed times `c` and they are already), -inf outside each key's rows `[lo[j], hi[j])`;
-    `tile_max` gets the per-row maximum."""
+    """Scores in the log2 domain in `S[:n]` from the products `s = q . k`: `cap * tanh(s * c)`
+    under softcap, else `s * c`; -inf outside each key's rows `[lo[j], hi[j])`; `tile_max`
+    gets the per-row maximum."""
     # Loops run over views from 0 so that Numba's index wraparound folds away and they vectorise.
     for j in range(n):
         a, z = lo[j], hi[j]
@@ -499,8 +549,11 @@ def _scores_pass(S, n, lo, hi, c, cap, tile_max):
                 seg[i] = x
                 top[i] = max(top[i], x)
         else:
-            for i in range(seg.size):                      # scores came scaled (Q packed * c)
-                top[i] = max(top[i], seg[i])
+            cw = like(S, c)
+            for i in range(seg.size):
+                x = seg[i] * cw
+                seg[i] = x
+                top[i] = max(top[i], x)
 
 
 @kernel
@@ -557,13 +610,15 @@ def trim(lo, hi, n):
 
 
 @kernel(fastmath=FASTMATH)
-def _forward_product(Qb, Kb, Vb, O, m, l, tmax, lo, hi, S_buf, c, cap, blas_min):
+def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap, blas_min):
     """One product of the online softmax (FlashAttention-2, Alg. 1, lines 6-10), in the log2
     domain: the rows of `Qb [R, D]` against keys `Kb [n, D]` whose visible rows are
-    `[lo[j], hi[j])`; updates `O [R, Dv]`, the running max `m` and sum `l`."""
+    `[lo[j], hi[j])`; updates `O [R, Dv]`, the running max `m` and the float64 sum `l`
+    (`lp`: scratch for the partial sums of L_BLOCK keys, zero on entry and on exit; `T_buf`:
+    `mm_nt`'s)."""
     n, R = Kb.shape[0], Qb.shape[0]
     S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major scores
-    mm_nt(Kb, Qb, S, 0.0, blas_min)
+    mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)
     fill(tmax, 0, R, -np.inf)
     _scores_pass(S, n, lo, hi, c, cap, tmax)
     zero = like(O, 0.0)
@@ -582,16 +637,21 @@ def _forward_product(Qb, Kb, Vb, O, m, l, tmax, lo, hi, S_buf, c, cap, blas_min)
         for i in range(R):
             p = exp2(row[i] - tmax[i])
             row[i] = p
-            l[i] += p
+            lp[i] += p
+        if j % L_BLOCK == L_BLOCK - 1 or j == n - 1:
+            for i in range(R):
+                l[i] += lp[i]
+                lp[i] = 0
     mm_tn(S, Vb, O, 1.0, blas_min)
 
 
 @kernel
-def _reset_rows(O_buf, m, l, row_flag, R, Dv):
-    """Clear a forward item's running output, max, sum and flags for `R` stacked rows."""
+def _reset_rows(O_buf, m, l, lp, row_flag, R, Dv):
+    """Clear a forward item's running output, max, sums and flags for `R` stacked rows."""
     fill(O_buf, 0, R * Dv, 0)
     fill(m, 0, R, -np.inf)
     fill(l, 0, R, 0)
+    fill(lp, 0, R, 0)
     fill(row_flag, 0, R, False)
 
 
@@ -640,7 +700,7 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
     its own, cut to the keys and the rows that hold a visible pair (`trim`).
     `c`, `cap`: see `_scores_pass`. `ws` is the worker's scratch (`forward_scratch`).
     """
-    S_buf, O_buf, m, l, tmax, row_flag, lo, hi = ws
+    S_buf, O_buf, m, l, lp, tmax, row_flag, lo, hi, T_buf = ws
     Hk = Kw.shape[0]
     Dv = Vw.shape[2]
     G = out.shape[1] // Hk
@@ -653,7 +713,7 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
     R = rows * G
     Qb = Qw[kh, t0 * G:(t0 + rows) * G]                      # [R, D]
     O = O_buf[:R * Dv].reshape(R, Dv)                       # [R, Dv]
-    _reset_rows(O_buf, m, l, row_flag, R, Dv)
+    _reset_rows(O_buf, m, l, lp, row_flag, R, Dv)
     shift = shift_of(pv, b)
     left, right = pv.window_left[b], pv.window_right[b]
     for r in range(pv.mk):
@@ -672,19 +732,21 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
             j0 = pv.k_row[b, r] + off + ja
             jn = jz - ja
             _forward_product(Qb[ra:rz], Kw[kh, j0:j0 + jn], Vw[kh, j0:j0 + jn], O[ra:rz],
-                             m[ra:rz], l[ra:rz], tmax[ra:rz], lo, hi, S_buf, c, cap, blas_min)
+                             m[ra:rz], l[ra:rz], lp[ra:rz], tmax[ra:rz], lo, hi, S_buf, T_buf,
+                             c, cap, blas_min)
             _flag_keys(row_flag[ra:rz], k_cum[kh], j0, jn, lo, hi)
     _write_rows(out, lse, O, m, l, q_flag[kh], row_flag, kh, t0, rows, G)
 
 
 @kernel(cache=True)
 def forward_scratch(dtype_probe, rows_max, keys_max, Dv):
-    """One worker's scratch for `forward_tile`: `(S, O, m, l, tile max, row flags, lo, hi)`."""
+    """One worker's scratch for `forward_tile`: `(S, O, m, l (float64), partial sums,
+    tile max, row flags, lo, hi, mm_nt's)`."""
     dt = dtype_probe.dtype
     return (np.empty(keys_max * rows_max, dt), np.empty(rows_max * Dv, dt),
-            np.empty(rows_max, dt), np.empty(rows_max, dt), np.empty(rows_max, dt),
-            np.zeros(rows_max, np.bool_), np.zeros(keys_max, np.int64),
-            np.zeros(keys_max, np.int64))
+            np.empty(rows_max, dt), np.empty(rows_max, np.float64), np.empty(rows_max, dt),
+            np.empty(rows_max, dt), np.zeros(rows_max, np.bool_), np.zeros(keys_max, np.int64),
+            np.zeros(keys_max, np.int64), np.empty((KBLOCK + 1) * rows_max, dt))
 
 
 @kernel(parallel=True, cache=True)
@@ -711,11 +773,14 @@ def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c
 REDUCE_ROWS = 256
 
 @kernel(fastmath=FASTMATH)
-def _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale):
-    """`S <- P = 2^(s - lse2)` and `dP <- dS = P (dP - delta) scale` (times `1 - tanh^2`
-    under softcap), both 0 outside each key's rows `[lo[j], hi[j])`
-    (FlashAttention-2, Alg. 2, lines 11-14); scores as in `_scores_pass`."""
+def _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one, c, cap, scale):
+    """`S <- P = 2^(s - lse2 - lse2_lo)` and `dP <- dS = P (dP - delta) scale` (times
+    `1 - tanh^2` under softcap), both 0 outside each key's rows `[lo[j], hi[j])`
+    (FlashAttention-2, Alg. 2, lines 11-14); scores as in `_scores_pass`. A row that sees one
+    key in its whole sequence (`one`) has the softmax of one score: P = 1 and dS = 0 exactly
+    (dP - delta cancels only to rounding when delta = rowsum(dO * O) is formed apart)."""
     sw = like(S, scale)
+    zero, unit = like(S, 0.0), like(S, 1.0)
     for j in range(n):
         a, z = lo[j], hi[j]
         s_row, d_row = S[j], dP[j]
@@ -723,47 +788,52 @@ def _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale):
         fill(s_row, z, s_row.size, 0)
         fill(d_row, 0, a, 0)
         fill(d_row, z, d_row.size, 0)
-        ps, ds, l2, dl = s_row[a:z], d_row[a:z], lse2[a:z], delta[a:z]
+        ps, ds, l2, l2lo = s_row[a:z], d_row[a:z], lse2[a:z], lse2_lo[a:z]
+        dl, single = delta[a:z], one[a:z]
         if cap > 0:
             for i in range(ps.size):
                 x, sech2 = softcap_score(ps[i], c, cap)
-                p = exp2(x - l2[i])
+                p = exp2((x - l2[i]) - l2lo[i])
+                p = unit if single[i] else p
                 ps[i] = p
-                ds[i] = p * (ds[i] - dl[i]) * (sech2 * sw)
+                ds[i] = zero if single[i] else p * (ds[i] - dl[i]) * (sech2 * sw)
         else:
-            for i in range(ps.size):                       # scores came scaled (Q packed * c)
-                p = exp2(ps[i] - l2[i])
+            cw = like(S, c)
+            for i in range(ps.size):
+                p = exp2((ps[i] * cw - l2[i]) - l2lo[i])
+                p = unit if single[i] else p
                 ps[i] = p
-                ds[i] = p * (ds[i] - dl[i]) * sw
+                ds[i] = zero if single[i] else p * (ds[i] - dl[i]) * sw
 
 
 @kernel(fastmath=FASTMATH)
-def _backward_product(Qb, dOb, Kb, Vb, lse2, delta, dQ, dK, dV, lo, hi, S_buf, P_buf, c, cap,
-                      scale, blas_min):
+def _backward_product(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one, dQ, dK, dV, lo, hi, S_buf,
+                      P_buf, T_buf, c, cap, scale, blas_min):
     """One pass over a (key tile, query rows) pair (FlashAttention-2, Alg. 2, lines 8-15):
     the rows of `Qb [R, D]`, `dOb [R, Dv]` against keys `Kb [n, D]`, `Vb [n, Dv]` with visible
     rows `[lo[j], hi[j])`; adds the pair's share to `dQ [R, D]`, `dK [n, D]`, `dV [n, Dv]`."""
     n, R = Kb.shape[0], Qb.shape[0]
     S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major
     dP = P_buf[:n * R].reshape(n, R)
-    mm_nt(Kb, Qb, S, 0.0, blas_min)
-    mm_nt(Vb, dOb, dP, 0.0, blas_min)
-    _grad_pass(S, dP, n, lo, hi, lse2, delta, c, cap, scale)
+    mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)                  # the forward's scores, bitwise
+    mm_nt(Vb, dOb, dP, 0.0, blas_min, T_buf)
+    _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one, c, cap, scale)
     mm_nn(S, dOb, dV, 1.0, blas_min)                        # dV += P dO
     mm_nn(dP, Qb, dK, 1.0, blas_min)                        # dK += dS Q
     mm_tn(dP, Kb, dQ, 1.0, blas_min)                        # dQ += dS^T K
 
 
 @kernel(cache=True, fastmath=FASTMATH)
-def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum,
-                  k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan, ws):
+def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one, q_flag,
+                  k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan,
+                  dk_nan, ws):
     """Part `item // Hk` (`parts` row: sequence, key tile slots `[s0, s1)`, partial, shift,
     stacked rows `[r0, r1)`), key head `item % Hk`: for each of its key tiles and the query
     tiles of its transposed schedule, `qstep` at a time, cut to the keys and rows that hold a
     visible pair (`trim`), one pass gives the pair's dV, dK and dQ contributions, accumulated
     in place in a fixed order: the part owns its dK/dV rows, and its dQ rows too (in dQ, or
     for a partial part in `dq_part` at `row + shift`, zeroed here first)."""
-    S_buf, P_buf, lo, hi = ws
+    S_buf, P_buf, lo, hi, T_buf = ws
     Hk = Kw.shape[0]
     G = dQ.shape[1] // max(pv.rows_q, 1)
     BM = pv.block_m
@@ -801,9 +871,10 @@ def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag, 
                     continue
                 i0, i1, k0, k1 = t0 * G + ra, t0 * G + rz, j0 + ja, j0 + jz
                 _backward_product(Qw[kh, i0:i1], dOw[kh, i0:i1], Kw[kh, k0:k1], Vw[kh, k0:k1],
-                                  lse2[kh, i0:i1], delta[kh, i0:i1], acc[i0 + shift:i1 + shift],
-                                  dK[kh, k0:k1], dV[kh, k0:k1], lo, hi, S_buf, P_buf, c, cap,
-                                  scale, blas_min)
+                                  lse2[kh, i0:i1], lse2_lo[kh, i0:i1], delta[kh, i0:i1],
+                                  one[i0:i1], acc[i0 + shift:i1 + shift], dK[kh, k0:k1],
+                                  dV[kh, k0:k1], lo, hi, S_buf, P_buf, T_buf, c, cap, scale,
+                                  blas_min)
                 if k_cum[kh, k1] != k_cum[kh, k0] or q_cum[kh, i1] != q_cum[kh, i0]:
                     for j in range(k1 - k0):
                         for i in range(lo[j], hi[j]):
@@ -813,8 +884,8 @@ def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag, 
 
 
 @kernel(parallel=True, cache=True)
-def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum,
-             k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan):
+def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one, q_flag,
+             k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan):
     """Every item of `order` (longest first) on `nw` workers: see `backward_item` (the
     launcher then adds the dQ partials, `reduce_partials`)."""
     counter = np.zeros(1, np.int64)
@@ -823,9 +894,9 @@ def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag, 
         ws = backward_scratch(Qw, rows_max, pv.block_n)
         t = fetch_add(counter, 0, 1)
         while t < order.size:
-            backward_item(pv, order[t], qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, q_flag,
-                          k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV,
-                          dq_nan, dk_nan, ws)
+            backward_item(pv, order[t], qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
+                          one, q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ,
+                          dq_part, dK, dV, dq_nan, dk_nan, ws)
             t = fetch_add(counter, 0, 1)
 
 
@@ -855,19 +926,19 @@ def reduce_partials(parts, dQ, dq_part):
 
 @kernel(cache=True)
 def backward_scratch(dtype_probe, rows_max, block_n):
-    """One worker's scratch for `backward_item`: `(S, dP, lo, hi)`."""
+    """One worker's scratch for `backward_item`: `(S, dP, lo, hi, mm_nt's)`."""
     size = block_n * rows_max
     return (np.empty(size, dtype_probe.dtype), np.empty(size, dtype_probe.dtype),
-            np.zeros(block_n, np.int64), np.zeros(block_n, np.int64))
+            np.zeros(block_n, np.int64), np.zeros(block_n, np.int64),
+            np.empty((KBLOCK + 1) * rows_max, dtype_probe.dtype))
 
 
 @kernel(parallel=True, cache=True)
-def unpack_rows(acc, nan, scale, out):
-    """`acc [Hk, T * G, d] * scale` -> `out [T, Hk * G, d]`, NaN on the rows `nan [Hk, T * G]`
-    flags. Rows in parallel (a fresh `out` is first touched here, on every worker)."""
+def unpack_rows(acc, nan, out):
+    """`acc [Hk, T * G, d]` -> `out [T, Hk * G, d]`, NaN on the rows `nan [Hk, T * G]` flags.
+    Rows in parallel (a fresh `out` is first touched here, on every worker)."""
     T, H, d = out.shape
     G = H // acc.shape[0]
-    w = like(acc, scale)
     for t in prange(T):
         for h in range(H):
             kh, g = h // G, h % G
@@ -876,4 +947,4 @@ def unpack_rows(acc, nan, scale, out):
                 fill(out[t, h], 0, d, np.nan)
             else:
                 for e in range(d):
-                    out[t, h, e] = acc[kh, r, e] * w
+                    out[t, h, e] = acc[kh, r, e]

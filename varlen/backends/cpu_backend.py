@@ -26,6 +26,7 @@ import threading
 import numpy as np
 
 from .._array import alloc, host_blocks
+from ..masks import key_band
 from ..plan import Plan, TILE_ROWS, TILE_SEG, TILE_SEQ
 from ._host import DTYPES, HostBackend, forward_buffers
 
@@ -110,36 +111,58 @@ def release_workspace():
     host_blocks.clear()
 
 
-def _pack(x, G: int, wdt, scale: float = 1.0, *, name: str):
-    """`x [T, Hk * G, d] * scale` -> (`[Hk, T * G, d]` in `wdt`, bool `[Hk, T * G]` non-finite
-    rows), both workspace arrays `name` (every element is written)."""
+def _pack(x, G: int, wdt, *, name: str):
+    """`x [T, Hk * G, d]` -> (`[Hk, T * G, d]` in `wdt`, bool `[Hk, T * G]` non-finite rows),
+    both workspace arrays `name` (every element is written)."""
     T, H, d = x.shape
     Hk = H // G
     w = _workspace.get(name, (Hk, T * G, d), wdt)
     flag = _workspace.get(name + "_flag", (Hk, T * G), np.bool_)
-    _kernels().pack_rows(_as(x, wdt), G, float(scale), w, flag)
+    _kernels().pack_rows(_as(x, wdt), G, w, flag)
     return w, flag
 
 
-def _unpack(acc, nan, shape, dtype, scale: float = 1.0):
-    """Accumulators `[Hk, T * G, d] * scale` -> a fresh `[T, H, d]` array (`shape`) of
-    `dtype`, NaN on flagged rows."""
+def _unpack(acc, nan, shape, dtype):
+    """Accumulators `[Hk, T * G, d]` -> a fresh `[T, H, d]` array (`shape`) of `dtype`, NaN on
+    flagged rows."""
     out = alloc(np, shape, dtype, cached=True)
     wdt = acc.dtype
     target = out if out.dtype == wdt else alloc(np, shape, wdt, cached=True)
-    _kernels().unpack_rows(acc, nan, float(scale), target)
+    _kernels().unpack_rows(acc, nan, target)
     if target is not out:
         out[...] = target
     return out
 
 
 def _scalars(softmax_scale: float, softcap: float):
-    """`(q_scale, c, cap)` of the kernels (float64): scores in the log2 domain are
-    `cap * tanh(s * c)` under softcap (`c = scale / softcap`, `cap = softcap * log2(e)`);
-    without it Q is packed times `q_scale = scale * log2(e)` and the products give them."""
+    """`(c, cap)` of the kernels (float64): scores in the log2 domain are `cap * tanh(s * c)`
+    under softcap (`c = scale / softcap`, `cap = softcap * log2(e)`), else `s * c` (`c = scale *
+    log2(e)`), from the products `s = q . k` of the unscaled inputs (Q packed times the scale
+    would round each element by a factor that is not a power of two: docs/cpu_backend.md,
+    "Accuracy")."""
     if softcap > 0:
-        return 1.0, float(softmax_scale / softcap), float(softcap * LOG2E)
-    return float(softmax_scale * LOG2E), 1.0, 0.0
+        return float(softmax_scale / softcap), float(softcap * LOG2E)
+    return float(softmax_scale * LOG2E), 0.0
+
+
+def one_key_rows(plan: Plan) -> np.ndarray:
+    """Bool `[Tq]`: the query rows that see exactly one key of their whole sequence (global
+    positions and lengths, so under context parallelism too), whose softmax is of one score."""
+    q, view = plan.q, plan.view()
+    length = np.asarray(q.length, np.int64).reshape(-1)
+    seg = np.repeat(np.arange(length.size), length)
+    off = np.arange(seg.size) - np.repeat(np.cumsum(length) - length, length)
+    rows = np.asarray(q.row, np.int64).reshape(-1)[seg] + off
+    pos = np.asarray(q.pos, np.int64).reshape(-1)[seg] + off
+    b = seg // q.per_seq
+    lq, lk = (np.asarray(x, np.int64)[b] for x in (view.seqlen_q, view.seqlen_k))
+    left, right, br = (np.asarray(x, np.int64)[b] for x in (view.window_left,
+                                                           view.window_right,
+                                                           view.bottom_right))
+    lo, hi = key_band(np, pos, (lk - lq) * br, left, right)
+    one = np.zeros(q.num_rows, bool)
+    one[rows[np.minimum(hi, lk - 1) == np.maximum(lo, 0)]] = True
+    return one
 
 
 def _longest_first(items, cost):
@@ -237,11 +260,11 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     G = Hq // Hk
     wdt = _working_dtype(q.dtype)
     work_out, lse = forward_buffers(plan, q, Dv, out_dtype=wdt, lse_dtype=wdt)
-    q_scale, c, cap = _scalars(softmax_scale, softcap)
+    c, cap = _scalars(softmax_scale, softcap)
     order, chunks = forward_items(plan, Hk, G)
     rows_max = int(chunks[:, 1].max(initial=1)) * plan.block_m * G
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
-        Qw, q_flag = _pack(q, G, wdt, q_scale, name="q")
+        Qw, q_flag = _pack(q, G, wdt, name="q")
         Kw, k_flag = _pack(k, 1, wdt, name="k")
         Vw, v_flag = _pack(v, 1, wdt, name="v")
         k_cum = K.flag_prefix(k_flag | v_flag)
@@ -260,38 +283,50 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
     G = Hq // Hk
     wdt = _working_dtype(q.dtype)
-    q_scale, c, cap = _scalars(softmax_scale, softcap)
+    c, cap = _scalars(softmax_scale, softcap)
     order, parts = backward_items(plan, Hk, G)
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
-        Qw, q_flag = _pack(q, G, wdt, q_scale, name="q")
+        Qw, q_flag = _pack(q, G, wdt, name="q")
         Kw, k_flag = _pack(k, 1, wdt, name="k")
         Vw, v_flag = _pack(v, 1, wdt, name="v")
         k_flag |= v_flag
         dOw = _workspace.get("dout", (Hk, Tq * G, Dv), wdt)
         delta = _workspace.get("delta", (Hk, Tq * G), wdt)
         lse2 = _workspace.get("lse2", (Hk, Tq * G), wdt)
+        lse2_lo = _workspace.get("lse2_lo", (Hk, Tq * G), wdt)
         K.pack_grad_rows(_as(dout, wdt), _as(out, wdt), _as(lse, wdt), G, dOw, delta, lse2,
-                         q_flag)
-        q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
-        dQ = _workspace.get("dq", (Hk, Tq * G, D), wdt)
-        dK = _workspace.get("dk", (Hk, Tk, D), wdt)
-        dV = _workspace.get("dv", (Hk, Tk, Dv), wdt)
-        K.zero_rows(dQ, dK, dV)
-        dq_nan = alloc(np, (Hk, Tq * G), np.bool_, fill=False)
-        dk_nan = alloc(np, (Hk, Tk), np.bool_, fill=False)
-        # dQ partials of split sequences: zeroed by the part that owns them
-        partial = parts[:, 3] != 0
-        dq_part = _workspace.get("dq_part", (Hk, int((parts[partial, 6] - parts[partial, 5])
-                                                     .sum()), D), wdt)
-        K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), parts, Qw,
-                   dOw, Kw, Vw, delta, lse2, q_flag, k_flag, q_cum, k_cum, c, cap,
-                   float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dq_part, dK,
-                   dV, dq_nan, dk_nan)
-        K.reduce_partials(parts, dQ, dq_part)
-        # dK accumulated dS^T (Q * q_scale)
-        return (_unpack(dQ, dq_nan, q.shape, q.dtype),
-                _unpack(dK, dk_nan, k.shape, k.dtype, 1.0 / q_scale),
-                _unpack(dV, dk_nan, v.shape, v.dtype))
+                         lse2_lo, q_flag)
+        grads = _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2,
+                              lse2_lo, q_flag, k_flag, c, cap, softmax_scale, q, k, v)
+    return grads
+
+
+def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
+                  q_flag, k_flag, c, cap, softmax_scale, q, k, v):
+    """The backward kernels on packed operands: `(dq, dk, dv)`."""
+    K = _kernels()
+    (Tq, Hq, D), (Tk, Hk, Dv) = q.shape, v.shape
+    G = Hq // Hk
+    wdt = Qw.dtype
+    one = np.repeat(one_key_rows(plan), G)
+    q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
+    dQ = _workspace.get("dq", (Hk, Tq * G, D), wdt)
+    dK = _workspace.get("dk", (Hk, Tk, D), wdt)
+    dV = _workspace.get("dv", (Hk, Tk, Dv), wdt)
+    K.zero_rows(dQ, dK, dV)
+    dq_nan = alloc(np, (Hk, Tq * G), np.bool_, fill=False)
+    dk_nan = alloc(np, (Hk, Tk), np.bool_, fill=False)
+    # dQ partials of split sequences: zeroed by the part that owns them
+    partial = parts[:, 3] != 0
+    dq_part = _workspace.get("dq_part", (Hk, int((parts[partial, 6] - parts[partial, 5])
+                                                 .sum()), D), wdt)
+    K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), parts, Qw, dOw,
+               Kw, Vw, delta, lse2, lse2_lo, one, q_flag, k_flag, q_cum, k_cum, c, cap,
+               float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dq_part, dK, dV,
+               dq_nan, dk_nan)
+    K.reduce_partials(parts, dQ, dq_part)
+    return (_unpack(dQ, dq_nan, q.shape, q.dtype), _unpack(dK, dk_nan, k.shape, k.dtype),
+            _unpack(dV, dk_nan, v.shape, v.dtype))
 
 
 def _numba_missing() -> str | None:
