@@ -5,6 +5,8 @@ position or a pad row, whatever the tile size; and where it does reach, the resu
 a quiet 0 or -inf. Patterns of non-finite rows are compared with the float64 reference, which
 states the rule directly, over NaN / +inf / -inf in every input of forward and backward.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -142,3 +144,84 @@ def test_pad_rows_and_other_sequences_never_see_nonfinite():
     for name, a in (("out", out), ("lse", np.where(np.isneginf(lse), 0.0, lse)),
                     *zip(("dq", "dk", "dv"), grads)):
         assert np.isfinite(a).all(), f"{name}: a pad row's NaN leaked"
+
+
+# --------------------------------------------------------------------------------------------
+# Overflow (docs/semantics.md, "Overflow"): finite inputs past float32's range
+# --------------------------------------------------------------------------------------------
+
+F32_MAX = float(np.finfo(np.float32).max)
+D_OVERFLOW = 16
+# (id, q row, big key row, value rows): sequence 0's one query against its two keys, the big
+# one (key 0) and an ordinary one; scale 1/4 at D = 16.
+OVERFLOW_CASES = {
+    # q . k = 16 * 1e38: past float32, the score 4e38 too, and lse with it (+inf in float32)
+    "lse-past-float32": (np.full(D_OVERFLOW, 1e19), np.full(D_OVERFLOW, 1e19), None),
+    # q . k = 1.2e39 past float32, the score 3e38 (and lse) inside it; s * log2(e) is not
+    "product-past-float32": (np.full(D_OVERFLOW, 8.66e18), np.full(D_OVERFLOW, 8.66e18), None),
+    # every term q_d k_d = +-4e38 past float32, their sum (the score) 0
+    "terms-cancel": (np.tile([2e19, -2e19], D_OVERFLOW // 2), np.full(D_OVERFLOW, 2e19), None),
+    # both keys' values 3e38 with equal scores: the output 3e38, twice it before the division
+    "values-sum-past-float32": (np.zeros(D_OVERFLOW), np.zeros(D_OVERFLOW), 3e38),
+}
+
+
+def overflow_batch(case, dtype="float32"):
+    """Sequence 0: one query, keys (big, ordinary), per `OVERFLOW_CASES[case]`; sequences 1
+    and 2 ordinary (causal), which must come out as without the big values."""
+    q_row, k_row, v_value = OVERFLOW_CASES[case]
+    b = make_batch(np.random.default_rng(3), [1, 9, 5], [2, 9, 5], Hq=2, Hk=1, D=D_OVERFLOW,
+                   dtype="float64", mask="causal_bottom_right")
+    b.q[0, 0], b.k[0, 0] = q_row, k_row
+    if v_value is not None:
+        b.v[0:2, 0] = v_value
+        b.k[1, 0] = k_row
+    b.q, b.k, b.v, b.dout = (x.astype(dtype) for x in (b.q, b.k, b.v, b.dout))
+    b.dtype = dtype
+    return b
+
+
+def _forward(b, backend):
+    return varlen.attention_forward(b.q, b.k, b.v, b.cu_q, b.cu_k, **b.layout, backend=backend)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("case", OVERFLOW_CASES)
+def test_scores_past_float32_give_the_reference(backend, case):
+    """The host backends compute finite float32 inputs whose products leave float32's range
+    as the float64 reference does: the output rounded to float32, lse too (+inf past its
+    range), silently; never out 0 and lse -inf as if no key were visible."""
+    b = overflow_batch(case)
+    ref_out, ref_lse = b.ref_forward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = _forward(b, backend)
+    with np.errstate(over="ignore"):
+        want_lse = ref_lse.astype(np.float32)      # +inf where past float32
+    assert np.array_equal(np.isinf(lse), np.isinf(want_lse)), f"{case}: lse {lse[:, 0]}"
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-5, atol=1e-5,
+                               err_msg=f"{case}: lse")
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref_out, rtol=1e-5, atol=1e-5,
+                               err_msg=f"{case}: out")
+
+
+@pytest.mark.parametrize("case", OVERFLOW_CASES)
+def test_cpu_backward_past_float32_is_the_numpy_backends(case):
+    """Past float32's range the cpu backend's backward is the numpy backend's (NaN where the
+    lse it is given is +inf, as rule 2 says), and the rows of other sequences are as without
+    the big values."""
+    b = overflow_batch(case)
+    out, lse = _forward(b, "numpy")
+    args = (b.dout, b.q, b.k, b.v, out, lse, b.cu_q, b.cu_k)
+    with np.errstate(all="ignore"):                 # exp(s - lse) of the rows it reaches
+        want = varlen.attention_backward(*args, **b.layout, backend="numpy")
+        got = varlen.attention_backward(*args, **b.layout, backend="cpu")
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert np.array_equal(g, w, equal_nan=True), f"{case}: {name}"
+    if np.isinf(lse[0, 0]):
+        assert np.isnan(got[0][0, 0]).all() and np.isnan(got[1][:2]).any(axis=-1).all()
+    ref = b.ref_backward()
+    for name, g, r, first in zip(("dq", "dk", "dv"), got, ref, (1, 2, 2)):   # sequences 1, 2
+        np.testing.assert_allclose(np.asarray(g[first:], np.float64), r[first:], rtol=2e-4,
+                                   atol=2e-5, err_msg=f"{case}: {name}")

@@ -18,7 +18,8 @@ from varlen import Mask, reference
 from varlen.backends.numpy_backend import BACKEND as NUMPY
 
 from helpers import make_batch
-from test_nonfinite import VALUES, _assert_same_pattern, _bad_rows, _poison
+from test_nonfinite import (OVERFLOW_CASES, VALUES, _assert_same_pattern, _bad_rows, _poison,
+                            overflow_batch)
 
 BLOCKS = dict(block_m=8, block_n=8)
 # Causal; bottom-right causal with Lq > Lk (queries 0..3 see no key); a bottom-right window
@@ -134,3 +135,22 @@ def test_reach_does_not_depend_on_tiles(bm, bn, dtype):
     for name, g, want in zip(("dq", "dk", "dv"), grads, ([10], range(11), range(11))):
         rows = np.flatnonzero(_bad_rows(g).any(axis=1))
         assert rows.tolist() == list(want), f"{name}: NaN rows {rows}"
+
+
+@pytest.mark.parametrize("case", OVERFLOW_CASES)
+def test_scores_past_float32_make_the_row_nan(case):
+    """docs/semantics.md, "Overflow": the kernels form scores and output sums in float32; a
+    row of finite inputs whose score or sum leaves float32's range is NaN (out and lse), never
+    0 and -inf as if it saw no key; other sequences are as without the big values."""
+    b = overflow_batch(case)
+    out, lse = varlen.attention_forward(b.q, b.k, b.v, b.cu_q, b.cu_k, **b.layout,
+                                        backend="numba")
+    ref_out, ref_lse = b.ref_forward()
+    assert np.isnan(out[0, 0]).all() and np.isnan(lse[0, 0]), (
+        f"{case}: row 0 head 0 gave out {out[0, 0, :3]}..., lse {lse[0, 0]}")
+    for h in range(out.shape[1]):                   # every head of row 0: NaN or the reference
+        if not np.isnan(lse[h, 0]):
+            np.testing.assert_allclose(out[0, h], ref_out[0, h], rtol=1e-5,
+                                       err_msg=f"{case}: head {h}")
+    np.testing.assert_allclose(out[1:], ref_out[1:], rtol=1e-4, atol=1e-5, err_msg=case)
+    np.testing.assert_allclose(lse[:, 1:], ref_lse[:, 1:], rtol=1e-5, atol=1e-5, err_msg=case)

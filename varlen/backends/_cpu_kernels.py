@@ -446,45 +446,57 @@ def visible_pairs(pv, i, j, b):
 # would cost more than it saves on small calls and little on large ones.
 
 @kernel(parallel=True, cache=True)
-def pack_rows(x, G, out, flag):
-    """`x [T, Hk * G, d]` -> `out [Hk, T * G, d]` (working dtype) and `flag [Hk, T * G]`.
-    Rows in parallel: each writes only its own elements."""
+def pack_rows(x, G, out, flag, top):
+    """`x [T, Hk * G, d]` -> `out [Hk, T * G, d]` (working dtype), `flag [Hk, T * G]` and
+    `top [Hk, T * G]`, the row's largest finite magnitude (the launcher's bound on what the
+    products can reach). Rows in parallel: each writes only its own elements."""
     T, H, d = x.shape
+    zero = like(out, 0.0)
     for t in prange(T):
         for h in range(H):
             kh, g = h // G, h % G
             r = t * G + g
             bad = False
+            m = zero
             for e in range(d):
                 v = x[t, h, e]
                 ok = np.isfinite(v)
                 bad |= not ok
-                out[kh, r, e] = v if ok else like(out, 0.0)
+                v = v if ok else zero
+                out[kh, r, e] = v
+                m = max(m, abs(v))
             flag[kh, r] = bad
+            top[kh, r] = m
 
 
 @kernel(parallel=True, cache=True)
-def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, lse2_lo, flag):
+def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, lse2_lo, flag, top):
     """Backward query side: `dout_w [Hk, Tq * G, Dv]` as `pack_rows`, `delta = rowsum(dO * O)`,
     `lse * log2(e)` as the working-dtype pair `lse2 + lse2_lo` (the product in float64, split;
-    `lse2 = +inf` where lse is not finite, so such a row's P is 0), and `flag` raised where
-    dout, out or lse of the row is not finite (OR-ed into `flag`). Rows in parallel, each
-    summed in a fixed order."""
+    `lse2 = +inf` where lse is not finite, so such a row's P is 0), `flag` raised where
+    dout, out or lse of the row is not finite (OR-ed into `flag`), and `top [2, Hk, Tq * G]`
+    the row's largest finite magnitudes of dout and out. Rows in parallel, each summed in a
+    fixed order."""
     T, H, d = dout.shape
+    zero = like(dout_w, 0.0)
     for t in prange(T):
         for h in range(H):
             kh, g = h // G, h % G
             r = t * G + g
             bad = False
             acc = 0.0                       # float64: delta = rowsum(dO * O) cancels against dP
+            m_a, m_b = zero, zero
             for e in range(d):
                 a, b = dout[t, h, e], o[t, h, e]
                 ok_a, ok_b = np.isfinite(a), np.isfinite(b)
                 bad |= not (ok_a and ok_b)
-                a = a if ok_a else like(dout_w, 0.0)
+                a = a if ok_a else zero
+                b = b if ok_b else zero
                 dout_w[kh, r, e] = a
-                acc += a * (b if ok_b else like(dout_w, 0.0))
+                acc += a * b
+                m_a, m_b = max(m_a, abs(a)), max(m_b, abs(b))
             delta[kh, r] = acc
+            top[0, kh, r], top[1, kh, r] = m_a, m_b
             s = lse[h, t]
             if np.isfinite(s):
                 x = np.float64(s) * LOG2E

@@ -49,6 +49,10 @@ FORWARD_ROWS = 256
 # takes a dQ partial of the rows it reaches: at most MAX_PARTS - 1 times the sequence's dQ.
 BACKWARD_SPLIT = 8
 MAX_PARTS = 4
+# A call runs on the numpy backend (float64) when a bound on its products, taken from the
+# largest input values, reaches this in its working dtype (a factor 16 below the largest
+# finite value: room for the bound's own rounding). docs/semantics.md, "Overflow".
+RANGE = {np.dtype(np.float32): 2.0 ** 124, np.dtype(np.float64): 2.0 ** 1020}
 
 
 def _kernels():
@@ -112,14 +116,15 @@ def release_workspace():
 
 
 def _pack(x, G: int, wdt, *, name: str):
-    """`x [T, Hk * G, d]` -> (`[Hk, T * G, d]` in `wdt`, bool `[Hk, T * G]` non-finite rows),
-    both workspace arrays `name` (every element is written)."""
+    """`x [T, Hk * G, d]` -> (`[Hk, T * G, d]` in `wdt`, bool `[Hk, T * G]` non-finite rows,
+    the largest finite `|x|`), workspace arrays of `name` (every element is written)."""
     T, H, d = x.shape
     Hk = H // G
     w = _workspace.get(name, (Hk, T * G, d), wdt)
     flag = _workspace.get(name + "_flag", (Hk, T * G), np.bool_)
-    _kernels().pack_rows(_as(x, wdt), G, w, flag)
-    return w, flag
+    top = _workspace.get(name + "_top", (Hk, T * G), wdt)
+    _kernels().pack_rows(_as(x, wdt), G, w, flag, top)
+    return w, flag, float(top.max(initial=0.0))
 
 
 def _unpack(acc, nan, shape, dtype):
@@ -163,6 +168,22 @@ def one_key_rows(plan: Plan) -> np.ndarray:
     one = np.zeros(q.num_rows, bool)
     one[rows[np.minimum(hi, lk - 1) == np.maximum(lo, 0)]] = True
     return one
+
+
+def in_range(wdt, *bounds) -> bool:
+    """Every bound below `RANGE[wdt]` (a NaN bound is not)."""
+    return all(float(b) < RANGE[np.dtype(wdt)] for b in bounds)
+
+
+def _score_bound(D, aq, ak, c):
+    """Largest |partial sum| of a product `q . k` and of the score it makes (`s * c`)."""
+    s = float(D) * aq * ak
+    return s * max(1.0, abs(c))
+
+
+def _numpy():
+    from .numpy_backend import BACKEND as numpy
+    return numpy
 
 
 def _longest_first(items, cost):
@@ -264,13 +285,18 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     order, chunks = forward_items(plan, Hk, G)
     rows_max = int(chunks[:, 1].max(initial=1)) * plan.block_m * G
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
-        Qw, q_flag = _pack(q, G, wdt, name="q")
-        Kw, k_flag = _pack(k, 1, wdt, name="k")
-        Vw, v_flag = _pack(v, 1, wdt, name="v")
-        k_cum = K.flag_prefix(k_flag | v_flag)
-        K.forward(_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
-                  rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
-                  BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
+        Qw, q_flag, aq = _pack(q, G, wdt, name="q")
+        Kw, k_flag, ak = _pack(k, 1, wdt, name="k")
+        Vw, v_flag, av = _pack(v, 1, wdt, name="v")
+        # scores, and the output before it is divided by its row sum (at most Tk)
+        fits = in_range(wdt, _score_bound(q.shape[2], aq, ak, c), k.shape[0] * av)
+        if fits:
+            k_cum = K.flag_prefix(k_flag | v_flag)
+            K.forward(_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
+                      rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
+                      BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
+    if not fits:
+        return _numpy().forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
     return (work_out if work_out.dtype == q.dtype else work_out.astype(q.dtype)), lse
 
 
@@ -285,19 +311,31 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     wdt = _working_dtype(q.dtype)
     c, cap = _scalars(softmax_scale, softcap)
     order, parts = backward_items(plan, Hk, G)
+    grads = None
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
-        Qw, q_flag = _pack(q, G, wdt, name="q")
-        Kw, k_flag = _pack(k, 1, wdt, name="k")
-        Vw, v_flag = _pack(v, 1, wdt, name="v")
+        Qw, q_flag, aq = _pack(q, G, wdt, name="q")
+        Kw, k_flag, ak = _pack(k, 1, wdt, name="k")
+        Vw, v_flag, av = _pack(v, 1, wdt, name="v")
         k_flag |= v_flag
         dOw = _workspace.get("dout", (Hk, Tq * G, Dv), wdt)
         delta = _workspace.get("delta", (Hk, Tq * G), wdt)
         lse2 = _workspace.get("lse2", (Hk, Tq * G), wdt)
         lse2_lo = _workspace.get("lse2_lo", (Hk, Tq * G), wdt)
+        top = _workspace.get("dout_top", (2, Hk, Tq * G), wdt)
         K.pack_grad_rows(_as(dout, wdt), _as(out, wdt), _as(lse, wdt), G, dOw, delta, lse2,
-                         lse2_lo, q_flag)
-        grads = _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2,
-                              lse2_lo, q_flag, k_flag, c, cap, softmax_scale, q, k, v)
+                         lse2_lo, q_flag, top)
+        ado, ao = (float(t.max(initial=0.0)) for t in top)
+        dp = Dv * ado * (av + ao)                       # |dP| + |delta|
+        ds = dp * abs(softmax_scale)                    # |dS| (P <= 1, 1 - tanh^2 <= 1)
+        # scores, dP and delta, then dQ, dK and dV (sums over at most Tk keys, Tq * G rows)
+        if in_range(wdt, _score_bound(D, aq, ak, c), dp, Tk * ds * ak, Tq * G * ds * aq,
+                    Tq * G * ado):
+            grads = _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta,
+                                  lse2, lse2_lo, q_flag, k_flag, c, cap, softmax_scale,
+                                  q, k, v)
+    if grads is None:
+        return _numpy().backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                                 softcap=softcap)
     return grads
 
 

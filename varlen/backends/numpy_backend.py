@@ -233,7 +233,9 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
         o, row_lse = _forward_batch(plan, bt, q, k, v, Hk, Hq // Hk, softmax_scale, softcap)
         rows = bt.own[bt.own_ok]
         out[rows] = _to_rows(o)[bt.own_ok].astype(q.dtype)
-        lse[:, rows] = row_lse.transpose(1, 2, 0, 3).reshape(Hq, n, I)[:, bt.own_ok]
+        # an lse past float32's range rounds to +inf (docs/semantics.md, "Overflow")
+        with np.errstate(over="ignore"):
+            lse[:, rows] = row_lse.transpose(1, 2, 0, 3).reshape(Hq, n, I)[:, bt.own_ok]
     return out, lse
 
 
