@@ -1,8 +1,12 @@
 """The `cpu` backend's numerics: the same bits from any calling thread; float32 accuracy (the
 backward's scores are the forward's bits, rows that see one key, FlashAttention's varlen grids
-against its accuracy rule)."""
+against its accuracy rule); the notice before the first compile."""
 import concurrent.futures
+import os
+import subprocess
+import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -279,3 +283,55 @@ def test_flash_attention_varlen_grid_ratios():
     assert worst[0] <= 3.0, f"gradient ratio {worst[0]:.2f} ({worst[1]} {worst[2]})"
     worst = max(outs)
     assert worst[0] <= 2.0, f"output ratio {worst[0]:.2f} ({worst[1]})"
+
+
+# --------------------------------------------------------------------------------------------
+# The first compile says so, once per machine
+# --------------------------------------------------------------------------------------------
+
+_FIRST_CALL = """
+import numpy as np, varlen
+rng = np.random.default_rng(0)
+q = rng.standard_normal((9, 2, 16)).astype(np.float32)
+cu = np.array([0, 4, 9], np.int32)
+varlen.attention_forward(q, q, q, cu, cu, mask="causal", backend="cpu")
+"""
+
+
+def test_compile_notice_before_kernels_the_cache_lacks(tmp_path, monkeypatch):
+    """`JitCompileWarning` comes before a call whose kernels the on-disk cache has not been
+    seen to hold (no marker beside it), once: not again in the process, nor in a later one
+    (the marker is written after the kernels ran)."""
+    from varlen.backends import cpu_backend
+    monkeypatch.setattr(cpu_backend, "_compiled", set())
+    monkeypatch.setattr(cpu_backend, "_compile_marker",
+                        lambda kind, wdt: str(tmp_path / f"{kind}-{np.dtype(wdt).name}"))
+    b = make_batch(np.random.default_rng(5), [9, 4], Hq=2, Hk=1, D=16, dtype="float32",
+                   mask="causal")
+    with pytest.warns(cpu_backend.JitCompileWarning) as seen:
+        fwd_bwd(b, backend="cpu")
+    said = sorted(str(w.message).split("'s ")[1].split(" kernels")[0] for w in seen)
+    assert said == ["float32 backward", "float32 forward"], said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cpu_backend.JitCompileWarning)
+        fwd_bwd(b, backend="cpu")                               # this process has run them
+        monkeypatch.setattr(cpu_backend, "_compiled", set())   # a later process
+        fwd_bwd(b, backend="cpu")
+
+
+@pytest.mark.slow
+def test_first_compile_says_so_once(tmp_path):
+    """With an empty Numba cache the first call warns that it compiles (JitCompileWarning, on
+    stderr); a second process, which loads the kernels from the cache, says nothing (a cold
+    compile: about 20 s)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONWARNINGS="default")
+    message = "compiling the cpu backend's float32 forward kernels"
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True,
+                              text=True, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(proc.stderr)
+    assert message in runs[0] and "JitCompileWarning" in runs[0], runs[0][-2000:]
+    assert runs[0].count(message) == 1, runs[0][-2000:]
+    assert message not in runs[1] and "compiling" not in runs[1], runs[1][-2000:]

@@ -15,13 +15,17 @@ threading are described in docs/cpu_backend.md):
    pad rows 0 (lse -inf).
 
 Numba compiles the kernels on the first call of a process that finds no on-disk cache
-(`cache=True`, next to the module or under `NUMBA_CACHE_DIR`); later processes load them.
-Numba is imported on first use, so this module loads without it.
+(`cache=True`, next to the module or under `NUMBA_CACHE_DIR`); later processes load them. A
+call that is about to compile says so once (`JitCompileWarning`). Numba is imported on first
+use, so this module loads without it.
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 import threading
+import warnings
 
 import numpy as np
 
@@ -30,7 +34,7 @@ from ..masks import key_band
 from ..plan import Plan, TILE_ROWS, TILE_SEG, TILE_SEQ
 from ._host import DTYPES, HostBackend, forward_buffers
 
-__all__ = ["CpuBackend", "BACKEND", "DTYPES", "release_workspace"]
+__all__ = ["CpuBackend", "BACKEND", "DTYPES", "release_workspace", "JitCompileWarning"]
 
 LOG2E = 1.4426950408889634          # 1/ln(2)
 # Tile products of at least this many multiply-adds (M * N * K) go to BLAS; smaller ones (a
@@ -63,6 +67,61 @@ def _kernels():
 def _threads():
     from . import _cpu_threads
     return _cpu_threads
+
+
+class JitCompileWarning(UserWarning):
+    """The cpu backend is compiling kernels that the on-disk cache does not hold (the first
+    call on a machine, or after an upgrade): the call takes about 30 s (README.md)."""
+
+
+# Compiled kernel sets (pass, working dtype) this process has run.
+_compiled = set()
+_log = logging.getLogger("varlen")
+
+
+def _compile_marker(kind: str, wdt) -> str | None:
+    """A file beside Numba's cache of the kernels saying that the cache holds `kind`
+    ("forward", "backward") for `wdt`, named after what invalidates that cache: the kernels'
+    source (its modification time and size, as Numba stamps it), Numba's version and the
+    CPU. None where Numba keeps no cache."""
+    K = _kernels()
+    path = K.forward.stats.cache_path
+    if not path:
+        return None
+    import llvmlite.binding as llvm
+    import numba
+    st = os.stat(K.__file__)
+    stamp = f"{int(st.st_mtime)}-{st.st_size}-{numba.__version__}-{llvm.get_host_cpu_name()}"
+    return os.path.join(path, f"varlen-cpu-{kind}-{np.dtype(wdt).name}-{stamp}.compiled")
+
+
+def _announce_compile(kind: str, wdt):
+    """Before the first `kind` call of this process in `wdt`: warn (once) when the on-disk
+    cache has not been filled for it yet, since the call then compiles for about 30 s."""
+    if (kind, np.dtype(wdt)) in _compiled:
+        return
+    marker = _compile_marker(kind, wdt)
+    if marker is None or not os.path.exists(marker):
+        msg = (f"varlen: compiling the cpu backend's {np.dtype(wdt).name} {kind} kernels "
+               f"(once per machine, about 30 s; later processes load them from "
+               f"{os.path.dirname(marker) if marker else 'nowhere: Numba keeps no cache'})")
+        _log.info(msg)
+        warnings.warn(msg, JitCompileWarning, stacklevel=4)
+
+
+def _done_compile(kind: str, wdt):
+    """After a `kind` call ran its kernels: the cache holds them now."""
+    key = (kind, np.dtype(wdt))
+    if key in _compiled:
+        return
+    _compiled.add(key)
+    marker = _compile_marker(kind, wdt)
+    if marker is not None and not os.path.exists(marker):
+        try:
+            with open(marker, "w"):
+                pass
+        except OSError:
+            pass
 
 
 def _working_dtype(dtype) -> np.dtype:
@@ -284,6 +343,7 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
     c, cap = _scalars(softmax_scale, softcap)
     order, chunks = forward_items(plan, Hk, G)
     rows_max = int(chunks[:, 1].max(initial=1)) * plan.block_m * G
+    _announce_compile("forward", wdt)
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
         Qw, q_flag, aq = _pack(q, G, wdt, name="q")
         Kw, k_flag, ak = _pack(k, 1, wdt, name="k")
@@ -297,6 +357,7 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
                       BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
     if not fits:
         return _numpy().forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
+    _done_compile("forward", wdt)
     return (work_out if work_out.dtype == q.dtype else work_out.astype(q.dtype)), lse
 
 
@@ -312,6 +373,7 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     c, cap = _scalars(softmax_scale, softcap)
     order, parts = backward_items(plan, Hk, G)
     grads = None
+    _announce_compile("backward", wdt)
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
         Qw, q_flag, aq = _pack(q, G, wdt, name="q")
         Kw, k_flag, ak = _pack(k, 1, wdt, name="k")
@@ -336,6 +398,7 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     if grads is None:
         return _numpy().backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                                  softcap=softcap)
+    _done_compile("backward", wdt)
     return grads
 
 
