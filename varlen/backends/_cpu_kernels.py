@@ -279,6 +279,25 @@ def _bits_to_float(typingctx, bits):
     return result(bits), codegen
 
 
+# float type -> (the int type of its width, that type in LLVM IR)
+_FLOAT_BITS = {types.float32: (types.int32, ir.IntType(32)),
+               types.float64: (types.int64, ir.IntType(64))}
+
+
+@intrinsic
+def float_bits(typingctx, x):
+    """The bit pattern of `x`: an int32 for a float32, an int64 for a float64. For `x >= 0`
+    the patterns order as the values do, and a maximum of them vectorises without fast-math
+    flags (the packing kernels' largest magnitudes)."""
+    if x not in _FLOAT_BITS:
+        return None
+    result, llvm_type = _FLOAT_BITS[x]
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvm_type)
+    return result(x), codegen
+
+
 @intrinsic
 def fetch_add(typingctx, counter, index, value):
     """Atomically `old = counter[index]; counter[index] += value; return old` (int64)."""
@@ -448,8 +467,9 @@ def visible_pairs(pv, i, j, b):
 @kernel(parallel=True, cache=True)
 def pack_rows(x, G, out, flag, top):
     """`x [T, Hk * G, d]` -> `out [Hk, T * G, d]` (working dtype), `flag [Hk, T * G]` and
-    `top [Hk, T * G]`, the row's largest finite magnitude (the launcher's bound on what the
-    products can reach). Rows in parallel: each writes only its own elements."""
+    `top [Hk, T * G]`, the bit pattern (`float_bits`) of the row's largest finite magnitude:
+    the launcher's bound on what the products can reach. Rows in parallel: each writes only
+    its own elements."""
     T, H, d = x.shape
     zero = like(out, 0.0)
     for t in prange(T):
@@ -457,14 +477,14 @@ def pack_rows(x, G, out, flag, top):
             kh, g = h // G, h % G
             r = t * G + g
             bad = False
-            m = zero
+            m = float_bits(zero)
             for e in range(d):
                 v = x[t, h, e]
                 ok = np.isfinite(v)
                 bad |= not ok
                 v = v if ok else zero
                 out[kh, r, e] = v
-                m = max(m, abs(v))
+                m = max(m, float_bits(abs(v)))
             flag[kh, r] = bad
             top[kh, r] = m
 
@@ -475,8 +495,8 @@ def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, lse2_lo, flag, top):
     `lse * log2(e)` as the working-dtype pair `lse2 + lse2_lo` (the product in float64, split;
     `lse2 = +inf` where lse is not finite, so such a row's P is 0), `flag` raised where
     dout, out or lse of the row is not finite (OR-ed into `flag`), and `top [2, Hk, Tq * G]`
-    the row's largest finite magnitudes of dout and out. Rows in parallel, each summed in a
-    fixed order."""
+    the row's largest finite magnitudes of dout and out (as `pack_rows`'). Rows in parallel,
+    each summed in a fixed order."""
     T, H, d = dout.shape
     zero = like(dout_w, 0.0)
     for t in prange(T):
@@ -485,7 +505,7 @@ def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, lse2_lo, flag, top):
             r = t * G + g
             bad = False
             acc = 0.0                       # float64: delta = rowsum(dO * O) cancels against dP
-            m_a, m_b = zero, zero
+            m_a = m_b = float_bits(zero)
             for e in range(d):
                 a, b = dout[t, h, e], o[t, h, e]
                 ok_a, ok_b = np.isfinite(a), np.isfinite(b)
@@ -494,7 +514,7 @@ def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, lse2_lo, flag, top):
                 b = b if ok_b else zero
                 dout_w[kh, r, e] = a
                 acc += a * b
-                m_a, m_b = max(m_a, abs(a)), max(m_b, abs(b))
+                m_a, m_b = max(m_a, float_bits(abs(a))), max(m_b, float_bits(abs(b)))
             delta[kh, r] = acc
             top[0, kh, r], top[1, kh, r] = m_a, m_b
             s = lse[h, t]

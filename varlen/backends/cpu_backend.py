@@ -181,9 +181,9 @@ def _pack(x, G: int, wdt, *, name: str):
     Hk = H // G
     w = _workspace.get(name, (Hk, T * G, d), wdt)
     flag = _workspace.get(name + "_flag", (Hk, T * G), np.bool_)
-    top = _workspace.get(name + "_top", (Hk, T * G), wdt)
+    top = _workspace.get(name + "_top", (Hk, T * G), _BITS[wdt])
     _kernels().pack_rows(_as(x, wdt), G, w, flag, top)
-    return w, flag, float(top.max(initial=0.0))
+    return w, flag, _largest(top, wdt)
 
 
 def _unpack(acc, nan, shape, dtype):
@@ -227,6 +227,16 @@ def one_key_rows(plan: Plan) -> np.ndarray:
     one = np.zeros(q.num_rows, bool)
     one[rows[np.minimum(hi, lk - 1) == np.maximum(lo, 0)]] = True
     return one
+
+
+# The integer type of a working dtype's bit patterns (the packing kernels' row maxima).
+_BITS = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
+
+
+def _largest(top, wdt) -> float:
+    """The largest of the packing kernels' row maxima `top` (bit patterns of values >= 0,
+    which order as the values do)."""
+    return float(top.view(wdt).max(initial=0.0))
 
 
 def in_range(wdt, *bounds) -> bool:
@@ -383,10 +393,10 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
         delta = _workspace.get("delta", (Hk, Tq * G), wdt)
         lse2 = _workspace.get("lse2", (Hk, Tq * G), wdt)
         lse2_lo = _workspace.get("lse2_lo", (Hk, Tq * G), wdt)
-        top = _workspace.get("dout_top", (2, Hk, Tq * G), wdt)
+        top = _workspace.get("dout_top", (2, Hk, Tq * G), _BITS[wdt])
         K.pack_grad_rows(_as(dout, wdt), _as(out, wdt), _as(lse, wdt), G, dOw, delta, lse2,
                          lse2_lo, q_flag, top)
-        ado, ao = (float(t.max(initial=0.0)) for t in top)
+        ado, ao = (_largest(t, wdt) for t in top)
         dp = Dv * ado * (av + ao)                       # |dP| + |delta|
         ds = dp * abs(softmax_scale)                    # |dS| (P <= 1, 1 - tanh^2 <= 1)
         # scores, dP and delta, then dQ, dK and dV (sums over at most Tk keys, Tq * G rows)
