@@ -805,14 +805,14 @@ def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c
 REDUCE_ROWS = 256
 
 @kernel(fastmath=FASTMATH)
-def _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one, c, cap, scale):
+def _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale):
     """`S <- P = 2^(s - lse2 - lse2_lo)` and `dP <- dS = P (dP - delta) scale` (times
     `1 - tanh^2` under softcap), both 0 outside each key's rows `[lo[j], hi[j])`
     (FlashAttention-2, Alg. 2, lines 11-14); scores as in `_scores_pass`. A row that sees one
-    key in its whole sequence (`one`) has the softmax of one score: P = 1 and dS = 0 exactly
-    (dP - delta cancels only to rounding when delta = rowsum(dO * O) is formed apart)."""
+    key in its whole sequence (row i where `one_cum[i + 1] != one_cum[i]`) has the softmax of
+    one score: P = 1 and dS = 0 exactly (dP - delta cancels only to rounding when
+    delta = rowsum(dO * O) is formed apart)."""
     sw = like(S, scale)
-    zero, unit = like(S, 0.0), like(S, 1.0)
     for j in range(n):
         a, z = lo[j], hi[j]
         s_row, d_row = S[j], dP[j]
@@ -820,26 +820,29 @@ def _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one, c, cap, scale):
         fill(s_row, z, s_row.size, 0)
         fill(d_row, 0, a, 0)
         fill(d_row, z, d_row.size, 0)
-        ps, ds, l2, l2lo = s_row[a:z], d_row[a:z], lse2[a:z], lse2_lo[a:z]
-        dl, single = delta[a:z], one[a:z]
+        ps, ds, l2, l2lo, dl = s_row[a:z], d_row[a:z], lse2[a:z], lse2_lo[a:z], delta[a:z]
         if cap > 0:
             for i in range(ps.size):
                 x, sech2 = softcap_score(ps[i], c, cap)
                 p = exp2((x - l2[i]) - l2lo[i])
-                p = unit if single[i] else p
                 ps[i] = p
-                ds[i] = zero if single[i] else p * (ds[i] - dl[i]) * (sech2 * sw)
+                ds[i] = p * (ds[i] - dl[i]) * (sech2 * sw)
         else:
             cw = like(S, c)
             for i in range(ps.size):
                 p = exp2((ps[i] * cw - l2[i]) - l2lo[i])
-                p = unit if single[i] else p
                 ps[i] = p
-                ds[i] = zero if single[i] else p * (ds[i] - dl[i]) * sw
+                ds[i] = p * (ds[i] - dl[i]) * sw
+    if one_cum[one_cum.size - 1] != one_cum[0]:             # rare: rows that see one key
+        for j in range(n):
+            for i in range(lo[j], hi[j]):
+                if one_cum[i + 1] != one_cum[i]:
+                    S[j, i] = like(S, 1.0)
+                    dP[j, i] = like(S, 0.0)
 
 
 @kernel(fastmath=FASTMATH)
-def _backward_product(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one, dQ, dK, dV, lo, hi, S_buf,
+def _backward_product(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one_cum, dQ, dK, dV, lo, hi, S_buf,
                       P_buf, T_buf, c, cap, scale, blas_min):
     """One pass over a (key tile, query rows) pair (FlashAttention-2, Alg. 2, lines 8-15):
     the rows of `Qb [R, D]`, `dOb [R, Dv]` against keys `Kb [n, D]`, `Vb [n, Dv]` with visible
@@ -849,14 +852,14 @@ def _backward_product(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one, dQ, dK, dV, lo
     dP = P_buf[:n * R].reshape(n, R)
     mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)                  # the forward's scores, bitwise
     mm_nt(Vb, dOb, dP, 0.0, blas_min, T_buf)
-    _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one, c, cap, scale)
+    _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale)
     mm_nn(S, dOb, dV, 1.0, blas_min)                        # dV += P dO
     mm_nn(dP, Qb, dK, 1.0, blas_min)                        # dK += dS Q
     mm_tn(dP, Kb, dQ, 1.0, blas_min)                        # dQ += dS^T K
 
 
 @kernel(cache=True, fastmath=FASTMATH)
-def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one, q_flag,
+def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag,
                   k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan,
                   dk_nan, ws):
     """Part `item // Hk` (`parts` row: sequence, key tile slots `[s0, s1)`, partial, shift,
@@ -904,7 +907,7 @@ def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
                 i0, i1, k0, k1 = t0 * G + ra, t0 * G + rz, j0 + ja, j0 + jz
                 _backward_product(Qw[kh, i0:i1], dOw[kh, i0:i1], Kw[kh, k0:k1], Vw[kh, k0:k1],
                                   lse2[kh, i0:i1], lse2_lo[kh, i0:i1], delta[kh, i0:i1],
-                                  one[i0:i1], acc[i0 + shift:i1 + shift], dK[kh, k0:k1],
+                                  one_cum[i0:i1 + 1], acc[i0 + shift:i1 + shift], dK[kh, k0:k1],
                                   dV[kh, k0:k1], lo, hi, S_buf, P_buf, T_buf, c, cap, scale,
                                   blas_min)
                 if k_cum[kh, k1] != k_cum[kh, k0] or q_cum[kh, i1] != q_cum[kh, i0]:
@@ -916,7 +919,7 @@ def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
 
 
 @kernel(parallel=True, cache=True)
-def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one, q_flag,
+def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag,
              k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan):
     """Every item of `order` (longest first) on `nw` workers: see `backward_item` (the
     launcher then adds the dQ partials, `reduce_partials`)."""
@@ -927,7 +930,7 @@ def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
         t = fetch_add(counter, 0, 1)
         while t < order.size:
             backward_item(pv, order[t], qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
-                          one, q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ,
+                          one_cum, q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ,
                           dq_part, dK, dV, dq_nan, dk_nan, ws)
             t = fetch_add(counter, 0, 1)
 

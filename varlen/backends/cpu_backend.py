@@ -419,7 +419,7 @@ def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2
     (Tq, Hq, D), (Tk, Hk, Dv) = q.shape, v.shape
     G = Hq // Hk
     wdt = Qw.dtype
-    one = np.repeat(one_key_rows(plan), G)
+    one_cum = np.concatenate([[0], np.cumsum(np.repeat(one_key_rows(plan), G))])   # prefix count
     q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
     dQ = _workspace.get("dq", (Hk, Tq * G, D), wdt)
     dK = _workspace.get("dk", (Hk, Tk, D), wdt)
@@ -432,7 +432,7 @@ def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2
     dq_part = _workspace.get("dq_part", (Hk, int((parts[partial, 6] - parts[partial, 5])
                                                  .sum()), D), wdt)
     K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), parts, Qw, dOw,
-               Kw, Vw, delta, lse2, lse2_lo, one, q_flag, k_flag, q_cum, k_cum, c, cap,
+               Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag, k_flag, q_cum, k_cum, c, cap,
                float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dq_part, dK, dV,
                dq_nan, dk_nan)
     K.reduce_partials(parts, dQ, dq_part)
