@@ -1,0 +1,266 @@
+"""Source code generated from a graph: scalar Python (for Numba on the CPU and in CUDA) and CUDA C
+(for the NVRTC-compiled kernels).
+
+Both are straight-line code: one temporary per node in dependency order, every node evaluated
+(no short-circuit), integer `//` and `%` floored with 0 for a zero divisor, and every aux index
+clamped into its array with the out-of-range case flagged in `err[0]` (the host raises a named
+`IndexError`, a device records it for `varlen.check_device_errors()`).
+"""
+from __future__ import annotations
+
+from .graph import Graph, Node
+
+__all__ = ["python_source", "cuda_source", "numba_function", "CUDA_PRELUDE"]
+
+_PY_BIN = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=",
+           "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+def _leaf_params(graph: Graph) -> list:
+    return list(graph.leaves)
+
+
+def python_source(graph: Graph, name: str) -> str:
+    """`def name(<leaves>, a0, a1, ..., err):` returning the function's value.
+
+    Aux arrays are passed as arrays (any rank), `err` a 1-element int32 array. Compiles as is
+    with `numba.njit` and `numba.cuda.jit(device=True)` (and runs as plain Python).
+    """
+    args = _leaf_params(graph) + [f"a{i}" for i in range(len(graph.aux))] + ["err"]
+    lines = [f"def {name}({', '.join(args)}):"]
+    names = {}
+    for n in graph.nodes():
+        t = f"t{len(names)}"
+        names[n.key()] = t
+        lines.extend("    " + s for s in _py_stmt(n, t, [names[a.key()] for a in n.args]))
+    ret = names[graph.root.key()]
+    kind = graph.kind
+    cast = {"float": "float", "int": "int", "bool": "bool"}[kind]
+    lines.append(f"    return {cast}({ret})" if graph.root.op == "const" else f"    return {ret}")
+    return "\n".join(lines) + "\n"
+
+
+def _py_num(n: Node, x: str) -> str:
+    """`x` as n's kind (bool operands of arithmetic become ints, as in Python)."""
+    return f"float({x})" if n.kind == "float" else f"int({x})" if n.kind == "int" else x
+
+
+def _py_stmt(n: Node, t: str, a: list) -> list:
+    op, kind = n.op, n.kind
+    if op == "const":
+        if kind == "float":
+            v = n.value
+            lit = repr(v) if v == v and abs(v) != float("inf") else (
+                "math.nan" if v != v else ("math.inf" if v > 0 else "-math.inf"))
+            return [f"{t} = {lit}"]
+        return [f"{t} = {n.value!r}"]
+    if not n.args:
+        return [f"{t} = {op}"]
+    if op == "load":
+        stmts = []
+        aux = f"a{n.value}"
+        idx = []
+        for d, i in enumerate(a):
+            j = f"{t}_i{d}"
+            stmts += [f"{j} = {i}",
+                      f"if {j} < 0 or {j} >= {aux}.shape[{d}]:",
+                      f"    err[0] = 1",
+                      f"    {j} = 0 if {j} < 0 else {aux}.shape[{d}] - 1"]
+            idx.append(j)
+        conv = "float" if kind == "float" else "int" if kind == "int" else "bool"
+        return stmts + [f"{t} = {conv}({aux}[{', '.join(idx)}])"]
+    if op in _PY_BIN:
+        x, y = a
+        if op in ("add", "sub", "mul", "truediv"):
+            return [f"{t} = {_py_num(n, x)} {_PY_BIN[op]} {_py_num(n, y)}"]
+        return [f"{t} = {x} {_PY_BIN[op]} {y}"]
+    if op in ("floordiv", "mod"):
+        x, y = (_py_num(n, v) for v in a)
+        sym = "//" if op == "floordiv" else "%"
+        if kind == "float":
+            return [f"{t} = {x} {sym} {y} if {y} != 0.0 else "
+                    f"({'math.inf * (1 if ' + x + ' > 0 else -1) if ' + x + ' != 0 else math.nan' if op == 'floordiv' else 'math.nan'})"]
+        return [f"{t} = {x} {sym} {y} if {y} != 0 else 0"]
+    if op in ("and", "or", "xor"):
+        sym = {"and": "&", "or": "|", "xor": "^"}[op]
+        x, y = a
+        if kind == "bool":
+            return [f"{t} = bool({x}) {sym} bool({y})"]
+        return [f"{t} = int({x}) {sym} int({y})"]
+    if op in ("minimum", "maximum"):
+        x, y = (_py_num(n, v) for v in a)
+        cmp = "<=" if op == "minimum" else ">="
+        return [f"{t} = {x} if {x} {cmp} {y} else {y}"]
+    if op == "where":
+        c, x, y = a
+        return [f"{t} = {_py_num(n, x)} if {c} else {_py_num(n, y)}"]
+    (x,) = a
+    if op == "neg":
+        return [f"{t} = -{_py_num(n, x)}"]
+    if op == "abs":
+        return [f"{t} = abs({_py_num(n, x)})"]
+    if op == "invert":
+        return [f"{t} = not {x}"] if kind == "bool" else [f"{t} = ~int({x})"]
+    if op == "log":
+        return [f"{t} = math.log(float({x})) if {x} > 0 else "
+                f"(-math.inf if {x} == 0 else math.nan)"]
+    if op == "sqrt":
+        return [f"{t} = math.sqrt(float({x})) if {x} >= 0 else math.nan"]
+    if op in ("exp", "tanh"):
+        return [f"{t} = math.{op}(float({x}))"]
+    raise AssertionError(op)
+
+
+_NUMBA_CACHE: dict = {}
+
+
+def numba_function(graph: Graph, *, cuda: bool = False):
+    """The graph compiled with Numba: an `njit` function, or a CUDA device function.
+
+    Cached per graph digest and target; the function takes `(<leaves>, a0, ..., err)`.
+    """
+    key = (graph.digest, cuda)
+    fn = _NUMBA_CACHE.get(key)
+    if fn is None:
+        import math
+        name = f"{graph.role}_{graph.digest}"
+        scope = {"math": math}
+        exec(compile(python_source(graph, name), f"<{name}>", "exec"), scope)
+        py = scope[name]
+        if cuda:
+            from numba import cuda as nb_cuda
+            fn = nb_cuda.jit(device=True, inline=True)(py)
+        else:
+            from numba import njit
+            fn = njit(inline="always", error_model="numpy", cache=False)(py)
+        _NUMBA_CACHE[key] = fn
+    return fn
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA C
+# --------------------------------------------------------------------------------------------
+
+CUDA_PRELUDE = r"""
+#ifndef VARLEN_MODS_PRELUDE
+#define VARLEN_MODS_PRELUDE
+// What a generated mask_mod / score_mod reads of its aux arrays: base pointers and shapes
+// (at most 4 dimensions each), row-major and contiguous.
+#define VARLEN_MAX_AUX 8
+struct ModAux {
+    const void* ptr[VARLEN_MAX_AUX];
+    long long shape[VARLEN_MAX_AUX][4];
+    int* err;                           // device flag: an aux index was out of range
+};
+__device__ __forceinline__ long long vl_floordiv(long long a, long long b) {
+    if (b == 0) return 0;
+    long long q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ long long vl_mod(long long a, long long b) {
+    if (b == 0) return 0;
+    long long r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+template <typename F> __device__ __forceinline__ F vl_fmod(F a, F b) {
+    F r = fmod(a, b);
+    return (r != F(0) && ((r < F(0)) != (b < F(0)))) ? r + b : r;
+}
+__device__ __forceinline__ long long vl_clamp_index(long long i, long long n, int* err) {
+    if (i < 0 || i >= n) { if (err) *err = 1; return i < 0 ? 0 : n - 1; }
+    return i;
+}
+#endif
+"""
+
+_C_TYPES = {"bool": "bool", "int": "long long"}
+_AUX_C = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
+          "float64": "double", "int8": "signed char", "int16": "short", "int32": "int",
+          "int64": "long long", "uint8": "unsigned char", "uint16": "unsigned short",
+          "uint32": "unsigned int", "uint64": "unsigned long long", "bool": "bool"}
+
+
+def cuda_source(graph: Graph, name: str, float_t: str = "float") -> str:
+    """`__device__ <T> name(<leaves>, const ModAux& aux)`: the graph in CUDA C.
+
+    Floats compute in `float_t` (float in the kernels, double to check them), ints in 64 bits.
+    Needs `CUDA_PRELUDE` (and cuda_fp16/cuda_bf16 for half aux arrays) before it.
+    """
+    ty = {"float": float_t, **_C_TYPES}
+    params = []
+    for leaf in graph.leaves:
+        params.append(f"{ty['float'] if leaf == 'score' else 'long long'} {leaf}")
+    params.append("const ModAux& aux")
+    lines = [f"__device__ __forceinline__ {ty[graph.kind]} {name}({', '.join(params)}) {{"]
+    names = {}
+    for n in graph.nodes():
+        t = f"t{len(names)}"
+        names[n.key()] = t
+        expr = _c_expr(n, [names[a.key()] for a in n.args], ty, graph)
+        lines.append(f"    const {ty[n.kind]} {t} = {expr};")
+    lines.append(f"    return {names[graph.root.key()]};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _c_expr(n: Node, a: list, ty: dict, graph: Graph) -> str:
+    op, kind = n.op, n.kind
+    T = ty[kind]
+    if op == "const":
+        if kind == "float":
+            v = n.value
+            if v != v:
+                return f"({T})NAN"
+            if abs(v) == float("inf"):
+                return f"({T})({'-' if v < 0 else ''}INFINITY)"
+            return f"({T}){v!r}"
+        return "true" if n.value is True else "false" if n.value is False else f"{n.value}LL"
+    if not n.args:
+        return f"({T}){op}"
+    if op == "load":
+        dt = graph.aux[n.value][2]
+        shape = f"aux.shape[{n.value}]"
+        flat = "0LL"
+        for d, i in enumerate(a):
+            flat = f"({flat}) * {shape}[{d}] + vl_clamp_index({i}, {shape}[{d}], aux.err)"
+        read = f"((const {_AUX_C[dt]}*)aux.ptr[{n.value}])[{flat}]"
+        if dt in ("float16", "bfloat16"):
+            read = f"(float){read}"
+        return f"({T})({read})"
+    cast = [f"({T}){x}" for x in a]
+    if op in _PY_BIN:
+        if op in ("add", "sub", "mul", "truediv"):
+            return f"{cast[0]} {_PY_BIN[op]} {cast[1]}"
+        ct = ty[_promote_kind([x.kind for x in n.args])]
+        return f"({ct}){a[0]} {_PY_BIN[op]} ({ct}){a[1]}"
+    if op == "floordiv":
+        return (f"vl_floordiv({cast[0]}, {cast[1]})" if kind == "int"
+                else f"floor({cast[0]} / {cast[1]})")
+    if op == "mod":
+        return (f"vl_mod({cast[0]}, {cast[1]})" if kind == "int"
+                else f"vl_fmod<{T}>({cast[0]}, {cast[1]})")
+    if op in ("and", "or", "xor"):
+        sym = {"and": "&", "or": "|", "xor": "^"}[op]
+        if kind == "bool":
+            return f"(bool)({a[0]}) {sym} (bool)({a[1]})"
+        return f"{cast[0]} {sym} {cast[1]}"
+    if op in ("minimum", "maximum"):
+        cmp = "<=" if op == "minimum" else ">="
+        return f"({cast[0]} {cmp} {cast[1]}) ? {cast[0]} : {cast[1]}"
+    if op == "where":
+        return f"{a[0]} ? ({T}){a[1]} : ({T}){a[2]}"
+    (x,) = a
+    if op == "neg":
+        return f"-{cast[0]}"
+    if op == "abs":
+        return f"({cast[0]} < 0) ? -{cast[0]} : {cast[0]}"
+    if op == "invert":
+        return f"!{x}" if kind == "bool" else f"~{cast[0]}"
+    if op in ("exp", "log", "tanh", "sqrt"):
+        return f"{op}({cast[0]})"
+    raise AssertionError(op)
+
+
+def _promote_kind(kinds) -> str:
+    order = ("bool", "int", "float")
+    return max(kinds, key=order.index)
