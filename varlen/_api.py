@@ -16,7 +16,8 @@ def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, 
     Args:
         cu_seqlens_q, cu_seqlens_k: int32 `[B+1]` cumulative lengths (any framework).
         seq_offsets_q, seq_offsets_k: optional int32 `[B+1]` first row of each sequence.
-        mask: a mask name or a `varlen.Mask` (per-sequence arrays on the data's device).
+        mask: a mask name, a `varlen.Mask` (per-sequence arrays on the data's device), a
+            `varlen.MaskMod` or `Mask & MaskMod` (aux arrays where `cu_seqlens_q` lives).
         num_rows_q, num_rows_k: rows `T` of the packed arrays (default: the last cu_seqlens /
             offsets entry, which needs a host read and is refused for device arrays).
         max_seqlen_q, max_seqlen_k: optional bounds that tighten the tile-table size.
@@ -38,7 +39,8 @@ def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, 
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                       seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
-                      max_seqlen_q=None, max_seqlen_k=None, backend=None, plan=None):
+                      max_seqlen_q=None, max_seqlen_k=None, backend=None, plan=None,
+                      score_mod=None):
     """Attention over a packed variable-length batch. Returns `(out, lse)`.
 
     Args:
@@ -61,10 +63,16 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
                 x . . . .          x x x x .
                 x x . . .          x x x x x
 
+            A `varlen.MaskMod(fn, *aux)` masks by a function `fn(b, q_idx, k_idx, *aux)`
+            (positions from the sequence's first row); `Mask(...) & MaskMod(...)` keeps a pair
+            both allow (docs/mods.md).
         softmax_scale: scale of `q @ k^T`, default `1/sqrt(D)`.
         softcap: if > 0, scores become `softcap * tanh(scores / softcap)`.
         max_seqlen_q, max_seqlen_k: optional upper bounds on the lengths (host ints); they
             shrink the tile table and are checked when validation is on.
+        score_mod: a `varlen.ScoreMod(fn, *aux)`: each visible pair's scaled (and softcapped)
+            score becomes `fn(score, b, h, q_idx, k_idx, *aux)` before the softmax; -inf hides
+            the pair.
         backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (the fastest that supports the
             call: `"cpu"` for host float16/bfloat16/float32 data when its BLAS tile products are
             usable, else `"numpy"`; docs/api.md).
@@ -80,16 +88,17 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
         call = setup(q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
                      seq_offsets_k=seq_offsets_k, mask=mask, softmax_scale=softmax_scale,
                      softcap=softcap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                     backend=backend, plan=plan)
+                     backend=backend, plan=plan, score_mod=score_mod)
         out, lse = call.backend.forward(call.plan, call.q, call.k, call.v,
-                                        softmax_scale=call.softmax_scale, softcap=call.softcap)
+                                        softmax_scale=call.softmax_scale, softcap=call.softcap,
+                                        **call.backend_mods)
         return call.origin.wrap(out), call.origin.wrap(lse)
 
 
 def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                        seq_offsets_q=None, seq_offsets_k=None, mask="full", softmax_scale=None,
                        softcap=0.0, max_seqlen_q=None, max_seqlen_k=None, backend=None,
-                       plan=None, deterministic=False):
+                       plan=None, deterministic=False, score_mod=None, aux_grads=False):
     """Gradients of `sum(out * dout)` with respect to q, k, v. Returns `(dq, dk, dv)`.
 
     Args:
@@ -97,6 +106,8 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
         out, lse: what `attention_forward` returned for these inputs.
         deterministic: bitwise-repeatable accumulation of dQ (device backends use atomics
             otherwise; the host backends are always deterministic).
+        aux_grads: also return the gradients of `score_mod`'s float aux arrays: a fourth
+            result, a tuple with one float32 array (the aux's shape) or None per aux array.
         The other arguments are those of `attention_forward`, with the same values.
 
     Padding rows get zero gradients; so do queries with no visible key, and keys no query sees.
@@ -106,11 +117,17 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                      seq_offsets_k=seq_offsets_k, mask=mask, softmax_scale=softmax_scale,
                      softcap=softcap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                      backend=backend, plan=plan, deterministic=deterministic,
-                     grads=(dout, out, lse))
+                     grads=(dout, out, lse), score_mod=score_mod, aux_grads=aux_grads)
         grads = call.backend.backward(call.plan, *call.grads[:1], call.q, call.k, call.v,
                                       *call.grads[1:], softmax_scale=call.softmax_scale,
-                                      softcap=call.softcap, deterministic=call.deterministic)
-        return tuple(call.origin.wrap(g) for g in grads)
+                                      softcap=call.softcap, deterministic=call.deterministic,
+                                      **call.backend_mods)
+        dq, dk, dv = (call.origin.wrap(g) for g in grads[:3])
+        if not aux_grads:
+            return dq, dk, dv
+        daux = grads[3] if call.mods.aux_grads else (None,) * (
+            0 if score_mod is None else len(score_mod.aux))
+        return dq, dk, dv, tuple(None if g is None else call.origin.wrap(g) for g in daux)
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):

@@ -20,9 +20,11 @@ from ._validate import (as_index_array, as_policy_array, check_backward_inputs, 
                         check_layout_specs, check_layout_values, check_qkv, check_together,
                         dtype_name, scale_and_softcap, validation_enabled)
 from .masks import MASK_FIELDS, Mask, as_mask
+from .mods import NO_MODS, Mods, split_mask
 from .plan import Plan
 
-__all__ = ["Call", "Layout", "setup", "make_plan", "working_mask", "static_scalars"]
+__all__ = ["Call", "Layout", "setup", "make_plan", "working_mask", "working_mods",
+           "static_scalars"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Call:
     layout: Layout | None = None
     part: tuple | None = None  # context parallelism: (query partition, key partition)
     method: str | None = None
+    mods: Mods = NO_MODS       # mask_mod / score_mod, their aux arrays as working arrays
 
     @property
     def rows_q(self) -> int:
@@ -85,9 +88,16 @@ class Call:
     def make_plan(self, lay: Layout) -> Plan:
         """A plan of this layout with this call's mask, built by its backend."""
         bm, bn = self.blocks()
-        return self.backend.plan_from_cu_seqlens(
+        plan = self.backend.plan_from_cu_seqlens(
             lay.cu_q, lay.cu_k, lay.off_q, lay.off_k, self.rows_q, self.rows_k, self.mask,
             block_m=bm, block_n=bn, max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
+        return replace(plan, mask_mod=self.mods.mask)
+
+    @property
+    def backend_mods(self) -> dict:
+        """The keyword a backend's forward/backward gets for the call's user functions: none
+        when the call has none, so backends that run none never see it."""
+        return {"mods": self.mods} if self.mods else {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,6 +108,41 @@ def working_mask(mask, batch: int, xp) -> Mask:
     """The mask with every per-sequence field as a scalar or an int32 `[B]` array in `xp`."""
     m = as_mask(mask)
     return Mask(*(as_policy_array(f, n, xp, batch) for n, f in zip(MASK_FIELDS, m.fields())))
+
+
+def _working_mod(mod, role: str, like, like_name: str, xp):
+    """`mod` over working copies of its aux arrays (contiguous, in `xp`), each checked to come
+    from the framework and device of `like` (the call's q, or cu_seqlens_q for a plan)."""
+    if mod is None:
+        return None
+    named = [(f"{role} aux argument {i}", a) for i, a in enumerate(mod.aux)]
+    check_together([(like_name, like), *named])
+    aux = []
+    for name, a in named:
+        w = to_working(a, name)
+        if array_module(w) is not xp:
+            raise TypeError(f"{name} lives on the {'device' if xp is np else 'host'} but the "
+                            f"data on the {'host' if xp is np else 'device'}")
+        aux.append(xp.ascontiguousarray(w))
+    return mod.with_aux(aux)
+
+
+def working_mods(mask, score_mod, xp, like, like_name: str = "q", *,
+                 aux_grads=False) -> tuple:
+    """`(built-in mask, Mods)` of a call's `mask=` and `score_mod=` arguments: the MaskMod part
+    of `mask` split off, every aux array a working array of `xp` from `like`'s framework."""
+    from .mods import ScoreMod
+    base, mask_mod = split_mask(mask)
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a varlen.ScoreMod or None, got "
+                        f"{type(score_mod).__name__}")
+    if not isinstance(aux_grads, (bool, np.bool_)):
+        raise TypeError(f"aux_grads must be True or False, got {aux_grads!r}")
+    mods = Mods(mask=_working_mod(mask_mod, "mask_mod", like, like_name, xp),
+                score=_working_mod(score_mod, "score_mod", like, like_name, xp),
+                aux_grads=bool(aux_grads) and score_mod is not None and
+                any(score_mod.float_aux()))
+    return base, mods
 
 
 def static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,
@@ -142,25 +187,28 @@ def _check_layout(lay: Layout, rows_q: int, rows_k: int, *, rows_names=(None, No
                         rows_name=rows_names[1])
 
 
-def _fingerprint(lay: Layout, rows_q: int, rows_k: int, mask: Mask) -> tuple:
+def _fingerprint(lay: Layout, rows_q: int, rows_k: int, mask: Mask, mask_mod=None) -> tuple:
     """What a plan describes, cheap to compare: sizes, and a digest of every host array among
-    the layout and the mask (a device array contributes its shape only: no host read)."""
+    the layout and the mask (a device array contributes its shape only: no host read); a
+    mask_mod by its graph and its aux arrays."""
     off_q = lay.cu_q if lay.off_q is None else lay.off_q      # the default offsets
     off_k = lay.cu_k if lay.off_k is None else lay.off_k
+    mod = None if mask_mod is None else (mask_mod.digest, *(
+        digest(a.reshape(-1), int(a.size)) for a in mask_mod.aux))
     return (lay.batch, rows_q, rows_k,
             *(digest(a, lay.batch) for a in (lay.cu_q, lay.cu_k, off_q, off_k)),
-            *(digest(f, lay.batch) for f in mask.fields()))
+            *(digest(f, lay.batch) for f in mask.fields()), mod)
 
 
 _FINGERPRINT_NAMES = ("B", "rows of q", "rows of k", "cu_seqlens_q", "cu_seqlens_k",
-                      "seq_offsets_q", "seq_offsets_k", *(f"mask.{n}" for n in MASK_FIELDS))
+                      "seq_offsets_q", "seq_offsets_k", *(f"mask.{n}" for n in MASK_FIELDS), "mask_mod")
 
 
 def _fingerprint_differs(have: tuple, want: tuple) -> str | None:
     """The first thing the plan was built for otherwise than this call (device digests match
     anything of the same shape)."""
     for name, a, b in zip(_FINGERPRINT_NAMES, have, want):
-        device = isinstance(a, tuple) or isinstance(b, tuple)
+        device = (isinstance(a, tuple) or isinstance(b, tuple)) and name != "mask_mod"
         if a != b and not (device and (a is None) == (b is None)):
             return name
     return None
@@ -189,13 +237,15 @@ def make_plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=N
             raise ValueError(f"{name} must be a positive int, got {blk!r}")
     if validation_enabled(on_device):
         _check_layout(lay, *rows)
-    wmask = working_mask(mask, lay.batch, xp)
+    base, mods = working_mods(mask, None, xp, cu_seqlens_q, "cu_seqlens_q")
+    wmask = working_mask(base, lay.batch, xp)
     planner = backends.select_planner(backend, on_device)
     plan = planner.plan_from_cu_seqlens(lay.cu_q, lay.cu_k, lay.off_q, lay.off_k, *rows, wmask,
                                         block_m=int(block_m), block_n=int(block_n),
                                         max_seqlen_q=lay.max_seqlen_q,
                                         max_seqlen_k=lay.max_seqlen_k)
-    return replace(plan, fingerprint=_fingerprint(lay, *rows, wmask))
+    return replace(plan, mask_mod=mods.mask,
+                   fingerprint=_fingerprint(lay, *rows, wmask, mods.mask))
 
 
 def _check_plan(plan, call: Call, lay: Layout):
@@ -206,12 +256,16 @@ def _check_plan(plan, call: Call, lay: Layout):
                         f"{type(plan).__name__}")
     if plan.batch != lay.batch:
         raise ValueError(f"plan covers {plan.batch} sequences but cu_seqlens has {lay.batch}")
+    if (plan.mask_mod is None) != (call.mods.mask is None) or (
+            plan.mask_mod is not None and plan.mask_mod.digest != call.mods.mask.digest):
+        raise ValueError("plan was built for another mask_mod than this call's; build a plan "
+                         "with this call's mask (varlen.plan(..., mask=...))")
     if plan.q.num_rows != call.rows_q or plan.k.num_rows != call.rows_k:
         raise ValueError(f"plan was built for {plan.q.num_rows} query and {plan.k.num_rows} key "
                          f"rows but q has {call.rows_q} and k has {call.rows_k}")
     if plan.fingerprint is not None:
-        what = _fingerprint_differs(plan.fingerprint, _fingerprint(lay, call.rows_q,
-                                                                   call.rows_k, call.mask))
+        what = _fingerprint_differs(plan.fingerprint, _fingerprint(
+            lay, call.rows_q, call.rows_k, call.mask, call.mods.mask))
         if what:
             raise ValueError(f"plan was built for another {what} than this call's; build a "
                              f"plan for this layout and mask with varlen.plan(...)")
@@ -239,12 +293,14 @@ def _tensors(q, k, v, grads):
 def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
           seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0, max_seqlen_q=None,
           max_seqlen_k=None, backend=None, plan=None, deterministic=False, grads=None,
-          part=None, method=None, grads_rows="Tq", group_size=None) -> Call:
+          part=None, method=None, grads_rows="Tq", group_size=None, score_mod=None,
+          aux_grads=False) -> Call:
     """Check and normalise one call's arguments; returns its `Call` record.
 
     Single process: `cu_seqlens_*` (and optional offsets, bounds, `plan`). Context
     parallelism: `part`, a pair `(query partition, key partition)`, `method` and `group_size`,
     checked here (`check_context_parallel`). `grads = (dout, out, lse)` for a backward call.
+    A `MaskMod` in `mask` and a `score_mod` become `Call.mods` (`working_mods`).
     """
     origin, qw, kw, vw, gw = _tensors(q, k, v, grads)
     xp = array_module(qw)
@@ -258,15 +314,20 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
                 validate=validation_enabled(on_device), mask=Mask(),
                 softmax_scale=softmax_scale, softcap=softcap, deterministic=_flag(deterministic),
                 backend=None, plan=None, grads=gw, part=part, method=method)
+    base, mods = working_mods(mask, score_mod, xp, q, aux_grads=aux_grads and gw is not None)
+    call = replace(call, mods=mods)
     call = replace(call, backend=backends.select(backend, call))
     if part is not None:
         call = replace(call, part=check_context_parallel(part, method, xp, group_size=group_size,
                                                          rows=(call.rows_q, call.rows_k),
                                                          heads_q=call.heads_q))
-        return replace(call, mask=working_mask(mask, part[0].batch, xp), plan=plan)
+        if mods:
+            raise NotImplementedError(f"context parallelism does not run a {mods.describe()} "
+                                      f"yet")
+        return replace(call, mask=working_mask(base, part[0].batch, xp), plan=plan)
     lay = _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
                   max_seqlen_k)
-    call = replace(call, mask=working_mask(mask, lay.batch, xp), layout=lay)
+    call = replace(call, mask=working_mask(base, lay.batch, xp), layout=lay)
     if call.validate:
         _check_layout(lay, call.rows_q, call.rows_k)
     if plan is None:

@@ -136,6 +136,9 @@ def as_mask(mask) -> Mask:
         return Mask.named(mask)
     if mask is None:
         return Mask()
+    if type(mask).__name__ == "MaskMod":
+        raise TypeError("mask is a varlen.MaskMod, which this entry point does not take; pass "
+                        "a mask name or a varlen.Mask here")
     raise TypeError(f"mask must be a mask name ({', '.join(map(repr, MASK_NAMES))}) or a "
                     f"varlen.Mask, got {type(mask).__name__}")
 

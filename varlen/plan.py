@@ -162,6 +162,9 @@ class Plan:
             segment, and the segment's `pos - row` (zeros in unused slots).
         k_row_sched: int32 `[num_k_tiles, mq, 5]`, the same of `k_sched` in query rows.
         Both row schedules are derived from the schedules when not given (`row_schedule`).
+        mask_mod: the call's `varlen.MaskMod` (aux arrays where the plan lives) or None. The
+            schedule is the built-in mask's; a tile it keeps is skipped, run without mask
+            arithmetic or masked by the mask_mod's class of the tile (`varlen.mods.classify`).
     """
 
     q: Segments
@@ -178,6 +181,7 @@ class Plan:
     fingerprint: tuple | None = None
     q_row_sched: object = None
     k_row_sched: object = None
+    mask_mod: object = None
 
     def __post_init__(self):
         if self.q_row_sched is None:
@@ -214,6 +218,27 @@ class Plan:
                           q.per_seq, k.per_seq, self.num_q_tiles, self.num_k_tiles,
                           self.block_m, self.block_n, q.num_rows, k.num_rows)
 
+    def tile_classes(self, side: str = "q"):
+        """The class of every partner tile the schedule keeps (host arrays; cached).
+
+        Returns `(start, classes)`: `start` int64 `[num_tiles, m]`, `classes` int8: partner tile
+        `t` of the range `[begin, end)` of tile `i` and partner segment `s` has class
+        `classes[start[i, s] + t - begin]`, one of `varlen.mods.EMPTY` (skip it), `PARTIAL`
+        (evaluate the masks pair by pair) or `FULL` (no mask arithmetic). `side` "q": query
+        tiles against key tiles (forward, dQ); "k": key tiles against query tiles (dK/dV). The
+        built-in mask's class meets the mask_mod's (interval arithmetic over its graph, O(1)
+        per tile pair: `varlen.mods.classify`).
+        """
+        cache = self.__dict__.setdefault("_classes", {})
+        if side not in cache:
+            cache[side] = _tile_classes(self.to_host(), side)
+        return cache[side]
+
+    def describe(self, *, max_tiles: int = 64) -> str:
+        """Each sequence's tiles as text: `█` full, `░` partial, `·` empty (skipped), a row per
+        query tile and a column per key tile (as FlexAttention's `BlockMask.to_string()`)."""
+        return _describe(self, max_tiles)
+
     def to_host(self) -> "Plan":
         """A NumPy copy (reads device memory: for tests and inspection)."""
         if self.on_host:
@@ -225,7 +250,7 @@ class Plan:
         return Plan(hs(self.q), hs(self.k), h(self.window_left), h(self.window_right),
                     h(self.bottom_right), self.block_m, self.block_n, h(self.q_tiles),
                     h(self.q_sched), h(self.k_tiles), h(self.k_sched), self.fingerprint,
-                    h(self.q_row_sched), h(self.k_row_sched))
+                    h(self.q_row_sched), h(self.k_row_sched), self.mask_mod)
 
 
 class KernelView(NamedTuple):
@@ -466,3 +491,72 @@ def layout_segments(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, nu
 def _check_blocks(block_m, block_n):
     if block_m <= 0 or block_n <= 0:
         raise ValueError(f"block sizes must be positive, got {block_m=} and {block_n=}")
+
+
+def _tile_classes(plan: Plan, side: str):
+    """`Plan.tile_classes` on a host plan."""
+    from .mods import FULL, PARTIAL, classify
+    if side == "q":
+        tiles, sched, partner, block = plan.q_tiles, plan.q_sched, plan.k, plan.block_n
+    elif side == "k":
+        tiles, sched, partner, block = plan.k_tiles, plan.k_sched, plan.q, plan.block_m
+    else:
+        raise ValueError(f"side must be 'q' or 'k', got {side!r}")
+    n, m = sched.shape[:2]
+    begin, fbegin, fend, end = (sched[..., i].astype(np.int64) for i in range(4))
+    count = np.where(tiles[:, TILE_SEQ, None] >= 0, end - begin, 0)          # [n, m]
+    start = (np.cumsum(count.reshape(-1)) - count.reshape(-1)).reshape(n, m)
+    total = int(count.sum())
+    pair = np.repeat(np.arange(n * m), count.reshape(-1))
+    t = begin.reshape(-1)[pair] + np.arange(total) - start.reshape(-1)[pair]
+    classes = np.where((t >= fbegin.reshape(-1)[pair]) & (t < fend.reshape(-1)[pair]),
+                       FULL, PARTIAL).astype(np.int8)
+    if plan.mask_mod is not None and total:
+        i, s = pair // m, pair % m
+        b = tiles[i, TILE_SEQ].astype(np.int64)
+        own0 = tiles[i, TILE_POS].astype(np.int64)
+        own1 = own0 + tiles[i, TILE_ROWS].astype(np.int64) - 1
+        p0 = partner.pos[b, s].astype(np.int64) + t * block
+        p1 = partner.pos[b, s].astype(np.int64) + np.minimum(
+            (t + 1) * block, partner.length[b, s].astype(np.int64)) - 1
+        q0, q1, k0, k1 = (own0, own1, p0, p1) if side == "q" else (p0, p1, own0, own1)
+        classes = np.minimum(classes, classify(plan.mask_mod, b, q0, q1, k0, k1))
+    return start, classes
+
+
+_GLYPH = {0: "\u00b7", 1: "\u2591", 2: "\u2588"}
+
+
+def _describe(plan: Plan, max_tiles: int) -> str:
+    """`Plan.describe`: one block of text per sequence."""
+    h = plan.to_host()
+    start, classes = h.tile_classes("q")
+    lines = [f"plan: {h.batch} sequence(s), tiles {h.block_m} x {h.block_n}"
+             f"{'' if h.mask_mod is None else ', with a mask_mod'}"
+             f"  (\u2588 full, \u2591 partial, \u00b7 empty)"]
+    used = np.flatnonzero(h.q_tiles[:, TILE_SEQ] >= 0)
+    kept = total = 0
+    for b in range(h.batch):
+        mine = used[h.q_tiles[used, TILE_SEQ] == b]
+        nk = [(int(h.k.length[b, s]) + h.block_n - 1) // h.block_n for s in range(h.k.per_seq)]
+        width = sum(nk)
+        lq, lk = int(h.q.seqlen[b]), int(h.k.seqlen[b])
+        lines.append(f"sequence {b}: {lq} queries x {lk} keys, {len(mine)} x {width} tiles")
+        for row, i in enumerate(mine):
+            cells = []
+            for s in range(h.k.per_seq):
+                seg = ["\u00b7"] * nk[s]
+                bg, en = int(h.q_sched[i, s, 0]), int(h.q_sched[i, s, 3])
+                for t in range(bg, en):
+                    c = int(classes[start[i, s] + t - bg])
+                    seg[t] = _GLYPH[c]
+                    kept += c != 0
+                total += nk[s]
+                cells.extend(seg)
+            if row < max_tiles:
+                text = "".join(cells[:max_tiles]) + ("\u2026" if len(cells) > max_tiles else "")
+                lines.append("  " + text)
+        if len(mine) > max_tiles:
+            lines.append(f"  \u2026 ({len(mine) - max_tiles} more query tiles)")
+    lines.append(f"{kept} of {total} tile pairs computed ({100.0 * kept / max(total, 1):.1f}%)")
+    return "\n".join(lines)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from ._nonfinite import reached, split_finite
-from .masks import as_mask, visible
+from .masks import visible
+from .mods import evaluate, split_mask
+from .mods.evaluate import scatter_aux_grads
 
 __all__ = ["attention_dense", "attention_dense_backward", "sequence_masks"]
 
@@ -36,23 +38,45 @@ def _layout(cu_q, cu_k, off_q, off_k):
 
 
 def sequence_masks(cu_seqlens_q, cu_seqlens_k, mask="full"):
-    """For each sequence `b`, the bool `[Lq, Lk]` matrix of visible pairs (a Python loop)."""
+    """For each sequence `b`, the bool `[Lq, Lk]` matrix of visible pairs (a Python loop).
+
+    `mask` may hold a `MaskMod` (`Mask & MaskMod`): its function is evaluated on every pair.
+    """
     B, lq, lk, _, _ = _layout(cu_seqlens_q, cu_seqlens_k, None, None)
-    m = as_mask(mask)
+    m, mod = split_mask(mask)
     left, right, br = (_per_seq(f, B) for f in m.fields())
+    aux = () if mod is None else tuple(_host(a) for a in mod.aux)
     out = []
     for b in range(B):
         i = np.arange(lq[b])[:, None]
         j = np.arange(lk[b])[None, :]
-        out.append(visible(i, j, lq[b], lk[b], left[b], right[b], br[b]))
+        ok = visible(i, j, lq[b], lk[b], left[b], right[b], br[b])
+        if mod is not None:
+            ok = ok & evaluate(mod.graph, {"b": np.int64(b), "q_idx": i, "k_idx": j}, aux)
+        out.append(ok)
     return out
+
+
+def _host(a):
+    """A host NumPy copy of an aux array of any framework."""
+    from ._array import host_copy
+    return np.asarray(host_copy(a))
+
+
+def _modified(score_mod, s, b, rq_len, rk_len):
+    """`(score_mod(s), leaves)` over one sequence's `[Hq, Lq, Lk]` scores (float64)."""
+    Hq = s.shape[0]
+    leaves = {"score": s, "b": np.int64(b), "h": np.arange(Hq)[:, None, None],
+              "q_idx": np.arange(rq_len)[None, :, None], "k_idx": np.arange(rk_len)[None, None, :]}
+    aux = tuple(_host(a) for a in score_mod.aux)
+    return evaluate(score_mod.graph, leaves, aux), leaves, aux
 
 
 def _sequences(q, k, cu_q, cu_k, off_q, off_k, mask):
     B, lq, lk, sq, sk = _layout(cu_q, cu_k, off_q, off_k)
     masks = sequence_masks(cu_q, cu_k, mask)
     for b in range(B):
-        yield (slice(sq[b], sq[b] + lq[b]), slice(sk[b], sk[b] + lk[b]), masks[b])
+        yield (b, slice(sq[b], sq[b] + lq[b]), slice(sk[b], sk[b] + lk[b]), masks[b])
 
 
 def _expand_kv(x, Hq):
@@ -61,10 +85,14 @@ def _expand_kv(x, Hq):
 
 
 def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
-                    seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0):
+                    seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
+                    score_mod=None):
     """Forward in float64: returns `(out [Tq, Hq, Dv], lse [Hq, Tq])`, both float64.
 
     Non-finite inputs follow `docs/semantics.md`: NaN out and lse for the rows they reach.
+    `mask` may be a `MaskMod` (or `Mask & MaskMod`); `score_mod` a `ScoreMod`, applied after
+    the softcap; a pair it sends to -inf is hidden, and a row left without a pair has output 0
+    and lse -inf.
     """
     (q, q_bad), (k, k_bad), (v, v_bad) = (split_finite(np.asarray(x, dtype=np.float64))
                                           for x in (q, k, v))
@@ -73,15 +101,20 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     kx, vx, kv_bad = _expand_kv(k, Hq), _expand_kv(v, Hq), _expand_kv(k_bad | v_bad, Hq)
     out = np.zeros((Tq, Hq, v.shape[2]))
     lse = np.full((Hq, Tq), -np.inf)
-    for rq, rk, ok in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
-                                 seq_offsets_k, mask):
+    for b, rq, rk, ok in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
+                                    seq_offsets_k, mask):
         s = np.einsum("ihd,jhd->hij", q[rq], kx[rk]) * scale
         if softcap > 0:
             s = softcap * np.tanh(s / softcap)
-        s = np.where(ok, s, -np.inf)
-        has = ok.any(axis=1)                                        # [Lq]
+        seen = ok
+        if score_mod is not None:
+            s = _modified(score_mod, s, b, ok.shape[0], ok.shape[1])[0]
+            seen = ok & (s != -np.inf)                              # [Hq, Lq, Lk]
+        s = np.where(seen, s, -np.inf)
+        has = seen.any(axis=-1)                                     # [Lq] or [Hq, Lq]
         mx = np.where(has, s.max(axis=2, initial=-np.inf), 0.0)[:, :, None]
-        p = np.where(ok, np.exp(s - mx), 0.0)
+        with np.errstate(invalid="ignore"):
+            p = np.where(seen, np.exp(s - mx), 0.0)
         z = p.sum(axis=2, keepdims=True)
         z1 = np.where(z > 0, z, 1.0)
         out[rq] = np.einsum("hij,jhd->ihd", p / z1, vx[rk])
@@ -94,8 +127,10 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
 
 def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                              seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
-                             out=None, lse=None):
-    """Gradients in float64 of `sum(out * dout)`: returns `(dq, dk, dv)`.
+                             out=None, lse=None, score_mod=None, aux_grads=False):
+    """Gradients in float64 of `sum(out * dout)`: returns `(dq, dk, dv)`, and with
+    `aux_grads` a fourth result: per aux array of `score_mod`, its gradient (float64, the
+    aux's shape) if it is a float array, else None.
 
     Recomputes the forward itself; the analytic softmax backward, with the softcap chain rule.
     `out` and `lse` (what a backend's backward is given) are optional: their values are not
@@ -116,20 +151,35 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
     dq = np.zeros_like(q)
     dkx = np.zeros_like(kx)
     dvx = np.zeros_like(vx)
-    for rq, rk, ok in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
-                                 seq_offsets_k, mask):
+    daux = [None if score_mod is None or kind != "float" else np.zeros(np.shape(a))
+            for (kind, _, _), a in zip(() if score_mod is None else score_mod.graph.aux,
+                                       () if score_mod is None else score_mod.aux)]
+    for b, rq, rk, ok in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
+                                    seq_offsets_k, mask):
         raw = np.einsum("ihd,jhd->hij", q[rq], kx[rk]) * scale
         s = softcap * np.tanh(raw / softcap) if softcap > 0 else raw
-        s = np.where(ok, s, -np.inf)
-        has = ok.any(axis=1)
+        seen = ok
+        if score_mod is not None:
+            s_in = s
+            s, leaves, aux = _modified(score_mod, s_in, b, ok.shape[0], ok.shape[1])
+            seen = ok & (s != -np.inf)
+        s = np.where(seen, s, -np.inf)
+        has = seen.any(axis=-1)
         mx = np.where(has, s.max(axis=2, initial=-np.inf), 0.0)[:, :, None]
-        p = np.where(ok, np.exp(s - mx), 0.0)
+        with np.errstate(invalid="ignore"):
+            p = np.where(seen, np.exp(s - mx), 0.0)
         z = p.sum(axis=2, keepdims=True)
         p = p / np.where(z > 0, z, 1.0)
         do = dout[rq]
         dvx[rk] += np.einsum("hij,ihd->jhd", p, do)
         dp = np.einsum("ihd,jhd->hij", do, vx[rk])
         ds = p * (dp - (p * dp).sum(axis=2, keepdims=True))
+        if score_mod is not None:
+            if aux_grads:
+                scatter_aux_grads(score_mod.with_aux(aux), leaves, ds, seen, daux)
+            with np.errstate(all="ignore"):
+                d_mod = evaluate(score_mod.d_score(), {**leaves, "score": s_in}, aux)
+            ds = np.where(seen, ds * d_mod, 0.0)
         if softcap > 0:
             ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
         ds = ds * scale
@@ -143,4 +193,6 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
     G = Hq // Hk
     dk = dkx.reshape(k.shape[0], Hk, G, D).sum(axis=2)
     dv = dvx.reshape(v.shape[0], Hk, G, v.shape[2]).sum(axis=2)
+    if aux_grads:
+        return dq, dk, dv, tuple(daux)
     return dq, dk, dv

@@ -86,10 +86,15 @@ def _order(call):
     return _HOST_ORDER_FLOAT64 if call.dtype == "float64" else _HOST_ORDER
 
 
+def _cannot(backend: Backend, call) -> str | None:
+    """Why `backend` cannot run `call` at all (its arrays, dtype, sizes, user functions)."""
+    return backend.supports(call) or backend.supports_mods(call)
+
+
 def _reason(backend: Backend, call, order, family: Backend | None = None) -> str | None:
     """Why `backend=None` would pass over `backend` (an implementation of `family`, when given)
     for `call` (None: it would take it)."""
-    why = backend.supports(call)
+    why = _cannot(backend, call)
     if why:
         return why
     if _family(backend.name) not in order:
@@ -134,7 +139,7 @@ def select(name, call) -> Backend:
         backend = get(name)
         if backend is None:
             raise ValueError(f"backend={name!r} is not built in this installation")
-        why = backend.supports(call)
+        why = _cannot(backend, call)
         if why:
             raise ValueError(f"backend={name!r} cannot run this call: {why}")
         return backend

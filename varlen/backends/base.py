@@ -25,6 +25,7 @@ class Problem:
     head_dim: int         # D of q and k
     head_dim_v: int       # Dv of v
     on_device: bool       # the arrays live on a CUDA device
+    mods: object = None   # varlen.mods.Mods: the call's mask_mod / score_mod, if any
 
 
 class Backend(abc.ABC):
@@ -40,11 +41,30 @@ class Backend(abc.ABC):
     name: str = ""
     default_eligible: bool = True
     implementations: tuple = ()       # a family's members, in order of preference
+    # What of a call's user functions it runs: "mask_mod", "score_mod", "aux_grads" (the
+    # gradients of a score_mod's float aux arrays). `forward`/`backward` get `mods=` only when
+    # the call has some.
+    runs_mods: frozenset = frozenset()
 
     @abc.abstractmethod
     def supports(self, call) -> str | None:
         """None when this backend can run `call` (a `Problem` or the setup record), else the
         reason it cannot, as a phrase that completes "backend X cannot run this call: ..."."""
+
+    def supports_mods(self, call) -> str | None:
+        """None when this backend runs the call's mask_mod / score_mod (`call.mods`), else why
+        not. By default from `runs_mods`; a backend with finer limits overrides it."""
+        mods = getattr(call, "mods", None)
+        if not mods:
+            return None
+        wanted = (("mask_mod", mods.mask is not None), ("score_mod", mods.score is not None),
+                  ("aux_grads", mods.aux_grads))
+        missing = [n for n, on in wanted if on and n not in self.runs_mods]
+        if missing:
+            what = {"mask_mod": "a mask_mod", "score_mod": "a score_mod",
+                    "aux_grads": "gradients of a score_mod's aux arrays"}
+            return f"it does not run {' or '.join(what[n] for n in missing)}"
+        return None
 
     def default_blocks(self, dtype: str, head_dim: int) -> tuple[int, int]:
         """`(block_m, block_n)` of the plans this backend builds for a call."""

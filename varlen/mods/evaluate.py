@@ -10,7 +10,8 @@ import numpy as np
 
 from .graph import Graph, Node
 
-__all__ = ["evaluate", "interval", "AuxRanges", "index_error"]
+__all__ = ["evaluate", "evaluate_node", "scatter_aux_grads", "interval", "AuxRanges",
+           "index_error"]
 
 _INT = np.int64
 
@@ -325,3 +326,25 @@ def _load_interval(n: Node, idx, ranges: AuxRanges):
     last = np.where(contiguous, flat_hi, size - 1)
     vlo, vhi = ranges.query(n.value, first.reshape(-1), last.reshape(-1))
     return vlo.reshape(first.shape), vhi.reshape(first.shape)
+
+
+def evaluate_node(graph: Graph, node: Node, leaves: dict, aux, *, float_dtype=np.float64):
+    """The value of one node of `graph` (a load's index, say) at every point of `leaves`."""
+    return evaluate(Graph(node, graph.leaves, graph.aux, graph.role), leaves, aux,
+                    float_dtype=float_dtype)
+
+
+def scatter_aux_grads(score_mod, leaves: dict, ds, where, grads: list):
+    """Add the gradients of `score_mod`'s float aux arrays at the points of `leaves`:
+    `grads[i] += sum over points of ds * d(score_mod)/d(aux_i[index])` at each read's index,
+    over the points where `where` holds (float64 host arrays in `grads`)."""
+    for load, dgraph in score_mod.d_aux():
+        a = score_mod.aux[load.value]
+        shape = np.broadcast(ds, *leaves.values()).shape
+        w = np.broadcast_to(where, shape)
+        with np.errstate(all="ignore"):
+            g = np.broadcast_to(ds * evaluate(dgraph, leaves, score_mod.aux), shape)[w]
+        idx = tuple(np.clip(np.broadcast_to(evaluate_node(score_mod.graph, i, leaves,
+                                                          score_mod.aux), shape)[w], 0, n - 1)
+                    for i, n in zip(load.args, a.shape))
+        np.add.at(grads[load.value], idx, g)

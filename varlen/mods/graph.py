@@ -355,21 +355,31 @@ class Graph:
         return f"<{self.role} graph {self.digest}: {self.root.key()}>"
 
 
+def _dtype_name(a) -> str:
+    """NumPy's name of an array's dtype, read without touching its data (torch by name)."""
+    dt = a.dtype
+    if type(dt).__module__ == "torch":
+        return str(dt).removeprefix("torch.")
+    name = getattr(dt, "name", None) or str(dt)
+    return "bfloat16" if name == "bfloat16" else np.dtype(dt).name
+
+
 def _aux_kind(a, where: str) -> tuple:
-    from .._validate import spec_of
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+    if not (hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(a, "ndim")):
         raise TypeError(f"{where} must be an array (NumPy, PyTorch, JAX or CuPy), got "
                         f"{type(a).__name__}")
-    s = spec_of(a, where)
-    kind = {"b": "bool", "i": "int", "u": "int", "f": "float"}.get(s.kind)
+    name = _dtype_name(a)
+    kind = ("bool" if name == "bool" else "int" if name.startswith(("int", "uint")) else
+            "float" if name.startswith(("float", "bfloat")) else None)
     if kind is None:
-        raise TypeError(f"{where} has dtype {s.dtype}; expected an integer, bool or float array")
-    if s.ndim < 1 or s.ndim > 4:
-        raise ValueError(f"{where} has {s.ndim} dimensions; expected 1 to 4 (a Python number "
+        raise TypeError(f"{where} has dtype {name}; expected an integer, bool or float array")
+    shape = tuple(int(n) for n in a.shape)
+    if not 1 <= len(shape) <= 4:
+        raise ValueError(f"{where} has {len(shape)} dimensions; expected 1 to 4 (a Python number "
                          f"is a constant: write it in the function)")
-    if any(int(n) == 0 for n in s.shape):
-        raise ValueError(f"{where} has shape {s.shape}; an empty aux array has no entry to read")
-    return kind, s.ndim, s.dtype
+    if 0 in shape:
+        raise ValueError(f"{where} has shape {shape}; an empty aux array has no entry to read")
+    return kind, len(shape), name
 
 
 def trace(fn, leaves: tuple, aux: tuple, role: str, aux_names=None) -> Graph:
