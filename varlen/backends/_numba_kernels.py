@@ -26,7 +26,8 @@ The attention kernels read the plan as one record, `varlen.plan.KernelView` (its
 device), and are built from named device-function steps: stage a tile, score it, mask it,
 update the online softmax or the gradients, store. Each is specialised per `Variant` (dtype,
 head dims, tile sizes, softcap) by a cached factory whose closure constants become
-compile-time constants. Launches live in `_numba_launch.py`.
+compile-time constants, and per user function (`UserFns`: mask_mod and score_mod by graph
+digest). Launches live in `_numba_launch.py`.
 """
 from __future__ import annotations
 
