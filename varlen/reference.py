@@ -119,7 +119,7 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         z1 = np.where(z > 0, z, 1.0)
         out[rq] = np.einsum("hij,jhd->ihd", p / z1, vx[rk])
         lse[:, rq] = np.where(has, (mx + np.log(z1))[:, :, 0], -np.inf)
-        bad = reached(ok, q_bad[rq].T, kv_bad[rk].T)                 # [Hq, Lq]
+        bad = reached(seen, q_bad[rq].T, kv_bad[rk].T)               # [Hq, Lq]
         out[rq] = np.where(bad.T[..., None], np.nan, out[rq])
         lse[:, rq] = np.where(bad, np.nan, lse[:, rq])
     return out, lse
@@ -185,8 +185,8 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
         ds = ds * scale
         dq[rq] += np.einsum("hij,jhd->ihd", ds, kx[rk])
         dkx[rk] += np.einsum("hij,ihd->jhd", ds, q[rq])
-        bad_q = reached(ok, q_bad[rq].T, kv_bad[rk].T).T                # [Lq, Hq]
-        bad_k = reached(ok.T, kv_bad[rk].T, q_bad[rq].T).T              # [Lk, Hq]
+        bad_q = reached(seen, q_bad[rq].T, kv_bad[rk].T).T              # [Lq, Hq]
+        bad_k = reached(np.swapaxes(seen, -1, -2), kv_bad[rk].T, q_bad[rq].T).T  # [Lk, Hq]
         dq[rq] = np.where(bad_q[..., None], np.nan, dq[rq])
         dkx[rk] = np.where(bad_k[..., None], np.nan, dkx[rk])
         dvx[rk] = np.where(bad_k[..., None], np.nan, dvx[rk])

@@ -42,15 +42,17 @@ class HostBackend(Backend):
             return "its arrays live on a device; build it from host cu_seqlens for host data"
         return None
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
+        extra = {"mods": mods} if mods else {}
         return type(self).run_forward(plan, q, k, v, softmax_scale=softmax_scale,
-                                      softcap=softcap)
+                                      softcap=softcap, **extra)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False):
+                 deterministic=False, mods=None):
+        extra = {"mods": mods} if mods else {}
         return type(self).run_backward(plan, dout, q, k, v, out, lse,
                                        softmax_scale=softmax_scale, softcap=softcap,
-                                       deterministic=deterministic)
+                                       deterministic=deterministic, **extra)
 
 
 def forward_buffers(plan: Plan, q, Dv: int, *, out_dtype, lse_dtype):

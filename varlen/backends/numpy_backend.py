@@ -20,6 +20,8 @@ import numpy as np
 from .._array import alloc
 from .._nonfinite import reached, split_finite
 from ..masks import visible
+from ..mods import EMPTY, PARTIAL, evaluate
+from ..mods.evaluate import scatter_aux_grads
 from ..plan import Plan, Segments, TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEQ
 from ._host import DTYPES, HostBackend, forward_buffers
 
@@ -65,11 +67,13 @@ def _partner_extent(tiles, sched, other: Segments, block: int):
     return lo, count
 
 
-def _batch(tiles, sched, other: Segments, block: int, sel) -> _Batch:
+def _batch(tiles, sched, other: Segments, block: int, sel, classes=None) -> _Batch:
     """Gather the tiles `sel` (slot indices) and their partner rows into one padded batch.
 
     Partner rows are laid out tile by tile, partner segment by segment, in schedule order; the
-    construction is one vectorised pass (no loop over tiles or rows).
+    construction is one vectorised pass (no loop over tiles or rows). With `classes`
+    (`Plan.tile_classes`, when a mask_mod is given) a partner tile's class decides: rows of an
+    EMPTY tile are left out (as padding), rows of a PARTIAL one are masked pair by pair.
     """
     t = tiles[sel]
     b = t[:, TILE_SEQ].astype(np.int64)
@@ -94,6 +98,11 @@ def _batch(tiles, sched, other: Segments, block: int, sel) -> _Batch:
     partner_ok[tile, col] = True
     in_tile = local // block
     partial[tile, col] = (in_tile < ranges[:, 1]) | (in_tile >= ranges[:, 2])
+    if classes is not None:
+        start, cls = classes
+        c = cls[start[sel].reshape(-1)[pair] + in_tile - ranges[:, 0]]
+        partial[tile, col] = c == PARTIAL
+        partner_ok[tile, col] = c != EMPTY
     i = np.arange(int(t[:, TILE_ROWS].max()) if n else 0)
     own_ok = i[None, :] < t[:, TILE_ROWS, None]
     own = np.where(own_ok, t[:, TILE_ROW, None].astype(np.int64) + i, 0)
@@ -108,6 +117,7 @@ def _batches(plan: Plan, side: str, heads: int):
         tiles, sched, other, block = plan.q_tiles, plan.q_sched, plan.k, plan.block_n
     else:
         tiles, sched, other, block = plan.k_tiles, plan.k_sched, plan.q, plan.block_m
+    classes = None if plan.mask_mod is None else plan.tile_classes(side)
     used = np.flatnonzero(tiles[:, TILE_SEQ] >= 0)
     _, count = _partner_extent(tiles[used], sched[used], other, block)
     width = count.sum(axis=1)
@@ -121,7 +131,7 @@ def _batches(plan: Plan, side: str, heads: int):
         cost = np.arange(1, tallest.size + 1) * tallest * np.maximum(width[start:], 1) * heads
         fits = cost <= _BLOCK_BUDGET
         stop = start + max(1, int(np.argmin(fits)) if not fits.all() else fits.size)
-        yield _batch(tiles, sched, other, block, used[start:stop])
+        yield _batch(tiles, sched, other, block, used[start:stop], classes)
         start = stop
 
 
@@ -138,8 +148,8 @@ def _take(x, rows, ok):
 def _allowed(plan: Plan, bt: _Batch, side: str):
     """Bool `[n, I, J]` (query rows x key rows of each tile's block): the visible pairs.
 
-    The mask predicate is evaluated only on pairs whose partner row lies in a partially masked
-    tile; fully visible tiles take no mask arithmetic.
+    The mask predicate (and the plan's mask_mod) is evaluated only on pairs whose partner row
+    lies in a partially masked tile; fully visible tiles take no mask arithmetic.
     """
     if side == "q":
         q_ok, k_ok, qpos, kpos = bt.own_ok, bt.partner_ok, bt.own_pos, bt.partner_pos
@@ -155,8 +165,29 @@ def _allowed(plan: Plan, bt: _Batch, side: str):
         policy = (f[b].astype(np.int64) for f in (view.seqlen_q, view.seqlen_k,
                                                   view.window_left, view.window_right,
                                                   view.bottom_right))
-        allowed[n_i, i_i, j_i] = visible(qpos[n_i, i_i], kpos[n_i, j_i], *policy)
+        ok = visible(qpos[n_i, i_i], kpos[n_i, j_i], *policy)
+        mod = plan.mask_mod
+        if mod is not None:
+            ok &= evaluate(mod.graph, {"b": b.astype(np.int64), "q_idx": qpos[n_i, i_i],
+                                       "k_idx": kpos[n_i, j_i]}, mod.aux)
+        allowed[n_i, i_i, j_i] = ok
     return allowed
+
+
+def _positions(bt: _Batch, side: str, Hk: int, G: int):
+    """The leaves of a score_mod over a batch's `[n, Hk, G, I, J]` scores (query rows x key
+    rows): sequence, query head, query and key positions."""
+    qpos, kpos = (bt.own_pos, bt.partner_pos) if side == "q" else (bt.partner_pos, bt.own_pos)
+    return {"b": bt.seq.astype(np.int64)[:, None, None, None, None],
+            "h": (np.arange(Hk)[:, None] * G + np.arange(G)).reshape(1, Hk, G, 1, 1),
+            "q_idx": qpos[:, None, None, :, None], "k_idx": kpos[:, None, None, None, :]}
+
+
+def _modified(s, allowed, score_mod, leaves):
+    """`(score_mod(s) with hidden pairs at -inf, the pairs still visible)` (float64)."""
+    s = evaluate(score_mod.graph, {**leaves, "score": s}, score_mod.aux)
+    seen = allowed[:, None, None] & (s != -np.inf)
+    return np.where(seen, s, -np.inf), seen
 
 
 def _scores(allowed, qt, kt, scale, softcap):
@@ -203,34 +234,40 @@ def _to_rows(x):
 # Forward and backward
 # --------------------------------------------------------------------------------------------
 
-def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap):
+def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None):
     """`(o [n, Hk, G, I, Dv], row_lse [n, Hk, G, I])` of one batch of query tiles."""
     (qg, q_bad), (kg, k_bad), (vg, v_bad) = (
         _take(x, rows, ok) for x, rows, ok in ((q, bt.own, bt.own_ok), (k, bt.partner,
                                               bt.partner_ok), (v, bt.partner, bt.partner_ok)))
     allowed = _allowed(plan, bt, "q")
     s, _ = _scores(allowed, _q_heads(qg, Hk, G), _k_heads(kg), scale, softcap)
+    seen = allowed[:, None, None]                                     # pairs in the softmax
+    if score_mod is not None:
+        s, seen = _modified(s, allowed, score_mod, _positions(bt, "q", Hk, G))
     mx = s.max(axis=-1, keepdims=True, initial=-np.inf)              # [n, Hk, G, I, 1]
     dead = mx == -np.inf                                              # no visible key
-    p = np.exp(s - np.where(dead, 0.0, mx))
+    with np.errstate(invalid="ignore"):                               # a score_mod's +inf
+        p = np.exp(s - np.where(dead, 0.0, mx))
     denom = np.where(dead, 1.0, p.sum(axis=-1, keepdims=True))
     o = (p / denom) @ _k_heads(vg)                                    # [n, Hk, G, I, Dv]
     row_lse = np.where(dead, -np.inf, mx + np.log(denom))[..., 0]     # [n, Hk, G, I]
     if q_bad.any() or k_bad.any() or v_bad.any():
-        bad = reached(allowed[:, None, None], _flags_q(q_bad, Hk, G), _flags_k(k_bad | v_bad))
+        bad = reached(seen, _flags_q(q_bad, Hk, G), _flags_k(k_bad | v_bad))
         o[bad] = np.nan
         row_lse[bad] = np.nan
     return o, row_lse
 
 
-def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
+def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=None):
     """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` (float64 for float64, else float32)."""
+    score_mod = None if mods is None else mods.score
     Hq, Hk, Dv = q.shape[1], k.shape[1], v.shape[2]
     out, lse = forward_buffers(plan, q, Dv, out_dtype=q.dtype,
                                lse_dtype=np.float64 if q.dtype == np.float64 else np.float32)
     for bt in _batches(plan, "q", Hq):
         n, I = bt.own.shape
-        o, row_lse = _forward_batch(plan, bt, q, k, v, Hk, Hq // Hk, softmax_scale, softcap)
+        o, row_lse = _forward_batch(plan, bt, q, k, v, Hk, Hq // Hk, softmax_scale, softcap,
+                                    score_mod)
         rows = bt.own[bt.own_ok]
         out[rows] = _to_rows(o)[bt.own_ok].astype(q.dtype)
         # an lse past float32's range rounds to +inf (docs/semantics.md, "Overflow")
@@ -250,7 +287,7 @@ class _Grads:
     `[n, Hk, G, I, J]` (I query rows x J key rows per tile), and the non-finite flags of the
     query side (q, dout, out, lse) `[n, Hk, G, I]` and key side (k, v) `[n, Hk, 1, J]`."""
 
-    def __init__(self, plan, bt, side, arrays, scale, softcap):
+    def __init__(self, plan, bt, side, arrays, scale, softcap, mods=None, daux=None):
         dout, q, k, v, delta, lse = arrays
         Hk, G = delta.shape[1:]
         if side == "q":
@@ -265,9 +302,24 @@ class _Grads:
         self.kt, vt = _k_heads(kg), _k_heads(vg)
         self.allowed = _allowed(plan, bt, side)
         s, th = _scores(self.allowed, self.qt, self.kt, scale, softcap)
+        score_mod = None if mods is None else mods.score
+        self.seen = self.allowed[:, None, None]                        # pairs in the softmax
+        if score_mod is not None:
+            leaves = _positions(bt, side, Hk, G)
+            s_in = s
+            s, seen = _modified(s, self.allowed, score_mod, leaves)
+            self.seen = seen
         lse_q = np.where(lse_bad[..., None] | ~q_ok[..., None, None, None], -np.inf, row_lse)
-        self.p = _probs(s, lse_q.transpose(0, 2, 3, 1, 4))
+        with np.errstate(invalid="ignore"):
+            self.p = _probs(s, lse_q.transpose(0, 2, 3, 1, 4))
         ds = self.p * (self.dot @ vt.swapaxes(-1, -2) - row_delta.transpose(0, 2, 3, 1, 4))
+        if score_mod is not None:
+            if daux is not None:
+                scatter_aux_grads(score_mod, leaves, ds, seen, daux)
+            with np.errstate(all="ignore"):
+                d_mod = evaluate(score_mod.d_score(), {**leaves, "score": s_in},
+                                 score_mod.aux)
+            ds = np.where(seen, ds * d_mod, 0.0)
         if th is not None:
             ds = ds * (1.0 - th * th)                                 # d/dx c*tanh(x/c)
         self.ds = ds * scale
@@ -279,7 +331,7 @@ class _Grads:
 
 
 def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
-              deterministic: bool = False):
+              deterministic: bool = False, mods=None):
     """`(dq, dk, dv)` in the input dtypes, as the kernels do it (FlashAttention-2, Alg. 2).
 
     dQ walks the query tiles (`q_sched`); dK and dV walk the key tiles (`k_sched`), so each
@@ -296,11 +348,16 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     arrays = (dout, q, k, v, delta, lse.astype(np.float64).T.reshape(Tq, Hk, G))
     dq = alloc(np, q.shape, q.dtype)
     dq[~plan.q.covered()] = 0
+    daux = None
+    if mods is not None and mods.aux_grads:
+        daux = [np.zeros(a.shape) if kind == "float" else None
+                for (kind, _, _), a in zip(mods.score.graph.aux, mods.score.aux)]
     for bt in _batches(plan, "q", Hq):
-        g = _Grads(plan, bt, "q", arrays, softmax_scale, softcap)
+        # the query pass meets every visible pair once: the aux gradients are summed here
+        g = _Grads(plan, bt, "q", arrays, softmax_scale, softcap, mods, daux)
         dq_t = g.ds @ g.kt                                            # [n, Hk, G, I, D]
         if g.any_bad():
-            dq_t[reached(g.allowed[:, None, None], g.q_bad, g.k_bad)] = np.nan
+            dq_t[reached(g.seen, g.q_bad, g.k_bad)] = np.nan
         dq[bt.own[bt.own_ok]] = _to_rows(dq_t)[bt.own_ok].astype(q.dtype)
     dk = alloc(np, k.shape, k.dtype)
     dv = alloc(np, v.shape, v.dtype)
@@ -308,19 +365,21 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     dk[kpad] = 0
     dv[kpad] = 0
     for bt in _batches(plan, "k", Hq):
-        g = _Grads(plan, bt, "k", arrays, softmax_scale, softcap)
+        g = _Grads(plan, bt, "k", arrays, softmax_scale, softcap, mods)
         # GQA: a key head's gradient sums its group of query heads (axis 2)
         dk_t = (g.ds.swapaxes(-1, -2) @ g.qt).sum(axis=2)              # [n, Hk, J, D]
         dv_t = (g.p.swapaxes(-1, -2) @ g.dot).sum(axis=2)
         if g.any_bad():
             # the transposed visibility: key j (rows) against the group's query rows
-            bad = reached(g.allowed.swapaxes(-1, -2)[:, None, None], g.k_bad[..., 0, :][:, :, None],
+            bad = reached(g.seen.swapaxes(-1, -2), g.k_bad[..., 0, :][:, :, None],
                           g.q_bad).any(axis=2)                        # [n, Hk, J]
             dk_t[bad] = np.nan
             dv_t[bad] = np.nan
         rows = bt.own[bt.own_ok]
         dk[rows] = dk_t.transpose(0, 2, 1, 3)[bt.own_ok].astype(k.dtype)
         dv[rows] = dv_t.transpose(0, 2, 1, 3)[bt.own_ok].astype(v.dtype)
+    if daux is not None:
+        return dq, dk, dv, tuple(None if g is None else g.astype(np.float32) for g in daux)
     return dq, dk, dv
 
 
@@ -328,6 +387,7 @@ class NumpyBackend(HostBackend):
     """The host backend: float64 arithmetic over the plan's tile schedule."""
 
     name = "numpy"
+    runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
     run_forward = staticmethod(_forward)
     run_backward = staticmethod(_backward)
 

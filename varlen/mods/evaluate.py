@@ -114,8 +114,9 @@ def _load(xp, role, node: Node, aux, idx, check: bool):
         for d, i in enumerate(idx):
             bad = (i < 0) | (i >= a.shape[d])
             if bool(bad.any()):
-                at = tuple(xp.broadcast_to(j, bad.shape)[bad].ravel()[0] for j in idx)
-                raise index_error(role, node.value, a.shape, at)
+                full = xp.broadcast_arrays(*idx)
+                first = tuple(int(x) for x in xp.argwhere(xp.broadcast_to(bad, full[0].shape))[0])
+                raise index_error(role, node.value, a.shape, [j[first] for j in full])
     idx = [xp.clip(i, 0, a.shape[d] - 1) for d, i in enumerate(idx)]
     v = a[tuple(idx)]
     if node.kind == "float":
