@@ -204,6 +204,34 @@ def test_rows_left_without_a_key():
     assert np.isfinite(lse[0, row + 4]), "head 0 of row 4 sees keys"
 
 
+def test_non_finite_values_reach_only_the_pairs_a_score_mod_leaves():
+    """A key the score_mod hides from every query (-inf) takes no part even with NaN and inf
+    in its k and v rows; a NaN in a query row still makes that row (and the keys it sees)
+    NaN: the NaN pattern and the finite values are the reference's."""
+    rng = np.random.default_rng(7)
+    score = ScoreMod(lambda s, b, h, q, k: varlen.where(k == 2, -np.inf, s))
+    batch = make_batch(rng, [6, 3], [6, 3], Hq=HQ, Hk=HK, D=D, dtype="float32", mask="causal")
+    sq = batch.cu_q[:-1] if batch.off_q is None else batch.off_q[:-1]
+    sk = batch.cu_k[:-1] if batch.off_k is None else batch.off_k[:-1]
+    batch.k[sk[0] + 2, :, 3] = np.nan
+    batch.v[sk[0] + 2, :, 1] = np.inf
+    batch.q[sq[1] + 1, 0, 5] = np.nan
+    out, lse, grads = _run(batch, dict(score_mod=score))
+    kw = dict(**batch.layout, score_mod=score, softmax_scale=1.0 / np.sqrt(D))
+    ref = reference.attention_dense(batch.q, batch.k, batch.v, batch.cu_q, batch.cu_k, **kw)
+    ref_grads = reference.attention_dense_backward(batch.dout, batch.q, batch.k, batch.v,
+                                                   batch.cu_q, batch.cu_k, **kw, out=ref[0],
+                                                   lse=ref[1])
+    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                          (*ref, *ref_grads)):
+        g = np.asarray(g, np.float64)
+        assert np.array_equal(np.isnan(g), np.isnan(r)), (
+            f"{name}: NaN at {np.argwhere(np.isnan(g) != np.isnan(r))[:4].tolist()} differs")
+        fin = np.isfinite(r)
+        np.testing.assert_allclose(g[fin], r[fin], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert np.isnan(lse[0, sq[1] + 1]) and not np.isnan(out[sq[0] + 3]).any()
+
+
 def _index_cases():
     slopes = np.ones(HQ, np.float32)
     return {

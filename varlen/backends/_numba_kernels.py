@@ -778,16 +778,15 @@ def _pair_grad(has_softcap: bool, fns: UserFns, scatter_aux: bool):
         the aux gradients (`grads`). `ok` is False when an operand is not finite: a NaN or
         inf in q, k, dO, v (through the dots), O (through delta) or lse, including lse =
         -inf, which no row that sees a key has, or a score_mod value NaN or +inf. Then `p`
-        and `dS` are NaN. A pair the score_mod hides (-inf) gives `p = dS = 0`, whatever the
-        row's lse (-inf when it hides all of them)."""
-        if not (math.isfinite(x) and math.isfinite(dp) and math.isfinite(delta_i)):
-            return False, NAN, NAN
+        and `dS` are NaN. A pair the score_mod hides (-inf) takes no part, whatever its
+        operands and the row's lse (-inf when it hides all of them): `p = dS = 0`."""
         s, th = logit(x, scale, softcap)
         if HAS_SCORE_MOD:
             sm = float32(score_mod(s, b, h, i, j, score_args))
             if sm == NEG_INF:
                 return True, float32(0.0), float32(0.0)
-            if not (math.isfinite(sm) and math.isfinite(lse_i)):
+            if not (math.isfinite(x) and math.isfinite(dp) and math.isfinite(delta_i) and
+                    math.isfinite(sm) and math.isfinite(lse_i)):
                 return False, NAN, NAN
             p = math.exp(sm - lse_i)
             ds = p * (dp - delta_i)
@@ -795,7 +794,8 @@ def _pair_grad(has_softcap: bool, fns: UserFns, scatter_aux: bool):
                 scatter(ds, s, b, h, i, j, score_args, grads)
             ds = ds * float32(d_score(s, b, h, i, j, score_args))
         else:
-            if not math.isfinite(lse_i):
+            if not (math.isfinite(x) and math.isfinite(dp) and math.isfinite(delta_i) and
+                    math.isfinite(lse_i)):
                 return False, NAN, NAN
             p = math.exp(s - lse_i)
             ds = p * (dp - delta_i)
@@ -823,7 +823,7 @@ def _score_tile(has_softcap: bool, fns: UserFns):
         Returns whether a key it sees gives a non-finite `q . k` (a NaN or inf in q or in that
         key's k, checked before softcap's tanh could hide it) or a score_mod value NaN or
         +inf: the row reports NaN, and the key's score stays -inf so that nothing of it enters
-        the softmax. A score_mod value -inf hides the pair.
+        the softmax. A score_mod value -inf hides the pair, whatever its operands.
         """
         bad = False
         for j in range(n):
@@ -836,17 +836,16 @@ def _score_tile(has_softcap: bool, fns: UserFns):
                 continue
             x = dot(q_r, k_s[j])
             s = logit(x, scale, softcap)[0]
-            if not (math.isfinite(x) and math.isfinite(s)):
-                bad = True
-                continue
+            ok = math.isfinite(x) and math.isfinite(s)
             if HAS_SCORE_MOD:
                 s = float32(score_mod(s, b, h, i, j0 + j, score_args))
                 if s == NEG_INF:
                     continue
-                if not math.isfinite(s):
-                    bad = True
-                    continue
-            s_r[j] = s
+                ok = ok and math.isfinite(s)
+            if ok:
+                s_r[j] = s
+            else:
+                bad = True
         return bad
     return score_tile
 
@@ -944,7 +943,8 @@ def _key_grads(has_softcap: bool, atomic_dq: bool, fns: UserFns):
             if seen:
                 ok, p, ds = pair_grad(dot(q_s[i], k_r), dot(do_s[i], v_r), lse_s[i], dl_s[i],
                                       scale, softcap, b, h, i0 + i, j, score_args, grads)
-                if ok:
+                if ok and p != 0.0:
+                    # p = 0: a pair the score_mod hides, whose rows may hold anything
                     axpy(dv_r, p, do_s[i])
                     axpy(dk_r, ds, q_s[i])
                 bad = bad or not ok
@@ -1058,7 +1058,8 @@ def _query_grads(has_softcap: bool, fns: UserFns):
             if seen:
                 ok, _, ds = pair_grad(dot(q_r, k_s[j]), dot(do_r, v_s[j]), lse_i, dl_i, scale,
                                       softcap, b, h, i, j0 + j, score_args, score_args)
-                if ok:
+                if ok and ds != 0.0:
+                    # dS = 0 for a pair the score_mod hides, whose key may hold anything
                     axpy(dq_r, ds, k_s[j])
                 bad = bad or not ok
         return bad
