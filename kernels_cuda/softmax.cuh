@@ -47,6 +47,24 @@ __device__ __forceinline__ float score_scaled(float qk, float softmax_scale, flo
     }
 }
 
+// mask_scores without user functions: scale, then the band on partial tiles only (below).
+template <bool HAS_SOFTCAP, int NB>
+__device__ __forceinline__ void mask_scores_builtin(float (&s)[NB][4], const TileMask<false>& mask,
+                                                    const CallParams& call, int lane) {
+    #pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[nb][e] = score_log2<HAS_SOFTCAP>(s[nb][e], call.softmax_scale, call.softcap) +
+                       zero_or_nan(s[nb][e]);
+        }
+    }
+    if (!mask.partial) return;
+    for_each_element<NB>(mask, lane, [&](int nb, int i, int, bool visible) {
+        if (!visible) s[nb][i] = neg_inf();
+    });
+}
+
 // Every score of a warp's [16, 8 NB] tile in base-2 units (the forward pass), then -inf where
 // the row does not see the key: a select, so whatever a hidden key holds stays out. A NaN or
 // inf dot product (a NaN or inf in q or in that key's k) makes the score NaN, also under a
@@ -67,20 +85,9 @@ __device__ __forceinline__ void mask_scores(float (&s)[NB][4], const TileMask<fa
             if (visible) x = mask.user_score(x, i / 2, col);
             s[nb][i] = visible ? x * LOG2E + zero_or_nan(qk) : neg_inf();
         });
-        return;
+    } else {
+        mask_scores_builtin<HAS_SOFTCAP>(s, mask, call, lane);
     }
-    #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[nb][e] = score_log2<HAS_SOFTCAP>(s[nb][e], call.softmax_scale, call.softcap) +
-                       zero_or_nan(s[nb][e]);
-        }
-    }
-    if (!mask.partial) return;
-    for_each_element<NB>(mask, lane, [&](int nb, int i, int, bool visible) {
-        if (!visible) s[nb][i] = neg_inf();
-    });
 }
 
 // Running row statistics of one lane's two rows (g and g + 8): max m in base-2 units and the
@@ -199,22 +206,22 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
             s[nb][i] = p;
             dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
         });
-        return;
+    } else {
+        for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
+            float th = 0.f;
+            float x = score_log2<HAS_SOFTCAP>(s[nb][i], call.softmax_scale, call.softcap, &th);
+            float t = dp[nb][i] - stats.delta(i / 2, col);
+            if (HAS_SOFTCAP) t *= 1.f - th * th;
+            // NaN for a pair with a NaN or inf operand: q or k (the dot product, before the
+            // softcap's tanh), dO or v (dP), O or lse (delta)
+            x += zero_or_nan(s[nb][i] + t);
+            if (!visible) x = neg_inf();
+            const float p = exp2f(x - stats.lse2(i / 2, col));
+            s[nb][i] = p;
+            // a hidden pair's 0 * t stays 0 whatever its operands hold
+            dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
+        });
     }
-    for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
-        float th = 0.f;
-        float x = score_log2<HAS_SOFTCAP>(s[nb][i], call.softmax_scale, call.softcap, &th);
-        float t = dp[nb][i] - stats.delta(i / 2, col);
-        if (HAS_SOFTCAP) t *= 1.f - th * th;
-        // NaN for a pair with a NaN or inf operand: q or k (the dot product, before the
-        // softcap's tanh), dO or v (dP), O or lse (delta)
-        x += zero_or_nan(s[nb][i] + t);
-        if (!visible) x = neg_inf();
-        const float p = exp2f(x - stats.lse2(i / 2, col));
-        s[nb][i] = p;
-        // a hidden pair's 0 * t stays 0 whatever its operands hold
-        dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
-    });
 }
 
 // P and dS of this warp's rows of one tile pair in the backward pass: S = X Y^T and

@@ -55,6 +55,12 @@ class ModHooks:
 
 
 _hooks: dict = {}
+_CONSTANTS = """#ifndef INFINITY
+#define INFINITY (::varlen::pos_inf())
+#endif
+#ifndef NAN
+#define NAN (::varlen::nan_f())
+#endif"""
 
 
 def hooks_for(mods) -> ModHooks | None:
@@ -66,8 +72,9 @@ def hooks_for(mods) -> ModHooks | None:
     key = (mask.digest if mask is not None else "", score.digest if score is not None else "")
     hooks = _hooks.get(key)
     if hooks is None:
-        # common.cuh first: the element types and, in the host emulation, __device__
-        parts = ['#include "common.cuh"', CUDA_PRELUDE]
+        # common.cuh first: the element types and, in the host emulation, __device__; NVRTC
+        # has no INFINITY or NAN without the C library's math header
+        parts = ['#include "common.cuh"', _CONSTANTS, CUDA_PRELUDE]
         if mask is not None:
             parts += [cuda_source(mask.graph, MASK_FN), f"#define VARLEN_MASK_MOD {MASK_FN}"]
         if score is not None:

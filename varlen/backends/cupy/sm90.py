@@ -68,6 +68,8 @@ PACKS = (1, 2, 4, 8)
 MAX_PACK = PACKS[-1]
 PACK_GAIN = 1.1
 FWD_KERNEL = "varlen_fwd_sm90"
+# The forward's key chunk with a call's mask_mod or score_mod (`fwd_spec_for`)
+MODS_KEY_CHUNK = 64
 BWD_KERNEL = "varlen_bwd_dkdv_sm90"
 
 
@@ -230,9 +232,11 @@ class BwdSpec(_Sm90Variant):
 
 def fwd_spec_for(plan, q, softcap: float, mods=None) -> FwdSpec:
     """The unpacked forward variant for a call with `plan` (its query tiles are the kernel's
-    rows) and `mods` (`varlen.mods.Mods` or None)."""
+    rows) and `mods` (`varlen.mods.Mods` or None). With user functions the key chunk is
+    `MODS_KEY_CHUNK`: their per-pair arithmetic beside S of 128 keys spilled (76 B at D = 64)."""
+    hooks = hooks_for(mods)
     return FwdSpec(str(q.dtype), int(q.shape[2]), int(plan.block_m), int(plan.block_n),
-                   bool(softcap > 0), mods=hooks_for(mods))
+                   bool(softcap > 0), key_chunk=MODS_KEY_CHUNK if hooks else None, mods=hooks)
 
 
 def bwd_spec_for(plan, q, softcap: float, deterministic: bool = False) -> BwdSpec:
