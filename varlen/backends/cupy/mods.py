@@ -30,7 +30,7 @@ MOD_PARAMS_DTYPE = np.dtype([("mask", MOD_AUX_DTYPE), ("score", MOD_AUX_DTYPE)],
 
 # What varlen.check_device_errors() raises (as part of its message) once a kernel has flagged an
 # out-of-range aux index: the IndexError the host backends raise at once.
-MOD_INDEX_ERROR = ("IndexError: a mask_mod or score_mod read one of its aux arrays at an index "
+MOD_INDEX_ERROR = ("a mask_mod or score_mod read one of its aux arrays at an index "
                    "outside it (the CUDA kernels clamped the index into the array); every index "
                    "must lie in [0, size) of its dimension")
 
@@ -157,4 +157,4 @@ def record_errors(err) -> None:
     import cupy
 
     from ..._device_errors import record
-    record(cupy, err, MOD_INDEX_ERROR)
+    record(cupy, err, MOD_INDEX_ERROR, IndexError)
