@@ -114,16 +114,17 @@ class _RankCall:
                     total += g
         return grads[:3]
 
-    def summed_aux_grads(self) -> tuple:
-        """The aux gradients of the whole call on every rank: this rank's partial sums added
-        over the group (one all-gather of the flattened sums, added in rank order, so every
-        rank gets the same bits), float32 like the single-process API."""
+    def aux_grads(self, summed: bool) -> tuple:
+        """The aux gradients, float32 like the single-process API: this rank's partial sums,
+        or (`summed`) the whole call's on every rank, the partial sums added over the group
+        (one all-gather of the flattened sums, added in rank order: the same bits on every
+        rank)."""
         c, xp = self.call, self.xp
         shapes = [None if kind != "float" else tuple(a.shape)
                   for (kind, _, _), a in zip(c.mods.score.graph.aux, c.mods.score.aux)]
         mine = self.daux or [None if s is None else xp.zeros(s, np.float64) for s in shapes]
-        flat = [g.reshape(-1) for g in mine if g is not None]
-        total = self.group.allgather(xp.concatenate(flat)).sum(axis=0)
+        flat = xp.concatenate([g.reshape(-1) for g in mine if g is not None])
+        total = self.group.allgather(flat).sum(axis=0) if summed else flat
         out, at = [], 0
         for s in shapes:
             if s is None:
@@ -664,8 +665,11 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         plan: the step plans of the forward call (the same `varlen.comm.plan(...)`).
         aux_grads: also return the gradients of `score_mod`'s float aux arrays: a fourth
             result, a tuple with one float32 array (the aux's shape) or None per aux array.
-            Each rank's kernels see only its share of the pairs; the partial sums are added
-            over the group, so every rank returns the whole gradient (the single-process one).
+            Each rank's kernels see only its share of the pairs: with True the shares are
+            added over the group, so every rank returns the whole gradient (the
+            single-process one); with `"rank"` each rank returns its share (float32), which
+            add up over the group to the gradient, as a replicated parameter's gradients do
+            (what the PyTorch and JAX adapters hand to autograd).
         The other arguments as in `attention_forward`, with the same values; any method may
         differentiate any other's output.
 
@@ -675,12 +679,15 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
                              softcap=softcap, method=method, backend=backend,
                              deterministic=deterministic, grads=(dout, out, lse),
-                             score_mod=score_mod, aux_grads=aux_grads)
+                             score_mod=score_mod, aux_grads=bool(aux_grads))
+
+    if aux_grads not in (False, True, "rank"):
+        raise ValueError(f"aux_grads must be True, False or 'rank', got {aux_grads!r}")
 
     def compute(rc, steps):
         grads = _BACKWARD[rc.call.method](rc, steps)
         if rc.call.mods.aux_grads:
-            grads += (rc.summed_aux_grads(),)
+            grads += (rc.aux_grads(summed=aux_grads is True),)
         return grads
 
     call, grads = _run(group, q, prepare, compute)
