@@ -44,7 +44,8 @@ from varlen._validate import dtype_name
 from .chunked import Partition
 from .group import Group, GroupAborted
 from .merge import accumulate_dtype, merge_partial
-from .plans import StepPlans, check_step_plans, mask_key, mod_key, step_plans
+from .plans import (StepPlans, check_global_heads, check_step_plans, mask_key, mod_key,
+                    step_plans)
 
 __all__ = ["attention_forward", "attention_backward", "METHODS"]
 
@@ -163,6 +164,7 @@ def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
     call = setup(q, k, v, part=pair, group_size=group.size, plan=plan, grads_rows="Tq_local",
                  **kw)
     pq, pk = call.part
+    check_global_heads(call.backend, call.method, call.mods.score)
     where = dict(rank=group.rank, method=call.method, backend=call.backend,
                  blocks=call.blocks(), mask=call.mask, mask_mod=call.mods.mask)
     if plan is None:

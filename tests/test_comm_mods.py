@@ -88,6 +88,21 @@ def test_ulysses_score_functions_see_the_global_head():
         assert np.abs(out - part.shard(want, r)).max() < 1e-12, f"rank {r}"
 
 
+def test_ulysses_refuses_a_backend_that_numbers_heads_locally(monkeypatch):
+    monkeypatch.setattr(NumpyBackend, "runs_mods", NumpyBackend.runs_mods - {"head_offset"})
+    cu = np.array([0, 9, 13], np.int32)
+    part = vc.partition(cu, 2)
+    x = np.zeros((13, 2, 8))
+    sm = ScoreMod(gallery.alibi, np.array([0.5, 0.25]))
+
+    def body(group):
+        shards = [part.shard(x, group.rank)] * 3
+        with pytest.raises(ValueError, match="head_offset"):
+            vc.attention_forward(*shards, part, group, score_mod=sm, method="ulysses")
+        vc.attention_forward(*shards, part, group, score_mod=sm, method="ring")
+    vc.local_group(2).run(body)
+
+
 # --------------------------------------------------------------------------------------------
 # Step plans
 # --------------------------------------------------------------------------------------------

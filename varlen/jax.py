@@ -753,6 +753,8 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     ranks share a document has no collective and no kernel call.
     """
     import varlen.comm as vc
+    from varlen.comm.plans import check_global_heads
+
     from . import backends
 
     if method not in vc.METHODS:
@@ -799,6 +801,7 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
                           method=method, on_device=False, score_mod=score_mod,
                           aux_grads=any(map(_is_float, aux)))
                   for r in range(part.cp_size))
+    check_global_heads(backends.get(steps[0].backend), method, score_mod)
     scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
     routes = _routes(part) if method == "ring" and part.scheme == "document" else ()
     static = _CPStatic(axis_name, part.cp_size, method, steps, backends.get(steps[0].backend),

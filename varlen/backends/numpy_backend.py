@@ -390,7 +390,8 @@ class NumpyBackend(HostBackend):
     """The host backend: float64 arithmetic over the plan's tile schedule."""
 
     name = "numpy"
-    runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
+    # "head_offset": a score_mod's `h` is `Mods.head_offset` plus the local head (Ulysses)
+    runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads", "head_offset"})
     run_forward = staticmethod(_forward)
     run_backward = staticmethod(_backward)
 

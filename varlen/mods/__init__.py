@@ -165,8 +165,9 @@ class Mods:
     function's float aux arrays (a fourth result, one float32 array or None per aux).
     head_offset: the global number of the call's first query head: the score function's `h`
     of local head `j` is `head_offset + j` (context parallelism's Ulysses method hands each
-    rank `Hq / cp` of the heads; 0 everywhere else). Every backend that runs a score_mod
-    honours it.
+    rank `Hq / cp` of the heads; 0 everywhere else). A backend that honours it declares
+    `"head_offset"` in its `runs_mods`; `varlen.comm` refuses a score_mod under Ulysses on one
+    that does not.
     """
 
     mask: MaskMod | None = None
