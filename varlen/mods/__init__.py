@@ -163,11 +163,17 @@ class Mods:
     mask: a MaskMod or None (its `base` already folded into the plan's mask policy);
     score: a ScoreMod or None; aux_grads: whether the backward returns gradients of the score
     function's float aux arrays (a fourth result, one float32 array or None per aux).
+    head_offset: the global number of the call's first query head: the score function's `h`
+    of local head `j` is `head_offset + j` (context parallelism's Ulysses method hands each
+    rank `Hq / cp` of the heads; 0 everywhere else). A backend that honours it declares
+    `"head_offset"` in its `runs_mods`; `varlen.comm` refuses a score_mod under Ulysses on one
+    that does not.
     """
 
     mask: MaskMod | None = None
     score: ScoreMod | None = None
     aux_grads: bool = False
+    head_offset: int = 0
 
     def __bool__(self):
         return self.mask is not None or self.score is not None
