@@ -44,7 +44,7 @@ from varlen._validate import dtype_name
 from .chunked import Partition
 from .group import Group, GroupAborted
 from .merge import accumulate_dtype, merge_partial
-from .plans import (StepPlans, check_global_heads, check_step_plans, mask_key, mod_key,
+from .plans import (StepPlans, check_step_plans, mask_key, mod_key,
                     step_plans)
 
 __all__ = ["attention_forward", "attention_backward", "METHODS"]
@@ -86,12 +86,12 @@ class _RankCall:
     def mods(self) -> dict:
         """The kernels' `mods=` keyword (none without user functions). Under Ulysses a rank
         computes query heads `[rank * Hq / cp, (rank + 1) * Hq / cp)`: the score function's
-        `h` is global through `Mods.head_offset`."""
+        `h` is made global by a rewrite of its graph (`Mods.for_heads`)."""
         c = self.call
         if not c.mods:
             return {}
         if c.method == "ulysses":
-            return {"mods": replace(c.mods, head_offset=self.rank * c.heads_q // self.cp)}
+            return {"mods": c.mods.for_heads(self.rank * c.heads_q // self.cp)}
         return {"mods": c.mods}
 
     def forward(self, plan, q, k, v):
@@ -164,7 +164,6 @@ def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
     call = setup(q, k, v, part=pair, group_size=group.size, plan=plan, grads_rows="Tq_local",
                  **kw)
     pq, pk = call.part
-    check_global_heads(call.backend, call.method, call.mods.score)
     where = dict(rank=group.rank, method=call.method, backend=call.backend,
                  blocks=call.blocks(), mask=call.mask, mask_mod=call.mods.mask)
     if plan is None:

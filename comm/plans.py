@@ -18,8 +18,7 @@ from varlen.mods import EMPTY, Mods, ScoreMod, split_mask
 
 from .chunked import Partition, _int_arg
 
-__all__ = ["StepPlans", "plan", "step_plans", "check_step_plans", "mask_key", "mod_key",
-           "check_global_heads"]
+__all__ = ["StepPlans", "plan", "step_plans", "check_step_plans", "mask_key", "mod_key"]
 
 _STEP_CACHE = 8         # step-plan sets kept per partition (least recently used dropped)
 
@@ -148,18 +147,6 @@ def step_plans(pq, pk, rank, method, backend, blocks, mask, mask_mod=None) -> St
             while len(pq._steps) > _STEP_CACHE:
                 pq._steps.popitem(last=False)
     return steps
-
-
-def check_global_heads(backend, method, score_mod) -> None:
-    """Ulysses hands each rank a slice of the query heads, and a score function must see the
-    global head (`Mods.head_offset`): only a backend that declares it (`"head_offset"` in its
-    `runs_mods`) may run it."""
-    if method == "ulysses" and score_mod is not None and \
-            "head_offset" not in backend.runs_mods:
-        raise ValueError(f"backend {backend.name!r} does not number heads globally "
-                         f"(varlen.mods.Mods.head_offset), which a score_mod under "
-                         f"method='ulysses' needs; use method='ring' or 'allgather', or a "
-                         f"backend that does (backend='numpy')")
 
 
 def _where(p) -> str:

@@ -88,19 +88,19 @@ def test_ulysses_score_functions_see_the_global_head():
         assert np.abs(out - part.shard(want, r)).max() < 1e-12, f"rank {r}"
 
 
-def test_ulysses_refuses_a_backend_that_numbers_heads_locally(monkeypatch):
-    monkeypatch.setattr(NumpyBackend, "runs_mods", NumpyBackend.runs_mods - {"head_offset"})
-    cu = np.array([0, 9, 13], np.int32)
-    part = vc.partition(cu, 2)
-    x = np.zeros((13, 2, 8))
-    sm = ScoreMod(gallery.alibi, np.array([0.5, 0.25]))
-
-    def body(group):
-        shards = [part.shard(x, group.rank)] * 3
-        with pytest.raises(ValueError, match="head_offset"):
-            vc.attention_forward(*shards, part, group, score_mod=sm, method="ulysses")
-        vc.attention_forward(*shards, part, group, score_mod=sm, method="ring")
-    vc.local_group(2).run(body)
+def test_ulysses_numbers_heads_globally_on_every_backend():
+    """Rank r runs heads [r * Hq / cp, ...): the score function's graph is rewritten to see
+    them (`Mods.for_heads`), so a backend needs nothing of its own for it."""
+    sm = ScoreMod(gallery.alibi, np.array([0.5, 0.25, 0.125, 0.0625]))
+    moved = varlen.mods.Mods(score=sm).for_heads(2).score
+    assert moved.digest != sm.digest and sm.with_head_offset(0) is sm
+    leaves = dict(score=np.zeros((2, 2)), b=0, h=np.arange(2)[:, None], q_idx=3,
+                  k_idx=np.arange(2))
+    np.testing.assert_array_equal(
+        varlen.mods.evaluate(moved.graph, leaves, moved.aux),
+        varlen.mods.evaluate(sm.graph, {**leaves, "h": leaves["h"] + 2}, sm.aux))
+    np.testing.assert_array_equal(
+        varlen.mods.evaluate(moved.d_score(), leaves, moved.aux), 1.0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -450,7 +450,7 @@ def _kernel_mods(static, steps, q, aux, rank, aux_grads) -> Mods:
     score = None if static.score_mod is None else static.score_mod.with_aux(
         [np.ascontiguousarray(a) for a in aux])
     first = rank * q.shape[1] if static.method == "ulysses" else 0
-    return Mods(mask=steps.mask_mod, score=score, aux_grads=aux_grads, head_offset=first)
+    return Mods(mask=steps.mask_mod, score=score, aux_grads=aux_grads).for_heads(first)
 
 
 def _rows_to(x, shape):
@@ -753,7 +753,6 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     ranks share a document has no collective and no kernel call.
     """
     import varlen.comm as vc
-    from varlen.comm.plans import check_global_heads
 
     from . import backends
 
@@ -801,7 +800,6 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
                           method=method, on_device=False, score_mod=score_mod,
                           aux_grads=any(map(_is_float, aux)))
                   for r in range(part.cp_size))
-    check_global_heads(backends.get(steps[0].backend), method, score_mod)
     scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
     routes = _routes(part) if method == "ring" and part.scheme == "document" else ()
     static = _CPStatic(axis_name, part.cp_size, method, steps, backends.get(steps[0].backend),

@@ -174,12 +174,11 @@ def _allowed(plan: Plan, bt: _Batch, side: str):
     return allowed
 
 
-def _positions(bt: _Batch, side: str, Hk: int, G: int, head_offset: int = 0):
+def _positions(bt: _Batch, side: str, Hk: int, G: int):
     """The leaves of a score_mod over a batch's `[n, Hk, G, I, J]` scores (query rows x key
-    rows): sequence, query head (global: `Mods.head_offset` plus the local head), query and
-    key positions."""
+    rows): sequence, query head, query and key positions."""
     qpos, kpos = (bt.own_pos, bt.partner_pos) if side == "q" else (bt.partner_pos, bt.own_pos)
-    h = head_offset + np.arange(Hk)[:, None] * G + np.arange(G)
+    h = np.arange(Hk)[:, None] * G + np.arange(G)
     return {"b": bt.seq.astype(np.int64)[:, None, None, None, None],
             "h": h.reshape(1, Hk, G, 1, 1),
             "q_idx": qpos[:, None, None, :, None], "k_idx": kpos[:, None, None, None, :]}
@@ -236,7 +235,7 @@ def _to_rows(x):
 # Forward and backward
 # --------------------------------------------------------------------------------------------
 
-def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None, head_offset=0):
+def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None):
     """`(o [n, Hk, G, I, Dv], row_lse [n, Hk, G, I])` of one batch of query tiles."""
     (qg, q_bad), (kg, k_bad), (vg, v_bad) = (
         _take(x, rows, ok) for x, rows, ok in ((q, bt.own, bt.own_ok), (k, bt.partner,
@@ -245,7 +244,7 @@ def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None, hea
     s, _ = _scores(allowed, _q_heads(qg, Hk, G), _k_heads(kg), scale, softcap)
     seen = allowed[:, None, None]                                     # pairs in the softmax
     if score_mod is not None:
-        s, seen = _modified(s, allowed, score_mod, _positions(bt, "q", Hk, G, head_offset))
+        s, seen = _modified(s, allowed, score_mod, _positions(bt, "q", Hk, G))
     mx = s.max(axis=-1, keepdims=True, initial=-np.inf)              # [n, Hk, G, I, 1]
     dead = mx == -np.inf                                              # no visible key
     with np.errstate(invalid="ignore"):                               # a score_mod's +inf
@@ -263,14 +262,13 @@ def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None, hea
 def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=None):
     """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` (float64 for float64, else float32)."""
     score_mod = None if mods is None else mods.score
-    head_offset = 0 if mods is None else mods.head_offset
     Hq, Hk, Dv = q.shape[1], k.shape[1], v.shape[2]
     out, lse = forward_buffers(plan, q, Dv, out_dtype=q.dtype,
                                lse_dtype=np.float64 if q.dtype == np.float64 else np.float32)
     for bt in _batches(plan, "q", Hq):
         n, I = bt.own.shape
         o, row_lse = _forward_batch(plan, bt, q, k, v, Hk, Hq // Hk, softmax_scale, softcap,
-                                    score_mod, head_offset)
+                                    score_mod)
         rows = bt.own[bt.own_ok]
         out[rows] = _to_rows(o)[bt.own_ok].astype(q.dtype)
         # an lse past float32's range rounds to +inf (docs/semantics.md, "Overflow")
@@ -308,7 +306,7 @@ class _Grads:
         score_mod = None if mods is None else mods.score
         self.seen = self.allowed[:, None, None]                        # pairs in the softmax
         if score_mod is not None:
-            leaves = _positions(bt, side, Hk, G, mods.head_offset)
+            leaves = _positions(bt, side, Hk, G)
             s_in = s
             s, seen = _modified(s, self.allowed, score_mod, leaves)
             self.seen = seen
@@ -390,8 +388,7 @@ class NumpyBackend(HostBackend):
     """The host backend: float64 arithmetic over the plan's tile schedule."""
 
     name = "numpy"
-    # "head_offset": a score_mod's `h` is `Mods.head_offset` plus the local head (Ulysses)
-    runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads", "head_offset"})
+    runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
     run_forward = staticmethod(_forward)
     run_backward = staticmethod(_backward)
 
