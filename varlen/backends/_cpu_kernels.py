@@ -38,6 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..masks import UNBOUNDED
+from ..mods import EMPTY, FULL, PARTIAL
 
 LOG2E = 1.4426950408889634          # 1/ln(2)
 LN2 = 0.6931471805599453            # ln(2)
@@ -653,6 +654,14 @@ def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap
     mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)
     fill(tmax, 0, R, -np.inf)
     _scores_pass(S, n, lo, hi, c, cap, tmax)
+    _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min)
+
+
+@kernel(fastmath=FASTMATH)
+def _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min):
+    """The online softmax update of one product from its log2-domain scores `S [n, R]` and
+    their row maxima `tmax` (FlashAttention-2, Alg. 1, lines 8-10): rescale `O`, `l` by the
+    new running max `m`, `S <- P`, `l += rowsum(P)` (in L_BLOCK partial sums), `O += P^T V`."""
     zero = like(O, 0.0)
     for i in range(R):
         mn = max(m[i], tmax[i])
@@ -983,3 +992,326 @@ def unpack_rows(acc, nan, out):
             else:
                 for e in range(d):
                     out[t, h, e] = acc[kh, r, e]
+
+
+# --------------------------------------------------------------------------------------------
+# User functions (mask_mod, score_mod): the same walks, driven by the plan's tile classes
+# --------------------------------------------------------------------------------------------
+#
+# `md`, the call's user functions as the kernels read them (built by `cpu_backend._mods_data`):
+# forward (cstart, cls, has_mask, mask_fn, *mask aux, has_score, score_fn, *score aux, scale,
+# softcap); backward (..., has_score, grad_fn, *score aux, softcap, want_aux). Each aux is four
+# arrays (ints, floats, table, err) of `_cpu_mods.AuxPack` (flat: Numba's parallel loops take
+# no nested tuples). `cstart`/`cls` are
+# `Plan.tile_classes` of the walk's side: EMPTY partner tiles are skipped, FULL ones run with
+# no mask arithmetic, PARTIAL ones get the visibility `M [keys, rows]` of the mask_mod (a
+# generated tile kernel, `_cpu_mods.py`). The functions are first-class functions of fixed
+# signatures: one indirect call per tile. `err [1]` is set when an aux index was clamped.
+
+@kernel
+def _tile_class(sched, cstart, cls, i, r, t):
+    """Class of partner tile `t` of tile `i` against partner segment `r` (EMPTY outside the
+    schedule's range)."""
+    b0 = sched[i, r, S_BEGIN]
+    if t < b0 or t >= sched[i, r, S_END]:
+        return EMPTY
+    return np.int64(cls[cstart[i, r] + t - b0])
+
+
+@kernel
+def _group_class(sched, cstart, cls, first, count, r, t):
+    """Class of partner tile `t` for tiles `first .. first + count` together: FULL when full
+    for each, EMPTY when empty for each, else PARTIAL."""
+    full, seen = True, False
+    for i in range(first, first + count):
+        k = _tile_class(sched, cstart, cls, i, r, t)
+        full = full and k == FULL
+        seen = seen or k != EMPTY
+    return FULL if full else (PARTIAL if seen else EMPTY)
+
+
+@kernel
+def _span_class(sched, cstart, cls, i, r, t0, t1):
+    """Class of partner tiles `t0 .. t1` of tile `i` together (as `_group_class`)."""
+    full, seen = True, False
+    for t in range(t0, t1):
+        k = _tile_class(sched, cstart, cls, i, r, t)
+        full = full and k == FULL
+        seen = seen or k != EMPTY
+    return FULL if full else (PARTIAL if seen else EMPTY)
+
+
+@kernel
+def _fill_rows(M, n, a, z, value):
+    for j in range(n):
+        fill(M[j], a, z, value)
+
+
+@kernel
+def _scores_pass_masked(S, n, lo, hi, M, use_m, c, cap, tile_max):
+    """`_scores_pass`, and -inf where `M` hides a pair (when `use_m`)."""
+    if not use_m:
+        _scores_pass(S, n, lo, hi, c, cap, tile_max)
+        return
+    for j in range(n):
+        a, z = lo[j], hi[j]
+        row, vis = S[j], M[j]
+        fill(row, 0, a, -np.inf)
+        fill(row, z, row.size, -np.inf)
+        for i in range(a, z):
+            if vis[i] == 0:
+                row[i] = -np.inf
+                continue
+            if cap > 0:
+                x, _ = softcap_score(row[i], c, cap)
+            else:
+                x = row[i] * like(S, c)
+            row[i] = x
+            tile_max[i] = max(tile_max[i], x)
+
+
+@kernel
+def _flag_keys_masked(row_flag, k_cum, j0, jn, lo, hi, M, use_m):
+    """`_flag_keys` over the pairs `M` leaves visible (when `use_m`)."""
+    if k_cum[j0 + jn] != k_cum[j0]:
+        for j in range(jn):
+            if k_cum[j0 + j + 1] != k_cum[j0 + j]:
+                for i in range(lo[j], hi[j]):
+                    if not use_m or M[j, i] != 0:
+                        row_flag[i] = True
+
+
+@kernel
+def _mask_forward(M, n, lo, hi, ra, rz, t0, G, pv, cstart, cls, first, count, r, t, b, qpos,
+                  kpos, mask_fn, maux):
+    """`M [n, rz - ra]`: visibility of the product's stacked rows `[ra, rz)` (rows of the chunk
+    of query tiles `first ..`, from packed row `t0`) for the keys of key tile `t`, per query
+    tile: its class against `t`, the mask_mod evaluated only in a PARTIAL one."""
+    for i in range(first, first + count):
+        a = max((np.int64(pv.q_tiles[i, T_ROW]) - t0) * G - ra, 0)
+        z = min((np.int64(pv.q_tiles[i, T_ROW]) + pv.q_tiles[i, T_ROWS] - t0) * G - ra, rz - ra)
+        if z <= a:
+            continue
+        k = _tile_class(pv.q_sched, cstart, cls, i, r, t)
+        if k == PARTIAL:
+            mask_fn(M, np.int64(n), lo, hi, np.int64(a), np.int64(z), np.int64(G),
+                    np.int64(b), np.int64(qpos), np.int64(kpos), maux[0], maux[1], maux[2], maux[3])
+        else:
+            _fill_rows(M, n, a, z, 1 if k == FULL else 0)
+
+
+@kernel(cache=True, fastmath=FASTMATH)
+def forward_tile_mods(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min,
+                      out, lse, ws, M_buf, md):
+    """`forward_tile` with user functions (`md`): key tiles by the chunk's class, up to
+    `kstep` consecutive FULL ones in one product, each PARTIAL one alone (masked by `M`)."""
+    S_buf, O_buf, m, l, lp, tmax, row_flag, lo, hi, T_buf = ws
+    cstart, cls, has_mask, mask_fn = md[0], md[1], md[2], md[3]
+    maux, saux = md[4:8], md[10:14]
+    has_score, score_fn, scale, softcap = md[8], md[9], md[14], md[15]
+    Hk = Kw.shape[0]
+    Dv = Vw.shape[2]
+    G = out.shape[1] // Hk
+    BN = pv.block_n
+    first, count, kh = chunks[item // Hk, 0], chunks[item // Hk, 1], item % Hk
+    b = pv.q_tiles[first, T_SEQ]
+    t0, qpos0 = pv.q_tiles[first, T_ROW], pv.q_tiles[first, T_POS]
+    last = first + count - 1
+    rows = pv.q_tiles[last, T_ROW] + pv.q_tiles[last, T_ROWS] - t0
+    R = rows * G
+    Qb = Qw[kh, t0 * G:(t0 + rows) * G]                      # [R, D]
+    O = O_buf[:R * Dv].reshape(R, Dv)                       # [R, Dv]
+    _reset_rows(O_buf, m, l, lp, row_flag, R, Dv)
+    shift = shift_of(pv, b)
+    left, right = pv.window_left[b], pv.window_right[b]
+    for r in range(pv.mk):
+        begin, _, _, end = _chunk_range(pv.q_sched, first, count, r)
+        kt = begin
+        while kt < end:
+            kind = _group_class(pv.q_sched, cstart, cls, first, count, r, kt)
+            if kind == EMPTY:
+                kt += 1
+                continue
+            stop = kt + 1
+            if kind == FULL:
+                while stop < min(kt + kstep, end) and _group_class(
+                        pv.q_sched, cstart, cls, first, count, r, stop) == FULL:
+                    stop += 1
+            off = kt * BN
+            n = min(stop * BN, pv.k_len[b, r]) - off
+            fb, fe = (kt, stop) if kind == FULL else (end, end)
+            _key_bands(lo, hi, n, kt, fb, fe, BN, pv.k_pos[b, r] + off, qpos0, rows, G, shift,
+                       left, right)
+            tile = kt
+            kt = stop
+            ja, jz, ra, rz = trim(lo, hi, n)
+            if jz <= ja:
+                continue
+            j0 = pv.k_row[b, r] + off + ja
+            jn, Rr = jz - ja, rz - ra
+            kpos = np.int64(pv.k_pos[b, r]) + off + ja
+            qpos = np.int64(qpos0) + ra // G
+            use_m = has_mask and kind == PARTIAL
+            M = M_buf[:jn * Rr].reshape(jn, Rr)             # [keys, R] visibility
+            if use_m:
+                _mask_forward(M, jn, lo, hi, ra, rz, np.int64(t0), G, pv, cstart, cls, first,
+                              count, r, tile, b, qpos, kpos, mask_fn, maux)
+            S = S_buf[:jn * Rr].reshape(jn, Rr)             # [keys, R] key-major scores
+            mm_nt(Kw[kh, j0:j0 + jn], Qb[ra:rz], S, 0.0, blas_min, T_buf)
+            tm = tmax[ra:rz]
+            fill(tm, 0, Rr, -np.inf)
+            if has_score:
+                score_fn(S, np.int64(jn), lo, hi, M, use_m, np.int64(G), np.int64(kh),
+                         np.int64(b), qpos, kpos, scale, softcap, tm, row_flag[ra:rz],
+                         saux[0], saux[1], saux[2], saux[3])
+            else:
+                _scores_pass_masked(S, jn, lo, hi, M, use_m, c, cap, tm)
+            _online_softmax(S, jn, Rr, Vw[kh, j0:j0 + jn], O[ra:rz], m[ra:rz], l[ra:rz],
+                            lp[ra:rz], tm, blas_min)
+            _flag_keys_masked(row_flag[ra:rz], k_cum[kh], j0, jn, lo, hi, M, use_m)
+    _write_rows(out, lse, O, m, l, q_flag[kh], row_flag, kh, t0, rows, G)
+
+
+@kernel(parallel=True, cache=True)
+def forward_mods(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
+                 blas_min, out, lse, md):
+    """`forward` with user functions: see `forward_tile_mods`."""
+    counter = np.zeros(1, np.int64)
+    for _ in prange(nw):
+        ws = forward_scratch(Qw, rows_max, kstep * pv.block_n, Vw.shape[2])
+        M_buf = np.zeros(kstep * pv.block_n * rows_max, np.uint8)
+        t = fetch_add(counter, 0, 1)
+        while t < order.size:
+            forward_tile_mods(pv, order[t], chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap,
+                              blas_min, out, lse, ws, M_buf, md)
+            t = fetch_add(counter, 0, 1)
+
+
+@kernel(fastmath=FASTMATH)
+def _backward_product_mods(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one_cum, dQ, dK, dV, lo, hi,
+                           S_buf, P_buf, T_buf, c, cap, scale, blas_min, M, use_m, md, G, kh, b,
+                           qpos, kpos, gaux):
+    """`_backward_product` with user functions: P and dS from the score_mod's tile kernel
+    (`grad_fn`), or `_grad_pass` with the pairs `M` hides zeroed."""
+    has_score, grad_fn, saux, softcap, want_aux = md[8], md[9], md[10:14], md[14], md[15]
+    n, R = Kb.shape[0], Qb.shape[0]
+    S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major
+    dP = P_buf[:n * R].reshape(n, R)
+    mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)                  # the forward's scores, bitwise
+    mm_nt(Vb, dOb, dP, 0.0, blas_min, T_buf)
+    if has_score:
+        grad_fn(S, dP, np.int64(n), lo, hi, M, use_m, np.int64(G), np.int64(kh), np.int64(b),
+                qpos, kpos, lse2, lse2_lo, delta, one_cum, np.float64(scale), softcap, gaux,
+                want_aux, saux[0], saux[1], saux[2], saux[3])
+    else:
+        _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale)
+        if use_m:
+            for j in range(n):
+                for i in range(lo[j], hi[j]):
+                    if M[j, i] == 0:
+                        S[j, i] = 0
+                        dP[j, i] = 0
+    mm_nn(S, dOb, dV, 1.0, blas_min)                        # dV += P dO
+    mm_nn(dP, Qb, dK, 1.0, blas_min)                        # dK += dS Q
+    mm_tn(dP, Kb, dQ, 1.0, blas_min)                        # dQ += dS^T K
+
+
+@kernel(cache=True, fastmath=FASTMATH)
+def backward_item_mods(pv, item, slot, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
+                       one_cum, q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ,
+                       dq_part, dK, dV, dq_nan, dk_nan, ws, M_buf, md, gaux):
+    """`backward_item` with user functions (`md`): query tiles by their class against each
+    key tile (EMPTY skipped, FULL without mask arithmetic, PARTIAL masked by `M`); the aux
+    gradients of the item go to row `slot` of `gaux`."""
+    S_buf, P_buf, lo, hi, T_buf = ws
+    cstart, cls, has_mask, mask_fn, maux = md[0], md[1], md[2], md[3], md[4:8]
+    Hk = Kw.shape[0]
+    G = dQ.shape[1] // max(pv.rows_q, 1)
+    BM = pv.block_m
+    p, kh = item // Hk, item % Hk
+    b, s0, s1 = parts[p, 0], parts[p, 1], parts[p, 2]
+    shift = parts[p, 4]
+    if parts[p, 3]:
+        acc = dq_part[kh]
+        for i in range(parts[p, 5] + shift, parts[p, 6] + shift):
+            fill(acc[i], 0, acc.shape[1], 0)
+    else:
+        acc = dQ[kh]
+    g_row = gaux[min(slot, gaux.shape[0] - 1)]
+    shift_k = shift_of(pv, b)
+    left, right = pv.window_left[b], pv.window_right[b]
+    for s in range(s0, s1):
+        j0, n, jpos0 = pv.k_tiles[s, T_ROW], pv.k_tiles[s, T_ROWS], pv.k_tiles[s, T_POS]
+        for r in range(pv.mq):
+            begin, end = pv.k_sched[s, r, S_BEGIN], pv.k_sched[s, r, S_END]
+            for qt in range(begin, end, qstep):
+                last = min(qt + qstep, end)
+                kind = _span_class(pv.k_sched, cstart, cls, s, r, qt, last)
+                if kind == EMPTY:
+                    continue
+                off = qt * BM
+                t0 = pv.q_row[b, r] + off
+                rows = min(last * BM, pv.q_len[b, r]) - off
+                qpos0 = pv.q_pos[b, r] + off
+                for j in range(n):
+                    if kind == FULL:
+                        lo[j], hi[j] = 0, rows * G
+                    else:
+                        lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift_k, left,
+                                                    right)
+                ja, jz, ra, rz = trim(lo, hi, n)
+                if jz <= ja:
+                    continue
+                jn, Rr = jz - ja, rz - ra
+                qpos = np.int64(qpos0) + ra // G
+                kpos = np.int64(jpos0) + ja
+                use_m = has_mask and kind == PARTIAL
+                M = M_buf[:jn * Rr].reshape(jn, Rr)         # [keys, R] visibility
+                if use_m:
+                    for u in range(qt, last):
+                        a = max((u - qt) * BM * G - ra, 0)
+                        z = min(min((u - qt + 1) * BM, rows) * G - ra, Rr)
+                        if z <= a:
+                            continue
+                        ku = _tile_class(pv.k_sched, cstart, cls, s, r, u)
+                        if ku == PARTIAL:
+                            mask_fn(M, np.int64(jn), lo, hi, np.int64(a), np.int64(z),
+                                    np.int64(G), np.int64(b), qpos, kpos, maux[0], maux[1],
+                                    maux[2], maux[3])
+                        else:
+                            _fill_rows(M, jn, a, z, 1 if ku == FULL else 0)
+                i0, i1, k0, k1 = t0 * G + ra, t0 * G + rz, j0 + ja, j0 + jz
+                _backward_product_mods(Qw[kh, i0:i1], dOw[kh, i0:i1], Kw[kh, k0:k1],
+                                       Vw[kh, k0:k1], lse2[kh, i0:i1], lse2_lo[kh, i0:i1],
+                                       delta[kh, i0:i1], one_cum[i0:i1 + 1],
+                                       acc[i0 + shift:i1 + shift], dK[kh, k0:k1],
+                                       dV[kh, k0:k1], lo, hi, S_buf, P_buf, T_buf, c, cap,
+                                       scale, blas_min, M, use_m, md, G, kh, b, qpos, kpos,
+                                       g_row)
+                if k_cum[kh, k1] != k_cum[kh, k0] or q_cum[kh, i1] != q_cum[kh, i0]:
+                    for j in range(k1 - k0):
+                        for i in range(lo[j], hi[j]):
+                            if (not use_m or M[j, i] != 0) and (k_flag[kh, k0 + j] or
+                                                                q_flag[kh, i0 + i]):
+                                dq_nan[kh, i0 + i] = True
+                                dk_nan[kh, k0 + j] = True
+
+
+@kernel(parallel=True, cache=True)
+def backward_mods(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum,
+                  q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV,
+                  dq_nan, dk_nan, md, gaux):
+    """`backward` with user functions: see `backward_item_mods`; item `order[t]` adds its aux
+    gradients into `gaux[t]` (the launcher sums the rows in a fixed order)."""
+    counter = np.zeros(1, np.int64)
+    rows_max = qstep * pv.block_m * (dQ.shape[1] // max(pv.rows_q, 1))
+    for _ in prange(nw):
+        ws = backward_scratch(Qw, rows_max, pv.block_n)
+        M_buf = np.zeros(pv.block_n * rows_max, np.uint8)
+        t = fetch_add(counter, 0, 1)
+        while t < order.size:
+            backward_item_mods(pv, order[t], t, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2,
+                               lse2_lo, one_cum, q_flag, k_flag, q_cum, k_cum, c, cap, scale,
+                               blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan, ws, M_buf, md,
+                               gaux)
+            t = fetch_add(counter, 0, 1)

@@ -344,7 +344,7 @@ def backward_items(plan: Plan, Hk: int, G: int):
             np.ascontiguousarray(parts, dtype=np.int64))
 
 
-def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
+def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=None):
     K, th = _kernels(), _threads()
     Hq, Hk, Dv = q.shape[1], k.shape[1], v.shape[2]
     G = Hq // Hk
@@ -362,19 +362,29 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
         fits = in_range(wdt, _score_bound(q.shape[2], aq, ak, c), k.shape[0] * av)
         if fits:
             k_cum = K.flag_prefix(k_flag | v_flag)
-            K.forward(_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
-                      rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
-                      BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
+            args = (_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
+                    rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
+                    BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
+            if mods:
+                md, errors = _mods_data(plan, mods, wdt, "q", softmax_scale, softcap)
+                K.forward_mods(*args, md)
+            else:
+                K.forward(*args)
     if not fits:
+        if mods:
+            return _wider(_forward, q, (q, k, v), plan, softmax_scale=softmax_scale,
+                          softcap=softcap, mods=mods)
         return _numpy().forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
+    if mods:
+        _raise_index_errors(errors, plan, Hq)
     _done_compile("forward", wdt)
     return (work_out if work_out.dtype == q.dtype else work_out.astype(q.dtype)), lse
 
 
 def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
-              deterministic: bool = False):
-    """`(dq, dk, dv)` in the input dtypes; always deterministic (`deterministic` changes
-    nothing)."""
+              deterministic: bool = False, mods=None):
+    """`(dq, dk, dv)` in the input dtypes (and, when `mods.aux_grads`, the aux gradients:
+    `_backward_run`); always deterministic (`deterministic` changes nothing)."""
     K, th = _kernels(), _threads()
     Tq, Hq, D = q.shape
     Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
@@ -404,8 +414,11 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
                     Tq * G * ado):
             grads = _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta,
                                   lse2, lse2_lo, q_flag, k_flag, c, cap, softmax_scale,
-                                  q, k, v)
+                                  softcap, q, k, v, mods)
     if grads is None:
+        if mods:
+            return _wider(_backward, q, (dout, q, k, v, out, lse), plan,
+                          softmax_scale=softmax_scale, softcap=softcap, mods=mods)
         return _numpy().backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                                  softcap=softcap)
     _done_compile("backward", wdt)
@@ -413,13 +426,16 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
 
 
 def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
-                  q_flag, k_flag, c, cap, softmax_scale, q, k, v):
-    """The backward kernels on packed operands: `(dq, dk, dv)`."""
+                  q_flag, k_flag, c, cap, softmax_scale, softcap, q, k, v, mods):
+    """The backward kernels on packed operands: `(dq, dk, dv)`, and `daux` (a tuple: float32
+    per float aux of the score_mod, None per other) when `mods.aux_grads`."""
     K = _kernels()
     (Tq, Hq, D), (Tk, Hk, Dv) = q.shape, v.shape
     G = Hq // Hk
     wdt = Qw.dtype
-    one_cum = np.concatenate([[0], np.cumsum(np.repeat(one_key_rows(plan), G))])   # prefix count
+    # rows that see one key of the built-in mask (a mask_mod may hide it: no such shortcut)
+    one = one_key_rows(plan) if not (mods and mods.mask is not None) else np.zeros(Tq, bool)
+    one_cum = np.concatenate([[0], np.cumsum(np.repeat(one, G))])   # prefix count
     q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
     dQ = _workspace.get("dq", (Hk, Tq * G, D), wdt)
     dK = _workspace.get("dk", (Hk, Tk, D), wdt)
@@ -431,13 +447,113 @@ def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2
     partial = parts[:, 3] != 0
     dq_part = _workspace.get("dq_part", (Hk, int((parts[partial, 6] - parts[partial, 5])
                                                  .sum()), D), wdt)
-    K.backward(_view(plan), order, nw, max(1, PRODUCT_ROWS // plan.block_m), parts, Qw, dOw,
-               Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag, k_flag, q_cum, k_cum, c, cap,
-               float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dq_part, dK, dV,
-               dq_nan, dk_nan)
+    view, qstep = _view(plan), max(1, PRODUCT_ROWS // plan.block_m)
+    args = (Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag, k_flag, q_cum, k_cum, c, cap,
+            float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dq_part, dK, dV,
+            dq_nan, dk_nan)
+    daux = None
+    if mods:
+        md, errors = _mods_data(plan, mods, wdt, "k", softmax_scale, softcap, backward=True)
+        daux = _backward_mods(view, order, nw, qstep, parts, args, md, mods)
+        _raise_index_errors(errors, plan, Hq)
+    else:
+        K.backward(view, order, nw, qstep, parts, *args)
     K.reduce_partials(parts, dQ, dq_part)
-    return (_unpack(dQ, dq_nan, q.shape, q.dtype), _unpack(dK, dk_nan, k.shape, k.dtype),
-            _unpack(dV, dk_nan, v.shape, v.dtype))
+    grads = (_unpack(dQ, dq_nan, q.shape, q.dtype), _unpack(dK, dk_nan, k.shape, k.dtype),
+             _unpack(dV, dk_nan, v.shape, v.dtype))
+    return grads + (daux,) if mods and mods.aux_grads else grads
+
+
+# --------------------------------------------------------------------------------------------
+# User functions (mask_mod, score_mod): `_cpu_mods.py` generates their tile kernels
+# --------------------------------------------------------------------------------------------
+
+# The aux gradients of a backward launch are one float64 row per work item (summed in item
+# order afterwards: the same bits for any thread count); a call whose rows would pass this
+# size runs its items in several launches.
+AUX_GRAD_BYTES = 64 << 20
+
+
+def _mods():
+    from . import _cpu_mods
+    return _cpu_mods
+
+
+_neutral = {}
+
+
+def _neutral_mods():
+    """`(mask, score)`: a MaskMod and a ScoreMod that change nothing, whose tile kernels fill
+    the function slots of a call that has no mask_mod or no score_mod (never called)."""
+    if not _neutral:
+        from ..mods import MaskMod, ScoreMod
+        _neutral["mods"] = (MaskMod(lambda b, q_idx, k_idx: k_idx >= 0),
+                            ScoreMod(lambda score, b, h, q_idx, k_idx: score))
+    return _neutral["mods"]
+
+
+def _mods_data(plan: Plan, mods, wdt, side: str, softmax_scale: float, softcap: float, *,
+               backward: bool = False):
+    """`(md, errors)`: the kernels' record of the call's user functions (`_cpu_kernels`,
+    "User functions") for the walk of `side`, and `[(function, err flag)]` to check after it."""
+    M = _mods()
+    cstart, cls = plan.tile_classes(side)
+    cstart = np.ascontiguousarray(cstart, dtype=np.int64)
+    cls = np.ascontiguousarray(cls, dtype=np.int8)
+    no_mask, no_score = _neutral_mods()
+    mask, score = mods.mask or no_mask, mods.score or no_score
+    mpack, spack = M.pack_aux(mask), M.pack_aux(score)
+    maux = (*mpack.args(), np.zeros(1, np.int32))
+    saux = (*spack.args(), np.zeros(1, np.int32))
+    mask_fn = M.mask_tile(mask, wdt)
+    if backward:
+        md = (cstart, cls, mods.mask is not None, mask_fn, *maux, mods.score is not None,
+              M.grad_tile(score, wdt), *saux, float(softcap), bool(mods.aux_grads))
+    else:
+        md = (cstart, cls, mods.mask is not None, mask_fn, *maux, mods.score is not None,
+              M.score_tile(score, wdt), *saux, float(softmax_scale), float(softcap))
+    return md, [(mods.mask, maux[3]), (mods.score, saux[3])]
+
+
+def _raise_index_errors(errors, plan: Plan, heads: int):
+    """The IndexError of the first function whose tile kernels read outside an aux array."""
+    for mod, err in errors:
+        if mod is not None and err[0]:
+            raise _mods().find_index_error(mod, plan, heads)
+
+
+def _backward_mods(view, order, nw, qstep, parts, args, md, mods):
+    """`backward_mods` over the work items; the aux gradients (None unless `aux_grads`)."""
+    K = _kernels()
+    if not mods.aux_grads:
+        K.backward_mods(view, order, nw, qstep, parts, *args, md, np.zeros((1, 1)))
+        return None
+    score = mods.score
+    n = _mods().pack_aux(score).num_floats
+    per = max(1, AUX_GRAD_BYTES // (8 * max(n, 1)))
+    total = np.zeros(max(n, 1))
+    for s in range(0, max(order.size, 1), per):
+        part = np.ascontiguousarray(order[s:s + per])
+        gaux = np.zeros((max(part.size, 1), max(n, 1)))
+        K.backward_mods(view, part, min(nw, max(part.size, 1)), qstep, parts, *args, md, gaux)
+        total += gaux.sum(axis=0)
+    daux = [None] * len(score.aux)
+    for i, off in _mods().float_offsets(score.graph, score.aux):
+        shape = np.shape(score.aux[i])
+        daux[i] = total[off:off + int(np.prod(shape))].reshape(shape).astype(np.float32)
+    return tuple(daux)
+
+
+def _wider(run, q, arrays, plan, **kw):
+    """A call with user functions whose magnitudes pass float32's range, run in float64
+    (`run`: `_forward` or `_backward`), results in the input dtypes."""
+    wide = [np.asarray(a, dtype=np.float64) for a in arrays]
+    res = run(plan, *wide, **kw)
+    if run is _forward:
+        out, lse = res
+        return out.astype(q.dtype), lse.astype(np.float32)
+    grads = [g.astype(a.dtype) for g, a in zip(res[:3], (arrays[1], arrays[2], arrays[3]))]
+    return tuple(grads) + tuple(res[3:])
 
 
 def _numba_missing() -> str | None:
@@ -460,6 +576,16 @@ class CpuBackend(HostBackend):
     name = "cpu"
     run_forward = staticmethod(_forward)
     run_backward = staticmethod(_backward)
+    runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
+
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
+        return _forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
+                        mods=mods or None)
+
+    def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
+                 deterministic=False, mods=None):
+        return _backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                         softcap=softcap, deterministic=deterministic, mods=mods or None)
 
     @property
     def default_eligible(self) -> bool:
