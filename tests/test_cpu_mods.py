@@ -238,21 +238,21 @@ def test_bitwise_identical_for_any_thread_count_with_mods():
         assert np.array_equal(x, y), f"{name} differs between 1 and several threads"
 
 
-def test_empty_tiles_are_skipped_and_full_tiles_not_evaluated():
-    """Key tiles past 128 (one tile of 128 keys) are EMPTY for the first function: reading
-    `ones[k]` there would be outside the array (an IndexError, as the reference raises), so the
-    call passes only if the kernels never evaluate it there. The second function is FULL
-    everywhere (`q >= 0`) and reads outside its array for every pair."""
+def test_tiles_the_masks_settle_give_what_the_built_in_masks_give():
+    """Key tiles past 128 are EMPTY for the first function and every tile is FULL for the
+    second (their aux reads stay inside the arrays, so the classes stand): bitwise the results
+    of the same visibility written as built-in masks."""
     rng = np.random.default_rng(3)
     b = make_batch(rng, [500, 0, 300], Hq=4, Hk=2, D=16, dtype="float32", gaps=True)
     ones = np.ones(128, np.int32)
-    first = MaskMod(lambda b, q, k, lim, a: (k < lim[0]) & (a[k] == 1) & (k <= q),
-                    np.array([128], np.int32), ones)
-    with pytest.raises(IndexError):
-        reference.attention_dense(b.q, b.k, b.v, b.cu_q, b.cu_k, mask=first,
-                                  seq_offsets_q=b.off_q, seq_offsets_k=b.off_k)
+    first = MaskMod(lambda b, q, k, lim, a: (k < lim[0]) & (a[varlen.minimum(k, 127)] == 1) &
+                    (k <= q), np.array([128], np.int32), ones)
     plain = MaskMod(lambda b, q, k: (k < 128) & (k <= q))
-    full = MaskMod(lambda b, q, k, a: (q >= 0) | (a[k + 1000] == 1), ones)
+    full = MaskMod(lambda b, q, k, a: (q >= 0) | (a[varlen.minimum(k, 127)] == 1), ones)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       mask=first, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
+                       backend="cpu")
+    assert (plan.tile_classes("q")[1] == varlen.mods.EMPTY).any(), "no EMPTY tile to skip"
     lay = dict(seq_offsets_q=b.off_q, seq_offsets_k=b.off_k, backend="cpu")
     for mask, same in ((first, plain), (full, "full")):
         runs = []
@@ -263,3 +263,19 @@ def test_empty_tiles_are_skipped_and_full_tiles_not_evaluated():
             runs.append([np.asarray(x) for x in (out, lse, *grads)])
         for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), *runs):
             assert np.array_equal(x, y, equal_nan=True), f"{name}: {mask!r} vs {same!r}"
+
+
+def test_a_read_outside_an_aux_array_is_an_index_error_in_any_tile():
+    """A tile where an index may leave its array is evaluated pair by pair (never classified
+    away), so the cpu backend raises where the reference raises."""
+    rng = np.random.default_rng(3)
+    b = make_batch(rng, [500, 0, 300], Hq=4, Hk=2, D=16, dtype="float32", gaps=True)
+    ones = np.ones(128, np.int32)
+    for mask in (MaskMod(lambda b, q, k, lim, a: (k < lim[0]) & (a[k] == 1) & (k <= q),
+                         np.array([128], np.int32), ones),
+                 MaskMod(lambda b, q, k, a: (q >= 0) | (a[k + 1000] == 1), ones)):
+        lay = dict(seq_offsets_q=b.off_q, seq_offsets_k=b.off_k, mask=mask)
+        with pytest.raises(IndexError):
+            reference.attention_dense(b.q, b.k, b.v, b.cu_q, b.cu_k, **lay)
+        with pytest.raises(IndexError, match="mask_mod reads aux argument"):
+            varlen.attention_forward(b.q, b.k, b.v, b.cu_q, b.cu_k, backend="cpu", **lay)

@@ -406,6 +406,8 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
         top = _workspace.get("dout_top", (2, Hk, Tq * G), _BITS[wdt])
         K.pack_grad_rows(_as(dout, wdt), _as(out, wdt), _as(lse, wdt), G, dOw, delta, lse2,
                          lse2_lo, q_flag, top)
+        if mods and mods.score is not None:
+            _empty_rows_are_not_flagged(q_flag, dout, out, lse, G)
         ado, ao = (_largest(t, wdt) for t in top)
         dp = Dv * ado * (av + ao)                       # |dP| + |delta|
         ds = dp * abs(softmax_scale)                    # |dS| (P <= 1, 1 - tanh^2 <= 1)
@@ -423,6 +425,19 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
                                  softcap=softcap)
     _done_compile("backward", wdt)
     return grads
+
+
+def _empty_rows_are_not_flagged(q_flag, dout, out, lse, G: int):
+    """A score_mod may hide every pair of a row: the forward gives it lse -inf (no pair), which
+    is not a non-finite input then. Its P is 0 (`pack_grad_rows` sets `lse2 = +inf`), so the
+    row's gradients are 0; only a non-finite dout or out still flags it."""
+    Tq, Hq, _ = dout.shape
+    empty = np.isneginf(lse).T                                               # [Tq, Hq]
+    if not empty.any():
+        return
+    finite = np.isfinite(dout).all(axis=-1) & np.isfinite(out).all(axis=-1)
+    clear = (empty & finite).reshape(Tq, Hq // G, G).transpose(1, 0, 2).reshape(Hq // G, -1)
+    q_flag[clear] = False
 
 
 def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
