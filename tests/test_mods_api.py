@@ -75,8 +75,9 @@ def test_numpy_backend_matches_the_reference(layout, mask_id, score_id):
 
 @pytest.mark.parametrize("mask_id", [m for m, _ in mask_cases([1])])
 def test_tile_classes_agree_with_every_pair(mask_id):
-    """EMPTY tiles hold no visible pair and FULL tiles only visible pairs, both sides."""
-    lengths = [0, 37, 1, 70]
+    """EMPTY tiles hold no visible pair and FULL tiles only visible pairs, both sides (300
+    keys in tiles of 8: runs of partner tiles are classified before single tiles)."""
+    lengths = [0, 37, 1, 300]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     mask = dict(mask_cases(lengths))[mask_id]
     dense = sequence_masks(cu, cu, mask)

@@ -495,7 +495,7 @@ def _check_blocks(block_m, block_n):
 
 def _tile_classes(plan: Plan, side: str):
     """`Plan.tile_classes` on a host plan."""
-    from .mods import FULL, PARTIAL, classify
+    from .mods import FULL, PARTIAL
     if side == "q":
         tiles, sched, partner, block = plan.q_tiles, plan.q_sched, plan.k, plan.block_n
     elif side == "k":
@@ -512,16 +512,46 @@ def _tile_classes(plan: Plan, side: str):
     classes = np.where((t >= fbegin.reshape(-1)[pair]) & (t < fend.reshape(-1)[pair]),
                        FULL, PARTIAL).astype(np.int8)
     if plan.mask_mod is not None and total:
-        i, s = pair // m, pair % m
+        classes = np.minimum(classes, _mod_classes(plan, tiles, partner, block, side, pair,
+                                                   t, begin, count, m))
+    return start, classes
+
+
+# Partner tiles classified together first: a run's class is its tiles' class unless it is
+# PARTIAL, so the cost follows the mask's boundary, not the number of tile pairs.
+_RUN = 16
+
+
+def _mod_classes(plan, tiles, partner, block, side, pair, t, begin, count, m):
+    """The mask_mod's class of each kept (tile, partner tile) entry (`pair` = tile * m +
+    partner segment, `t` the partner tile): runs of `_RUN` partner tiles first, then the
+    tiles of the PARTIAL runs one by one."""
+    from .mods import PARTIAL, AuxRanges, classify
+    ranges = AuxRanges(plan.mask_mod.aux)
+    begin, count = begin.reshape(-1), count.reshape(-1)
+
+    def boxes(p, t0, t1):
+        """Classes of tile `p // m` against partner tiles `t0..t1` of segment `p % m`."""
+        i, s = p // m, p % m
         b = tiles[i, TILE_SEQ].astype(np.int64)
         own0 = tiles[i, TILE_POS].astype(np.int64)
         own1 = own0 + tiles[i, TILE_ROWS].astype(np.int64) - 1
-        p0 = partner.pos[b, s].astype(np.int64) + t * block
-        p1 = partner.pos[b, s].astype(np.int64) + np.minimum(
-            (t + 1) * block, partner.length[b, s].astype(np.int64)) - 1
+        pos = partner.pos[b, s].astype(np.int64)
+        p0 = pos + t0 * block
+        p1 = pos + np.minimum((t1 + 1) * block, partner.length[b, s].astype(np.int64)) - 1
         q0, q1, k0, k1 = (own0, own1, p0, p1) if side == "q" else (p0, p1, own0, own1)
-        classes = np.minimum(classes, classify(plan.mask_mod, b, q0, q1, k0, k1))
-    return start, classes
+        return classify(plan.mask_mod, b, q0, q1, k0, k1, ranges)
+
+    runs = (count + _RUN - 1) // _RUN                                  # per (tile, segment)
+    run_start = np.cumsum(runs) - runs
+    run_pair = np.repeat(np.arange(runs.size), runs)
+    run_t0 = begin[run_pair] + (np.arange(run_pair.size) - run_start[run_pair]) * _RUN
+    run_t1 = np.minimum(run_t0 + _RUN, begin[run_pair] + count[run_pair]) - 1
+    out = boxes(run_pair, run_t0, run_t1)[run_start[pair] + (t - begin[pair]) // _RUN]
+    fine = np.flatnonzero(out == PARTIAL)
+    if fine.size:
+        out[fine] = boxes(pair[fine], t[fine], t[fine])
+    return out
 
 
 _GLYPH = {0: "\u00b7", 1: "\u2591", 2: "\u2588"}

@@ -120,6 +120,8 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         out[rq] = np.einsum("hij,jhd->ihd", p / z1, vx[rk])
         lse[:, rq] = np.where(has, (mx + np.log(z1))[:, :, 0], -np.inf)
         bad = reached(seen, q_bad[rq].T, kv_bad[rk].T)               # [Hq, Lq]
+        if score_mod is not None:                   # NaN or +inf at a visible pair
+            bad = bad | (seen & ~np.isfinite(s)).any(axis=-1)
         out[rq] = np.where(bad.T[..., None], np.nan, out[rq])
         lse[:, rq] = np.where(bad, np.nan, lse[:, rq])
     return out, lse

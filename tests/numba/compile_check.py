@@ -24,13 +24,16 @@ import types as pytypes
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 
-from numba import cuda  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import cuda, typeof  # noqa: E402
 from numba import types as nt  # noqa: E402
 from numba.cuda.compiler import compile_cuda  # noqa: E402
 
 import numba.cuda.dispatcher as _dispatcher  # noqa: E402
 
+import varlen  # noqa: E402
 from varlen.backends import _numba_kernels as K  # noqa: E402
+from varlen.mods import Mods  # noqa: E402
 from varlen.plan import KernelView  # noqa: E402
 
 CCS = ((8, 0), (9, 0))
@@ -58,6 +61,26 @@ def a3(t):
 VIEW = nt.NamedTuple([a2(i32), a3(i32), a2(i32), a3(i32)] + [a2(i32)] * 6 + [a1(i32)] * 5 +
                      [a3(i32)] * 2 + [i64] * 9, KernelView)
 SEQ_MASK = nt.NamedUniTuple(a1(i32), len(K.SeqMask._fields), K.SeqMask)
+# A user function's `(aux arrays..., err)`: the error flag alone for a function a variant lacks.
+NO_FN = nt.Tuple((a1(i32),))
+
+
+def _fn_args(mod):
+    return nt.Tuple(tuple(typeof(np.ascontiguousarray(a)) for a in mod.aux) + (a1(i32),))
+
+
+def _user_functions():
+    """A MaskMod reading 1-D int arrays at a sequence-dependent index and a ScoreMod with an
+    int table and a 2-D float table (aux gradients on): `(fns, mask args, score args, aux
+    gradient args)`."""
+    doc, start = np.zeros(64, np.int32), np.zeros(4, np.int32)
+    mask = varlen.MaskMod(lambda b, q, k, doc, start: (doc[start[b] + q] == doc[start[b] + k]) &
+                          (k <= q), doc, start)
+    buckets, bias = np.arange(9, dtype=np.int32), np.zeros((4, 16), np.float32)
+    score = varlen.ScoreMod(lambda s, b, h, q, k, bucket, bias: s + bias[
+        h, bucket[varlen.minimum(abs(q - k), 8)] + varlen.where(k > q, 8, 0)], buckets, bias)
+    fns = K.UserFns.of(Mods(mask=mask, score=score, aux_grads=True))
+    return fns, _fn_args(mask), _fn_args(score), nt.Tuple((a1(f32), a1(f32)))
 
 
 def kernels(quick: bool):
@@ -82,19 +105,23 @@ def kernels(quick: bool):
     variants = [("float16", True), ("bfloat16", True), ("float32", False)]
     if quick:
         variants = variants[:1]
-    for dt, softcap in variants:
+    fns, mask_args, score_args, grads = _user_functions()
+    variants = [(dt, softcap, K.UserFns(), NO_FN, NO_FN, NO_FN) for dt, softcap in variants]
+    # The user functions once (their code does not depend on the dtype of q, k, v).
+    variants.append(("float16", True, fns, mask_args, score_args, grads))
+    for dt, softcap, var_fns, margs, sargs, gargs in variants:
         el = ELEM[dt]
-        var = K.Variant(dt, 64, 64, 32, 32, softcap)
-        tag = f"{dt},softcap={softcap}"
+        var = K.Variant(dt, 64, 64, 32, 32, softcap, var_fns)
+        tag = f"{dt},softcap={softcap}" + (",mods" if var_fns.mask else "")
         out.append((f"forward[{tag}]", K.forward_kernel(var),
-                    (a3(el), a3(el), a3(el), a3(el), a2(f32), VIEW, f32, f32)))
+                    (a3(el), a3(el), a3(el), a3(el), a2(f32), VIEW, f32, f32, margs, sargs)))
         for atomic in (True, False):
             out.append((f"dkdv[{tag},atomic_dq={atomic}]", K.dkdv_kernel(var, atomic),
                         (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(f32), a3(el),
-                         a3(el), VIEW, f32, f32)))
+                         a3(el), VIEW, f32, f32, margs, sargs, gargs)))
         out.append((f"dq[{tag}]", K.dq_kernel(var),
                     (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(el), VIEW, f32,
-                     f32)))
+                     f32, margs, sargs)))
     return out
 
 

@@ -45,7 +45,9 @@ def test_every_kernel_compiles_for_sm80_and_sm90(compile_check):
                    "forward[bfloat16,softcap=True]", "forward[float32,softcap=False]",
                    "dkdv[float16,softcap=True,atomic_dq=True]",
                    "dkdv[float32,softcap=False,atomic_dq=False]",
-                   "dq[bfloat16,softcap=True]"):
+                   "dq[bfloat16,softcap=True]", "forward[float16,softcap=True,mods]",
+                   "dkdv[float16,softcap=True,mods,atomic_dq=True]",
+                   "dq[float16,softcap=True,mods]"):
         assert kernel in names, f"{kernel} was not compiled"
     for cc in ("sm_80", "sm_90"):
         assert sum(label.endswith(cc) for label in result["ok"]) == len(names), cc

@@ -26,14 +26,15 @@ The attention kernels read the plan as one record, `varlen.plan.KernelView` (its
 device), and are built from named device-function steps: stage a tile, score it, mask it,
 update the online softmax or the gradients, store. Each is specialised per `Variant` (dtype,
 head dims, tile sizes, softcap) by a cached factory whose closure constants become
-compile-time constants. Launches live in `_numba_launch.py`.
+compile-time constants, and per user function (`UserFns`: mask_mod and score_mod by graph
+digest). Launches live in `_numba_launch.py`.
 """
 from __future__ import annotations
 
 import functools
 import math
 from collections import namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32
@@ -154,6 +155,158 @@ def query_band(j, pol):
     lo = -UNBOUNDED if right < 0 else j - shift - right
     hi = UNBOUNDED if left < 0 else j - shift + left
     return lo, hi
+
+
+# --------------------------------------------------------------------------------------------
+# User functions: a MaskMod and a ScoreMod as device functions (`varlen.mods`)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UserFns:
+    """The user functions a kernel variant calls, named by graph digest (the cache key: equal
+    functions share kernels); the graphs ride along uncompared.
+
+    Their device functions are generated from the graphs (`varlen.mods.codegen`) in the packed
+    form: `mask(b, q_idx, k_idx, args)`, `score(score, b, h, q_idx, k_idx, args)` with
+    `args = (aux arrays..., err)`, one tuple kernel argument per function.
+    """
+
+    mask: str = ""            # MaskMod digest, "" for none: HAS_MASK_MOD
+    score: str = ""           # ScoreMod digest, "" for none: HAS_SCORE_MOD
+    aux_grads: bool = False   # the dK/dV pass scatters the score_mod's aux gradients
+    graphs: tuple = field(default=(None, None), compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.aux_grads and not self.score:
+            raise ValueError("UserFns.aux_grads needs a score_mod")
+
+    @classmethod
+    def of(cls, mods) -> "UserFns":
+        """The functions of a `varlen.mods.Mods` (None or empty: none)."""
+        if not mods:
+            return cls()
+        m, s = mods.mask, mods.score
+        return cls(m.digest if m is not None else "", s.digest if s is not None else "",
+                   bool(mods.aux_grads) and s is not None,
+                   (None if m is None else m.graph, None if s is None else s.graph))
+
+
+@cuda.jit(device=True)
+def _sees_all(b, i, j, args):
+    return True
+
+
+@cuda.jit(device=True)
+def _same_score(s, b, h, i, j, args):
+    return s
+
+
+@cuda.jit(device=True)
+def _d_one(s, b, h, i, j, args):
+    return 1.0
+
+
+@cuda.jit(device=True)
+def _no_scatter(ds, s, b, h, i, j, args, grads):
+    pass
+
+
+@cuda.jit(device=True)
+def _clamp(i, n):
+    """An aux index clamped into `[0, n)`, as the generated loads clamp theirs."""
+    return min(max(int64(i), int64(0)), int64(n) - 1)
+
+
+def _flat_index(index_fns):
+    """`flat(s, b, h, i, j, args, a)`: the row-major element of `a` that a load with these
+    per-dimension index functions reads, each index clamped into its dimension."""
+    last = index_fns[-1]
+    DIM = len(index_fns) - 1
+    if DIM == 0:
+        @cuda.jit(device=True)
+        def flat(s, b, h, i, j, args, a):
+            return _clamp(last(s, b, h, i, j, args), a.shape[0])
+        return flat
+    inner = _flat_index(index_fns[:-1])
+
+    @cuda.jit(device=True)
+    def flat_nd(s, b, h, i, j, args, a):
+        return (inner(s, b, h, i, j, args, a) * int64(a.shape[DIM]) +
+                _clamp(last(s, b, h, i, j, args), a.shape[DIM]))
+    return flat_nd
+
+
+def _scatter_step(prev, slot: int, d_fn, flat):
+    """`prev`, then `grads[slot][flat] += ds * d_fn` (float32 atomics) for one load of float
+    aux array `slot`: its share of the aux gradient (`ScoreMod.d_aux`)."""
+    SLOT = slot
+
+    @cuda.jit(device=True)
+    def scatter(ds, s, b, h, i, j, args, grads):
+        prev(ds, s, b, h, i, j, args, grads)
+        g = ds * d_fn(s, b, h, i, j, args)
+        if g != 0.0:
+            cuda.atomic.add(grads[SLOT], flat(s, b, h, i, j, args, args[SLOT]), float32(g))
+    return scatter
+
+
+@functools.lru_cache(maxsize=None)
+def user_functions(fns: UserFns):
+    """`(mask, score, d_score, scatter)` device functions of `fns`; stubs for what it lacks
+    (every pair seen, the score unchanged, derivative 1, no scatter).
+
+    `scatter(ds, s, b, h, i, j, args, grads)` adds `ds * d(score_mod)/d(aux[index])` of each
+    float aux load at its (clamped) index into `grads[aux number]`, a flat float32 array.
+    """
+    from ..mods.codegen import numba_function
+    from ..mods.derive import aux_derivatives, derivative
+    from ..mods.graph import Graph
+
+    def compiled(graph):
+        return numba_function(graph, cuda=True, packed=True)
+
+    mask_graph, score_graph = fns.graphs
+    mask = compiled(mask_graph) if fns.mask else _sees_all
+    score, d_score, scatter = _same_score, _d_one, _no_scatter
+    if fns.score:
+        score = compiled(score_graph)
+        d_score = compiled(derivative(score_graph, "score"))
+    if fns.aux_grads:
+        g = score_graph
+        for load, d_graph in aux_derivatives(g):
+            index = [compiled(Graph(arg, g.leaves, g.aux, f"{g.role}_index"))
+                     for arg in load.args]
+            scatter = _scatter_step(scatter, load.value, compiled(d_graph), _flat_index(index))
+    return mask, score, d_score, scatter
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_tile(fns: UserFns):
+    """`(mask_keys, mask_queries)`: one thread's row of a tile pair under the built-in
+    predicate (partial tiles only) and the mask_mod, into a float32 row `m_r` (0 seen, -inf
+    hidden); each returns whether the row sees any pair of the tile."""
+    mask = user_functions(fns)[0]
+
+    @cuda.jit(device=True)
+    def mask_keys(m_r, n, partial, b, i, j0, pol, mask_args):
+        """Query `i` against the n keys at positions j0 + j."""
+        any_seen = False
+        for j in range(n):
+            seen = (not partial or visible(i, j0 + j, pol)) and mask(b, i, j0 + j, mask_args)
+            m_r[j] = float32(0.0) if seen else NEG_INF
+            any_seen = any_seen or seen
+        return any_seen
+
+    @cuda.jit(device=True)
+    def mask_queries(m_r, n, partial, b, i0, j, pol, mask_args):
+        """Key `j` against the n queries at positions i0 + i."""
+        any_seen = False
+        for i in range(n):
+            seen = (not partial or visible(i0 + i, j, pol)) and mask(b, i0 + i, j, mask_args)
+            m_r[i] = float32(0.0) if seen else NEG_INF
+            any_seen = any_seen or seen
+        return any_seen
+    return mask_keys, mask_queries
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,6 +560,7 @@ class Variant:
     block_m: int        # query rows per tile: threads of the forward and dQ kernels
     block_n: int        # key rows per tile: threads of the dK/dV kernel
     has_softcap: bool   # HAS_SOFTCAP
+    fns: UserFns = UserFns()    # mask_mod / score_mod (HAS_MASK_MOD, HAS_SCORE_MOD)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -609,22 +763,43 @@ def _logit(has_softcap: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _pair_grad(has_softcap: bool):
+def _pair_grad(has_softcap: bool, fns: UserFns, scatter_aux: bool):
     logit = _logit(has_softcap)
+    HAS_SCORE_MOD = bool(fns.score)
+    SCATTER = scatter_aux and fns.aux_grads
+    _, score_mod, d_score, scatter = user_functions(fns)
 
     @cuda.jit(device=True)
-    def pair_grad(x, dp, lse_i, delta_i, scale, softcap):
-        """`(ok, p, dS)` of one visible pair from `x = q . k` and `dp = dO . v`
-        (FlashAttention-2, Alg. 2: `p = exp(s - lse)`, `dS = p (dP - delta)`; under softcap
-        d/dx c*tanh(x/c) = 1 - th^2 scales dS). `ok` is False when an operand is not finite:
-        a NaN or inf in q, k, dO, v (through the dots), O (through delta) or lse, including
-        lse = -inf, which no row that sees a key has. Then `p` and `dS` are NaN."""
-        if not (math.isfinite(x) and math.isfinite(dp) and math.isfinite(lse_i) and
-                math.isfinite(delta_i)):
-            return False, NAN, NAN
+    def pair_grad(x, dp, lse_i, delta_i, scale, softcap, b, h, i, j, score_args, grads):
+        """`(ok, p, dS)` of one visible pair (query `i`, key `j` of sequence `b`, query head
+        `h`) from `x = q . k` and `dp = dO . v` (FlashAttention-2, Alg. 2: `p = exp(s - lse)`,
+        `dS = p (dP - delta)`; the score_mod's d/d(score) and, under softcap, d/dx
+        c*tanh(x/c) = 1 - th^2 scale dS). With SCATTER, `dS` before those factors goes into
+        the aux gradients (`grads`). `ok` is False when an operand is not finite: a NaN or
+        inf in q, k, dO, v (through the dots), O (through delta) or lse, including lse =
+        -inf, which no row that sees a key has, or a score_mod value NaN or +inf. Then `p`
+        and `dS` are NaN. A pair the score_mod hides (-inf) takes no part, whatever its
+        operands and the row's lse (-inf when it hides all of them): `p = dS = 0`."""
         s, th = logit(x, scale, softcap)
-        p = math.exp(s - lse_i)
-        return True, p, p * (dp - delta_i) * (float32(1.0) - th * th) * scale
+        if HAS_SCORE_MOD:
+            sm = float32(score_mod(s, b, h, i, j, score_args))
+            if sm == NEG_INF:
+                return True, float32(0.0), float32(0.0)
+            if not (math.isfinite(x) and math.isfinite(dp) and math.isfinite(delta_i) and
+                    math.isfinite(sm) and math.isfinite(lse_i)):
+                return False, NAN, NAN
+            p = math.exp(sm - lse_i)
+            ds = p * (dp - delta_i)
+            if SCATTER:
+                scatter(ds, s, b, h, i, j, score_args, grads)
+            ds = ds * float32(d_score(s, b, h, i, j, score_args))
+        else:
+            if not (math.isfinite(x) and math.isfinite(dp) and math.isfinite(delta_i) and
+                    math.isfinite(lse_i)):
+                return False, NAN, NAN
+            p = math.exp(s - lse_i)
+            ds = p * (dp - delta_i)
+        return True, p, ds * (float32(1.0) - th * th) * scale
     return pair_grad
 
 
@@ -633,26 +808,41 @@ def _pair_grad(has_softcap: bool):
 # --------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _score_tile(has_softcap: bool):
+def _score_tile(has_softcap: bool, fns: UserFns):
     logit = _logit(has_softcap)
+    HAS_MASK_MOD, HAS_SCORE_MOD = bool(fns.mask), bool(fns.score)
+    score_mod = user_functions(fns)[1]
 
     @cuda.jit(device=True)
-    def score_tile(s_r, q_r, k_s, n, partial, i, j0, pol, scale, softcap):
-        """s_r[j] = logit(q . k_j) for the n staged keys (positions j0 + j) that query `i`
-        sees, -inf for the others (the predicate is evaluated on partial tiles only).
+    def score_tile(s_r, q_r, k_s, n, partial, b, h, i, j0, pol, scale, softcap, score_args):
+        """s_r[j] = logit(q . k_j), then the score_mod, for the n staged keys (positions
+        j0 + j) that query `i` of sequence `b`, head `h`, sees; -inf for the others. The
+        built-in predicate is evaluated on partial tiles only; with a mask_mod, s_r holds
+        the row's mask on entry (`mask_keys`: 0 seen, -inf hidden), which replaces it.
 
         Returns whether a key it sees gives a non-finite `q . k` (a NaN or inf in q or in that
-        key's k, checked before softcap's tanh could hide it): the row reports NaN, and the
-        key's score stays -inf so that nothing of it enters the softmax.
+        key's k, checked before softcap's tanh could hide it) or a score_mod value NaN or
+        +inf: the row reports NaN, and the key's score stays -inf so that nothing of it enters
+        the softmax. A score_mod value -inf hides the pair, whatever its operands.
         """
         bad = False
         for j in range(n):
+            if HAS_MASK_MOD:
+                hidden = s_r[j] == NEG_INF
+            else:
+                hidden = partial and not visible(i, j0 + j, pol)
             s_r[j] = NEG_INF
-            if partial and not visible(i, j0 + j, pol):
+            if hidden:
                 continue
             x = dot(q_r, k_s[j])
             s = logit(x, scale, softcap)[0]
-            if math.isfinite(x) and math.isfinite(s):
+            ok = math.isfinite(x) and math.isfinite(s)
+            if HAS_SCORE_MOD:
+                s = float32(score_mod(s, b, h, i, j0 + j, score_args))
+                if s == NEG_INF:
+                    continue
+                ok = ok and math.isfinite(s)
+            if ok:
                 s_r[j] = s
             else:
                 bad = True
@@ -662,12 +852,18 @@ def _score_tile(has_softcap: bool):
 
 @functools.lru_cache(maxsize=None)
 def forward_kernel(var: Variant):
-    """FlashAttention-2 forward (Alg. 1) over the plan's query tiles; grid (q tiles, Hq)."""
-    BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
-    stage, load_row, store_row = _rows(var.dtype)
-    score_tile = _score_tile(var.has_softcap)
+    """FlashAttention-2 forward (Alg. 1) over the plan's query tiles; grid (q tiles, Hq).
 
-    def _forward(q, k, v, out, lse, view, scale, softcap):
+    `mask_args`, `score_args`: the user functions' `(aux arrays..., err)` (`UserFns`; a
+    one-flag tuple for a function the variant lacks).
+    """
+    BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
+    HAS_MASK_MOD = bool(var.fns.mask)
+    stage, load_row, store_row = _rows(var.dtype)
+    score_tile = _score_tile(var.has_softcap, var.fns)
+    mask_keys = _mask_tile(var.fns)[0]
+
+    def _forward(q, k, v, out, lse, view, scale, softcap, mask_args, score_args):
         # [BN, D] key tile, [BN, DV] value tile
         k_s = cuda.shared.array((BN, D), float32)
         v_s = cuda.shared.array((BN, DV), float32)
@@ -690,13 +886,25 @@ def forward_kernel(var: Variant):
             seg, ranges = partner(view, False, b, i_t, i_seg)
             for i_n in range(ranges[0], ranges[3]):
                 row_n, n, pos_n = tile_in(seg, i_n, BN)
-                cuda.syncthreads()          # the previous tile is consumed
+                partial = is_partial(ranges, i_n)
+                if HAS_MASK_MOD:
+                    # Every tile is partial for the mask_mod: the row's mask into s_r; the
+                    # barrier that frees the previous tile also says whether any row of the
+                    # block sees a key of this one, and a tile no row sees is skipped.
+                    seen = False
+                    if valid:
+                        seen = mask_keys(s_r, n, partial, int64(b), pos, pos_n, pol,
+                                         mask_args)
+                    if cuda.syncthreads_or(int32(seen)) == 0:
+                        continue
+                else:
+                    cuda.syncthreads()      # the previous tile is consumed
                 stage(k_s, k, row_n, n, i_kh, tid, BM)
                 stage(v_s, v, row_n, n, i_kh, tid, BM)
                 cuda.syncthreads()
                 if valid:
-                    bad |= score_tile(s_r, q_r, k_s, n, is_partial(ranges, i_n), pos, pos_n,
-                                      pol, scale, softcap)
+                    bad |= score_tile(s_r, q_r, k_s, n, partial, int64(b), int64(i_h), pos,
+                                      pos_n, pol, scale, softcap, score_args)
                     m_i, l_i = softmax_update(acc, s_r, v_s, n, m_i, l_i)
         if valid:
             # out = acc / l, lse = m + log l (Alg. 1, line 12). A non-finite value the row sees
@@ -711,24 +919,32 @@ def forward_kernel(var: Variant):
 
 
 @functools.lru_cache(maxsize=None)
-def _key_grads(has_softcap: bool, atomic_dq: bool):
-    pair_grad = _pair_grad(has_softcap)
+def _key_grads(has_softcap: bool, atomic_dq: bool, fns: UserFns):
+    pair_grad = _pair_grad(has_softcap, fns, True)
     ATOMIC_DQ = atomic_dq
+    HAS_MASK_MOD = bool(fns.mask)
 
     @cuda.jit(device=True)
-    def key_grads(dk_r, dv_r, k_r, v_r, q_s, do_s, lse_s, dl_s, ds_s, n, tid, i0, j, partial,
-                  pol, scale, softcap):
+    def key_grads(dk_r, dv_r, k_r, v_r, q_s, do_s, lse_s, dl_s, ds_s, m_r, n, tid, i0, j,
+                  partial, b, h, pol, scale, softcap, score_args, grads):
         """dK, dV of key `j` (this thread's row) over the n staged query rows at positions
-        i0 + i; with ATOMIC_DQ, each pair's dS into ds_s[i, tid] for the dQ reduction (0 for
-        pairs the mask hides). Returns whether a query that sees the key brought a non-finite
-        operand (`pair_grad`): then dK and dV of the key are NaN, and so is that pair's dS."""
+        i0 + i (query head `h`); with ATOMIC_DQ, each pair's dS into ds_s[i, tid] for the dQ
+        reduction (0 for pairs the mask hides). With a mask_mod, `m_r` holds the key's mask
+        (`mask_queries`), which replaces the built-in predicate. Returns whether a query that
+        sees the key brought a non-finite operand (`pair_grad`): then dK and dV of the key are
+        NaN, and so is that pair's dS."""
         bad = False
         for i in range(n):
             ds = float32(0.0)
-            if not partial or visible(i0 + i, j, pol):
+            if HAS_MASK_MOD:
+                seen = m_r[i] == 0.0
+            else:
+                seen = not partial or visible(i0 + i, j, pol)
+            if seen:
                 ok, p, ds = pair_grad(dot(q_s[i], k_r), dot(do_s[i], v_r), lse_s[i], dl_s[i],
-                                      scale, softcap)
-                if ok:
+                                      scale, softcap, b, h, i0 + i, j, score_args, grads)
+                if ok and p != 0.0:
+                    # p = 0: a pair the score_mod hides, whose rows may hold anything
                     axpy(dv_r, p, do_s[i])
                     axpy(dk_r, ds, q_s[i])
                 bad = bad or not ok
@@ -749,10 +965,14 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
     BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
     ATOMIC_DQ = atomic_dq
     DS_M, DS_N = (BM, BN + 1) if atomic_dq else (1, 1)    # +1: no bank conflicts on rows
+    HAS_MASK_MOD = bool(var.fns.mask)
+    MR = BM if HAS_MASK_MOD else 1
     stage, load_row, store_row = _rows(var.dtype)
-    key_grads = _key_grads(var.has_softcap, atomic_dq)
+    key_grads = _key_grads(var.has_softcap, atomic_dq, var.fns)
+    mask_queries = _mask_tile(var.fns)[1]
 
-    def _dkdv(q, k, v, dout, lse, delta, dq_acc, dk, dv, view, scale, softcap):
+    def _dkdv(q, k, v, dout, lse, delta, dq_acc, dk, dv, view, scale, softcap, mask_args,
+              score_args, grads):
         # [BN, D] keys of this tile; [BM, D] queries, [BM, DV] output gradients, [BM] lse and
         # delta of a query tile; [BM, BN] dS of the tile pair, for the dQ reduction
         k_s = cuda.shared.array((BN, D), float32)
@@ -761,10 +981,12 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
         lse_s = cuda.shared.array(BM, float32)
         dl_s = cuda.shared.array(BM, float32)
         ds_s = cuda.shared.array((DS_M, DS_N), float32)
-        # [DV] this thread's value row; [D], [DV] its gradient accumulators
+        # [DV] this thread's value row; [D], [DV] its gradient accumulators; [BM] its key's
+        # mask over a query tile (with a mask_mod)
         v_r = cuda.local.array(DV, float32)
         dk_r = cuda.local.array(D, float32)
         dv_r = cuda.local.array(DV, float32)
+        m_r = cuda.local.array(MR, float32)
         i_t, i_kh, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         b, bos, cols, pos0 = tile_of(view.k_tiles, i_t)
         if b < 0:
@@ -784,15 +1006,27 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
                 seg, ranges = partner(view, True, b, i_t, i_seg)
                 for i_m in range(ranges[0], ranges[3]):
                     row_m, n, pos_m = tile_in(seg, i_m, BM)
-                    cuda.syncthreads()      # the previous query tile (and dS) is consumed
+                    partial = is_partial(ranges, i_m)
+                    if HAS_MASK_MOD:
+                        # as in the forward: the key's mask into m_r, and a query tile that
+                        # no key of the block sees is skipped
+                        seen = False
+                        if valid:
+                            seen = mask_queries(m_r, n, partial, int64(b), pos_m, pos0 + tid,
+                                                pol, mask_args)
+                        if cuda.syncthreads_or(int32(seen)) == 0:
+                            continue
+                    else:
+                        cuda.syncthreads()  # the previous query tile (and dS) is consumed
                     stage(q_s, q, row_m, n, i_h, tid, BN)
                     stage(do_s, dout, row_m, n, i_h, tid, BN)
                     stage_stats(lse_s, dl_s, lse, delta, i_h, row_m, n, tid, BN)
                     cuda.syncthreads()
                     if valid:
                         bad |= key_grads(dk_r, dv_r, k_s[tid], v_r, q_s, do_s, lse_s, dl_s,
-                                         ds_s, n, tid, pos_m, pos0 + tid,
-                                         is_partial(ranges, i_m), pol, scale, softcap)
+                                         ds_s, m_r, n, tid, pos_m, pos0 + tid, partial,
+                                         int64(b), int64(i_h), pol, scale, softcap,
+                                         score_args, grads)
                     if ATOMIC_DQ:
                         cuda.syncthreads()
                         add_dq(dq_acc, ds_s, k_s, row_m, n, cols, i_h, tid, BN)
@@ -805,20 +1039,27 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _query_grads(has_softcap: bool):
-    pair_grad = _pair_grad(has_softcap)
+def _query_grads(has_softcap: bool, fns: UserFns):
+    pair_grad = _pair_grad(has_softcap, fns, False)
+    HAS_MASK_MOD = bool(fns.mask)
 
     @cuda.jit(device=True)
-    def query_grads(dq_r, q_r, do_r, k_s, v_s, n, lse_i, dl_i, i, j0, partial, pol, scale,
-                    softcap):
-        """dQ of query `i` (this thread's row) over the n staged keys at positions j0 + j.
-        Returns whether a pair it sees holds a non-finite operand (`pair_grad`)."""
+    def query_grads(dq_r, q_r, do_r, k_s, v_s, m_r, n, lse_i, dl_i, i, j0, partial, b, h, pol,
+                    scale, softcap, score_args):
+        """dQ of query `i` (this thread's row, head `h`) over the n staged keys at positions
+        j0 + j; with a mask_mod, `m_r` holds the row's mask (`mask_keys`). Returns whether a
+        pair it sees holds a non-finite operand (`pair_grad`)."""
         bad = False
         for j in range(n):
-            if not partial or visible(i, j0 + j, pol):
+            if HAS_MASK_MOD:
+                seen = m_r[j] == 0.0
+            else:
+                seen = not partial or visible(i, j0 + j, pol)
+            if seen:
                 ok, _, ds = pair_grad(dot(q_r, k_s[j]), dot(do_r, v_s[j]), lse_i, dl_i, scale,
-                                      softcap)
-                if ok:
+                                      softcap, b, h, i, j0 + j, score_args, score_args)
+                if ok and ds != 0.0:
+                    # dS = 0 for a pair the score_mod hides, whose key may hold anything
                     axpy(dq_r, ds, k_s[j])
                 bad = bad or not ok
         return bad
@@ -829,17 +1070,22 @@ def _query_grads(has_softcap: bool):
 def dq_kernel(var: Variant):
     """Deterministic dQ over the plan's query tiles; grid (q tiles, Hq), one row per thread."""
     BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
+    HAS_MASK_MOD = bool(var.fns.mask)
+    MR = BN if HAS_MASK_MOD else 1
     stage, load_row, store_row = _rows(var.dtype)
-    query_grads = _query_grads(var.has_softcap)
+    query_grads = _query_grads(var.has_softcap, var.fns)
+    mask_keys = _mask_tile(var.fns)[0]
 
-    def _dq(q, k, v, dout, lse, delta, dq, view, scale, softcap):
+    def _dq(q, k, v, dout, lse, delta, dq, view, scale, softcap, mask_args, score_args):
         # [BN, D] key tile, [BN, DV] value tile
         k_s = cuda.shared.array((BN, D), float32)
         v_s = cuda.shared.array((BN, DV), float32)
-        # [D] query row, [DV] output-gradient row, [D] dQ accumulator
+        # [D] query row, [DV] output-gradient row, [D] dQ accumulator; [BN] the row's mask
+        # over a key tile (with a mask_mod)
         q_r = cuda.local.array(D, float32)
         do_r = cuda.local.array(DV, float32)
         dq_r = cuda.local.array(D, float32)
+        m_r = cuda.local.array(MR, float32)
         i_t, i_h, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         b, row, pos, valid = thread_row(view.q_tiles, i_t, tid)
         if b < 0:
@@ -857,13 +1103,23 @@ def dq_kernel(var: Variant):
             seg, ranges = partner(view, False, b, i_t, i_seg)
             for i_n in range(ranges[0], ranges[3]):
                 row_n, n, pos_n = tile_in(seg, i_n, BN)
-                cuda.syncthreads()
+                partial = is_partial(ranges, i_n)
+                if HAS_MASK_MOD:
+                    seen = False            # as in the forward
+                    if valid:
+                        seen = mask_keys(m_r, n, partial, int64(b), pos, pos_n, pol,
+                                         mask_args)
+                    if cuda.syncthreads_or(int32(seen)) == 0:
+                        continue
+                else:
+                    cuda.syncthreads()
                 stage(k_s, k, row_n, n, i_kh, tid, BM)
                 stage(v_s, v, row_n, n, i_kh, tid, BM)
                 cuda.syncthreads()
                 if valid:
-                    bad |= query_grads(dq_r, q_r, do_r, k_s, v_s, n, lse_i, dl_i, pos, pos_n,
-                                       is_partial(ranges, i_n), pol, scale, softcap)
+                    bad |= query_grads(dq_r, q_r, do_r, k_s, v_s, m_r, n, lse_i, dl_i, pos,
+                                       pos_n, partial, int64(b), int64(i_h), pol, scale,
+                                       softcap, score_args)
         if valid:
             store_row(dq, row, i_h, dq_r, NAN if bad else float32(1.0))
     return cuda.jit(_dq)

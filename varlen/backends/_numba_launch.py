@@ -161,11 +161,13 @@ class Context:
         """A device error flag: one int32, 0 until a kernel sets it."""
         return self.alloc((1,), np.int32, fill=0)
 
-    def record(self, flag, message: str):
-        """Hand a flag to `varlen._device_errors`: on the host it raises at once (the copy
-        back reads it anyway), on a device it is kept for `varlen.check_device_errors()`."""
+    def record(self, flag, message: str, host_error=ValueError):
+        """Hand a flag to `varlen._device_errors`: on the host it raises `host_error` at once
+        (the copy back reads it anyway), on a device it is kept for
+        `varlen.check_device_errors()`."""
         if self.kind == "host":
-            record(np, flag.copy_to_host()[0] != 0, message)
+            if flag.copy_to_host()[0] != 0:
+                raise host_error(message)
         elif self.kind == "cupy":
             record(self.cp, flag[0] != 0, message)
         else:
@@ -295,17 +297,68 @@ def _scalars(softmax_scale, softcap):
     return np.float32(softmax_scale), np.float32(softcap if softcap > 0 else 1.0)
 
 
-def forward(var: K.Variant, plan: Plan, q, k, v, *, softmax_scale: float, softcap: float):
+class UserArgs:
+    """The kernel arguments of a call's user functions (`varlen.mods.Mods`): per function the
+    tuple its generated code reads, `(aux arrays..., err)`, with a fresh error flag (a flag
+    alone for a function the call lacks); `grads`, the flat float32 aux gradients."""
+
+    def __init__(self, ctx: Context, mods, *, aux_grads: bool = False):
+        self.ctx = ctx
+        self.mask_mod = None if mods is None else mods.mask
+        self.score_mod = None if mods is None else mods.score
+        self.mask = self._args(self.mask_mod, "mask_mod")
+        self.score = self._args(self.score_mod, "score_mod")
+        self.grads = self.score
+        if aux_grads:
+            self.grads = tuple(
+                ctx.alloc((int(a.size),), np.float32, fill=0) if kind == "float" else
+                ctx.alloc((1,), np.float32, fill=0)
+                for (kind, _, _), a in zip(self.score_mod.graph.aux, self.score_mod.aux))
+
+    def _args(self, mod, role):
+        if mod is None:
+            # the stub the kernels call instead never touches it
+            return (self.ctx.scratch("no_user_fn", (1,), np.int32),)
+        aux = tuple(self.ctx.dev(_readable(a), f"{role} aux argument {i}")
+                    for i, a in enumerate(mod.aux))
+        return aux + (self.ctx.flag(),)
+
+    def check(self):
+        """An aux index out of range (clamped on the device): an IndexError at once for host
+        data, else recorded for `varlen.check_device_errors()`."""
+        for mod, args in ((self.mask_mod, self.mask), (self.score_mod, self.score)):
+            if mod is not None:
+                self.ctx.record(args[-1], f"{mod.role} reads one of its aux arrays at an index "
+                                          f"out of range (the kernels clamped it)", IndexError)
+
+    def aux_grads(self) -> tuple:
+        """Per score_mod aux: its gradient (float32, the aux's shape) or None."""
+        return tuple(self.ctx.result(g, np.float32).reshape(a.shape) if kind == "float" else None
+                     for (kind, _, _), a, g in zip(self.score_mod.graph.aux, self.score_mod.aux,
+                                                   self.grads))
+
+
+def _readable(a):
+    """An aux array as kernels read it: bf16 (no Numba type) widened to float32."""
+    if _is_bf16(a.dtype):
+        return a.astype(np.float32)
+    return a
+
+
+def forward(var: K.Variant, plan: Plan, q, k, v, *, softmax_scale: float, softcap: float,
+            mods=None):
     """`out [Tq, Hq, Dv]` in q's dtype and float32 `lse [Hq, Tq]`, beside the inputs."""
     ctx = Context(q)
     Tq, Hq, _ = q.shape
     # Pad rows (and rows that see no key) keep these: output 0, lse -inf.
     out = ctx.alloc((Tq, Hq, var.head_dim_v), q.dtype, fill=0)
     lse = ctx.alloc((Hq, Tq), np.float32, fill=-np.inf)
+    user = UserArgs(ctx, mods)
     if plan.num_q_tiles and Hq:
         ctx.launch(K.forward_kernel(var), (plan.num_q_tiles, Hq), var.block_m, ctx.dev(q, "q"),
                    ctx.dev(k, "k"), ctx.dev(v, "v"), out, lse, ctx.view(plan),
-                   *_scalars(softmax_scale, softcap))
+                   *_scalars(softmax_scale, softcap), user.mask, user.score)
+    user.check()
     return ctx.result(out, q.dtype), ctx.result(lse, np.float32)
 
 
@@ -324,9 +377,11 @@ def _dq_buffers(ctx: Context, q, var: K.Variant, deterministic: bool):
 
 
 def backward(var: K.Variant, plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float,
-             softcap: float, deterministic: bool):
-    """`(dq, dk, dv)` beside the inputs (FlashAttention-2, Alg. 2)."""
+             softcap: float, deterministic: bool, mods=None):
+    """`(dq, dk, dv)` beside the inputs (FlashAttention-2, Alg. 2), and with
+    `var.fns.aux_grads` the score_mod's aux gradients as a fourth result (`UserArgs`)."""
     ctx = Context(q)
+    user = UserArgs(ctx, mods, aux_grads=var.fns.aux_grads)
     Tq, Hq, _ = q.shape
     Hk = k.shape[1]
     if ctx.kind != "numba" and lse.dtype != np.float32:
@@ -345,11 +400,14 @@ def backward(var: K.Variant, plan: Plan, dout, q, k, v, out, lse, *, softmax_sca
     scalars = _scalars(softmax_scale, softcap)
     if plan.num_k_tiles and Hk:
         ctx.launch(K.dkdv_kernel(var, not deterministic), (plan.num_k_tiles, Hk), var.block_n,
-                   *data, delta, dq_acc, dk, dv, view, *scalars)
+                   *data, delta, dq_acc, dk, dv, view, *scalars, user.mask, user.score,
+                   user.grads)
     if deterministic and plan.num_q_tiles and Hq:
         ctx.launch(K.dq_kernel(var), (plan.num_q_tiles, Hq), var.block_m, *data, delta, dq,
-                   view, *scalars)
+                   view, *scalars, user.mask, user.score)
     elif not deterministic and dq is not dq_acc and dq.size:
         ctx.launch(K.convert_kernel(var.dtype), *ctx.grid1d(dq.size), dq_acc.reshape(-1),
                    dq.reshape(-1))
-    return ctx.result(dq, q.dtype), ctx.result(dk, q.dtype), ctx.result(dv, q.dtype)
+    user.check()
+    grads = ctx.result(dq, q.dtype), ctx.result(dk, q.dtype), ctx.result(dv, q.dtype)
+    return (*grads, user.aux_grads()) if var.fns.aux_grads else grads

@@ -44,12 +44,13 @@ def simulated() -> bool:
     return _launch().simulated()
 
 
-def variant(plan: Plan, q, v, softcap: float):
-    """The compiled kernel variant that runs this plan on these inputs."""
+def variant(plan: Plan, q, v, softcap: float, mods=None):
+    """The compiled kernel variant that runs this plan on these inputs (and the call's
+    mask_mod / score_mod, by graph digest)."""
     K = _kernels()
     try:
         return K.Variant(dtype_name(q.dtype), int(q.shape[2]), int(v.shape[2]), plan.block_m,
-                         plan.block_n, softcap > 0)
+                         plan.block_n, softcap > 0, K.UserFns.of(mods))
     except ValueError as e:
         raise ValueError(f"plan tiles do not fit the numba kernels: {e}") from None
 
@@ -58,6 +59,7 @@ class NumbaBackend(Backend):
     """FlashAttention-2 as Numba CUDA kernels, plans built on the device."""
 
     name = "numba"
+    runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
 
     def supports(self, call):
         missing = _numba_missing()
@@ -76,6 +78,15 @@ class NumbaBackend(Backend):
         if not cuda.is_available():
             return "no CUDA device is available to Numba"
         return None
+
+    def supports_mods(self, call):
+        """All of them, but aux gradients only by atomics: not with `deterministic=True`."""
+        why = super().supports_mods(call)
+        mods = getattr(call, "mods", None)
+        if why is None and mods and mods.aux_grads and getattr(call, "deterministic", False):
+            why = ("it sums the gradients of a score_mod's aux arrays with float32 atomics, "
+                   "which are not bitwise repeatable: call with deterministic=False")
+        return why
 
     def default_blocks(self, dtype, head_dim):
         """The largest tiles (of a fixed ladder) whose shared memory fits, assuming Dv = D."""
@@ -137,24 +148,27 @@ class NumbaBackend(Backend):
             return f"its arrays are {type(plan.q_tiles).__name__}; expected NumPy, CuPy or Numba"
         return None
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
         """`out [Tq, Hq, Dv]` in q's dtype and float32 `lse [Hq, Tq]`, beside the inputs; pad
         rows and rows that see no key 0 and -inf, rows a NaN or inf reaches NaN
-        (docs/semantics.md, "Non-finite values")."""
-        return _launch().forward(variant(plan, q, v, softcap), plan, q, k, v,
-                                 softmax_scale=softmax_scale, softcap=softcap)
+        (docs/semantics.md, "Non-finite values"). `mods`: the call's mask_mod and score_mod,
+        run in the kernels (docs/numba_backend.md, "User functions")."""
+        return _launch().forward(variant(plan, q, v, softcap, mods), plan, q, k, v,
+                                 softmax_scale=softmax_scale, softcap=softcap, mods=mods)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False):
-        """`(dq, dk, dv)` beside the inputs (FlashAttention-2, Alg. 2).
+                 deterministic=False, mods=None):
+        """`(dq, dk, dv)` beside the inputs (FlashAttention-2, Alg. 2); with `mods.aux_grads`
+        a fourth result, the score_mod's aux gradients (one float32 array or None per aux).
 
         dK/dV: one pass over key tiles (`k_sched`), GQA groups reduced in registers. dQ: float32
         atomics from that same pass, or with `deterministic=True` a separate pass over query
-        tiles (`q_sched`) whose per-row accumulation order is fixed: bitwise repeatable.
+        tiles (`q_sched`) whose per-row accumulation order is fixed: bitwise repeatable. Aux
+        gradients: float32 atomics from the dK/dV pass.
         """
-        return _launch().backward(variant(plan, q, v, softcap), plan, dout, q, k, v, out, lse,
-                                  softmax_scale=softmax_scale, softcap=softcap,
-                                  deterministic=bool(deterministic))
+        return _launch().backward(variant(plan, q, v, softcap, mods), plan, dout, q, k, v, out,
+                                  lse, softmax_scale=softmax_scale, softcap=softcap,
+                                  deterministic=bool(deterministic), mods=mods)
 
 
 BACKEND = NumbaBackend()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .derive import aux_derivatives, derivative
-from .evaluate import AuxRanges, evaluate, interval
+from .evaluate import AuxRanges, evaluate, interval, may_read_outside
 from .graph import Graph, exp, log, maximum, minimum, sqrt, tanh, trace, where
 
 __all__ = ["MaskMod", "ScoreMod", "Mods", "split_mask", "classify", "where", "exp", "log",
@@ -195,14 +195,18 @@ def split_mask(mask):
 def classify(mask_mod: MaskMod, b, q0, q1, k0, k1, ranges: AuxRanges | None = None):
     """Tile classes (EMPTY, PARTIAL, FULL, int8) of the boxes `q_idx in [q0, q1]`,
     `k_idx in [k0, k1]` of sequences `b` (broadcast int arrays), by interval arithmetic over
-    the mask graph: O(1) per box whatever its size (aux entries by range queries)."""
+    the mask graph: O(1) per box whatever its size (aux entries by range queries). A box where
+    an aux index may leave its array is PARTIAL, so its pairs are evaluated (and the index
+    checked) rather than classified by clamped entries."""
     if ranges is None:
         ranges = AuxRanges(mask_mod.aux)
     b = np.asarray(b, np.int64)
     boxes = {"b": (b, b), "q_idx": (np.asarray(q0, np.int64), np.asarray(q1, np.int64)),
              "k_idx": (np.asarray(k0, np.int64), np.asarray(k1, np.int64))}
     lo, hi = interval(mask_mod.graph, boxes, ranges)
-    return np.where(lo == 1, FULL, np.where(hi == 0, EMPTY, PARTIAL)).astype(np.int8)
+    unsure = may_read_outside(mask_mod.graph, boxes, ranges)
+    return np.where(unsure, PARTIAL, np.where(lo == 1, FULL, np.where(hi == 0, EMPTY, PARTIAL))
+                    ).astype(np.int8)
 
 
 def _alibi(score, b, h, q_idx, k_idx, slopes, shift):

@@ -20,14 +20,20 @@ def _leaf_params(graph: Graph) -> list:
     return list(graph.leaves)
 
 
-def python_source(graph: Graph, name: str) -> str:
+def python_source(graph: Graph, name: str, *, packed: bool = False) -> str:
     """`def name(<leaves>, a0, a1, ..., err):` returning the function's value.
 
     Aux arrays are passed as arrays (any rank), `err` a 1-element int32 array. Compiles as is
-    with `numba.njit` and `numba.cuda.jit(device=True)` (and runs as plain Python).
+    with `numba.njit` and `numba.cuda.jit(device=True)` (and runs as plain Python). With
+    `packed`, `def name(<leaves>, args):` reads them from one tuple `args = (a0, ..., err)`: a
+    CUDA kernel passes a user function's arrays as one tuple, whatever their number, and
+    Numba does not inline a call with `*args`.
     """
-    args = _leaf_params(graph) + [f"a{i}" for i in range(len(graph.aux))] + ["err"]
+    aux = [f"a{i}" for i in range(len(graph.aux))] + ["err"]
+    args = _leaf_params(graph) + (["args"] if packed else aux)
     lines = [f"def {name}({', '.join(args)}):"]
+    if packed:
+        lines += [f"    {a} = args[{i}]" for i, a in enumerate(aux)]
     names = {}
     for n in graph.nodes():
         t = f"t{len(names)}"
@@ -114,18 +120,19 @@ def _py_stmt(n: Node, t: str, a: list) -> list:
 _NUMBA_CACHE: dict = {}
 
 
-def numba_function(graph: Graph, *, cuda: bool = False):
+def numba_function(graph: Graph, *, cuda: bool = False, packed: bool = False):
     """The graph compiled with Numba: an `njit` function, or a CUDA device function.
 
-    Cached per graph digest and target; the function takes `(<leaves>, a0, ..., err)`.
+    Cached per graph digest, target and form; the function takes `(<leaves>, a0, ..., err)`,
+    or `(<leaves>, (a0, ..., err))` with `packed` (`python_source`).
     """
-    key = (graph.digest, cuda)
+    key = (graph.digest, cuda, packed)
     fn = _NUMBA_CACHE.get(key)
     if fn is None:
         import math
         name = f"{graph.role}_{graph.digest}"
         scope = {"math": math}
-        exec(compile(python_source(graph, name), f"<{name}>", "exec"), scope)
+        exec(compile(python_source(graph, name, packed=packed), f"<{name}>", "exec"), scope)
         py = scope[name]
         if cuda:
             from numba import cuda as nb_cuda

@@ -10,8 +10,8 @@ import numpy as np
 
 from .graph import Graph, Node
 
-__all__ = ["evaluate", "evaluate_node", "scatter_aux_grads", "interval", "AuxRanges",
-           "index_error"]
+__all__ = ["evaluate", "evaluate_node", "scatter_aux_grads", "interval", "may_read_outside",
+           "AuxRanges", "index_error"]
 
 _INT = np.int64
 
@@ -182,6 +182,24 @@ def interval(graph: Graph, boxes: dict, ranges: AuxRanges):
     bool function, `lo == hi == 1` means true on the whole box, `lo == hi == 0` false on it.
     The bounds are conservative: every point's value lies inside them.
     """
+    return _intervals(graph, boxes, ranges)[graph.root.key()]
+
+
+def may_read_outside(graph: Graph, boxes: dict, ranges: AuxRanges):
+    """Bool per box: some aux index of the function may leave its array somewhere on the box
+    (conservative: False only where every index provably lies inside). A plan evaluates such
+    a box pair by pair, so the index is checked (host) or flagged (device), never assumed."""
+    vals = _intervals(graph, boxes, ranges)
+    out = np.zeros(np.broadcast(*(x for v in boxes.values() for x in v)).shape, bool)
+    for n in graph.loads():
+        for a, s in zip(n.args, ranges.shape(n.value)):
+            lo, hi = vals[a.key()]
+            out = out | (np.asarray(lo) < 0) | (np.asarray(hi) > s - 1)
+    return out
+
+
+def _intervals(graph: Graph, boxes: dict, ranges: AuxRanges) -> dict:
+    """`(lo, hi)` of every node of `graph` over the boxes, by node key."""
     vals = {}
     with np.errstate(all="ignore"):
         for n in graph.nodes():
@@ -198,7 +216,7 @@ def interval(graph: Graph, boxes: dict, ranges: AuxRanges):
             if n.kind == "bool":
                 v = tuple(np.asarray(x).astype(_INT) for x in v)
             vals[n.key()] = v
-    return vals[graph.root.key()]
+    return vals
 
 
 _NEG, _POS = np.iinfo(_INT).min // 4, np.iinfo(_INT).max // 4
