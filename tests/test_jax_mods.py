@@ -189,7 +189,7 @@ def test_deterministic_repeats_are_bitwise_equal():
 def test_errors_name_the_aux_argument():
     cu, q, k, v, do = _batch([3, 4], 2, 1, np.float32)
     torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match=r"score_mod aux argument 0 is a torch Tensor; "
+    with pytest.raises(TypeError, match=r"score_mod aux argument 0 is a torch.Tensor; "
                                         r"varlen.jax takes aux arrays as JAX"):
         vj.varlen_attention(q, k, v, cu, cu, score_mod=ScoreMod(alibi, torch.ones(2)))
     with pytest.raises(TypeError, match="score_mod must be a varlen.ScoreMod or None, got "

@@ -231,15 +231,16 @@ def _compile_counter():
 
 
 def test_compile_fullgraph_new_mods_each_batch_without_recompiling():
-    """Same T and B, new lengths, new MaskMod/ScoreMod objects over new aux values: one
-    compiled graph, and its gradients (aux included) are the eager ones."""
+    """Same T and B, new lengths, new MaskMod/ScoreMod objects over new aux values (a
+    Parameter's, as in a module): one compiled graph, and its gradients (aux included) are the
+    eager ones."""
     counter = _compile_counter()
 
     def step(q, k, v, cu, mask, score_mod):
         return vt.varlen_attention(q, k, v, cu, cu, mask=mask, score_mod=score_mod).square().sum()
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     rng = np.random.default_rng(0)
-    table = torch.zeros(4, 13, requires_grad=True)
+    table = torch.nn.Parameter(torch.zeros(4, 13))
     for lengths in ([5, 3, 12], [2, 9, 9], [20, 0, 0]):
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
         q, k, v = (torch.randn(20, h, 8, requires_grad=True) for h in (4, 2, 2))
@@ -285,7 +286,7 @@ def _small():
 
 @pytest.mark.parametrize("make,err,match", [
     pytest.param(lambda: dict(score_mod=ScoreMod(alibi, np.ones(2, np.float32))), TypeError,
-                 r"score_mod aux argument 0 is a numpy ndarray; varlen.torch takes aux arrays "
+                 r"score_mod aux argument 0 is a numpy.ndarray; varlen.torch takes aux arrays "
                  r"as torch tensors", id="numpy-aux"),
     pytest.param(lambda: dict(mask=MaskMod(prefix_lm, torch.ones(2, dtype=torch.int32,
                                                                  device="meta"))),

@@ -11,8 +11,7 @@ import torch
 
 from ._api import attention_backward, attention_forward
 from ._setup import static_scalars
-from ._validate import (check_metadata_devices, check_specs, check_together, set_validation,
-                        validation_mode)
+from ._validate import check_metadata_devices, check_specs, set_validation, validation_mode
 from .masks import MASK_FIELDS, Mask
 from .mods import MaskMod, ScoreMod, split_mask
 from .mods.text import graph_from_text, graph_text
@@ -323,10 +322,13 @@ def _mod_operands(q, mod, cls, role: str) -> tuple:
     named = [(f"{role} aux argument {i}", a) for i, a in enumerate(mod.aux)]
     for name, a in named:
         if not isinstance(a, torch.Tensor):
-            raise TypeError(f"{name} is a {type(a).__module__.split('.')[0]} "
-                            f"{type(a).__name__}; varlen.torch takes aux arrays as torch "
-                            f"tensors on q's device ({q.device})")
-    check_together([("q", q), *named])
+            raise TypeError(f"{name} is a {type(a).__module__}.{type(a).__name__}; "
+                            f"varlen.torch takes aux arrays as torch tensors on q's device "
+                            f"({q.device})")
+        # (compared here, not by check_together, which dynamo cannot trace for a Parameter)
+        if a.device != q.device:
+            raise ValueError(f"{name} is on {a.device} but q is on {q.device}; aux arrays "
+                             f"must live on q's device")
     for (name, a), (kind, ndim, dtype) in zip(named, mod.graph.aux):
         got = str(a.dtype).removeprefix("torch.")
         if a.dim() != ndim or got != dtype:

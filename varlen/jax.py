@@ -398,9 +398,8 @@ def _mod_operands(q, mod, cls, role: str) -> tuple:
         if isinstance(a, np.ndarray):
             a = jnp.asarray(a)
         elif not isinstance(a, jax.Array):
-            raise TypeError(f"{name} is a {type(a).__module__.split('.')[0]} "
-                            f"{type(a).__name__}; varlen.jax takes aux arrays as JAX (or "
-                            f"NumPy) arrays")
+            raise TypeError(f"{name} is a {type(a).__module__}.{type(a).__name__}; "
+                            f"varlen.jax takes aux arrays as JAX (or NumPy) arrays")
         named.append((name, a))
     check_together([("q", q), *named])
     aux = [a for _, a in named]
