@@ -13,6 +13,7 @@ import varlen.jax as vj  # noqa: E402
 from varlen import MaskMod, ScoreMod  # noqa: E402
 from varlen.reference import attention_dense, attention_dense_backward  # noqa: E402
 
+from adapter_cases import needs_numba_simulator  # noqa: E402
 from helpers import assert_close  # noqa: E402
 from mods_cases import (MASK_IDS, SCORE_IDS, alibi, mask_cases, prefix_lm,  # noqa: E402
                         relative_bias, score_cases)
@@ -195,3 +196,12 @@ def test_errors_name_the_aux_argument():
     with pytest.raises(TypeError, match="score_mod must be a varlen.ScoreMod or None, got "
                                         "MaskMod"):
         vj.varlen_attention(q, k, v, cu, cu, score_mod=MaskMod(prefix_lm, np.ones(2, np.int32)))
+
+
+@needs_numba_simulator
+def test_numba_kernels_behind_the_callback_in_the_simulator():
+    cu, q, k, v, do = _batch([5, 0, 7], 2, 1, np.float32)
+    mask = dict(mask_cases([5, 0, 7]))["prefix-lm"]
+    score_mod = dict(score_cases(2))["relative-bias"]
+    got = _grads(True, q, k, v, cu, do, _jax_mod(mask), _jax_mod(score_mod), backend="numba")
+    _check("numba", got, q, k, v, do, cu, mask, score_mod, "float32")

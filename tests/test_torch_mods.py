@@ -12,6 +12,7 @@ import varlen.torch as vt  # noqa: E402
 from varlen import MaskMod, ScoreMod  # noqa: E402
 from varlen.reference import attention_dense, attention_dense_backward  # noqa: E402
 
+from adapter_cases import needs_numba_simulator  # noqa: E402
 from helpers import assert_close, cases  # noqa: E402
 from mods_cases import (MASK_IDS, SCORE_IDS, alibi, mask_cases, prefix_lm,  # noqa: E402
                         relative_bias, score_cases)
@@ -303,3 +304,17 @@ def test_errors_name_the_aux_argument(make, err, match):
     q, cu = _small()
     with pytest.raises(err, match=match):
         vt.varlen_attention(q, q, q, cu, cu, **make())
+
+
+@needs_numba_simulator
+def test_numba_kernels_behind_the_op_in_the_simulator():
+    """`backend="numba"`: the CUDA kernels (simulated) run the functions and the aux
+    gradients behind the op; with deterministic=True they refuse aux gradients, saying why."""
+    cu, off, q, k, v, do = _batch([5, 0, 7], 2, 1, 0, np.float32)
+    mask = dict(mask_cases([5, 0, 7]))["prefix-lm"]
+    score_mod = dict(score_cases(2))["relative-bias"]
+    got = _run(q, k, v, do, cu, off, mask, score_mod, backend="numba")
+    _check("numba", got, _reference(q, k, v, do, cu, off, mask, score_mod), "float32",
+           _rows(cu, off, q.shape[0]))
+    with pytest.raises(ValueError, match="not bitwise repeatable"):
+        _run(q, k, v, do, cu, off, mask, score_mod, backend="numba", deterministic=True)
