@@ -225,6 +225,35 @@ def test_fake_and_meta_shapes_of_aux_gradients():
                 assert daux.dtype == aux.dtype, device
 
 
+def test_opcheck_with_mods_and_aux_gradients():
+    """Schema, fake and real implementations agree, autograd registration included."""
+    from varlen._torch_ops import _META_NAMES
+    from varlen.mods.text import graph_text
+    lengths = [0, 5, 9]
+    cu, off, q, k, v, do = _batch(lengths, 4, 2, 0, np.float32)
+    mask = _torch_mod(dict(mask_cases(lengths))["prefix-lm"])
+    t5 = _torch_mod(dict(score_cases(4))["t5"], requires_grad=True)
+    meta = dict(cu_seqlens_q=_t(cu), cu_seqlens_k=_t(cu), seq_offsets_q=None,
+                seq_offsets_k=None, window_left=None, window_right=None, bottom_right=None,
+                window_left_int=-1, window_right_int=-1, bottom_right_int=0,
+                softmax_scale=None, softcap=0.0, max_seqlen_q=None, max_seqlen_k=None,
+                backend=None, deterministic=False, plan=0,
+                mask_mod=graph_text(mask.graph), mask_aux=list(mask.aux),
+                score_mod=graph_text(t5.graph), score_aux=list(t5.aux))
+    meta = [meta[name] for name in _META_NAMES]
+    x = [_t(a, True) for a in (q, k, v)]
+    result = torch.library.opcheck(torch.ops.varlen.attention_forward.default, (*x, *meta))
+    assert all(r == "SUCCESS" for r in result.values()), ("forward", result)
+    out, lse = torch.ops.varlen.attention_forward(*x, *meta)
+    # (detached: the backward op has no gradient of its own)
+    meta = [[a.detach() for a in m] if isinstance(m, list) else m for m in meta]
+    args = (_t(do), *(a.detach() for a in x), out.detach(), lse.detach(), *meta, True)
+    result = torch.library.opcheck(torch.ops.varlen.attention_backward.default, args)
+    assert all(r == "SUCCESS" for r in result.values()), ("backward", result)
+    daux = torch.ops.varlen.attention_backward(*args)[3]
+    assert [g.shape for g in daux] == [t5.aux[1].shape], "one gradient, of the float aux"
+
+
 def _compile_counter():
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()

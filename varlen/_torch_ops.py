@@ -255,16 +255,14 @@ def _backward(ctx, dout, _dlse):
     grads = [[None] * x.count if isinstance(x, _Saved) and x.is_list else None
              for x in ctx.meta]
     if aux_grads:
-        daux = iter(daux)           # one per float aux, in order
-        grads[_SCORE_AUX - 3] = [
-            _aux_grad(next(daux), a, w) if a.is_floating_point() else None
-            for a, w in zip(score_aux, wants)]
+        daux = iter(daux)           # one float32 gradient per float aux, in order
+        aux_grad = grads[_SCORE_AUX - 3]
+        for i, (a, wanted) in enumerate(zip(score_aux, wants)):
+            if a.is_floating_point():
+                g = next(daux)
+                aux_grad[i] = g.to(a.dtype) if wanted else None
     # PyTorch leaves trailing arguments that hold their default out of the inputs.
     return (dq, dk, dv, *grads)[:len(needs)]
-
-
-def _aux_grad(g, aux, wanted):
-    return g.to(aux.dtype) if wanted else None
 
 
 def _no_context(ctx, inputs, output):
