@@ -18,8 +18,10 @@ platform when the computation is lowered (`jax.lax.platform_dependent`):
 The adapter holds no attention math and checks nothing itself: the setup step's data-free
 checks run on the (possibly traced) arrays while tracing, its value checks inside the call.
 Metadata (`cu_seqlens`, offsets, per-sequence mask arrays) travels as integer operands of the
-custom VJP and gets `float0` (zero) cotangents; the scalar settings and the plan are a hashable
-static argument. See `docs/frameworks.md`.
+custom VJP and gets `float0` (zero) cotangents; the scalar settings, the plan and the text of a
+MaskMod's or ScoreMod's graph are a hashable static argument, their aux arrays operands (a
+ScoreMod's float ones differentiable). MaskMod and ScoreMod are pytrees. See
+`docs/frameworks.md`.
 
 `context_parallel_attention` runs inside `jax.shard_map`: varlen.comm's ring, all-gather and
 Ulysses methods with `lax.ppermute`, `all_gather`, `psum_scatter` and `all_to_all`, each kernel
