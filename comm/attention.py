@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -44,7 +44,8 @@ from varlen._validate import dtype_name
 from .chunked import Partition
 from .group import Group, GroupAborted
 from .merge import accumulate_dtype, merge_partial
-from .plans import StepPlans, check_step_plans, mask_key, step_plans
+from .plans import (StepPlans, check_step_plans, mask_key, mod_key,
+                    step_plans)
 
 __all__ = ["attention_forward", "attention_backward", "METHODS"]
 
@@ -61,6 +62,9 @@ class _RankCall:
 
     call: Call
     group: Group
+    # Backward with aux gradients: this rank's partial sums (float64, one per float aux
+    # array, None for the others), added to by every kernel call (`backward`).
+    daux: list = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -78,15 +82,59 @@ class _RankCall:
     def acc(self):
         return accumulate_dtype(self.call.q.dtype)
 
+    @property
+    def mods(self) -> dict:
+        """The kernels' `mods=` keyword (none without user functions). Under Ulysses a rank
+        computes query heads `[rank * Hq / cp, (rank + 1) * Hq / cp)`: the score function's
+        `h` is made global by a rewrite of its graph (`Mods.for_heads`)."""
+        c = self.call
+        if not c.mods:
+            return {}
+        if c.method == "ulysses":
+            return {"mods": c.mods.for_heads(self.rank * c.heads_q // self.cp)}
+        return {"mods": c.mods}
+
     def forward(self, plan, q, k, v):
         c = self.call
         return c.backend.forward(plan, q, k, v, softmax_scale=c.softmax_scale,
-                                 softcap=c.softcap)
+                                 softcap=c.softcap, **self.mods)
 
     def backward(self, plan, dout, q, k, v, out, lse):
+        """`(dq, dk, dv)` of one kernel call; with aux gradients, the call's aux gradients
+        are added into `self.daux`."""
         c = self.call
-        return c.backend.backward(plan, dout, q, k, v, out, lse, softmax_scale=c.softmax_scale,
-                                  softcap=c.softcap, deterministic=c.deterministic)
+        grads = c.backend.backward(plan, dout, q, k, v, out, lse, softmax_scale=c.softmax_scale,
+                                   softcap=c.softcap, deterministic=c.deterministic,
+                                   **self.mods)
+        if c.mods.aux_grads:
+            if not self.daux:
+                self.daux.extend(None if g is None else self.xp.zeros(g.shape, np.float64)
+                                 for g in grads[3])
+            for total, g in zip(self.daux, grads[3]):
+                if g is not None:
+                    total += g
+        return grads[:3]
+
+    def aux_grads(self, summed: bool) -> tuple:
+        """The aux gradients, float32 like the single-process API: this rank's partial sums,
+        or (`summed`) the whole call's on every rank, the partial sums added over the group
+        (one all-gather of the flattened sums, added in rank order: the same bits on every
+        rank)."""
+        c, xp = self.call, self.xp
+        shapes = [None if kind != "float" else tuple(a.shape)
+                  for (kind, _, _), a in zip(c.mods.score.graph.aux, c.mods.score.aux)]
+        mine = self.daux or [None if s is None else xp.zeros(s, np.float64) for s in shapes]
+        flat = xp.concatenate([g.reshape(-1) for g in mine if g is not None])
+        total = self.group.allgather(flat).sum(axis=0) if summed else flat
+        out, at = [], 0
+        for s in shapes:
+            if s is None:
+                out.append(None)
+                continue
+            n = math.prod(s)
+            out.append(total[at:at + n].reshape(s).astype(np.float32))
+            at += n
+        return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,7 +165,7 @@ def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
                  **kw)
     pq, pk = call.part
     where = dict(rank=group.rank, method=call.method, backend=call.backend,
-                 blocks=call.blocks(), mask=call.mask)
+                 blocks=call.blocks(), mask=call.mask, mask_mod=call.mods.mask)
     if plan is None:
         return call, step_plans(pq, pk, **where)
     check_step_plans(plan, parts=call.part, validate=call.validate, **where)
@@ -126,13 +174,28 @@ def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
 
 # What every rank must agree on: host-known facts (always compared) ...
 _FACTS = ("method", "validation", "dtypes", "shapes", "query partition sizes",
-          "key partition sizes", "mask", "softmax_scale", "softcap", "backend")
+          "key partition sizes", "mask", "softmax_scale", "softcap", "backend",
+          "mask_mod and score_mod functions", "aux_grads")
 # ... and the values behind them (host reads: compared when validation is on).
-_VALUES = ("query partition", "key partition", "mask values")
+_VALUES = ("query partition", "key partition", "mask values", "mask_mod and score_mod aux "
+           "values")
 
 
 def _sizes(p) -> tuple:
     return (p.scheme, p.cp_size, p.batch, p.num_rows, p.local_rows, p.seq_offsets is not None)
+
+
+def _mods_keys(call: Call, values: bool) -> tuple:
+    """The user functions' digests (and aux shapes), or with `values` their aux values."""
+    keys = []
+    for mod in (call.mods.mask, call.mods.score):
+        if mod is None:
+            keys.append(None)
+        elif values:
+            keys.append(mod_key(mod.with_aux([host_copy(a) for a in mod.aux]))[1:])
+        else:
+            keys.append((mod.digest, *(tuple(a.shape) for a in mod.aux)))
+    return tuple(keys)
 
 
 def _signature(call: Call) -> tuple:
@@ -141,12 +204,13 @@ def _signature(call: Call) -> tuple:
     arrays = (call.q, call.k, call.v) + tuple(call.grads or ())
     facts = (call.method, call.validate, tuple(dtype_name(a.dtype) for a in arrays),
              tuple(tuple(a.shape) for a in arrays), _sizes(pq), _sizes(pk),
-             mask_key(call.mask, pq.batch), call.softmax_scale, call.softcap, call.backend.name)
+             mask_key(call.mask, pq.batch), call.softmax_scale, call.softcap, call.backend.name,
+             _mods_keys(call, values=False), call.mods.aux_grads)
     values = None
     if call.validate:
         values = (pq.fingerprint(), pk.fingerprint(),
                   tuple(digest(f if isinstance(f, int) else host_copy(f), pq.batch)
-                        for f in call.mask.fields()))
+                        for f in call.mask.fields()), _mods_keys(call, values=True))
     return facts, values
 
 
@@ -538,7 +602,7 @@ _BACKWARD = {"ring": _ring_backward_any, "allgather": _allgather_backward,
 # --------------------------------------------------------------------------------------------
 
 def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, softcap=0.0,
-                      method="ring", backend=None, plan=None):
+                      method="ring", backend=None, plan=None, score_mod=None):
     """Context-parallel attention forward on one rank. Returns this rank's `(out, lse)`.
 
     Call it on every rank of `group` with the same partition, mask and method.
@@ -551,8 +615,14 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
             different query and key lengths, a pair `(part_q, part_k)`.
         group: a group of `cp_size` ranks (`varlen.comm.init(...)` or `local_group(n)[r]`).
         mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` with per-sequence
-            fields; positions are global, so the result is the single-process one.
+            fields, or a `varlen.MaskMod` (or `Mask & MaskMod`); positions are global, so the
+            result is the single-process one.
         softmax_scale: default `1/sqrt(D)`. softcap: as in `varlen.attention_forward`.
+        score_mod: a `varlen.ScoreMod`, as in `varlen.attention_forward`.
+            The user functions see single-process coordinates on every rank: `b` the batch's
+            sequence index, `q_idx`/`k_idx` positions in the whole sequence (never the shard),
+            `h` the global query head (under Ulysses too). Their aux arrays are whole (every
+            rank passes the same values), in q's framework and on its device.
         method: `"ring"` (K/V travel the ring, overlapped with compute), `"allgather"` (K/V
             gathered once) or `"ulysses"` (all-to-all over heads; `Hq % cp_size == 0`).
         backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (as in the single-process API).
@@ -576,7 +646,8 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
 
     def prepare():
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
-                             softcap=softcap, method=method, backend=backend)
+                             softcap=softcap, method=method, backend=backend,
+                             score_mod=score_mod)
 
     call, (out, lse) = _run(group, q, prepare,
                             lambda rc, steps: _FORWARD[rc.call.method](rc, steps))
@@ -585,7 +656,7 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
 
 def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
                        softmax_scale=None, softcap=0.0, method="ring", backend=None,
-                       deterministic=False, plan=None):
+                       deterministic=False, plan=None, score_mod=None, aux_grads=False):
     """Gradients of `sum(out * dout)` on one rank. Returns this rank's `(dq, dk, dv)`.
 
     Args:
@@ -593,6 +664,13 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         out, lse: this rank's results of `attention_forward` (the merged, global ones).
         deterministic: bitwise-repeatable accumulation in the kernels.
         plan: the step plans of the forward call (the same `varlen.comm.plan(...)`).
+        aux_grads: also return the gradients of `score_mod`'s float aux arrays: a fourth
+            result, a tuple with one float32 array (the aux's shape) or None per aux array.
+            Each rank's kernels see only its share of the pairs: with True the shares are
+            added over the group, so every rank returns the whole gradient (the
+            single-process one); with `"rank"` each rank returns its share (float32), which
+            add up over the group to the gradient, as a replicated parameter's gradients do
+            (what the PyTorch and JAX adapters hand to autograd).
         The other arguments as in `attention_forward`, with the same values; any method may
         differentiate any other's output.
 
@@ -601,8 +679,22 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
     def prepare():
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
                              softcap=softcap, method=method, backend=backend,
-                             deterministic=deterministic, grads=(dout, out, lse))
+                             deterministic=deterministic, grads=(dout, out, lse),
+                             score_mod=score_mod, aux_grads=bool(aux_grads))
 
-    call, grads = _run(group, q, prepare,
-                       lambda rc, steps: _BACKWARD[rc.call.method](rc, steps))
-    return tuple(call.origin.wrap(g) for g in grads)
+    if aux_grads not in (False, True, "rank"):
+        raise ValueError(f"aux_grads must be True, False or 'rank', got {aux_grads!r}")
+
+    def compute(rc, steps):
+        grads = _BACKWARD[rc.call.method](rc, steps)
+        if rc.call.mods.aux_grads:
+            grads += (rc.aux_grads(summed=aux_grads is True),)
+        return grads
+
+    call, grads = _run(group, q, prepare, compute)
+    dq, dk, dv = (call.origin.wrap(g) for g in grads[:3])
+    if not aux_grads:
+        return dq, dk, dv
+    daux = grads[3] if call.mods.aux_grads else (None,) * (
+        0 if score_mod is None else len(score_mod.aux))
+    return dq, dk, dv, tuple(None if g is None else call.origin.wrap(g) for g in daux)

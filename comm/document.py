@@ -11,12 +11,14 @@ import math
 import threading
 import zlib
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 
-from varlen._array import host_copy
+from varlen._array import host_copy, to_working
 from varlen._setup import working_mask
-from varlen.plan import Segments
+from varlen.mods import FULL, PARTIAL, split_mask
+from varlen.plan import TILE_ROWS, TILE_SEQ, Segments, build_plan, segments_from_cu_seqlens
 
 from .chunked import Partition, _int_arg
 
@@ -63,12 +65,53 @@ def _reach(w, L):
 
 
 def document_work(lengths, mask="causal") -> np.ndarray:
-    """int64 `[B]`: visible query-key pairs (per head) of each document under `mask` (any
-    mask the attention calls take; the work the document scheme balances)."""
+    """int64 `[B]`: the attention work (per head) of each document under `mask` (any mask the
+    attention calls take; the work the document scheme balances).
+
+    A built-in mask's work is its visible query-key pairs, counted exactly. With a
+    `varlen.MaskMod` it is what the kernels will do: the tiles of the mask's tile
+    classification (`Plan.tile_classes`, `varlen.mods.classify`) at `WORK_TILE` (or coarser
+    for long documents), a FULL tile counting all its pairs and a PARTIAL one half of them,
+    an EMPTY one nothing (a chunked or prefix mask makes a long document cheaper than its
+    causal shape says)."""
     L = np.asarray(lengths, np.int64)
-    m = working_mask(mask, L.shape[0], np)
+    base, mask_mod = split_mask(mask)
+    m = working_mask(base, L.shape[0], np)
+    if mask_mod is not None:
+        return _tile_work(L, m, mask_mod)
     left, right, _ = m.fields()
     return _pairs(L, left, right)
+
+
+WORK_TILE = 16          # tile side of the work estimate under a mask_mod
+_WORK_TILES = 256       # ... coarser for long documents: at most this many tiles per side
+
+
+def _tile_work(L, mask, mask_mod):
+    """`document_work` under a mask_mod: a plan of the documents (one segment each) whose tile
+    classes say which tiles run, and how."""
+    B = L.shape[0]
+    if B == 0 or not L.any():
+        return np.zeros(B, np.int64)
+    tile = max(WORK_TILE, -(-int(L.max()) // _WORK_TILES))
+    cu = np.concatenate([[0], np.cumsum(L)]).astype(np.int32)
+    seg = segments_from_cu_seqlens(cu, None, int(cu[-1]))
+    plan = build_plan(seg, seg, mask, block_m=tile, block_n=tile)
+    host = mask_mod.with_aux([np.asarray(host_copy(to_working(a, f"mask_mod aux argument {i}")))
+                              for i, a in enumerate(mask_mod.aux)])
+    plan = replace(plan, mask_mod=host)
+    start, classes = plan.tile_classes("q")
+    tiles, sched = plan.q_tiles, plan.q_sched
+    used = tiles[:, TILE_SEQ] >= 0
+    begin, end = sched[:, 0, 0].astype(np.int64), sched[:, 0, 3].astype(np.int64)
+    count = np.where(used, end - begin, 0)
+    pair = np.repeat(np.arange(tiles.shape[0]), count)           # query tile of each class
+    t = begin[pair] + np.arange(pair.size) - start[pair, 0]      # its key tile
+    b = tiles[pair, TILE_SEQ].astype(np.int64)
+    cols = np.minimum((t + 1) * tile, L[b]) - t * tile
+    area = tiles[pair, TILE_ROWS].astype(np.int64) * cols
+    worth = np.where(classes == FULL, 2, np.where(classes == PARTIAL, 1, 0))
+    return np.bincount(b, weights=area * worth, minlength=B).astype(np.int64) // 2
 
 
 ROW_SLACK = 1.25       # default bound on a document partition's rows per rank, times the mean

@@ -6,18 +6,19 @@ by rank, method, mask and tile size, so forward, backward and every layer of a s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from varlen import backends
-from varlen._array import digest, host_copy
+from varlen._array import array_module, digest, host_copy, to_working
 from varlen._setup import check_context_parallel, working_mask
 from varlen._validate import FLOAT_DTYPES, dtype_name
+from varlen.mods import EMPTY, Mods, ScoreMod, split_mask
 
 from .chunked import Partition, _int_arg
 
-__all__ = ["StepPlans", "plan", "step_plans", "check_step_plans", "mask_key"]
+__all__ = ["StepPlans", "plan", "step_plans", "check_step_plans", "mask_key", "mod_key"]
 
 _STEP_CACHE = 8         # step-plan sets kept per partition (least recently used dropped)
 
@@ -35,11 +36,15 @@ class StepPlans:
         rank, method: the rank and the method (`"ring"`, `"allgather"`, `"ulysses"`).
         backend: name of the backend whose `make_plan` built them; blocks: `(BM, BN)`.
         mask: the working `varlen.Mask` they evaluate; mask_key: its host fingerprint.
+        mask_mod: the call's `varlen.MaskMod` (aux arrays where the plans live) or None;
+            every plan carries it, so its tile classes skip the tiles it hides;
+            mask_mod_key: its fingerprint (`mod_key`).
         plans: one `varlen.Plan` per kernel call. Ring: `plans[i]` is step `i`, this rank's
             query segments against the key segments of rank `(rank - i) % cp`. All-gather:
             one plan against every rank's keys. Ulysses: one plan, all queries against all keys.
-        busy: per plan, False when a host plan's schedule is empty (that step is not launched);
-            always True for device plans, which are never read on the host.
+        busy: per plan, False when a host plan's schedule is empty, or every tile it keeps is
+            EMPTY under the mask_mod (that step is not launched); always True for device
+            plans, which are never read on the host.
     """
 
     parts: tuple
@@ -51,6 +56,8 @@ class StepPlans:
     mask_key: tuple
     plans: tuple
     busy: tuple
+    mask_mod: object = None
+    mask_mod_key: tuple | None = None
 
     def __repr__(self):
         return (f"StepPlans(rank={self.rank}, method={self.method!r}, backend={self.backend!r}, "
@@ -65,10 +72,19 @@ def mask_key(mask, batch: int) -> tuple:
     return tuple(digest(f, batch) for f in mask.fields())
 
 
-def _cacheable(key: tuple) -> bool:
-    """A device mask array is not cached: it may be rewritten in place between calls, and
-    reading it to tell would be a host synchronisation."""
-    return not any(isinstance(f, tuple) and f[0] == "device" for f in key)
+def mod_key(mask_mod) -> tuple | None:
+    """A host fingerprint of a working mask_mod: its graph's digest (the function and its aux
+    dtypes) and a digest of each aux array (values on the host, `("device", shape)` on a
+    device); None without one."""
+    if mask_mod is None:
+        return None
+    return (mask_mod.digest, *(digest(a.reshape(-1), int(a.size)) for a in mask_mod.aux))
+
+
+def _cacheable(key: tuple | None) -> bool:
+    """A device mask array (or mask_mod aux array) is not cached: it may be rewritten in place
+    between calls, and reading it to tell would be a host synchronisation."""
+    return key is None or not any(isinstance(f, tuple) and f[0] == "device" for f in key)
 
 
 def _step_segments(pq, pk, rank, method):
@@ -89,34 +105,43 @@ def _step_segments(pq, pk, rank, method):
 
 
 def _has_work(plan) -> bool:
-    """False when no query tile visits any key tile. Device plans are not read (no host
-    sync): their kernels skip the empty tiles instead."""
+    """False when no query tile visits any key tile, or the mask_mod hides every tile visited
+    (`Plan.tile_classes`). Device plans are not read (no host sync): their kernels skip the
+    empty tiles instead."""
     if not plan.on_host:
         return True
     s = plan.q_sched
-    return bool((s[..., 3] > s[..., 0]).any())
+    if not (s[..., 3] > s[..., 0]).any():
+        return False
+    return plan.mask_mod is None or bool((plan.tile_classes("q")[1] != EMPTY).any())
 
 
-def step_plans(pq, pk, rank, method, backend, blocks, mask) -> StepPlans:
+def step_plans(pq, pk, rank, method, backend, blocks, mask, mask_mod=None) -> StepPlans:
     """`rank`'s step plans over partitions `pq`, `pk` (already where the data lives) for a
-    working `mask`, built by `backend` with tiles `blocks`: from `pq`'s cache, else built
-    and cached (not cached when the mask holds device arrays)."""
-    mkey = mask_key(mask, pq.batch)
-    key = (pk, rank, method, backend.name, tuple(blocks), mkey)
-    if _cacheable(mkey):
+    working `mask` and `mask_mod` (a `varlen.MaskMod` whose aux arrays live there too, or
+    None), built by `backend` with tiles `blocks`: from `pq`'s cache, else built and cached
+    (not cached when the mask or the mask_mod holds device arrays). Positions in the segments
+    are global, and sequence `b` is the batch's sequence `b` on every rank, so the mask_mod
+    sees the single-process coordinates."""
+    mkey, mod = mask_key(mask, pq.batch), mod_key(mask_mod)
+    key = (pk, rank, method, backend.name, tuple(blocks), mkey, mod)
+    cacheable = _cacheable(mkey) and _cacheable(mod)
+    if cacheable:
         with pq._lock:
             hit = pq._steps.get(key)
             if hit is not None:
                 pq._steps.move_to_end(key)
                 return hit
     bm, bn = blocks
-    plans = tuple(backend.make_plan(q, k, mask, block_m=bm, block_n=bn)
-                  for q, k in _step_segments(pq, pk, rank, method))
+    segments = _step_segments(pq, pk, rank, method)
+    plans = tuple(replace(backend.make_plan(q, k, mask, block_m=bm, block_n=bn),
+                          mask_mod=mask_mod) for q, k in segments)
     steps = StepPlans(parts=(pq, pk), rank=rank, method=method, backend=backend.name,
                       blocks=(bm, bn), mask=mask, mask_key=mkey, plans=plans,
                       busy=tuple(_has_work(p) and k.num_rows > 0 for p, (_, k) in
-                                 zip(plans, _step_segments(pq, pk, rank, method))))
-    if _cacheable(mkey):
+                                 zip(plans, segments)),
+                      mask_mod=mask_mod, mask_mod_key=mod)
+    if cacheable:
         with pq._lock:
             pq._steps[key] = steps
             while len(pq._steps) > _STEP_CACHE:
@@ -128,7 +153,8 @@ def _where(p) -> str:
     return "the host" if p.xp is np else "a CUDA device"
 
 
-def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, validate):
+def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, validate,
+                     mask_mod=None):
     """`steps`, passed as `plan=`, must be the plans this call would use (else an error that
     names what differs). Device mask arrays are compared by value only when validating."""
     if not isinstance(steps, StepPlans):
@@ -141,7 +167,8 @@ def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, valid
     differs = [f"{name} ({mine!r} in the plan, {want!r} in the call)" for name, mine, want in (
         ("rank", steps.rank, rank), ("method", steps.method, method),
         ("backend", steps.backend, backend.name), ("blocks", steps.blocks, tuple(blocks)),
-        ("mask", steps.mask_key, mask_key(mask, pq.batch))) if mine != want]
+        ("mask", steps.mask_key, mask_key(mask, pq.batch)),
+        ("mask_mod", steps.mask_mod_key, mod_key(mask_mod))) if mine != want]
     if steps.parts[0] is not pq or steps.parts[1] is not pk:
         differs.insert(0, "partition (another Partition object than the call's part)")
     if not differs and validate and not _cacheable(steps.mask_key):
@@ -149,6 +176,10 @@ def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, valid
                               steps.mask.fields(), mask.fields()):
             if not np.array_equal(host_copy(a), host_copy(b)):
                 differs.append(f"mask (mask.{name} differs)")
+    if not differs and validate and not _cacheable(steps.mask_mod_key):
+        for i, (a, b) in enumerate(zip(steps.mask_mod.aux, mask_mod.aux)):
+            if not np.array_equal(host_copy(a), host_copy(b)):
+                differs.append(f"mask_mod (aux argument {i} differs)")
     if differs:
         raise ValueError(f"plan was built for another call: {'; '.join(differs)}. Build each "
                          f"rank's plans with varlen.comm.plan(part, rank, ...) from this call's "
@@ -156,7 +187,7 @@ def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, valid
 
 
 def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=None,
-         head_dim_v=None, on_device=None) -> StepPlans:
+         head_dim_v=None, on_device=None, score_mod=None, aux_grads=False) -> StepPlans:
     """Build (or fetch from `part`'s cache) rank `rank`'s step plans, to pass as `plan=`.
 
     A training step builds them once per batch and passes them to every layer's
@@ -169,7 +200,10 @@ def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=Non
         dtype: the data's dtype (`"float16"`, `"bfloat16"`, `"float32"`, `"float64"` or a
             NumPy dtype); head_dim: `D` of q and k; head_dim_v: `Dv` (default `D`). With the
             backend they fix the tile sizes.
-        mask, method, backend: as the calls will pass them.
+        mask, method, backend: as the calls will pass them (`mask` may hold a
+            `varlen.MaskMod`: its aux arrays are moved to where the plans live).
+        score_mod, aux_grads: as the calls will pass them; they pick the backend (one that
+            runs them) and are not part of the plans.
         on_device: build device plans (True) or host plans (False); default: where `part`'s
             metadata lives. Device plans are built without a host read.
 
@@ -185,10 +219,28 @@ def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=Non
         raise TypeError(f"dtype={dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
     head_dim = _int_arg("head_dim", head_dim, 1)
     head_dim_v = head_dim if head_dim_v is None else _int_arg("head_dim_v", head_dim_v, 1)
+    base, mask_mod = split_mask(mask)
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a varlen.ScoreMod or None, got "
+                        f"{type(score_mod).__name__}")
+    mask_mod = None if mask_mod is None else mask_mod.with_aux(
+        [_aux_in(a, f"mask_mod aux argument {i}", xp) for i, a in enumerate(mask_mod.aux)])
+    mods = Mods(mask=mask_mod, score=score_mod,
+                aux_grads=bool(aux_grads) and score_mod is not None and
+                any(score_mod.float_aux()))
     chosen = backends.select(backend, backends.Problem(name, head_dim, head_dim_v,
-                                                       xp is not np))
+                                                       xp is not np, mods))
     return step_plans(pq, pk, rank, method, chosen, chosen.default_blocks(name, head_dim),
-                      working_mask(mask, pq.batch, xp))
+                      working_mask(base, pq.batch, xp), mask_mod)
+
+
+def _aux_in(a, name, xp):
+    """An aux array as a contiguous working array of `xp` (copied between host and device
+    when it lives on the other side: plans are metadata)."""
+    w = to_working(a, name)
+    if array_module(w) is not xp:
+        w = host_copy(w) if xp is np else xp.asarray(w)
+    return xp.ascontiguousarray(w)
 
 
 def _plan_module(p, on_device):

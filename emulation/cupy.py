@@ -60,6 +60,7 @@ import numpy as np
 from varlen._array import set_nan_fill
 from varlen.backends.cupy import launch as cupy_launch
 from varlen.backends.cupy import traits
+from varlen.backends.cupy.compile import ENTRY_FILE
 from varlen.kernels_cuda import SOURCE_DIR
 
 # The emulation's own headers (host_emulation*.cuh) and entry points: never part of the product.
@@ -125,30 +126,37 @@ def _compile_command(source, out, flags, source_dir, defines=()):
             f"-I{EMULATION_DIR}", *defines, source, "-o", out]
 
 
-def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None):
+def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None, prelude=""):
     """The library of variant (T, D, BM, BN, BQ, SC): every kernel's entry point, with the
     tiles the launchers pass as template arguments (None: `traits.tile_size`'s): `KN` and
-    `STAGES` of the mma.sync forward, `KN90` of the sm_90a forward."""
+    `STAGES` of the mma.sync forward, `KN90` of the sm_90a forward. `prelude`: what a module's
+    source puts ahead of the kernels (a call's generated mask_mod and score_mod,
+    `varlen.backends.cupy.mods`), included first."""
     race, schedule, seed, strict_banks, source_dir = _mode()
     mma = traits.tile_size("fwd", "mma", "float16", D, BM, BN)
     KN = mma.key_chunk if KN is None else KN
     STAGES = mma.stages if STAGES is None else STAGES
     KN90 = traits.tile_size("fwd", "sm90a", "float16", D, BM, BN).key_chunk if KN90 is None \
         else KN90
-    key = (T, D, BM, BN, BQ, SC, KN, STAGES, KN90, race, source_dir)
+    key = (T, D, BM, BN, BQ, SC, KN, STAGES, KN90, prelude, race, source_dir)
     if key not in _libs:
         if race and not tsan_loaded():
             raise RuntimeError("VARLEN_EMULATION_RACE=1 needs the ThreadSanitizer runtime "
                                f"preloaded: LD_PRELOAD={tsan_runtime()} (or use --race)")
         os.makedirs(BUILD_DIR, exist_ok=True)
         flags = TSAN_FLAGS if race else ()
-        tag = hashlib.sha256(f"{key[:9]}{flags}{_sources_hash(source_dir)}".encode())
+        tag = hashlib.sha256(f"{key[:10]}{flags}{_sources_hash(source_dir)}".encode())
         path = os.path.join(BUILD_DIR, f"varlen_emu_{tag.hexdigest()[:16]}.so")
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
             defines = (f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
                        f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}", f"-DEMU_KN={KN}",
                        f"-DEMU_STAGES={STAGES}", f"-DEMU_KN90={KN90}")
+            if prelude:
+                header = f"{path[:-3]}_prelude.cuh"
+                with open(header, "w") as f:
+                    f.write(prelude)
+                defines += ("-include", header)
             cmd = _compile_command(os.path.join(EMULATION_DIR, "host_emulation_entry.cu"), tmp,
                                    flags, source_dir, defines)
             subprocess.run(cmd, check=True)
@@ -185,8 +193,9 @@ class _Kernel:
 
     MAX_PARAMS = 32
 
-    def __init__(self, name: str, block_m: int, block_n: int = 64):
+    def __init__(self, name: str, block_m: int, block_n: int = 64, prelude: str = ""):
         self.name = name
+        self.prelude = prelude
         self.max_dynamic_shared_size_bytes = 0
         from varlen.backends.cupy.plan import KERNELS as PLAN_KERNELS
         if name in PLAN_KERNELS:
@@ -216,7 +225,7 @@ class _Kernel:
         """The entry point `kind` of the library of variant (T, D, BM, BN, bq, SC) (`tiles`:
         `_build`'s)."""
         name = self.name
-        self.lib = _build(T, D, BM, BN, bq, SC, **tiles)
+        self.lib = _build(T, D, BM, BN, bq, SC, **tiles, prelude=self.prelude)
         self.key = kind.encode()
         sizes = (ctypes.c_size_t * self.MAX_PARAMS)()
         n = self.lib.emu_param_sizes(self.key, sizes)
@@ -373,12 +382,14 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
     class RawModule:
         def __init__(self, code=None, options=(), name_expressions=()):
             self.names = list(name_expressions)
+            self.prelude = module_prelude(code or "")
 
         def get_function(self, name):
             assert name in self.names, f"{name} is not among the name expressions"
-            return _Kernel(name, block_m, block_n)
+            return _Kernel(name, block_m, block_n, self.prelude)
 
     fake.RawModule = RawModule
+    fake.logical_or = np.logical_or                  # varlen._device_errors.record
     fake.cuda = types.SimpleNamespace(Device=_Device, runtime=types.SimpleNamespace(
         getDeviceProperties=lambda device_id: {"name": b"host emulation"}))
     sys.modules["cupy"] = fake
@@ -389,6 +400,13 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
     cupy_launch.address = lambda a: 0 if a is None else a.ctypes.data
     set_nan_fill(True)                               # an unwritten output element shows
     return fake
+
+
+def module_prelude(code: str) -> str:
+    """What a module's source puts ahead of its `#include` of the kernels' entry file (a call's
+    mask_mod and score_mod): "" for the kernels alone."""
+    include = f'#include "{ENTRY_FILE}"'
+    return code[:code.rindex(include)] if include in code else ""
 
 
 def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softcap, block_m,

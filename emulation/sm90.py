@@ -11,7 +11,7 @@ import numpy as np
 
 from varlen.backends.cupy import sm90
 
-from .cupy import LANDING, OPTIN_SMEM, _build, _Kernel, _mode
+from .cupy import LANDING, OPTIN_SMEM, _build, _Kernel, _mode, module_prelude
 
 # The SMs of the stand-in device: few, so that its blocks loop over several work items each.
 EMULATED_SM_COUNT = 3
@@ -52,7 +52,8 @@ class EmulatedRuntime:
 
     def _lib(self, spec):
         args, tiles = self._build_args(spec)
-        lib = _build(*args, **tiles)
+        source = getattr(spec, "source", None)
+        lib = _build(*args, **tiles, prelude=module_prelude(source) if source else "")
         # VARLEN_EMULATION_SCHEDULE picks when TMA copies land and wgmma operands are read
         # (seeded by VARLEN_EMULATION_SEED), with the threads free-running: warpgroup
         # collectives and mbarrier waits cannot run one warp at a time

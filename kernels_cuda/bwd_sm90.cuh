@@ -589,6 +589,8 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
                      const __grid_constant__ sm90::TensorMap map_do,   // dout [Tq, Hq, D]
                      const BwdParams params) {
     using Cfg = BwdSm90Config<D, BN, BQ>;
+    static_assert(!(HAS_MODS && D > 0), "the sm_90a backward runs no mask_mod or score_mod (the backend "
+                  "refuses them: varlen/backends/cupy/__init__.py, Sm90aImplementation)");
     const PlanView& plan = params.plan;
     const int i_tile = blockIdx.x, i_khead = blockIdx.y;
     const TileInfo tile = load_tile(plan.k_tiles, i_tile);

@@ -258,8 +258,9 @@ varlen_fwd(const FwdParams params) {
         }, kv.k_at(stage), 0, w.lane);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            mask_scores<HAS_SOFTCAP>(acc_s[mt], query_rows_mask(pol, b.tile.pos, w, c, mt), call,
-                                     w.lane);
+            mask_scores<HAS_SOFTCAP>(acc_s[mt], query_rows_mask(pol, b.tile, w, c, mt,
+                                                                params.mods, b.i_head),
+                                     call, w.lane);
             softmax[mt].update(acc_s[mt], acc_o[mt]);
         }
     }, [&](const Chunk&, int stage) {

@@ -453,7 +453,7 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
     const PingPong<Cfg> turn{c_wg};
     // the mask of this warp's rows against a key chunk
     const auto rows_mask = [&](const Chunk& c) {
-        return query_rows_mask<Cfg::PACK>(pol, tile.pos, w, c);
+        return query_rows_mask<Cfg::PACK>(pol, tile, w, c, 0, params.mods, i_head);
     };
 
     sm90::mbar_wait(sm.q_full(), ring.q_parity());

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "mods.cuh"
 #include "tile_scheduler.cuh"
 
 namespace varlen {
@@ -60,6 +61,9 @@ __device__ __forceinline__ Band query_band(const SeqPolicy& pol, int j, int q_lo
 // column positions its row sees, computed once per row, and `visible` tests one column. In a
 // tile of packed query heads (fwd_sm90's PACK heads per position) row g + 8 is 8 / PACK
 // positions further (none at PACK = 16).
+// In kernels compiled with the call's mask_mod or score_mod (mods.cuh, HAS_MODS) every tile is
+// partial, rows past the tile see nothing, and the mask carries what the user's functions
+// take besides the positions: the sequence, the query head, the aux arrays.
 template <bool ROWS_ARE_KEYS>
 struct TileMask {
     SeqPolicy pol;
@@ -69,12 +73,20 @@ struct TileMask {
     int cols;         // columns present
     bool partial;     // false: every pair of the tile is visible and nothing is tested
     int half_step = 8;  // positions from row g to row g + 8
+    // HAS_MODS only
+    const ModParams* mods = nullptr;
+    int seq = 0;        // the sequence b
+    int head = 0;       // query head: of the chunk (ROWS_ARE_KEYS), else of the tile's row 0
+    int head_row = 0;   // tile row of row g: with packed heads row r is head + (r & head_mask)
+    int head_mask = 0;  // PACK - 1
 
     __device__ __forceinline__ Band band(int half) const {
         const int pos = row_pos + half_step * half;
         const int col_last = col_pos0 + cols - 1;
-        if constexpr (ROWS_ARE_KEYS) {
+        if constexpr (ROWS_ARE_KEYS || HAS_MODS) {
             if (8 * half >= rows_left) return Band{1, 0};
+        }
+        if constexpr (ROWS_ARE_KEYS) {
             return query_band(pol, pos, col_pos0, col_last);
         } else {
             return key_band(pol, pos, col_pos0, col_last);
@@ -84,30 +96,62 @@ struct TileMask {
     __device__ __forceinline__ bool visible(const Band& m_band, int col) const {
         return !partial || m_band.contains(col_pos0 + col);
     }
+
+    // The pair of row g + 8 half and column col: its query and key positions, its query head.
+    __device__ __forceinline__ int q_idx(int half, int col) const {
+        return ROWS_ARE_KEYS ? col_pos0 + col : row_pos + half_step * half;
+    }
+    __device__ __forceinline__ int k_idx(int half, int col) const {
+        return ROWS_ARE_KEYS ? row_pos + half_step * half : col_pos0 + col;
+    }
+    __device__ __forceinline__ int query_head(int half) const {
+        return ROWS_ARE_KEYS ? head : head + ((head_row + 8 * half) & head_mask);
+    }
+    // Whether the pair the built-in mask shows (`visible`) is shown by the mask_mod too.
+    __device__ __forceinline__ bool user_visible(bool visible, int half, int col) const {
+        return visible && user_mask(*mods, seq, q_idx(half, col), k_idx(half, col));
+    }
+    // The score_mod of a visible pair's score s (natural-log units), and its derivative.
+    __device__ __forceinline__ float user_score(float s, int half, int col) const {
+        return ::varlen::user_score(*mods, s, seq, query_head(half), q_idx(half, col),
+                                    k_idx(half, col));
+    }
+    __device__ __forceinline__ float user_score_grad(float s, int half, int col) const {
+        return ::varlen::user_score_grad(*mods, s, seq, query_head(half), q_idx(half, col),
+                                         k_idx(half, col));
+    }
 };
 
-// Rows are the queries of a tile at position q_pos0 on (forward, dQ), in m16 tile `m_tile` of
-// the warp's rows; `keys` the chunk. With PACK > 1 (a power of two) the tile holds PACK query
-// heads per position: its row r is position q_pos0 + r / PACK. Query rows past the tile need no
-// mask: nothing of them is written.
+// Rows are the queries of query tile `tile` (forward, dQ), in m16 tile `m_tile` of the warp's
+// rows; `keys` the chunk. With PACK > 1 (a power of two) the tile holds PACK query heads per
+// position: its row r is position tile.pos + r / PACK, of query head `head` + r % PACK. Query
+// rows past the tile need no mask (nothing of them is written) except under the user's
+// functions, which see no such row.
 template <int PACK = 1>
-__device__ __forceinline__ TileMask<false> query_rows_mask(const SeqPolicy& pol, int q_pos0,
+__device__ __forceinline__ TileMask<false> query_rows_mask(const SeqPolicy& pol,
+                                                           const TileInfo& tile,
                                                            const WarpSlot& w, const Chunk& keys,
-                                                           int m_tile = 0) {
+                                                           int m_tile, const ModParams& mods,
+                                                           int head) {
     static_assert(PACK >= 1 && PACK <= 16 && (PACK & (PACK - 1)) == 0,
                   "packed rows: a power of two of heads per position, row g + 8 a whole step on");
-    return TileMask<false>{pol, q_pos0 + (w.row0 + WARP_ROWS * m_tile + w.lane / 4) / PACK,
-                           WARP_ROWS, keys.pos, keys.rows, !keys.full, 8 / PACK};
+    const int row = w.row0 + WARP_ROWS * m_tile + w.lane / 4;
+    return TileMask<false>{pol, tile.pos + row / PACK, tile.rows * PACK - row, keys.pos,
+                           keys.rows, !keys.full || HAS_MODS, 8 / PACK, &mods, tile.seq, head,
+                           row, PACK - 1};
 }
 
-// Rows are the keys of a tile of BN rows (dK/dV); `queries` the chunk. A ragged key tile is
-// masked even against a fully visible chunk, so that its missing rows contribute nothing.
+// Rows are the keys of a tile of BN rows (dK/dV); `queries` the chunk, of query head `head`. A
+// ragged key tile is masked even against a fully visible chunk, so that its missing rows
+// contribute nothing.
 template <int BN>
 __device__ __forceinline__ TileMask<true> key_rows_mask(const SeqPolicy& pol, const TileInfo& tile,
-                                                        const WarpSlot& w, const Chunk& queries) {
+                                                        const WarpSlot& w, const Chunk& queries,
+                                                        const ModParams* mods = nullptr,
+                                                        int head = 0) {
     const int row = w.row0 + w.lane / 4;
     return TileMask<true>{pol, tile.pos + row, tile.rows - row, queries.pos, queries.rows,
-                          !queries.full || tile.rows < BN};
+                          !queries.full || tile.rows < BN || HAS_MODS, 8, mods, tile.seq, head};
 }
 
 // Calls f(nb, i, col, visible) for every element this lane holds of a [16, 8 NB] tile under

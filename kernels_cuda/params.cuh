@@ -19,7 +19,30 @@ using uint32_t = unsigned int;
 
 #include "plan_view.cuh"
 
+// What a generated mask_mod / score_mod reads of its aux arrays (varlen/mods/codegen.py's
+// CUDA_PRELUDE defines the same struct under the same guard, for the generated functions, which
+// take it at global scope): base pointers and shapes (at most 4 dimensions each), row-major
+// and contiguous, and the device flag set when an index falls outside its array.
+#ifndef VARLEN_MOD_AUX
+#define VARLEN_MOD_AUX
+#define VARLEN_MAX_AUX 8
+struct ModAux {
+    const void* ptr[VARLEN_MAX_AUX];
+    long long shape[VARLEN_MAX_AUX][4];
+    int* err;                           // device flag: an aux index was out of range
+};
+#endif
+
 namespace varlen {
+
+using ::ModAux;
+
+// The aux arrays of the call's mask_mod and score_mod (each function's own numbering; all
+// zero in a call without them, and never read by a kernel compiled without them: mods.cuh).
+struct ModParams {
+    ModAux mask;
+    ModAux score;
+};
 
 // Where the elements of a [T, H, D] array lie: element (t, h, d) is t * row + h * head + d
 // elements from element (0, 0, 0), the last dim contiguous. The launcher passes a view's own
@@ -50,6 +73,7 @@ struct FwdParams {
     int64_t lse_stride;        // elements from one head of lse to the next
     PlanView plan;
     CallParams call;
+    ModParams mods;
 };
 
 // The backward: varlen_bwd_preprocess, varlen_bwd_dkdv, varlen_bwd_dkdv_sm90 (which reads q,
@@ -79,6 +103,7 @@ struct BwdParams {
     int64_t lse_stride;        // elements from one head of lse to the next
     PlanView plan;
     CallParams call;
+    ModParams mods;
 };
 
 }  // namespace varlen

@@ -33,15 +33,24 @@ __device__ __forceinline__ float score_log2(float qk, float softmax_scale, float
     }
 }
 
-// Every score of a warp's [16, 8 NB] tile in base-2 units (the forward pass), then -inf where
-// the row does not see the key: a select, so whatever a hidden key holds stays out. A NaN or
-// inf dot product (a NaN or inf in q or in that key's k) makes the score NaN, also under a
-// softcap whose tanh would turn an infinite score into a finite one; a row that sees one has a
-// NaN probability, and OnlineSoftmax carries it into the row's sum and output. Mask arithmetic
-// on partial tiles only.
+// Scaled (and soft-capped) score in natural-log units, what a score_mod takes; also the tanh
+// for the softcap gradient.
+template <bool HAS_SOFTCAP>
+__device__ __forceinline__ float score_scaled(float qk, float softmax_scale, float softcap,
+                                              float* tanh_out = nullptr) {
+    if constexpr (HAS_SOFTCAP) {
+        const float th = tanh_accurate(__fdividef(qk * softmax_scale, softcap));
+        if (tanh_out) *tanh_out = th;
+        return softcap * th;
+    } else {
+        return qk * softmax_scale;
+    }
+}
+
+// mask_scores without user functions: scale, then the band on partial tiles only (below).
 template <bool HAS_SOFTCAP, int NB>
-__device__ __forceinline__ void mask_scores(float (&s)[NB][4], const TileMask<false>& mask,
-                                            const CallParams& call, int lane) {
+__device__ __forceinline__ void mask_scores_builtin(float (&s)[NB][4], const TileMask<false>& mask,
+                                                    const CallParams& call, int lane) {
     #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
         #pragma unroll
@@ -54,6 +63,31 @@ __device__ __forceinline__ void mask_scores(float (&s)[NB][4], const TileMask<fa
     for_each_element<NB>(mask, lane, [&](int nb, int i, int, bool visible) {
         if (!visible) s[nb][i] = neg_inf();
     });
+}
+
+// Every score of a warp's [16, 8 NB] tile in base-2 units (the forward pass), then -inf where
+// the row does not see the key: a select, so whatever a hidden key holds stays out. A NaN or
+// inf dot product (a NaN or inf in q or in that key's k) makes the score NaN, also under a
+// softcap whose tanh would turn an infinite score into a finite one; a row that sees one has a
+// NaN probability, and OnlineSoftmax carries it into the row's sum and output. Mask arithmetic
+// on partial tiles only.
+// With the user's functions (HAS_MODS) each pair is tested: the band, then the mask_mod, and
+// a visible pair's score goes through the score_mod before the base-2 scaling (-inf from it
+// hides the pair).
+template <bool HAS_SOFTCAP, int NB>
+__device__ __forceinline__ void mask_scores(float (&s)[NB][4], const TileMask<false>& mask,
+                                            const CallParams& call, int lane) {
+    if constexpr (HAS_MODS) {
+        for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
+            const float qk = s[nb][i];
+            visible = mask.user_visible(visible, i / 2, col);
+            float x = score_scaled<HAS_SOFTCAP>(qk, call.softmax_scale, call.softcap);
+            if (visible) x = mask.user_score(x, i / 2, col);
+            s[nb][i] = visible ? x * LOG2E + zero_or_nan(qk) : neg_inf();
+        });
+    } else {
+        mask_scores_builtin<HAS_SOFTCAP>(s, mask, call, lane);
+    }
 }
 
 // Running row statistics of one lane's two rows (g and g + 8): max m in base-2 units and the
@@ -143,24 +177,51 @@ __device__ __forceinline__ void load_row_stats(float& row_lse2, float& row_delta
 // dK += dS^T Q and dQ += dS K in the dK/dV kernel) make both sides of the pair NaN in every
 // column. The checks ride on values in registers, without a
 // compare: see zero_or_nan and clamp_finite.
+// With the user's functions (HAS_MODS) the pair is tested as mask_scores tests it, P comes from
+// the score_mod of a visible pair's score, and dS is multiplied by its derivative (before the
+// softcap's chain factor, which the product commutes with). A pair the score_mod sends to -inf
+// is hidden here: P = dS = 0 whatever its operands hold (a row it leaves without a key has
+// lse -inf, which the preprocessing turns into a NaN delta).
 template <bool HAS_SOFTCAP, int NB, typename Mask, typename Stats>
 __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[NB][4],
                                                  const Mask& mask, const Stats& stats,
                                                  const CallParams& call, int lane) {
-    for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
-        float th = 0.f;
-        float x = score_log2<HAS_SOFTCAP>(s[nb][i], call.softmax_scale, call.softcap, &th);
-        float t = dp[nb][i] - stats.delta(i / 2, col);
-        if (HAS_SOFTCAP) t *= 1.f - th * th;
-        // NaN for a pair with a NaN or inf operand: q or k (the dot product, before the
-        // softcap's tanh), dO or v (dP), O or lse (delta)
-        x += zero_or_nan(s[nb][i] + t);
-        if (!visible) x = neg_inf();
-        const float p = exp2f(x - stats.lse2(i / 2, col));
-        s[nb][i] = p;
-        // a hidden pair's 0 * t stays 0 whatever its operands hold
-        dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
-    });
+    if constexpr (HAS_MODS) {
+        for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
+            const float qk = s[nb][i];
+            float th = 0.f;
+            float x = score_scaled<HAS_SOFTCAP>(qk, call.softmax_scale, call.softcap, &th);
+            float t = dp[nb][i] - stats.delta(i / 2, col);
+            if (HAS_SOFTCAP) t *= 1.f - th * th;
+            // NaN for a pair with a NaN or inf operand, as below (before the score_mod's factor)
+            const float nan_check = zero_or_nan(qk + t);
+            visible = mask.user_visible(visible, i / 2, col);
+            if (visible) {
+                t *= mask.user_score_grad(x, i / 2, col);
+                x = mask.user_score(x, i / 2, col);
+                visible = x != neg_inf();
+            }
+            x = visible ? x * LOG2E + nan_check : neg_inf();
+            const float p = exp2f(x - stats.lse2(i / 2, col));
+            s[nb][i] = p;
+            dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
+        });
+    } else {
+        for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
+            float th = 0.f;
+            float x = score_log2<HAS_SOFTCAP>(s[nb][i], call.softmax_scale, call.softcap, &th);
+            float t = dp[nb][i] - stats.delta(i / 2, col);
+            if (HAS_SOFTCAP) t *= 1.f - th * th;
+            // NaN for a pair with a NaN or inf operand: q or k (the dot product, before the
+            // softcap's tanh), dO or v (dP), O or lse (delta)
+            x += zero_or_nan(s[nb][i] + t);
+            if (!visible) x = neg_inf();
+            const float p = exp2f(x - stats.lse2(i / 2, col));
+            s[nb][i] = p;
+            // a hidden pair's 0 * t stays 0 whatever its operands hold
+            dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
+        });
+    }
 }
 
 // P and dS of this warp's rows of one tile pair in the backward pass: S = X Y^T and

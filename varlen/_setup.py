@@ -321,9 +321,6 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
         call = replace(call, part=check_context_parallel(part, method, xp, group_size=group_size,
                                                          rows=(call.rows_q, call.rows_k),
                                                          heads_q=call.heads_q))
-        if mods:
-            raise NotImplementedError(f"context parallelism does not run a {mods.describe()} "
-                                      f"yet")
         return replace(call, mask=working_mask(base, part[0].batch, xp), plan=plan)
     lay = _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
                   max_seqlen_k)

@@ -435,10 +435,14 @@ def _cp_group(group):
 class _ContextParallelAttention(torch.autograd.Function):
     """Forward: `varlen.comm.attention_forward` on this rank; backward: the method's backward
     (for the ring, K/V and the dK/dV accumulators travel the ring again) with the same step
-    plans, which the partition caches per rank, mask, method and tiles."""
+    plans, which the partition caches per rank, mask, method and tiles.
+
+    `aux` are the score_mod's aux tensors, inputs of the function so that autograd hands
+    their gradients to those that require them: this rank's share (`aux_grads="rank"`),
+    which the training step sums over the group with the other parameter gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, part, group, kw, deterministic):
+    def forward(ctx, q, k, v, part, group, kw, deterministic, *aux):
         import varlen.comm as vc
         out, lse = vc.attention_forward(q, k, v, part, group, **kw)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -452,16 +456,22 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         import varlen.comm as vc
         q, k, v, out, lse = ctx.saved_tensors
+        want = ctx.needs_input_grad[7:]
+        kw = dict(ctx.kw, aux_grads="rank") if any(want) else ctx.kw
         with set_validation(ctx.validation):
-            dq, dk, dv = vc.attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.part,
-                                               ctx.group, **ctx.kw)
-        return dq, dk, dv, None, None, None, None
+            dq, dk, dv, *daux = vc.attention_backward(dout.contiguous(), q, k, v, out, lse,
+                                                      ctx.part, ctx.group, **kw)
+        daux = daux[0] if daux else (None,) * len(want)
+        aux = ctx.kw["score_mod"].aux if any(want) else ()
+        daux = tuple(None if g is None or not w else g.to(a.dtype)
+                     for g, w, a in zip(daux, want, aux or (None,) * len(want)))
+        return (dq, dk, dv, None, None, None, None) + daux
 
 
 @torch.compiler.disable
 def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
-                               return_lse=False):
+                               return_lse=False, score_mod=None):
     """Context-parallel attention on this rank, differentiable in its q, k and v shards.
 
     Call it on every rank of the group with the same partition, mask and method; each rank
@@ -482,8 +492,15 @@ def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softma
             `torch.distributed.ProcessGroup`, or None for torch.distributed's default group
             (gloo on CPUs, NCCL on GPUs); its size must be `part.cp_size`.
         mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` (per-sequence
-            fields as ints or `[B]` arrays); positions are global.
+            fields as ints or `[B]` arrays), or a `varlen.MaskMod` (or `Mask & MaskMod`)
+            whose aux tensors are on q's device; positions are global.
         softmax_scale: default `1/sqrt(D)`. softcap: as in `varlen_attention`.
+        score_mod: a `varlen.ScoreMod`, its aux tensors on q's device. The functions see
+            single-process coordinates: `b` the batch's sequence, `q_idx`/`k_idx` positions in
+            the whole sequence, `h` the global query head (under Ulysses too). A float aux
+            tensor that requires grad gets this rank's share of its gradient (the pairs its
+            kernels computed), in its dtype: sum it over the group (`all_reduce`) with the
+            other parameter gradients, as for any parameter every rank holds.
         method: `"ring"`, `"allgather"` or `"ulysses"` (`Hq % cp_size == 0`).
         deterministic: bitwise-repeatable backward.
         return_lse: return `(out, lse)` instead of `out`.
@@ -505,7 +522,9 @@ def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softma
     if _under_func_transform(q, k, v):
         raise NotImplementedError(_NO_FUNC_TRANSFORMS)
     q, k, v = _autocast(q, k, v)
-    kw = dict(mask=mask, softmax_scale=softmax_scale, softcap=softcap, method=method)
+    kw = dict(mask=mask, softmax_scale=softmax_scale, softcap=softcap, method=method,
+              score_mod=score_mod)
+    aux = () if score_mod is None else tuple(score_mod.aux)
     out, lse = _ContextParallelAttention.apply(q, k, v, part, _cp_group(group), kw,
-                                               bool(deterministic))
+                                               bool(deterministic), *aux)
     return (out, lse) if return_lse else out

@@ -45,7 +45,7 @@ from ._setup import static_scalars
 from ._validate import (as_index_array, as_policy_array, check_qkv, check_specs,
                         check_together, scale_and_softcap)
 from .masks import MASK_FIELDS, Mask, as_mask
-from .mods import MaskMod, ScoreMod, split_mask
+from .mods import MaskMod, Mods, ScoreMod, split_mask
 from .mods.graph import _dtype_name
 from .mods.text import graph_from_text, graph_text
 from .plan import Plan
@@ -227,7 +227,7 @@ def _backward(static: _Static, dout, q, k, v, out, lse, meta, mask_aux=(), score
     """`(dq, dk, dv)`, and with `aux_grads` a fourth result: float32 gradients of the float
     arrays among `score_aux`, in order."""
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    floats = [i for i, a in enumerate(score_aux) if _is_float(a)] if aux_grads else []
+    floats = [i for i, a in enumerate(score_aux) if _floating(a)] if aux_grads else []
     shapes += tuple(jax.ShapeDtypeStruct(score_aux[i].shape, jnp.float32) for i in floats)
 
     def fn(dout, q, k, v, out, lse, meta, mask_aux, score_aux):
@@ -244,7 +244,7 @@ def _backward(static: _Static, dout, q, k, v, out, lse, meta, mask_aux=(), score
     return (dq, dk, dv, tuple(daux)) if aux_grads else (dq, dk, dv)
 
 
-def _is_float(x) -> bool:
+def _floating(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
@@ -261,7 +261,7 @@ def _attention(static, q, k, v, meta, mask_aux, score_aux):
 
 def _attention_fwd(static, *primals):
     # symbolic_zeros: every leaf comes as a CustomVJPPrimal (its value, whether it is perturbed)
-    wanted = any(p.perturbed and _is_float(p.value) for p in jax.tree.leaves(
+    wanted = any(p.perturbed and _floating(p.value) for p in jax.tree.leaves(
         primals[-1], is_leaf=lambda x: isinstance(x, CustomVJPPrimal)))
     q, k, v, meta, mask_aux, score_aux = jax.tree.map(
         lambda p: p.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
@@ -276,7 +276,7 @@ def _float0_like(x):
 def _zero_cotangent(x):
     """The cotangent of an input that gets no gradient: float0 for integers and bools, zeros
     for floats."""
-    return jnp.zeros(x.shape, x.dtype) if _is_float(x) else _float0_like(x)
+    return jnp.zeros(x.shape, x.dtype) if _floating(x) else _float0_like(x)
 
 
 def _vary(x, axes):
@@ -313,7 +313,7 @@ def _attention_bwd(static, residuals, cotangents):
     # aux arrays get float0 cotangents, as JAX wants for them.
     daux = iter(daux[0] if daux else ())
     score_cot = tuple(_vary(next(daux).astype(a.dtype), _varying_axes(a))
-                      if wanted and _is_float(a) else _zero_cotangent(a) for a in score_aux)
+                      if wanted and _floating(a) else _zero_cotangent(a) for a in score_aux)
     return (dq, dk, dv, jax.tree.map(_float0_like, meta),
             tuple(map(_zero_cotangent, mask_aux)), score_cot)
 
@@ -524,44 +524,85 @@ class _CPStatic:
     softcap: float
     deterministic: bool
     routes: tuple = ()          # ring over a document partition: a `_Route` per step
+    score_mod: object = None    # a varlen.ScoreMod (its aux arrays travel as operands)
+    has_mods: bool = False      # a mask_mod (in the step plans) or a score_mod
+
+
+class _Aux:
+    """The score_mod's aux arrays in one forward or backward trace (operands of every kernel
+    call), and in a backward the sum of the kernel calls' aux gradients on this rank
+    (`want`: which aux arrays get one, the float ones)."""
+
+    def __init__(self, values=(), want=None):
+        self.values = tuple(values)
+        self.want = tuple(want) if want is not None else (False,) * len(self.values)
+        self.grads = None
+
+    def add(self, grads):
+        self.grads = list(grads) if self.grads is None else [
+            a + b for a, b in zip(self.grads, grads)]
 
 
 def _acc(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _kernel(static: _CPStatic, index: int, backward: bool, *args):
+def _kernel(static: _CPStatic, ax: _Aux, index: int, backward: bool, *args):
     """Kernel call `index` of this rank's step plans (`args[-1]`: the rank, int32) on the host:
     forward `(out, lse)` of `(q, k, v)`, backward `(dq, dk, dv)` of `(dout, q, k, v, out,
-    lse)`. The rank is traced, so the callback selects its plan; a step with nothing visible
-    returns zeros (lse -inf) without a kernel call."""
+    lse)`; the score_mod's aux arrays are further operands, and a backward adds their
+    gradients into `ax`. The rank is traced, so the callback selects its plan; a step with
+    nothing visible returns zeros (lse -inf) without a kernel call."""
+    *args, rank = args
+    grad_shapes = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32)
+                        for a, w in zip(ax.values, ax.want) if w) if backward else ()
     if backward:
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[1:4])
     else:
-        q, _, v, _ = args
+        q, _, v = args
         shapes = (jax.ShapeDtypeStruct(q.shape[:2] + v.shape[2:], q.dtype),
                   jax.ShapeDtypeStruct(q.shape[1::-1], _acc(q.dtype)))
+    every = shapes + grad_shapes
+    n = len(args)
 
     def fn(*arrays):
-        *arrays, rank = arrays
-        steps = static.steps[int(rank)]
+        arrays, aux, rank = list(arrays[:n]), arrays[n:-1], int(arrays[-1])
+        steps = static.steps[rank]
         if not steps.busy[index]:
-            return tuple(np.full(s.shape, -np.inf if i and not backward else 0, s.dtype)
-                         for i, s in enumerate(shapes))
+            return tuple(np.full(s.shape, -np.inf if i == 1 and not backward else 0, s.dtype)
+                         for i, s in enumerate(every))
         plan = steps.plans[index]
         # A compact ring buffer has the step's largest size on every rank; this rank's plan
         # reads its first rows (a no-op for the other layouts).
         i_k = 2 if backward else 1
         arrays[i_k:i_k + 2] = (a[:plan.k.num_rows] for a in arrays[i_k:i_k + 2])
         kw = dict(softmax_scale=static.softmax_scale, softcap=static.softcap)
+        if static.has_mods:
+            kw["mods"] = _kernel_mods(static, steps, arrays[i_k - 1], aux, rank,
+                                      bool(grad_shapes))
         if backward:
             results = static.backend.backward(plan, *arrays, **kw,
                                               deterministic=static.deterministic)
+            if grad_shapes:
+                results = results[:3] + tuple(g for g in results[3] if g is not None)
         else:
             results = static.backend.forward(plan, *arrays, **kw)
-        return tuple(_rows_to(np.asarray(r, s.dtype), s) for r, s in zip(results, shapes))
-    results = _host_call(fn, shapes)(*args)
-    return tuple(_vary(r, {static.axis_name}) for r in results)
+        return tuple(_rows_to(np.asarray(r, s.dtype), s) for r, s in zip(results, every))
+    results = _host_call(fn, every)(*args, *ax.values, rank)
+    results = tuple(_vary(r, {static.axis_name}) for r in results)
+    if grad_shapes:
+        ax.add(results[3:])
+    return results[:3] if backward else results
+
+
+def _kernel_mods(static, steps, q, aux, rank, aux_grads) -> Mods:
+    """The kernel's `mods=`: the step plans' mask_mod, the score_mod over this call's aux
+    values, and under Ulysses the global number of this rank's first query head (it computes
+    heads `[rank * h, (rank + 1) * h)` of q's `h` local ones)."""
+    score = None if static.score_mod is None else static.score_mod.with_aux(
+        [np.ascontiguousarray(a) for a in aux])
+    first = rank * q.shape[1] if static.method == "ulysses" else 0
+    return Mods(mask=steps.mask_mod, score=score, aux_grads=aux_grads).for_heads(first)
 
 
 def _rows_to(x, shape):
@@ -595,10 +636,10 @@ def _hop(static, *xs):
     return tuple(jax.lax.ppermute(x, static.axis_name, perm) for x in xs)
 
 
-def _ring_forward(static, q, k, v):
+def _ring_forward(static, ax, q, k, v):
     out = lse = None
     for step in range(static.cp):             # K/V of rank (rank - step) % cp
-        o, l = _kernel(static, step, False, q, k, v, _rank(static))
+        o, l = _kernel(static, ax, step, False, q, k, v, _rank(static))
         o = o.astype(_acc(q.dtype))
         out, lse = (o, l) if out is None else _merge(out, lse, o, l)
         if step + 1 < static.cp:
@@ -606,7 +647,7 @@ def _ring_forward(static, q, k, v):
     return out.astype(q.dtype), lse
 
 
-def _ring_backward(static, dout, q, k, v, out, lse):
+def _ring_backward(static, ax, dout, q, k, v, out, lse):
     # dQ accumulates here; the dK/dV accumulators travel one hop behind K/V and reach their
     # owners with the hop after the last step.
     acc = _acc(q.dtype)
@@ -614,7 +655,8 @@ def _ring_backward(static, dout, q, k, v, out, lse):
     dk = jnp.zeros(k.shape, acc)
     dv = jnp.zeros(v.shape, acc)
     for step in range(static.cp):
-        dq_s, dk_s, dv_s = _kernel(static, step, True, dout, q, k, v, out, lse, _rank(static))
+        dq_s, dk_s, dv_s = _kernel(static, ax, step, True, dout, q, k, v, out, lse,
+                                   _rank(static))
         dq, dk, dv = dq + dq_s.astype(acc), dk + dk_s.astype(acc), dv + dv_s.astype(acc)
         if static.cp > 1:
             dk, dv = _hop(static, dk, dv)
@@ -659,28 +701,28 @@ def _doc_send(static, step, *xs):
                                   static.axis_name, pairs) for x in xs)
 
 
-def _doc_ring_forward(static, q, k, v):
+def _doc_ring_forward(static, ax, q, k, v):
     acc = _acc(q.dtype)
-    out, lse = _kernel(static, 0, False, q, k, v, _rank(static))
+    out, lse = _kernel(static, ax, 0, False, q, k, v, _rank(static))
     out = out.astype(acc)
     for step in range(1, static.cp):
         if static.routes[step].pairs:
-            o, l = _kernel(static, step, False, q, *_doc_send(static, step, k, v),
+            o, l = _kernel(static, ax, step, False, q, *_doc_send(static, step, k, v),
                            _rank(static))
             out, lse = _merge(out, lse, o.astype(acc), l)
     return out, lse
 
 
-def _doc_ring_backward(static, dout, q, k, v, out, lse):
+def _doc_ring_backward(static, ax, dout, q, k, v, out, lse):
     acc = _acc(q.dtype)
-    dq, dk, dv = (g.astype(acc) for g in _kernel(static, 0, True, dout, q, k, v, out, lse,
+    dq, dk, dv = (g.astype(acc) for g in _kernel(static, ax, 0, True, dout, q, k, v, out, lse,
                                                  _rank(static)))
     for step in range(1, static.cp):
         pairs = static.routes[step].pairs
         if not pairs:
             continue
         k_in, v_in = _doc_send(static, step, k, v)
-        dq_s, dk_s, dv_s = _kernel(static, step, True, dout, q, k_in, v_in, out, lse,
+        dq_s, dk_s, dv_s = _kernel(static, ax, step, True, dout, q, k_in, v_in, out, lse,
                                    _rank(static))
         dq = dq + dq_s.astype(acc)
         back = [(b, a) for a, b in pairs]            # the reverse route, to the rows' owner
@@ -695,12 +737,13 @@ def _gather(static, x):
     return jax.lax.all_gather(x, static.axis_name, tiled=True)
 
 
-def _allgather_forward(static, q, k, v):
-    return _kernel(static, 0, False, q, _gather(static, k), _gather(static, v), _rank(static))
+def _allgather_forward(static, ax, q, k, v):
+    return _kernel(static, ax, 0, False, q, _gather(static, k), _gather(static, v),
+                   _rank(static))
 
 
-def _allgather_backward(static, dout, q, k, v, out, lse):
-    dq, dk, dv = _kernel(static, 0, True, dout, q, _gather(static, k), _gather(static, v),
+def _allgather_backward(static, ax, dout, q, k, v, out, lse):
+    dq, dk, dv = _kernel(static, ax, 0, True, dout, q, _gather(static, k), _gather(static, v),
                          out, lse, _rank(static))
     acc = _acc(q.dtype)
     dk, dv = (jax.lax.psum_scatter(g.astype(acc), static.axis_name, tiled=True)
@@ -733,16 +776,16 @@ def _ulysses_inputs(static, q, k, v):
     return tuple(_to_heads(static, x) for x in (q, k, v)) + (f,)
 
 
-def _ulysses_forward(static, q, k, v):
+def _ulysses_forward(static, ax, q, k, v):
     q, k, v, _ = _ulysses_inputs(static, q, k, v)
-    out, lse = _kernel(static, 0, False, q, k, v, _rank(static))
+    out, lse = _kernel(static, ax, 0, False, q, k, v, _rank(static))
     return _to_sequence(static, out), _to_sequence(static, lse, axis=0)
 
 
-def _ulysses_backward(static, dout, q, k, v, out, lse):
+def _ulysses_backward(static, ax, dout, q, k, v, out, lse):
     T, Hk = k.shape[:2]
     qh, kh, vh, f = _ulysses_inputs(static, q, k, v)
-    grads = _kernel(static, 0, True, _to_heads(static, dout), qh, kh, vh,
+    grads = _kernel(static, ax, 0, True, _to_heads(static, dout), qh, kh, vh,
                     _to_heads(static, out), _to_heads(static, lse, axis=0), _rank(static))
     dq, dk, dv = (_to_sequence(static, g.astype(_acc(q.dtype))) for g in grads)
     return dq, dk.reshape(T, Hk, f, -1).sum(axis=2), dv.reshape(T, Hk, f, -1).sum(axis=2)
@@ -754,28 +797,52 @@ _CP_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward,
                 "ulysses": _ulysses_backward}
 
 
-def _cp_forward(static, q, k, v):
+def _cp_forward(static, q, k, v, aux):
     forward = _doc_ring_forward if static.routes else _CP_FORWARD[static.method]
-    out, lse = forward(static, q, k, v)
+    out, lse = forward(static, _Aux(aux), q, k, v)
     return out.astype(q.dtype), lse
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cp_attention(static, q, k, v):
-    return _cp_forward(static, q, k, v)
+def _cp_attention(static, q, k, v, aux):
+    return _cp_forward(static, q, k, v, aux)
 
 
-def _cp_attention_fwd(static, q, k, v):
-    out, lse = _cp_forward(static, q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+def _cp_attention_fwd(static, q, k, v, aux):
+    out, lse = _cp_forward(static, q, k, v, aux)
+    return (out, lse), (q, k, v, out, lse, aux)
+
+
+def _is_float(x) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def _aux_cotangents(static, aux, ax: _Aux) -> tuple:
+    """Each aux array's cotangent: this rank's share of its gradient where the aux varies
+    over the mesh axis, the shares summed over the axis (`psum`) where it is replicated (as
+    JAX's transpose of a replicated value does); float0 zeros for int and bool aux."""
+    grads = iter(ax.grads or ())
+    out = []
+    for a, want in zip(aux, ax.want):
+        if not want:
+            out.append(_float0_like(a))
+            continue
+        g = next(grads).astype(a.dtype)
+        axes = _varying_axes(a)
+        if static.axis_name not in axes:
+            g = jax.lax.psum(g, static.axis_name)
+        out.append(_vary(g, axes))
+    return tuple(out)
 
 
 def _cp_attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse, aux = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
     backward = _doc_ring_backward if static.routes else _CP_BACKWARD[static.method]
-    grads = backward(static, dout, q, k, v, out, lse)
-    return tuple(_vary(g.astype(x.dtype), _varying_axes(x)) for g, x in zip(grads, (q, k, v)))
+    ax = _Aux(aux, want=tuple(_is_float(a) for a in aux))
+    grads = backward(static, ax, dout, q, k, v, out, lse)
+    grads = tuple(_vary(g.astype(x.dtype), _varying_axes(x)) for g, x in zip(grads, (q, k, v)))
+    return grads + (_aux_cotangents(static, aux, ax),)
 
 
 _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
@@ -783,7 +850,7 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 
 def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
-                               return_lse=False):
+                               return_lse=False, score_mod=None):
     """Context-parallel attention inside `jax.shard_map`, differentiable in this device's shards.
 
     Call it in a function mapped by `jax.shard_map` over mesh axis `axis_name` of size
@@ -805,8 +872,16 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
             (zigzag, contiguous or document), a static argument.
         axis_name: the shard_map mesh axis of size `part.cp_size`.
         mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` whose
-            per-sequence fields are ints or host `[B]` arrays (not traced); positions are global.
+            per-sequence fields are ints or host `[B]` arrays (not traced), or a
+            `varlen.MaskMod` (or `Mask & MaskMod`) whose aux arrays are host values (the plans
+            classify their tiles on the host); positions are global.
         softmax_scale: default `1/sqrt(D)`. softcap: as in `varlen_attention`.
+        score_mod: a `varlen.ScoreMod`; its aux arrays may be traced (they are operands of
+            every kernel call) and its float ones are differentiable: a replicated aux (e.g.
+            `P()` or closed over) gets the whole gradient (its shares `psum`med over
+            `axis_name`), one that varies over the axis its rank's share. The functions see
+            single-process coordinates: `b` the batch's sequence, `q_idx`/`k_idx` positions in
+            the whole sequence, `h` the global query head (under Ulysses too).
         method: `"ring"` (K/V travel the ring with `lax.ppermute`, partial results merge
             through their LSE; dK/dV travel one hop behind and reach their owners last; on a
             document partition only the rows of split documents travel, between the ranks
@@ -830,6 +905,7 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     ranks share a document has no collective and no kernel call.
     """
     import varlen.comm as vc
+
     from . import backends
 
     if method not in vc.METHODS:
@@ -842,12 +918,20 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be a JAX array, got {type(x).__name__}")
     check_qkv(q, k, v)                  # ranks, heads, head dims, dtypes: data-free
-    mask = as_mask(mask)
-    if any(isinstance(f, jax.core.Tracer) for f in mask.fields()):
-        raise TypeError("mask arrays must be host values (the step plans are built on the "
-                        "host), got a traced array")
-    mask = Mask(*(f if isinstance(f, (int, np.integer)) else np.asarray(f)
-                  for f in mask.fields()))
+    base, mask_mod = split_mask(mask)
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a varlen.ScoreMod or None, got "
+                        f"{type(score_mod).__name__}")
+    if any(isinstance(f, jax.core.Tracer) for f in base.fields()) or mask_mod is not None and \
+            any(isinstance(a, jax.core.Tracer) for a in mask_mod.aux):
+        raise TypeError("mask arrays (and a mask_mod's aux arrays) must be host values (the "
+                        "step plans are built on the host), got a traced array")
+    base = Mask(*(f if isinstance(f, (int, np.integer)) else np.asarray(f)
+                  for f in base.fields()))
+    if mask_mod is not None:
+        mask_mod = mask_mod.with_aux([np.asarray(a) for a in mask_mod.aux])
+        mask_mod.base = base
+    mask = base if mask_mod is None else mask_mod
     # the mesh first: shards of a mesh of another size have other row counts
     size = jax.lax.axis_size(axis_name)
     if size != part.cp_size:
@@ -863,12 +947,17 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
                          f"cp_size={part.cp_size}")
     dtype = np.dtype(q.dtype).name
     D, Dv = int(q.shape[2]), int(v.shape[2])
+    aux = () if score_mod is None else tuple(jnp.asarray(a) for a in score_mod.aux)
     steps = tuple(vc.plan(part, r, dtype=dtype, head_dim=D, head_dim_v=Dv, mask=mask,
-                          method=method, on_device=False) for r in range(part.cp_size))
+                          method=method, on_device=False, score_mod=score_mod,
+                          aux_grads=any(map(_is_float, aux)))
+                  for r in range(part.cp_size))
     scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
     routes = _routes(part) if method == "ring" and part.scheme == "document" else ()
     static = _CPStatic(axis_name, part.cp_size, method, steps, backends.get(steps[0].backend),
-                       scale, softcap, bool(deterministic), routes)
-    out, lse = _cp_attention(static, q, k, v)
+                       scale, softcap, bool(deterministic), routes,
+                       None if score_mod is None else score_mod.with_aux(()),
+                       has_mods=mask_mod is not None or score_mod is not None)
+    out, lse = _cp_attention(static, q, k, v, aux)
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out

@@ -15,6 +15,12 @@
 
 #include "varlen_attention.cu"
 
+#if defined(VARLEN_MASK_MOD) || defined(VARLEN_SCORE_MOD)
+#define VARLEN_HAS_MODS_BUILD 1
+#else
+#define VARLEN_HAS_MODS_BUILD 0
+#endif
+
 namespace {
 
 using T = EMU_T;
@@ -119,7 +125,8 @@ const Kernel SM90_KERNELS[] = {
     VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack2", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 2>),
     VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack4", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 4>),
     VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack8", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 8>),
-#if (EMU_D <= 128 && EMU_BN <= 128) || (EMU_D == 256 && EMU_BN == 64)
+// (not in a build with a call's mask_mod or score_mod: the sm_90a backward runs neither)
+#if ((EMU_D <= 128 && EMU_BN <= 128) || (EMU_D == 256 && EMU_BN == 64)) && !VARLEN_HAS_MODS_BUILD
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90", varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, false>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90_ordered",
                       varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, true>),

@@ -287,7 +287,7 @@ def test_aux_index_out_of_range_is_a_device_error():
         if not bad:
             varlen.check_device_errors()
             continue
-        with pytest.raises(ValueError, match="score_mod reads one of its aux arrays at an "
+        with pytest.raises(IndexError, match="score_mod reads one of its aux arrays at an "
                                              "index out of range"):
             varlen.check_device_errors()
         varlen.check_device_errors()

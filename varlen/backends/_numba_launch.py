@@ -169,9 +169,9 @@ class Context:
             if flag.copy_to_host()[0] != 0:
                 raise host_error(message)
         elif self.kind == "cupy":
-            record(self.cp, flag[0] != 0, message)
+            record(self.cp, flag[0] != 0, message, host_error)
         else:
-            record(_NumbaFlags(self), flag, message)
+            record(_NumbaFlags(self), flag, message, host_error)
 
 
 class _DeviceFlag:

@@ -178,8 +178,9 @@ def _positions(bt: _Batch, side: str, Hk: int, G: int):
     """The leaves of a score_mod over a batch's `[n, Hk, G, I, J]` scores (query rows x key
     rows): sequence, query head, query and key positions."""
     qpos, kpos = (bt.own_pos, bt.partner_pos) if side == "q" else (bt.partner_pos, bt.own_pos)
+    h = np.arange(Hk)[:, None] * G + np.arange(G)
     return {"b": bt.seq.astype(np.int64)[:, None, None, None, None],
-            "h": (np.arange(Hk)[:, None] * G + np.arange(G)).reshape(1, Hk, G, 1, 1),
+            "h": h.reshape(1, Hk, G, 1, 1),
             "q_idx": qpos[:, None, None, :, None], "k_idx": kpos[:, None, None, None, :]}
 
 

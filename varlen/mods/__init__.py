@@ -19,7 +19,8 @@ import numpy as np
 
 from .derive import aux_derivatives, derivative
 from .evaluate import AuxRanges, evaluate, interval, may_read_outside
-from .graph import Graph, exp, log, maximum, minimum, sqrt, tanh, trace, where
+from .graph import Graph, Node, const, exp, log, maximum, minimum, sqrt, substitute, tanh, \
+    trace, where
 
 __all__ = ["MaskMod", "ScoreMod", "Mods", "split_mask", "classify", "where", "exp", "log",
            "tanh", "sqrt", "minimum", "maximum", "EMPTY", "PARTIAL", "FULL", "alibi"]
@@ -151,6 +152,22 @@ class ScoreMod(_Mod):
             self._d_aux = aux_derivatives(self.graph)
         return self._d_aux
 
+    def with_head_offset(self, offset: int) -> "ScoreMod":
+        """The same function seeing query head `offset + j` where a call computes its local
+        head `j` (context parallelism's Ulysses hands each rank a slice of the heads): a
+        rewrite of the graph, so every backend runs it unchanged."""
+        offset = int(offset)
+        if offset == 0 or not self.graph.uses("h"):
+            return self
+        h = Node("h", (), "int")
+        g = self.graph
+        root = substitute(g.root, "h", Node("add", (h, const(offset)), "int"))
+        new = object.__new__(ScoreMod)
+        new.__dict__.update(self.__dict__)
+        new.graph = Graph(root, g.leaves, g.aux, g.role)
+        new._d_score = new._d_aux = None
+        return new
+
     def float_aux(self) -> tuple:
         """Which aux arrays are float (those that can have a gradient)."""
         return tuple(kind == "float" for kind, _, _ in self.graph.aux)
@@ -168,6 +185,13 @@ class Mods:
     mask: MaskMod | None = None
     score: ScoreMod | None = None
     aux_grads: bool = False
+
+    def for_heads(self, first: int) -> "Mods":
+        """These functions for a call whose local query head `j` is global head `first + j`
+        (`ScoreMod.with_head_offset`)."""
+        if self.score is None or not first:
+            return self
+        return Mods(self.mask, self.score.with_head_offset(first), self.aux_grads)
 
     def __bool__(self):
         return self.mask is not None or self.score is not None

@@ -152,13 +152,17 @@ CUDA_PRELUDE = r"""
 #ifndef VARLEN_MODS_PRELUDE
 #define VARLEN_MODS_PRELUDE
 // What a generated mask_mod / score_mod reads of its aux arrays: base pointers and shapes
-// (at most 4 dimensions each), row-major and contiguous.
+// (at most 4 dimensions each), row-major and contiguous. Guarded on its own: a kernel header
+// may define the same struct first (the CuPy kernels' params.cuh).
+#ifndef VARLEN_MOD_AUX
+#define VARLEN_MOD_AUX
 #define VARLEN_MAX_AUX 8
 struct ModAux {
     const void* ptr[VARLEN_MAX_AUX];
     long long shape[VARLEN_MAX_AUX][4];
     int* err;                           // device flag: an aux index was out of range
 };
+#endif
 __device__ __forceinline__ long long vl_floordiv(long long a, long long b) {
     if (b == 0) return 0;
     long long q = a / b;

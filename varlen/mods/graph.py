@@ -422,5 +422,22 @@ def _check_arity(fn, n_leaves: int, n_aux: int, role: str):
                         f"{' or more' if varargs else ''}")
 
 
+def substitute(root: Node, leaf: str, by: Node) -> Node:
+    """`root` with every use of the leaf named `leaf` replaced by the node `by`."""
+    memo = {}
+
+    def rebuild(n: Node) -> Node:
+        k = n.key()
+        if k not in memo:
+            if n.op == leaf and not n.args:
+                memo[k] = by
+            elif not n.args:
+                memo[k] = n
+            else:
+                memo[k] = Node(n.op, [rebuild(a) for a in n.args], n.kind, n.value)
+        return memo[k]
+    return rebuild(root)
+
+
 def finite_constant(node: Node) -> bool:
     return node.op != "const" or node.kind != "float" or math.isfinite(node.value)

@@ -16,8 +16,13 @@ questions, the plan builder (two fused device kernels, `plan`) and the plan chec
 
 Modules: `traits` (dtypes, head dims, the GPU, `tile_size`: the one home of tile sizes),
 `compile` (NVRTC, build options, the sm_90a cubin cache, the compile check), `launch` (the
-structs and data arguments every launch shares, the module cache), `plan`, `mma`, `sm90`. Nothing
+structs and data arguments every launch shares, the module cache), `plan`, `mma`, `sm90`,
+`mods` (a call's mask_mod and score_mod as generated code compiled into the kernels). Nothing
 here imports CuPy before a call needs it, and nothing reads device memory on the host.
+
+User functions (`runs_mods`): both implementations run a mask_mod and a score_mod in the
+forward, `cupy:mma` in the backward too; neither computes the gradients of a score_mod's aux
+arrays (`mods.refusal` says why, and `varlen.backends.explain()` shows it).
 """
 from __future__ import annotations
 
@@ -58,6 +63,16 @@ def device_info(device_id: int) -> DeviceInfo:
 
 class _CupyBase(Backend):
     """What the implementations and the family share: the GPU, the plans and their tiles."""
+
+    IMPL = "mma"            # whose kernels' limits on user functions apply (`mods.refusal`)
+    runs_mods = frozenset({"mask_mod", "score_mod"})
+
+    def supports_mods(self, call):
+        """None when the kernels run the call's mask_mod / score_mod (`mods.refusal`: no aux
+        gradients; the sm_90a backward runs neither)."""
+        from .mods import refusal
+        return refusal(getattr(call, "mods", None), impl=self.IMPL,
+                       backward=getattr(call, "grads", None) is not None)
 
     @contextlib.contextmanager
     def stand_in_device(self, device: DeviceInfo):
@@ -190,29 +205,32 @@ class MmaImplementation(_CupyBase):
                              f"{spec.block_n}) on this GPU: {why}; build the plan with the "
                              f"tiles of the backend's default_blocks or use another backend")
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
-        """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf."""
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
+        """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf.
+        `mods`: the call's mask_mod and score_mod, compiled into the kernel."""
         from . import mma
-        spec = mma.spec_for(plan, q, kind="fwd", softcap=softcap)
+        spec = mma.spec_for(plan, q, kind="fwd", softcap=softcap, mods=mods)
         self._require_fit(spec, "fwd")
-        return mma.forward(spec, plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
+        return mma.forward(spec, plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
+                           mods=mods)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False):
+                 deterministic=False, mods=None):
         """`(dq, dk, dv)` in the input dtype. dK/dV are always deterministic (one writer per
         row); dQ uses fp32 atomics, added in a fixed order when `deterministic` (bitwise
-        repeatable)."""
+        repeatable). `mods`: as `forward`'s (no aux gradients: `supports_mods`)."""
         from . import mma
-        spec = mma.spec_for(plan, q, kind="bwd", softcap=softcap)
+        spec = mma.spec_for(plan, q, kind="bwd", softcap=softcap, mods=mods)
         self._require_fit(spec, "bwd-deterministic" if deterministic else "bwd")
         return mma.backward(spec, plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                            softcap=softcap, deterministic=bool(deterministic))
+                            softcap=softcap, deterministic=bool(deterministic), mods=mods)
 
 
 class Sm90aImplementation(_CupyBase):
     """wgmma, TMA and mbarrier kernels for compute capability 9.0 (`sm90`)."""
 
     name = "cupy:sm90a"
+    IMPL = "sm90a"
     # Chosen by backend="cupy" on an H100/H200 once scripts/gpu_check.sh --sm90a has passed on
     # one (docs/hopper.md, "The GPU side"); until then only when named.
     default_eligible = False
@@ -242,16 +260,21 @@ class Sm90aImplementation(_CupyBase):
             return str(e)
         return None
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
         """As `MmaImplementation.forward`, by the sm_90a kernel (`sm90.forward`)."""
         from . import sm90
-        return sm90.forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
+        return sm90.forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
+                            mods=mods)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False):
+                 deterministic=False, mods=None):
         """As `MmaImplementation.backward`, the sm_90a dK/dV kernel in place of the mma.sync one
-        (`sm90.backward`)."""
+        (`sm90.backward`). It runs no mask_mod or score_mod (`supports_mods` refuses them)."""
         from . import sm90
+        from .mods import refusal
+        why = refusal(mods, impl=self.IMPL, backward=True)
+        if why:
+            raise ValueError(f"backend {self.name!r} cannot run this backward: {why}")
         return sm90.backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                              softcap=softcap, deterministic=bool(deterministic))
 
@@ -282,34 +305,44 @@ class CupyBackend(_CupyBase):
             whys.append(why)
         return whys[-1] or "no implementation is chosen by default for this call"
 
-    def choose(self, kind: str, plan, q, softcap: float) -> Backend:
-        """The implementation that runs pass `kind` ("fwd" | "bwd") of a call with `plan`: the
-        first default-eligible one that has a variant for it (the last one otherwise)."""
+    def supports_mods(self, call):
+        """The user functions of the implementation every pass can fall back on (`cupy:mma`)."""
+        return self.implementations[-1].supports_mods(call)
+
+    def choose(self, kind: str, plan, q, softcap: float, mods=None) -> Backend:
+        """The implementation that runs pass `kind` ("fwd" | "bwd") of a call with `plan` and
+        user functions `mods`: the first default-eligible one that has a variant for it (the
+        last one otherwise)."""
+        probe = _Probe(q, on_device=True, mods=mods, backward=kind == "bwd")
         for impl in self.implementations[:-1]:
             if impl.default_eligible and impl.runs(kind, plan, q, softcap) is None and \
-                    impl.supports(_Probe(q, on_device=True)) is None:
+                    impl.supports(probe) is None and impl.supports_mods(probe) is None:
                 return impl
         return self.implementations[-1]
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap):
-        return self.choose("fwd", plan, q, softcap).forward(
-            plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
+        return self.choose("fwd", plan, q, softcap, mods).forward(
+            plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
+            **({"mods": mods} if mods else {}))
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False):
-        return self.choose("bwd", plan, q, softcap).backward(
+                 deterministic=False, mods=None):
+        return self.choose("bwd", plan, q, softcap, mods).backward(
             plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale, softcap=softcap,
-            deterministic=deterministic)
+            deterministic=deterministic, **({"mods": mods} if mods else {}))
 
 
 class _Probe:
-    """What `supports` reads, from a working array (the family's choice inside a pass)."""
+    """What `supports` and `supports_mods` read, from a working array and the call's user
+    functions (the family's choice inside a pass)."""
 
-    def __init__(self, q, *, on_device):
+    def __init__(self, q, *, on_device, mods=None, backward=False):
         from ..._validate import dtype_name
         self.dtype = dtype_name(q.dtype)
         self.head_dim = self.head_dim_v = int(q.shape[2])
         self.on_device = on_device
+        self.mods = mods
+        self.grads = () if backward else None
 
 
 BACKEND = CupyBackend([Sm90aImplementation(), MmaImplementation()])

@@ -89,11 +89,14 @@ def program_options(arch: str) -> list:
             "-Xptxas=-v"]
 
 
-def build_program(names, arch: str):
+def build_program(names, arch: str, source: str | None = None):
     """One NVRTC program of the kernels named by `names` (template name expressions) for
-    `arch` (sm_XX or sm_90a). Returns (cubin bytes, {name expression: lowered name}, log)."""
+    `arch` (sm_XX or sm_90a), from `source` (default `module_source()`; a call's mask_mod and
+    score_mod come ahead of it: `mods.module_source`). Returns (cubin bytes, {name expression:
+    lowered name}, log)."""
     from cuda.bindings import nvrtc
-    prog = _check(nvrtc.nvrtcCreateProgram(module_source().encode(), b"varlen.cu", 0,
+    source = module_source() if source is None else source
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"varlen.cu", 0,
                                            [], []), "create")
     try:
         for name in names:
@@ -115,12 +118,13 @@ def build_program(names, arch: str):
     return cubin, lowered, log
 
 
-def compile_names(names, arch: str):
-    """Compile the kernels named by `names` (template name expressions) for `arch` (sm_XX).
+def compile_names(names, arch: str, source: str | None = None):
+    """Compile the kernels named by `names` (template name expressions) for `arch` (sm_XX),
+    from `source` (`build_program`'s).
 
     Returns (cubin bytes, {name expression: usage dict}).
     """
-    cubin, lowered, log = build_program(names, arch)
+    cubin, lowered, log = build_program(names, arch, source)
     usage = parse_ptxas_log(log)
     return cubin, {name: usage[lowered[name]] for name in names}
 
@@ -210,21 +214,24 @@ def _write_atomically(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def cubin_path(name: str, arch: str = "sm_90a") -> tuple:
+def cubin_path(name: str, arch: str = "sm_90a", source: str | None = None) -> tuple:
     """(path of the `arch` cubin holding kernel `name`, its lowered name), from `cache_dir()`:
-    keyed by the name, NVRTC's version and the build options (which carry the hash of every
-    kernel source, `source_hash`), built by NVRTC when missing. Files are written under a
-    temporary name and renamed, so processes building at once never read half a file."""
+    keyed by the name, NVRTC's version, the build options (which carry the hash of every
+    kernel source, `source_hash`) and the module source (`build_program`'s `source`: it holds
+    a call's generated mask_mod and score_mod), built by NVRTC when missing. Files are written
+    under a temporary name and renamed, so processes building at once never read half a
+    file."""
     from cuda.bindings import nvrtc
     _, major, minor = nvrtc.nvrtcVersion()
-    key = hashlib.sha256("\0".join([name, f"nvrtc {major}.{minor}", *program_options(arch)])
-                         .encode()).hexdigest()[:32]
+    extra = [] if source is None else [source]
+    key = hashlib.sha256("\0".join([name, f"nvrtc {major}.{minor}", *program_options(arch),
+                                    *extra]).encode()).hexdigest()[:32]
     folder = cache_dir()
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{key}.cubin")
     name_path = os.path.join(folder, f"{key}.name")
     if not (os.path.exists(path) and os.path.exists(name_path)):
-        cubin, lowered, _ = build_program([name], arch)
+        cubin, lowered, _ = build_program([name], arch, source)
         _write_atomically(name_path, lowered[name].encode())
         _write_atomically(path, cubin)
     with open(name_path) as f:

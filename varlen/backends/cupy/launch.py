@@ -27,6 +27,7 @@ import numpy as np
 
 from ..._array import alloc
 from ...plan import KernelView
+from .mods import MOD_AUX_DTYPE, MOD_PARAMS_DTYPE, mod_params_arg, module_source
 from .traits import STATIC_SMEM_LIMIT
 
 # The structs of kernels_cuda/plan_view.cuh and params.cuh as aligned NumPy dtypes (C layout:
@@ -45,11 +46,12 @@ MAX_STRIDE = 2 ** 31 - 1
 
 def _params_dtype(arrays, strided):
     """A params struct: the addresses of `arrays`, the Strides fields `strided` ({field: the
-    array whose strides it holds}), lse's stride, the plan and the call."""
+    array whose strides it holds}), lse's stride, the plan, the call and the aux arrays of its
+    mask_mod and score_mod (`mods.MOD_PARAMS_DTYPE`)."""
     return np.dtype([(name, np.uint64) for name in arrays]
                     + [(field, STRIDES_DTYPE) for field in strided]
                     + [("lse_stride", np.int64), ("plan", PLAN_VIEW_DTYPE),
-                       ("call", CALL_PARAMS_DTYPE)], align=True)
+                       ("call", CALL_PARAMS_DTYPE), ("mods", MOD_PARAMS_DTYPE)], align=True)
 
 
 FWD_ARRAYS = ("q", "k", "v", "out", "lse")
@@ -61,8 +63,8 @@ BWD_STRIDED = {f"{name}_strides": name for name in ("q", "k", "v", "out", "dout"
 FWD_PARAMS_DTYPE = _params_dtype(FWD_ARRAYS, FWD_STRIDED)
 BWD_PARAMS_DTYPE = _params_dtype(BWD_ARRAYS, BWD_STRIDED)
 STRUCT_DTYPES = {"PlanView": PLAN_VIEW_DTYPE, "CallParams": CALL_PARAMS_DTYPE,
-                 "Strides": STRIDES_DTYPE, "FwdParams": FWD_PARAMS_DTYPE,
-                 "BwdParams": BWD_PARAMS_DTYPE}
+                 "Strides": STRIDES_DTYPE, "ModAux": MOD_AUX_DTYPE, "ModParams": MOD_PARAMS_DTYPE,
+                 "FwdParams": FWD_PARAMS_DTYPE, "BwdParams": BWD_PARAMS_DTYPE}
 # cp.async and ldmatrix move 16-byte chunks, TMA boxes start at 16-byte aligned addresses: the
 # alignment of a row of an input they read, and of its row and head strides, in bytes.
 CHUNK_ALIGN = 16
@@ -170,7 +172,8 @@ def strides(a) -> tuple:
     return (row if T > 1 else H * D), (head if H > 1 else D)
 
 
-def _params_arg(dtype, strided, plan_arg: PlanArg, call, arrays: dict) -> np.ndarray:
+def _params_arg(dtype, strided, plan_arg: PlanArg, call, arrays: dict, mods=None,
+                mod_err=None) -> np.ndarray:
     arg = alloc(np, (), dtype, fill=0)
     for name, a in arrays.items():
         arg[name] = address(a)
@@ -181,23 +184,27 @@ def _params_arg(dtype, strided, plan_arg: PlanArg, call, arrays: dict) -> np.nda
                                                if lse.shape[0] > 1 else lse.shape[1])
     arg["plan"] = plan_arg.struct
     arg["call"] = call
+    arg["mods"] = mod_params_arg(mods, mod_err, address)
     return arg
 
 
-def fwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, lse) -> np.ndarray:
+def fwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, lse, mods=None,
+                   mod_err=None) -> np.ndarray:
     """The forward kernels' `FwdParams`: q, k, v [T, H, D] where they lie (`data`), out and
-    lse, the plan's struct (`plan_view_arg`) and `CallParams` (`call_params_arg`)."""
+    lse, the plan's struct (`plan_view_arg`), `CallParams` (`call_params_arg`) and the aux
+    arrays of the call's `mods` with the flag `mod_err` (`mods.mod_params_arg`)."""
     return _params_arg(FWD_PARAMS_DTYPE, FWD_STRIDED, plan_arg, call,
-                       dict(q=q, k=k, v=v, out=out, lse=lse))
+                       dict(q=q, k=k, v=v, out=out, lse=lse), mods, mod_err)
 
 
 def bwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, dout, lse, lse2, delta, dq_accum,
-                   dq_order, dq, dk, dv) -> np.ndarray:
+                   dq_order, dq, dk, dv, mods=None, mod_err=None) -> np.ndarray:
     """The backward kernels' `BwdParams` (every field; None: a null pointer, an argument the
     kernels of this launch never touch)."""
     return _params_arg(BWD_PARAMS_DTYPE, BWD_STRIDED, plan_arg, call,
                        dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse, lse2=lse2, delta=delta,
-                            dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk, dv=dv))
+                            dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk, dv=dv),
+                       mods, mod_err)
 
 
 def check_heads(Hq: int):
@@ -217,9 +224,10 @@ class Module:
     def __init__(self, variant):
         import cupy
 
-        from .compile import compile_options, module_source
+        from .compile import compile_options
         self.kernels = variant.kernels()
-        self.raw = cupy.RawModule(code=module_source(), options=compile_options(),
+        self.raw = cupy.RawModule(code=module_source(getattr(variant, "mods", None)),
+                                  options=compile_options(),
                                   name_expressions=list(variant.name_expressions))
         self._functions = {}
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..._array import alloc
 from . import launch as L
+from .mods import ModHooks, error_flag, hooks_for, record_errors
 from .traits import (BLOCKS, KINDS, MAX_WIDE_HEAD_DIM, WARP_ROWS, WARP_SIZE, DeviceInfo,
                      KernelLaunch, Variant, blocks_for, cxx_bool, mma_dkdv_smem, mma_fwd_smem,
                      smem_refusal, smem_stride, tile_size)
@@ -28,8 +29,10 @@ PAD_ROWS_PER_THREAD = 32
 @dataclass(frozen=True)
 class KernelSpec(Variant):
     """One compiled variant of the mma.sync kernels: a kind (`"fwd"` or `"bwd"`), an element
-    type, a head dim, the plan's tiles and the softcap flag; the kernels' own steps come from
-    `traits.tile_size`. Invalid combinations raise ValueError here, before compiling."""
+    type, a head dim, the plan's tiles, the softcap flag and the call's mask_mod and score_mod
+    (`mods.ModHooks`, None without: the module is compiled with their generated code); the
+    kernels' own steps come from `traits.tile_size`. Invalid combinations raise ValueError
+    here, before compiling."""
 
     kind: str            # "fwd" | "bwd"
     dtype: str           # "float16" | "bfloat16"
@@ -37,6 +40,7 @@ class KernelSpec(Variant):
     block_m: int
     block_n: int
     softcap: bool
+    mods: ModHooks | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -120,7 +124,7 @@ class KernelSpec(Variant):
         64-key tiles (fwd_block_n); every other spec its own."""
         if self.kind == "fwd" and self.block_n != self.fwd_block_n:
             return KernelSpec(self.kind, self.dtype, self.head_dim, self.block_m,
-                              self.fwd_block_n, self.softcap)
+                              self.fwd_block_n, self.softcap, self.mods)
         return self
 
     def fwd_name(self) -> str:
@@ -160,7 +164,8 @@ class KernelSpec(Variant):
     @property
     def label(self) -> str:
         return (f"{self.kind}-{self.dtype}-D{self.head_dim}-BM{self.block_m}-BN{self.block_n}"
-                f"{'-softcap' if self.softcap else ''}")
+                f"{'-softcap' if self.softcap else ''}"
+                f"{'-' + self.mods.label if self.mods else ''}")
 
 
 # The kernels a call runs, by role (KernelSpec.kernels): the forward, the backward with atomic
@@ -169,11 +174,12 @@ ROLES = {"fwd": ("fwd",), "bwd": ("preprocess", "dkdv_atomic", "dq_convert"),
          "bwd-deterministic": ("preprocess", "dkdv_ordered", "dq_convert")}
 
 
-def spec_for(plan, q, *, kind: str, softcap: float) -> KernelSpec:
-    """The compiled variant that runs `kind` ("fwd"/"bwd") for this plan and input."""
+def spec_for(plan, q, *, kind: str, softcap: float, mods=None) -> KernelSpec:
+    """The compiled variant that runs `kind` ("fwd"/"bwd") for this plan and input, and the
+    call's `mods` (`varlen.mods.Mods` or None)."""
     from ..._validate import dtype_name
     return KernelSpec(kind, dtype_name(q.dtype), int(q.shape[2]), plan.block_m, plan.block_n,
-                      softcap > 0)
+                      softcap > 0, hooks_for(mods))
 
 
 def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tuple):
@@ -212,13 +218,16 @@ def module(spec: KernelSpec) -> L.Module:
     return L.module(spec.compiled())
 
 
-def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: float):
+def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: float,
+            mods=None):
     """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf).
 
     One launch, no fill: the forward kernel writes every row of both, its query tiles' rows
     and, in the pad blocks past the tile slots, the rows of no tile. None when Tq == 0. q, k
     and v are read where they lie (`launch.data`: views whose last dim is contiguous and rows
-    16-byte aligned).
+    16-byte aligned). `mods`: the call's mask_mod and score_mod (those `spec` was made for),
+    their aux arrays in the params; an out-of-range aux index is recorded for
+    `varlen.check_device_errors()` (a zeroed flag and an or after the launch).
     """
     import cupy
     q, k, v = L.data(q, "q"), L.data(k, "k"), L.data(v, "v")
@@ -231,14 +240,16 @@ def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: f
         return out, lse
     mod = module(spec)
     plan_arg = L.plan_view_arg(plan)          # referenced until the launch is enqueued
+    err = error_flag(mods)
     params = L.fwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
-                              q=q, k=k, v=v, out=out, lse=lse)
+                              q=q, k=k, v=v, out=out, lse=lse, mods=mods, mod_err=err)
     mod.launch("fwd", grid=_tile_grid(mod, "fwd", plan.num_q_tiles, Tq, Hq), args=(params,))
+    record_errors(err)
     return out, lse
 
 
 def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: float,
-             softcap: float, deterministic: bool, dkdv=None):
+             softcap: float, deterministic: bool, dkdv=None, mods=None):
     """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics, added in a fixed order when
     `deterministic` (bitwise repeatable).
 
@@ -248,6 +259,9 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     to the zeroed fp32 `dq_accum`, in the order `dq_order` sets when `deterministic`, else
     null). q, k, v, dout and out are read where they lie (`launch.data`; out element by
     element, so only its last dim must be contiguous).
+
+    `mods`: as `forward`'s (the dK/dV kernel recomputes P with them and multiplies dS by the
+    score_mod's derivative).
 
     Three launches, no fill. The preprocessing computes delta and the base-2 lse and writes
     what the next two kernels do not: the zeroed fp32 dQ accumulator, the pad rows of dk and dv
@@ -280,10 +294,11 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     dq_accum = alloc(cupy, (Tq, Hq, D), np.float32)
     dq_order = alloc(cupy, (Hq + 1, Tq), np.int32) if deterministic else None
     plan_arg = L.plan_view_arg(plan)          # referenced until the launches are enqueued
+    err = error_flag(mods) if keys and plan.num_k_tiles else None
     params = L.bwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
                               q=q, k=k, v=v, out=out, dout=dout, lse=lse, lse2=lse2,
                               delta=delta, dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk,
-                              dv=dv)
+                              dv=dv, mods=mods, mod_err=err)
     slot_rows = plan.num_q_tiles * plan.block_m if deterministic else 0
     threads = mod.kernels["preprocess"].threads
     items = max(Tq * Hq * threads // PREPROCESS_WARPS, _pad_windows(Tk), slot_rows)
@@ -294,6 +309,7 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
         else:
             role = "dkdv_ordered" if deterministic else "dkdv_atomic"
             mod.launch(role, grid=(plan.num_k_tiles, Hk), args=(params,))
+        record_errors(err)
     if not queries:
         return dq, dk, dv
     # a block per query row (grid-stride), its threads over the row's Hq * D elements

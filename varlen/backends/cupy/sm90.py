@@ -45,6 +45,7 @@ import numpy as np
 
 from ..._array import alloc
 from . import launch as L
+from .mods import ModHooks, error_flag, hooks_for, module_source, record_errors
 from .traits import (ELEM_BYTES, SM90_HEAD_DIMS, SM90_STAGES, SMEM_PAD, WG_ROWS, KernelLaunch,
                      Variant, cxx_bool, tile_size)
 
@@ -67,6 +68,8 @@ PACKS = (1, 2, 4, 8)
 MAX_PACK = PACKS[-1]
 PACK_GAIN = 1.1
 FWD_KERNEL = "varlen_fwd_sm90"
+# The forward's key chunk with a call's mask_mod or score_mod (`fwd_spec_for`)
+MODS_KEY_CHUNK = 64
 BWD_KERNEL = "varlen_bwd_dkdv_sm90"
 
 
@@ -98,8 +101,9 @@ class _Sm90Variant(Variant):
 class FwdSpec(_Sm90Variant):
     """One variant of `varlen_fwd_sm90`: element type, head dim, the kernel's query rows per tile
     (the plan's query tiles when `pack` is 1, else block_m / pack positions), the plan's key
-    tiles, softcap, the kernel's key chunk (None: `traits.tile_size`'s) and the query heads
-    packed per position."""
+    tiles, softcap, the kernel's key chunk (None: `traits.tile_size`'s), the query heads
+    packed per position and the call's mask_mod and score_mod (`mods.ModHooks`, None without:
+    the cubin is built with their generated code)."""
 
     ROLE = "fwd"
     KERNEL = FWD_KERNEL
@@ -110,6 +114,7 @@ class FwdSpec(_Sm90Variant):
     softcap: bool
     key_chunk: int | None = None
     pack: int = 1
+    mods: ModHooks | None = None
 
     def __post_init__(self):
         if self.key_chunk is None:
@@ -151,7 +156,14 @@ class FwdSpec(_Sm90Variant):
     @property
     def label(self) -> str:
         return self._label("fwd", f"D{self.head_dim}", f"BM{self.block_m}", f"BN{self.block_n}",
-                           f"KN{self.key_chunk}", f"P{self.pack}", softcap=self.softcap)
+                           f"KN{self.key_chunk}", f"P{self.pack}",
+                           *([self.mods.label] if self.mods else []), softcap=self.softcap)
+
+    @property
+    def source(self) -> str | None:
+        """The module source of its cubin (`compile.cubin_path`): None, the kernels alone,
+        without a mask_mod or score_mod."""
+        return module_source(self.mods) if self.mods else None
 
     @property
     def plan_block_m(self) -> int:
@@ -218,11 +230,13 @@ class BwdSpec(_Sm90Variant):
                            softcap=self.softcap, ordered=self.ordered_dq)
 
 
-def fwd_spec_for(plan, q, softcap: float) -> FwdSpec:
+def fwd_spec_for(plan, q, softcap: float, mods=None) -> FwdSpec:
     """The unpacked forward variant for a call with `plan` (its query tiles are the kernel's
-    rows)."""
+    rows) and `mods` (`varlen.mods.Mods` or None). With user functions the key chunk is
+    `MODS_KEY_CHUNK`: their per-pair arithmetic beside S of 128 keys spilled (76 B at D = 64)."""
+    hooks = hooks_for(mods)
     return FwdSpec(str(q.dtype), int(q.shape[2]), int(plan.block_m), int(plan.block_n),
-                   bool(softcap > 0))
+                   bool(softcap > 0), key_chunk=MODS_KEY_CHUNK if hooks else None, mods=hooks)
 
 
 def bwd_spec_for(plan, q, softcap: float, deterministic: bool = False) -> BwdSpec:
@@ -349,7 +363,7 @@ class Runtime:
             import cupy
 
             from .compile import cubin_path
-            path, lowered = cubin_path(spec.name, ARCH)
+            path, lowered = cubin_path(spec.name, ARCH, getattr(spec, "source", None))
             fn = cupy.RawModule(path=path).get_function(lowered)
             fn.max_dynamic_shared_size_bytes = spec.smem
             self._functions[spec] = fn
@@ -399,14 +413,20 @@ def compile_report(specs) -> dict:
     static_smem, smem, threads, warnings}}. `registers` is ptxas' allocation at entry (the cap
     of `__launch_bounds__(threads, 1)`); setmaxnreg then moves registers from the producer to
     the consumer warpgroups. `warnings` lists the log's warning lines (C7508: setmaxnreg
-    ignored)."""
+    ignored). One build per module source (specs with a mask_mod or score_mod have their own,
+    `FwdSpec.source`); keyed by name, so give specs of one source at a time to tell apart
+    variants that differ only in it."""
     from .compile import build_program, parse_ptxas_log
     specs = list(specs)
-    _, lowered, log = build_program([spec.name for spec in specs], ARCH)
-    usage = parse_ptxas_log(log)
-    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
-    return {s.name: {**usage[lowered[s.name]], "smem": s.smem, "threads": s.threads,
-                     "warnings": warnings} for s in specs}
+    report = {}
+    for source in dict.fromkeys(getattr(s, "source", None) for s in specs):
+        mine = [s for s in specs if getattr(s, "source", None) == source]
+        _, lowered, log = build_program([spec.name for spec in mine], ARCH, source)
+        usage = parse_ptxas_log(log)
+        warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+        report.update({s.name: {**usage[lowered[s.name]], "smem": s.smem, "threads": s.threads,
+                                "warnings": warnings} for s in mine})
+    return report
 
 
 def dispatched_specs() -> list:
@@ -438,18 +458,20 @@ def warm(workers: int, specs=None) -> int:
     return len(names)
 
 
-def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | None = None):
+def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | None = None,
+            mods=None):
     """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf),
     as `mma.forward`, by the sm_90a kernel: one launch of `persistent_grid` blocks over
     num_q_tiles x Hq / pack work items, no fill (the blocks also write the rows of no tile).
     `pack`: query heads per position in a tile (`pack_for`; None: `choose_pack`). q, k and v
-    are read where they lie (`launch.data` with the tensor maps' rules)."""
+    are read where they lie (`launch.data` with the tensor maps' rules). `mods`: the call's
+    mask_mod and score_mod, as in `mma.forward` (a packed row's score_mod sees its own head)."""
     import cupy
     q, k, v = (L.data(a, name, tma=True) for a, name in ((q, "q"), (k, "k"), (v, "v")))
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
     L.check_heads(Hq)
-    spec = fwd_spec_for(plan, q, softcap)
+    spec = fwd_spec_for(plan, q, softcap, mods)
     pack = pack_for(plan, Tq, Hq, Hk, spec.block_m, pack)
     spec = dataclasses.replace(spec, pack=pack)
     out = alloc(cupy, (Tq, Hq, D), q.dtype)
@@ -460,12 +482,14 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | 
     rt.prepare(spec)
     kplan = packed_plan(plan, pack)
     plan_arg = L.plan_view_arg(kplan)         # referenced until the launch is enqueued
+    err = error_flag(mods)
     params = L.fwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
-                              q=q, k=k, v=v, out=out, lse=lse)
+                              q=q, k=k, v=v, out=out, lse=lse, mods=mods, mod_err=err)
     maps = (rt.tensor_map(q, spec.plan_block_m, pack), rt.tensor_map(k, spec.key_chunk),
             rt.tensor_map(v, spec.key_chunk))
     grid = persistent_grid(int(kplan.num_q_tiles) * (Hq // pack), rt.sm_count())
     rt.launch(spec, grid=(grid, 1), args=(*maps, params))
+    record_errors(err)
     return out, lse
 
 

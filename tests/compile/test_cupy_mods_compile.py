@@ -1,0 +1,123 @@
+"""The CuPy kernels compiled with a call's mask_mod and score_mod (varlen/backends/cupy/mods.py,
+kernels_cuda/mods.cuh): gallery functions (tests/mods_cases.py) generated into the module
+source, built by NVRTC for sm_80 and sm_90 (mma.sync forward and dK/dV kernels) and sm_90a
+(the forward) within the budgets of the kernels without them: no spills, registers within the
+register file, shared memory within each architecture's opt-in (unchanged: the functions add
+registers, not shared memory). Also: variants of other functions never share a module or a
+cubin, and the params structs carry the aux arrays."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from varlen.backends.cupy import compile as _compile
+from varlen.backends.cupy import mods as _mods
+from varlen.backends.cupy import sm90, traits
+from varlen.backends.cupy.mma import KernelSpec
+from varlen.mods import Mods
+
+from mods_cases import mask_cases, score_cases
+
+nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
+
+
+def _hooks(mask_id, score_id):
+    masks, scores = dict(mask_cases([0, 5, 70])), dict(score_cases(4))
+    return _mods.hooks_for(Mods(mask=masks.get(mask_id), score=scores.get(score_id)))
+
+
+# (mask, score): a per-token aux array (two loads per pair) with a [Hq, 13] table, and a
+# per-sequence aux array with a transcendental score (tanh, log)
+# (chunked+hide-first, a 64-bit integer division per pair, spills 166 B in the forward at
+# D = 64: docs/cupy_backend.md, "User functions")
+GALLERY = {"segments+relative-bias": ("segments", "relative-bias"),
+           "prefix-lm+soft-clip": ("prefix-lm", "soft-clip")}
+# the heaviest register tiles at D = 64 and D = 128 (the backend's default tiles there); at
+# D = 128 the per-token and table functions only
+MMA = [("fwd", 64, 128, 64), ("bwd", 64, 128, 64), ("fwd", 128, 128, 128),
+       ("bwd", 128, 128, 128)]
+
+
+def _mma_params():
+    for gid in GALLERY:
+        for kind, d, bm, bn in MMA:
+            # at D = 128 the kernels hold 246-255 registers without user functions: a score_mod
+            # with tanh and log, or a where of -inf, spills 12-64 B there (docs/cupy_backend.md)
+            if gid != "segments+relative-bias" and d != 64:
+                continue
+            for arch in traits.ARCHS:
+                smoke = gid == "segments+relative-bias" and (kind, d, arch) == ("fwd", 64, "sm_80")
+                yield pytest.param(gid, kind, d, bm, bn, arch,
+                                   id=f"{gid}-{kind}-D{d}-BM{bm}-BN{bn}-{arch}",
+                                   marks=pytest.mark.smoke if smoke else ())
+
+
+@pytest.mark.parametrize("gid, kind, head_dim, block_m, block_n, arch", list(_mma_params()))
+def test_mma_kernels_with_user_functions_within_budget(gid, kind, head_dim, block_m, block_n,
+                                                       arch):
+    hooks = _hooks(*GALLERY[gid])
+    spec = KernelSpec(kind, "bfloat16", head_dim, block_m, block_n, False, hooks).compiled()
+    roles = ("fwd",) if kind == "fwd" else ("dkdv_atomic", "dkdv_ordered")
+    launches = [spec.kernels()[r] for r in roles]
+    _, usage = _compile.compile_names([k.name for k in launches], arch,
+                                      _mods.module_source(hooks))
+    for k in launches:
+        u = usage[k.name]
+        print(f"{arch} {k.name} [{gid}]: {u['registers']} registers, spills "
+              f"{u['spill_stores']}/{u['spill_loads']}, {k.smem + u['static_smem']} B shared")
+        assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{k.name} spills: {u}"
+        assert 0 < u["registers"] <= 255, u
+        assert k.smem + u["static_smem"] <= traits.SMEM_BUDGET[arch], (k.name, u)
+
+
+@pytest.mark.parametrize("gid, head_dim, block_m, block_n, pack", [
+    pytest.param("segments+relative-bias", 64, 128, 64, 2, id="segments+relative-bias-D64-P2"),
+    pytest.param("prefix-lm+soft-clip", 128, 128, 128, 1, id="prefix-lm+soft-clip-D128-P1")])
+def test_sm90a_forward_with_user_functions_within_budget(gid, head_dim, block_m, block_n, pack):
+    spec = sm90.FwdSpec("bfloat16", head_dim, block_m, block_n, False, pack=pack,
+                        key_chunk=sm90.MODS_KEY_CHUNK, mods=_hooks(*GALLERY[gid]))
+    u = sm90.compile_report([spec])[spec.name]
+    print(f"sm_90a {spec.label}: {u['registers']} registers at entry, spills "
+          f"{u['spill_stores']}/{u['spill_loads']}, {u['smem']} B shared")
+    assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{spec.name} spills: {u}"
+    assert u["registers"] * u["threads"] <= 65536, u
+    assert u["smem"] + u["static_smem"] <= sm90.OPTIN_SMEM, u
+    assert not u["warnings"], u["warnings"]
+
+
+def test_other_functions_never_share_a_module_or_cubin(tmp_path, monkeypatch):
+    """The variant carries the graph digests (which cover the aux dtypes): specs of other
+    functions differ, and so do their module sources and sm_90a cubin keys; specs of equal
+    functions are equal (one module)."""
+    a, b = _hooks("segments", "alibi"), _hooks("segments", "relative-bias")
+    i32 = dict(mask_cases([0, 5, 70]))["prefix-lm"]
+    i64 = type(i32)(i32.fn, i32.aux[0].astype(np.int64))
+    assert _mods.hooks_for(Mods(mask=i32)) != _mods.hooks_for(Mods(mask=i64))
+    assert _hooks("segments", "alibi") == a
+    assert KernelSpec("fwd", "float16", 64, 128, 64, False, a) != \
+        KernelSpec("fwd", "float16", 64, 128, 64, False, b)
+    assert KernelSpec("fwd", "float16", 64, 128, 128, False, a).compiled().mods == a
+    assert _mods.module_source(a) != _mods.module_source(b)
+    monkeypatch.setenv(_compile.CACHE_ENV, str(tmp_path))
+    built = []
+    monkeypatch.setattr(_compile, "build_program",
+                        lambda names, arch, source=None: (built.append(source) or b"x",
+                                                          {names[0]: "k"}, ""))
+    spec_a = sm90.FwdSpec("float16", 64, 64, 64, False, mods=a)
+    spec_b = sm90.FwdSpec("float16", 64, 64, 64, False, mods=b)
+    paths = {_compile.cubin_path(s.name, "sm_90a", s.source)[0] for s in (spec_a, spec_b)}
+    assert len(paths) == 2 and built == [spec_a.source, spec_b.source]
+
+
+def test_params_carry_the_aux_arrays():
+    """Each function's aux arrays by address and shape (padded with 1), the flag's address."""
+    masks, scores = dict(mask_cases([0, 5, 70])), dict(score_cases(4))
+    mods = Mods(mask=masks["segments"], score=scores["relative-bias"])
+    arg = _mods.mod_params_arg(mods, np.zeros((), np.int32), lambda a: a.ctypes.data)
+    doc, start = mods.mask.aux
+    assert arg["mask"]["ptr"][:2].tolist() == [doc.ctypes.data, start.ctypes.data]
+    assert arg["mask"]["shape"][0].tolist() == [75, 1, 1, 1]
+    assert arg["score"]["shape"][0].tolist() == [4, 13, 1, 1]
+    assert arg["mask"]["err"] == arg["score"]["err"] != 0
+    assert not arg["mask"]["ptr"][2:].any()
+    assert not any(_mods.mod_params_arg(None, None, id).tobytes())

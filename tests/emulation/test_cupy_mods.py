@@ -1,0 +1,244 @@
+"""User functions in the CuPy kernels, on a CPU: mask_mod and score_mod compiled into the real
+kernels (kernels_cuda/mods.cuh, varlen/backends/cupy/mods.py) and run through the host
+emulation (each case in its own process, as the emulation replaces `cupy`), against the
+float64 reference with the STYLE.md tolerances (`varlen.testing`).
+
+* mma.sync forward and backward (both dQ modes): gallery masks with per-sequence and
+  per-token aux arrays, built-in masks combined with them, score mods with per-head and table
+  aux arrays and a transcendental one under a softcap; a row that a score_mod leaves without a
+  key (out 0, lse -inf); zero- and one-row sequences, lengths that are no multiple of a tile,
+  GQA 4/2, D = 64.
+* the sm_90a forward with packed query heads (each packed row's score_mod sees its own head).
+* an aux index out of range: the kernels' flag, raised by `varlen.check_device_errors()`.
+* what the implementations refuse and why (`supports_mods`, no emulation).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import emulate_script, needs_cxx
+
+LENGTHS = [0, 1, 70]          # a zero- and a one-row sequence, one of two partial tiles
+
+
+def _emulate(*case, timeout=900):
+    emulate_script(__file__, *case, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# The emulated cases
+# --------------------------------------------------------------------------------------------
+
+def _hide_row(score, b, h, q_idx, k_idx):
+    """A score_mod that leaves query 3 of every sequence without a key, and hides key 0 from
+    the other queries after the first."""
+    import varlen
+    return varlen.where((q_idx == 3) | ((k_idx == 0) & (q_idx > 0)), -np.inf, score)
+
+
+def _out_of_range(b, q_idx, k_idx, table):
+    return (k_idx <= q_idx) & (table[q_idx] >= 0)
+
+
+def _functions(mask_id: str, score_id: str, lengths, Hq: int):
+    """(mask for the plan and the reference, its MaskMod or None, ScoreMod or None)."""
+    import varlen
+    from mods_cases import mask_cases, score_cases
+    from varlen.mods import split_mask
+    masks = dict(mask_cases(lengths))
+    scores = dict(score_cases(Hq))
+    masks["causal-builtin"] = "causal"
+    masks["out-of-range"] = varlen.MaskMod(_out_of_range, np.zeros(8, np.int32))
+    scores["none"] = None
+    scores["hide-row"] = varlen.ScoreMod(_hide_row)
+    mask = masks[mask_id]
+    return mask, split_mask(mask)[1], scores[score_id]
+
+
+def _compare(label, b, got, score, *, softmax_scale, softcap, grads=None):
+    """The forward (and gradients) against the float64 reference with the score_mod, within
+    the tolerances of `varlen.testing.check_against_reference` (the naive same-dtype error
+    measured without the score_mod, which adds a float32 term to each score)."""
+    from varlen import reference
+    from varlen.testing import _amax, assert_close, assert_lse, covered_rows, naive_same_dtype
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap)
+    ref_out, ref_lse = reference.attention_dense(b.q, b.k, b.v, b.cu_q, b.cu_k, **b.layout,
+                                                 score_mod=score, **kw)
+    naive = _amax(naive_same_dtype(b, **kw) - b.ref_forward(**kw)[0])
+    out, lse = got
+    assert_close(f"{label} out", out, ref_out, dtype=b.dtype, naive_err=naive, factor=2.0)
+    assert_lse(f"{label} lse", lse, ref_lse, dtype=b.dtype)
+    if grads is None:
+        return
+    ref_grads = reference.attention_dense_backward(b.dout, b.q, b.k, b.v, b.cu_q, b.cu_k,
+                                                   **b.layout, score_mod=score, **kw)
+    magnitude = _amax(ref_out) * _amax(np.where(covered_rows(b)[:, None, None],
+                                                b.dout.astype(np.float64), 0.0))
+    rel = naive / max(_amax(ref_out), 1e-30)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(f"{label} {name}", g, r, dtype=b.dtype, naive_err=rel * max(_amax(r), 1e-30),
+                     factor=3.0, floor=16.0, magnitude=magnitude)
+
+
+def _case_mma(mask_id, score_id, dtype, softcap, block_m, deterministic):
+    """The mma.sync forward, then the backward (dQ atomic, or ordered with `deterministic`)."""
+    import varlen
+    from emulation.cupy import install_fake_cupy
+    from varlen.backends.cupy import BACKEND
+    from varlen.mods import Mods
+    from varlen.testing import make_batch
+    block_m, softcap = int(block_m), float(softcap)
+    install_fake_cupy(block_m, 64)
+    Hq, Hk, D = 4, 2, 64
+    mask, mask_mod, score = _functions(mask_id, score_id, LENGTHS, Hq)
+    b = make_batch(np.random.default_rng(1), LENGTHS, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
+                   gaps=True)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k, mask=mask,
+                       num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=block_m,
+                       block_n=64)
+    mods = Mods(mask=mask_mod, score=score)
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=softcap)
+    label = f"{mask_id}+{score_id} {dtype} softcap={softcap} BM{block_m} (emulated)"
+    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=mods, **kw)
+    grads = BACKEND.backward(plan, b.dout, b.q, b.k, b.v, out, lse, mods=mods,
+                             deterministic=deterministic == "True", **kw)
+    _compare(label, b, (out, lse), score, grads=grads, **kw)
+    varlen.check_device_errors()          # nothing flagged
+    print(f"ok {label}")
+
+
+def _case_sm90(mask_id, score_id, pack):
+    """The sm_90a forward with `pack` query heads per position."""
+    import varlen
+    from emulation import sm90 as emulated_sm90
+    from emulation.cupy import install_fake_cupy
+    from varlen.backends.cupy import sm90
+    from varlen.mods import Mods
+    from varlen.testing import make_batch
+    install_fake_cupy(64, 64)
+    emulated_sm90.install()
+    Hq, Hk, D = 4, 2, 64
+    lengths = [0, 1, 40]
+    mask, mask_mod, score = _functions(mask_id, score_id, lengths, Hq)
+    b = make_batch(np.random.default_rng(2), lengths, Hq=Hq, Hk=Hk, D=D, dtype="bfloat16",
+                   mask=mask, gaps=True)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k, mask=mask,
+                       num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=64,
+                       block_n=64)
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=0.0)
+    got = sm90.forward(plan, b.q, b.k, b.v, pack=int(pack), mods=Mods(mask=mask_mod,
+                                                                       score=score), **kw)
+    _compare(f"sm90a {mask_id}+{score_id} pack={pack} (emulated)", b, got, score, **kw)
+    varlen.check_device_errors()
+    print("ok sm90a")
+
+
+def _case_index_error():
+    """A mask_mod that reads past its aux array: the forward and the backward flag it, and
+    varlen.check_device_errors() raises it (once: the check clears the flag)."""
+    import varlen
+    from emulation.cupy import install_fake_cupy
+    from varlen.backends.cupy import BACKEND
+    from varlen.backends.cupy.mods import MOD_INDEX_ERROR
+    from varlen.mods import Mods
+    from varlen.testing import make_batch
+    install_fake_cupy(64, 64)
+    lengths = [1, 12]
+    mask, mask_mod, _ = _functions("out-of-range", "none", lengths, 2)
+    b = make_batch(np.random.default_rng(3), lengths, Hq=2, Hk=1, D=64, dtype="float16",
+                   mask=mask)
+    plan = varlen.plan(b.cu_q, b.cu_k, mask=mask, block_m=64, block_n=64)
+    kw = dict(softmax_scale=0.125, softcap=0.0)
+    varlen.check_device_errors()
+    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=Mods(mask=mask_mod), **kw)
+    with pytest.raises(IndexError, match="a mask_mod or score_mod read"):
+        varlen.check_device_errors()
+    varlen.check_device_errors()          # cleared
+    BACKEND.backward(plan, b.dout, b.q, b.k, b.v, out, lse, mods=Mods(mask=mask_mod), **kw)
+    with pytest.raises(IndexError, match=MOD_INDEX_ERROR.split(";")[0][:40]):
+        varlen.check_device_errors()
+    print("ok index error")
+
+
+CASES = {"mma": _case_mma, "sm90": _case_sm90, "index-error": _case_index_error}
+
+
+def _main(argv):
+    CASES[argv[0]](*argv[1:])
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# The tests
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.smoke
+@needs_cxx
+def test_mma_prefix_lm_alibi():
+    """Prefix-LM (a per-sequence aux array) and ALiBi (per-head slopes), forward and backward
+    with atomic dQ."""
+    _emulate("mma", "prefix-lm", "alibi", "float16", "0", "64", "False")
+
+
+@needs_cxx
+@pytest.mark.parametrize("mask_id, score_id, dtype, softcap, block_m, deterministic", [
+    pytest.param("chunked", "relative-bias", "bfloat16", "0", "128", "True",
+                 id="chunked-relbias-bf16-BM128-ordered"),
+    pytest.param("segments", "soft-clip", "float16", "5", "64", "False",
+                 id="segments-softclip-softcap-fp16"),
+    pytest.param("causal-builtin", "hide-row", "bfloat16", "0", "64", "False",
+                 id="causal-hiderow-bf16"),
+    pytest.param("window&prefix", "none", "float16", "0", "64", "True",
+                 id="window&prefix-fp16-ordered"),
+])
+def test_mma_gallery(mask_id, score_id, dtype, softcap, block_m, deterministic):
+    _emulate("mma", mask_id, score_id, dtype, softcap, block_m, deterministic)
+
+
+@needs_cxx
+def test_sm90a_forward_packed_heads():
+    """The sm_90a forward, two query heads packed per position: segments (a per-token aux
+    array) and a relative bias table indexed by the packed row's own head."""
+    _emulate("sm90", "segments", "relative-bias", "2")
+
+
+@needs_cxx
+def test_out_of_range_aux_index_is_recorded():
+    _emulate("index-error")
+
+
+def test_implementations_say_what_they_refuse():
+    """No aux gradients anywhere; no user functions in the sm_90a backward; the family and
+    cupy:mma run mask_mod and score_mod forward and backward (the device questions answered
+    by a stand-in H100)."""
+    import varlen
+    from varlen.backends.base import Problem
+    from varlen.backends.cupy import BACKEND, DeviceInfo
+    from varlen.mods import Mods
+    mask = varlen.MaskMod(lambda b, q, k: k <= q)
+    score = varlen.ScoreMod(lambda s, b, h, q, k, t: s + t[h], np.zeros(4, np.float32))
+    mma, sm90a = BACKEND.implementation("mma"), BACKEND.implementation("sm90a")
+
+    class Backward(Problem):
+        grads = ()
+    fwd = Problem("float16", 64, 64, True, Mods(mask=mask, score=score))
+    bwd = Backward("float16", 64, 64, True, Mods(mask=mask, score=score))
+    grads = Backward("float16", 64, 64, True, Mods(score=score, aux_grads=True))
+    with BACKEND.stand_in_device(DeviceInfo((9, 0), 227 * 1024, "H100")):
+        for b in (BACKEND, mma):
+            assert b.supports_mods(fwd) is None and b.supports_mods(bwd) is None, b
+            assert "aux_grads=True" in b.supports_mods(grads), b
+        assert sm90a.supports_mods(fwd) is None
+        assert "sm_90a backward does not run a mask_mod or score_mod" in sm90a.supports_mods(bwd)
+        assert "backend='cupy'" in sm90a.supports_mods(bwd)
+        many = varlen.MaskMod(lambda b, q, k, *a: k <= q, *[np.zeros(1, np.int32)] * 9)
+        assert "at most 8 aux arrays" in mma.supports_mods(
+            Problem("float16", 64, 64, True, Mods(mask=many)))
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
