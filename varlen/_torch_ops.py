@@ -12,23 +12,32 @@ import torch
 from ._api import attention_backward, attention_forward
 from ._setup import static_scalars
 from ._validate import check_metadata_devices, check_specs, set_validation, validation_mode
-from .masks import MASK_FIELDS, Mask, as_mask
+from .masks import MASK_FIELDS, Mask
+from .mods import MaskMod, ScoreMod, split_mask
+from .mods.text import graph_from_text, graph_text
 from .plan import Plan
 
 __all__ = ["varlen_attention", "context_parallel_attention"]
 
 # The op arguments after the data arrays: metadata tensors, the mask as `Mask.parts` splits it
-# (a tensor where given, else the int), the scalars of `_setup.static_scalars`, and
-# the key of the call's plan in `_PLANS` (0: none).
+# (a tensor where given, else the int), the scalars of `_setup.static_scalars`, the key of the
+# call's plan in `_PLANS` (0: none), then the user functions: each MaskMod / ScoreMod as the
+# text of its graph (`varlen.mods.text`: self-contained, so a compiled graph holds no Python
+# object) and its aux tensors (None: no such function).
 _META = (("cu_seqlens_q", "Tensor"), ("cu_seqlens_k", "Tensor"),
          ("seq_offsets_q", "Tensor?"), ("seq_offsets_k", "Tensor?"),
          *((name, "Tensor?") for name in MASK_FIELDS),
          *((f"{name}_int", "int") for name in MASK_FIELDS),
          ("softmax_scale", "float?"), ("softcap", "float"), ("max_seqlen_q", "int?"),
          ("max_seqlen_k", "int?"), ("backend", "str?"), ("deterministic", "bool"),
-         ("plan", "int"))
-_META_SCHEMA = ", ".join(f"{kind} {name}" for name, kind in _META)
+         ("plan", "int"), ("mask_mod", "str?", "None"), ("mask_aux", "Tensor[]?", "None"),
+         ("score_mod", "str?", "None"), ("score_aux", "Tensor[]?", "None"))
+_META_SCHEMA = ", ".join(f"{kind} {name}" + (f"={d[0]}" if d else "")
+                         for name, kind, *d in _META)
+_META_NAMES = tuple(name for name, *_ in _META)
 _NUM_META = len(_META)
+# Where the score_mod's aux tensors sit among the op's inputs (after q, k, v).
+_SCORE_AUX = 3 + _META_NAMES.index("score_aux")
 
 _NO_DOUBLE_BACKWARD = (
     "varlen.torch.varlen_attention has first-order gradients only (loss.backward(), "
@@ -79,14 +88,40 @@ def _plan_of(key: int):
 # The custom ops
 # --------------------------------------------------------------------------------------------
 
+def _padded(meta) -> list:
+    """The metadata arguments with the trailing ones PyTorch leaves out when they hold their
+    default (None) put back."""
+    return list(meta) + [None] * (_NUM_META - len(meta))
+
+
 def _keywords(meta) -> dict:
     """The core API's keyword arguments from the op's metadata arguments."""
-    kw = dict(zip((name for name, _ in _META), meta))
+    kw = dict(zip(_META_NAMES, _padded(meta)))
     arrays = [kw.pop(name) for name in MASK_FIELDS]
     ints = [kw.pop(f"{name}_int") for name in MASK_FIELDS]
-    kw["mask"] = Mask.from_parts(arrays, ints)
+    base = Mask.from_parts(arrays, ints)
+    mask_mod = _mod_of(MaskMod, kw.pop("mask_mod"), kw.pop("mask_aux"))
+    if mask_mod is not None:
+        mask_mod.base = base
+    kw["mask"] = base if mask_mod is None else mask_mod
+    kw["score_mod"] = _mod_of(ScoreMod, kw.pop("score_mod"), kw.pop("score_aux"))
     kw["plan"] = _plan_of(kw["plan"])
     return kw
+
+
+def _mod_of(cls, text, aux):
+    """The MaskMod / ScoreMod an op argument pair stands for (None: none)."""
+    if text is None:
+        return None
+    return cls(None, *(aux or ()), _graph=graph_from_text(text))
+
+
+def _float_aux(text, aux) -> list:
+    """The score_mod's float aux tensors: those the backward op returns gradients of."""
+    if text is None:
+        return []
+    kinds = [kind for kind, _, _ in graph_from_text(text).aux]
+    return [a for a, kind in zip(aux or (), kinds) if kind == "float"]
 
 
 def _on_device_of(x: torch.Tensor):
@@ -120,7 +155,7 @@ def _check_fake(q, k, v, meta):
     """The setup step's data-free checks, on fake or meta tensors while PyTorch traces."""
     kw = _keywords(meta)
     check_specs(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seq_offsets_q"],
-                kw["seq_offsets_k"], kw["mask"])
+                kw["seq_offsets_k"], split_mask(kw["mask"])[0])
 
 
 @_forward_op.register_fake
@@ -133,43 +168,101 @@ def _forward_fake(q, k, v, *meta):
 
 @torch.library.custom_op("varlen::attention_backward", mutates_args=(),
                          schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
-                                f"Tensor lse, {_META_SCHEMA}) -> (Tensor, Tensor, Tensor)")
-def _backward_op(dout, q, k, v, out, lse, *meta):
+                                f"Tensor lse, {_META_SCHEMA}, bool aux_grads=False) -> "
+                                f"(Tensor, Tensor, Tensor, Tensor[])")
+def _backward_op(dout, q, k, v, out, lse, *meta_and_flag):
+    meta, aux_grads = _meta_and_flag(meta_and_flag)
+    kw = _keywords(meta)
     with _on_device_of(q):
-        grads = attention_backward(dout, q, k, v, out, lse, **_keywords(meta))
-    return tuple(g.contiguous() for g in grads)
+        dq, dk, dv, *rest = attention_backward(dout, q, k, v, out, lse, **kw,
+                                               aux_grads=aux_grads)
+    # aux_grads: float32 gradients of the score_mod's float aux tensors, in order (a float aux
+    # the function never reads has a zero gradient).
+    daux = []
+    if aux_grads:
+        for a, g in zip(kw["score_mod"].aux, rest[0]):
+            if a.is_floating_point():
+                daux.append(torch.zeros(a.shape, dtype=torch.float32, device=a.device)
+                            if g is None else g.contiguous())
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), daux
+
+
+def _meta_and_flag(args) -> tuple:
+    """The backward op's metadata arguments and its `aux_grads` flag (False when left out)."""
+    args = _padded(args[:_NUM_META]) + list(args[_NUM_META:])
+    return args[:_NUM_META], bool(args[_NUM_META]) if len(args) > _NUM_META else False
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, q, k, v, out, lse, *meta):
+def _backward_fake(dout, q, k, v, out, lse, *meta_and_flag):
+    meta, aux_grads = _meta_and_flag(meta_and_flag)
     _check_fake(q, k, v, meta)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    kw = dict(zip(_META_NAMES, meta))
+    daux = [a.new_empty(a.shape, dtype=torch.float32)
+            for a in _float_aux(kw["score_mod"], kw["score_aux"])] if aux_grads else []
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), daux
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *meta = inputs
+    meta = _padded(meta)
     out, lse = output
-    tensors = [i for i, x in enumerate(meta) if isinstance(x, torch.Tensor)]
-    ctx.save_for_backward(q, k, v, out, lse, *(meta[i] for i in tensors))
-    ctx.tensor_meta = tensors
-    ctx.meta = [None if i in tensors else x for i, x in enumerate(meta)]
+    # Tensors (alone or in a list) are saved; the other arguments are kept as they are.
+    tensors, ctx.meta = [], []
+    for x in meta:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            ctx.meta.append(_Saved(1, False))
+        elif isinstance(x, (list, tuple)):
+            tensors.extend(x)
+            ctx.meta.append(_Saved(len(x), True))
+        else:
+            ctx.meta.append(x)
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
     # The backward may run on another thread (autograd's device threads): it keeps the
     # forward's validation mode, and the plan alive.
     ctx.validation = validation_mode()
-    ctx.plan = _plan_of(meta[-1])
+    ctx.plan = _plan_of(meta[_META_NAMES.index("plan")])
     # lse is returned for inspection and LSE merging; it carries no gradient.
     ctx.mark_non_differentiable(lse)
 
 
+class _Saved:
+    """A place in `ctx.meta` whose tensors (`count`, a list if `is_list`) were saved."""
+
+    def __init__(self, count: int, is_list: bool):
+        self.count, self.is_list = count, is_list
+
+
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, *saved = ctx.saved_tensors
-    meta = list(ctx.meta)
-    for i, x in zip(ctx.tensor_meta, saved):
-        meta[i] = x
+    meta = []
+    for x in ctx.meta:
+        if isinstance(x, _Saved):
+            taken, saved = saved[:x.count], saved[x.count:]
+            x = list(taken) if x.is_list else taken[0]
+        meta.append(x)
+    # Gradients of the score_mod's float aux tensors that require one (learnable biases).
+    score_aux = meta[_META_NAMES.index("score_aux")] or []
+    needs = ctx.needs_input_grad
+    wants = (needs[_SCORE_AUX] if len(needs) > _SCORE_AUX else None) or [False] * len(score_aux)
+    aux_grads = any(w and a.is_floating_point() for w, a in zip(wants, score_aux))
     # The incoming gradient may be an expanded (stride-0) view, e.g. from `out.sum()`.
     with set_validation(ctx.validation):
-        dq, dk, dv = _backward_op(dout.contiguous(), q, k, v, out, lse, *meta)
-    return (dq, dk, dv) + (None,) * _NUM_META
+        dq, dk, dv, daux = _backward_op(dout.contiguous(), q, k, v, out, lse, *meta,
+                                        aux_grads)
+    # One gradient per input, a list for a list of tensors (the structure of the inputs).
+    grads = [[None] * x.count if isinstance(x, _Saved) and x.is_list else None
+             for x in ctx.meta]
+    if aux_grads:
+        daux = iter(daux)           # one float32 gradient per float aux, in order
+        aux_grad = grads[_SCORE_AUX - 3]
+        for i, (a, wanted) in enumerate(zip(score_aux, wants)):
+            if a.is_floating_point():
+                g = next(daux)
+                aux_grad[i] = g.to(a.dtype) if wanted else None
+    # PyTorch leaves trailing arguments that hold their default out of the inputs.
+    return (dq, dk, dv, *grads)[:len(needs)]
 
 
 def _no_context(ctx, inputs, output):
@@ -215,11 +308,40 @@ def _autocast(q, k, v):
                  for x in (q, k, v))
 
 
+def _mod_operands(q, mod, cls, role: str) -> tuple:
+    """`(graph text, aux tensors)` of a MaskMod / ScoreMod for the op (None, None: none), its
+    aux checked to be tensors on q's device, of the dtypes and ranks the function was traced
+    with (data-free, so it runs while torch.compile traces)."""
+    if mod is None:
+        return None, None
+    if not isinstance(mod, cls):
+        raise TypeError(f"{role} must be a varlen.{cls.__name__} or None, got "
+                        f"{type(mod).__name__}")
+    named = [(f"{role} aux argument {i}", a) for i, a in enumerate(mod.aux)]
+    for name, a in named:
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"{name} is a {type(a).__module__}.{type(a).__name__}; "
+                            f"varlen.torch takes aux arrays as torch tensors on q's device "
+                            f"({q.device})")
+        # (compared here, not by check_together, which dynamo cannot trace for a Parameter)
+        if a.device != q.device:
+            raise ValueError(f"{name} is on {a.device} but q is on {q.device}; aux arrays "
+                             f"must live on q's device")
+    for (name, a), (kind, ndim, dtype) in zip(named, mod.graph.aux):
+        got = str(a.dtype).removeprefix("torch.")
+        if a.dim() != ndim or got != dtype:
+            raise TypeError(f"{name} is a {a.dim()}-D {got} tensor but {role} was traced with "
+                            f"a {ndim}-D {dtype} array; build it (or with_aux) with the "
+                            f"tensors it runs on")
+    return graph_text(mod.graph), list(mod.aux)
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
-                     plan=None, return_lse=False):
-    """Attention over a packed variable-length batch, differentiable in q, k and v.
+                     plan=None, return_lse=False, score_mod=None):
+    """Attention over a packed variable-length batch, differentiable in q, k and v, and in
+    the float aux tensors of a `score_mod` that require grad.
 
     Args:
         q: `[Tq, Hq, D]` tensor, float16, bfloat16, float32 (float64 on the CPU).
@@ -234,7 +356,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
             0 and gradient 0, and never a key.
         mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask`, whose fields
             are ints or int32/bool `[B]` tensors (a policy per sequence); the `varlen.Mask`
-            docstring draws what query i sees for Lq != Lk.
+            docstring draws what query i sees for Lq != Lk. Or a `varlen.MaskMod(fn, *aux)`
+            (`Mask(...) & MaskMod(...)`): `fn(b, q_idx, k_idx, *aux)` says which pairs are
+            visible, positions counted from each sequence's first row; aux are tensors on
+            q's device.
         softmax_scale: float scaling `q @ k^T`, `1/sqrt(D)` when None.
         softcap: float; when > 0, scores go through `softcap * tanh(scores / softcap)`.
         max_seqlen_q, max_seqlen_k: optional ints bounding the lengths (smaller tile tables;
@@ -248,6 +373,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
             layers. Under torch.compile a plan is a constant of the graph, guarded by identity:
             pass the same Plan object every step (each new one recompiles) or None.
         return_lse: return `(out, lse)` instead of `out`.
+        score_mod: a `varlen.ScoreMod(fn, *aux)`: each visible pair's scaled (and softcapped)
+            score becomes `fn(score, b, h, q_idx, k_idx, *aux)` before the softmax (-inf hides
+            the pair). Aux are tensors on q's device; a float aux that requires grad (learnable
+            ALiBi slopes, a relative bias table) gets its gradient, accumulated in float32
+            and cast to its dtype; int and bool aux get none.
 
     Returns:
         out: `[Tq, Hq, Dv]` in q's dtype, on q's device.
@@ -258,6 +388,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     Under `torch.autocast`, q, k and v are cast to the autocast dtype first (float64 stays),
     like the inputs of a matmul. Gradients are first order: double backward and `torch.func`
     transforms that differentiate raise NotImplementedError.
+
+    Under `torch.compile(fullgraph=True)` a MaskMod or ScoreMod enters the graph as the text
+    of its traced expression and its aux tensors as inputs: a new MaskMod / ScoreMod object of
+    the same function each step (new aux values, same dtypes and ranks) reuses the compiled
+    graph. Build it outside the compiled function (tracing a function inside it is not
+    supported), or derive it inside with `mod.with_aux(new_tensors)`.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -265,16 +401,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     if not torch.compiler.is_compiling() and _under_func_transform(q, k, v):
         raise NotImplementedError(_NO_FUNC_TRANSFORMS)
     q, k, v = _autocast(q, k, v)
+    base, mask_mod = split_mask(mask)
     # The op dispatches on all its tensors: one on the meta device would run the fake
     # implementation on real data, so every metadata device is checked first.
-    check_metadata_devices(q, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
-                           as_mask(mask))
+    check_metadata_devices(q, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, base)
+    mods = (*_mod_operands(q, mask_mod, MaskMod, "mask_mod"),
+            *_mod_operands(q, score_mod, ScoreMod, "score_mod"))
     meta = [_as_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k)]
-    arrays, ints = as_mask(mask).parts()
+    arrays, ints = base.parts()
     scalars = static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,
                              deterministic)
     out, lse = _forward_op(q, k, v, *meta, *map(_as_tensor, arrays), *ints, *scalars,
-                           _plan_key(plan))
+                           _plan_key(plan), *mods)
     return (out, lse) if return_lse else out
 
 

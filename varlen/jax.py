@@ -18,8 +18,10 @@ platform when the computation is lowered (`jax.lax.platform_dependent`):
 The adapter holds no attention math and checks nothing itself: the setup step's data-free
 checks run on the (possibly traced) arrays while tracing, its value checks inside the call.
 Metadata (`cu_seqlens`, offsets, per-sequence mask arrays) travels as integer operands of the
-custom VJP and gets `float0` (zero) cotangents; the scalar settings and the plan are a hashable
-static argument. See `docs/frameworks.md`.
+custom VJP and gets `float0` (zero) cotangents; the scalar settings, the plan and the text of a
+MaskMod's or ScoreMod's graph are a hashable static argument, their aux arrays operands (a
+ScoreMod's float ones differentiable). MaskMod and ScoreMod are pytrees. See
+`docs/frameworks.md`.
 
 `context_parallel_attention` runs inside `jax.shard_map`: varlen.comm's ring, all-gather and
 Ulysses methods with `lax.ppermute`, `all_gather`, `psum_scatter` and `all_to_all`, each kernel
@@ -36,13 +38,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ._api import attention_backward, attention_forward
 from ._setup import static_scalars
 from ._validate import (as_index_array, as_policy_array, check_qkv, check_specs,
-                        scale_and_softcap)
+                        check_together, scale_and_softcap)
 from .masks import MASK_FIELDS, Mask, as_mask
-from .mods import Mods, ScoreMod, split_mask
+from .mods import MaskMod, Mods, ScoreMod, split_mask
+from .mods.graph import _dtype_name
+from .mods.text import graph_from_text, graph_text
 from .plan import Plan
 
 __all__ = ["varlen_attention", "context_parallel_attention"]
@@ -60,12 +65,22 @@ class _Static:
     backend: str | None
     deterministic: bool
     plan: object                # a varlen.Plan (hashed by identity) or None
+    # The user functions as the text of their graphs (`varlen.mods.text`; None: none), so
+    # two calls with functions that trace alike share a trace.
+    mask_mod: str | None = None
+    score_mod: str | None = None
 
-    def keywords(self, meta):
-        """The keyword arguments of the core API for metadata `meta` (working arrays)."""
+    def keywords(self, meta, mask_aux=(), score_aux=()):
+        """The keyword arguments of the core API for metadata `meta` and the user functions'
+        aux arrays (working arrays)."""
         cu_q, cu_k, off_q, off_k, *mask_arrays = meta
+        mask = Mask.from_parts(mask_arrays, self.mask_ints)
+        if self.mask_mod is not None:
+            mask = MaskMod(None, *mask_aux, _graph=graph_from_text(self.mask_mod), base=mask)
+        score_mod = None if self.score_mod is None else ScoreMod(
+            None, *score_aux, _graph=graph_from_text(self.score_mod))
         return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_offsets_q=off_q,
-                    seq_offsets_k=off_k, mask=Mask.from_parts(mask_arrays, self.mask_ints),
+                    seq_offsets_k=off_k, mask=mask, score_mod=score_mod,
                     softmax_scale=self.softmax_scale, softcap=self.softcap,
                     max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
                     backend=self.backend, plan=self.plan)
@@ -194,43 +209,74 @@ def _dispatch(fn, result_shapes, *args):
                                       default=host)
 
 
-def _forward(static: _Static, q, k, v, meta):
+def _forward(static: _Static, q, k, v, meta, mask_aux=(), score_aux=()):
     Tq, Hq, _ = q.shape
     lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     shapes = (jax.ShapeDtypeStruct((Tq, Hq, v.shape[2]), q.dtype),
               jax.ShapeDtypeStruct((Hq, Tq), lse_dtype))
 
-    def fn(q, k, v, meta):
-        return attention_forward(q, k, v, **static.keywords(meta))
-    axes = frozenset().union(*map(_varying_axes, jax.tree.leaves((q, k, v, meta))))
-    return tuple(_vary(r, axes) for r in _dispatch(fn, shapes, q, k, v, meta))
+    def fn(q, k, v, meta, mask_aux, score_aux):
+        return attention_forward(q, k, v, **static.keywords(meta, mask_aux, score_aux))
+    args = (q, k, v, meta, mask_aux, score_aux)
+    axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(args)))
+    return tuple(_vary(r, axes) for r in _dispatch(fn, shapes, *args))
 
 
-def _backward(static: _Static, dout, q, k, v, out, lse, meta):
+def _backward(static: _Static, dout, q, k, v, out, lse, meta, mask_aux=(), score_aux=(),
+              aux_grads=False):
+    """`(dq, dk, dv)`, and with `aux_grads` a fourth result: float32 gradients of the float
+    arrays among `score_aux`, in order."""
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    floats = [i for i, a in enumerate(score_aux) if _floating(a)] if aux_grads else []
+    shapes += tuple(jax.ShapeDtypeStruct(score_aux[i].shape, jnp.float32) for i in floats)
 
-    def fn(dout, q, k, v, out, lse, meta):
-        return attention_backward(dout, q, k, v, out, lse, **static.keywords(meta),
-                                  deterministic=static.deterministic)
-    return _dispatch(fn, shapes, dout, q, k, v, out, lse, meta)
+    def fn(dout, q, k, v, out, lse, meta, mask_aux, score_aux):
+        grads = attention_backward(dout, q, k, v, out, lse,
+                                   **static.keywords(meta, mask_aux, score_aux),
+                                   deterministic=static.deterministic, aux_grads=bool(floats))
+        daux = tuple(grads[3][i] for i in floats) if floats else ()
+        # A float aux the function never reads has a zero gradient.
+        daux = tuple(np.zeros(s.shape, s.dtype) if g is None else g
+                     for g, s in zip(daux, shapes[3:]))
+        return (*grads[:3], *daux)
+    dq, dk, dv, *daux = _dispatch(fn, shapes, dout, q, k, v, out, lse, meta, mask_aux,
+                                  score_aux)
+    return (dq, dk, dv, tuple(daux)) if aux_grads else (dq, dk, dv)
+
+
+def _floating(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 # --------------------------------------------------------------------------------------------
 # The custom VJP
 # --------------------------------------------------------------------------------------------
 
+# Symbolic zeros tell the forward rule whether the score_mod's aux arrays are differentiated:
+# their gradients are computed only then.
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, meta):
-    return _forward(static, q, k, v, meta)
+def _attention(static, q, k, v, meta, mask_aux, score_aux):
+    return _forward(static, q, k, v, meta, mask_aux, score_aux)
 
 
-def _attention_fwd(static, q, k, v, meta):
-    out, lse = _forward(static, q, k, v, meta)
-    return (out, lse), (q, k, v, out, lse, meta)
+def _attention_fwd(static, *primals):
+    # symbolic_zeros: every leaf comes as a CustomVJPPrimal (its value, whether it is perturbed)
+    wanted = any(p.perturbed and _floating(p.value) for p in jax.tree.leaves(
+        primals[-1], is_leaf=lambda x: isinstance(x, CustomVJPPrimal)))
+    q, k, v, meta, mask_aux, score_aux = jax.tree.map(
+        lambda p: p.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    out, lse = _forward(static, q, k, v, meta, mask_aux, score_aux)
+    return (out, lse), (q, k, v, out, lse, meta, mask_aux, score_aux, wanted)
 
 
 def _float0_like(x):
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+def _zero_cotangent(x):
+    """The cotangent of an input that gets no gradient: float0 for integers and bools, zeros
+    for floats."""
+    return jnp.zeros(x.shape, x.dtype) if _floating(x) else _float0_like(x)
 
 
 def _vary(x, axes):
@@ -256,14 +302,67 @@ def _varying_axes(x) -> frozenset:
 
 
 def _attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, meta = residuals
+    q, k, v, out, lse, meta, mask_aux, score_aux, wanted = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
-    dq, dk, dv = _backward(static, dout, q, k, v, out, lse, meta)
+    if isinstance(dout, SymbolicZero):
+        dout = jnp.zeros(out.shape, out.dtype)
+    dq, dk, dv, *daux = _backward(static, dout, q, k, v, out, lse, meta, mask_aux, score_aux,
+                                  aux_grads=wanted)
     dq, dk, dv = (_vary(g, _varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return dq, dk, dv, jax.tree.map(_float0_like, meta)
+    # Gradients of the float aux arrays (float32 accumulation, in their dtype); int and bool
+    # aux arrays get float0 cotangents, as JAX wants for them.
+    daux = iter(daux[0] if daux else ())
+    score_cot = tuple(_vary(next(daux).astype(a.dtype), _varying_axes(a))
+                      if wanted and _floating(a) else _zero_cotangent(a) for a in score_aux)
+    return (dq, dk, dv, jax.tree.map(_float0_like, meta),
+            tuple(map(_zero_cotangent, mask_aux)), score_cot)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+# --------------------------------------------------------------------------------------------
+# MaskMod and ScoreMod as pytrees
+# --------------------------------------------------------------------------------------------
+
+class _ModDef:
+    """A MaskMod / ScoreMod without its arrays (the pytree node's static part): equal, and
+    hashed, by its class, the text of its graph and its base mask's ints, so a new object of
+    the same function is the same tree structure."""
+
+    def __init__(self, mod, base_ints):
+        self.template = mod.with_aux(())
+        if isinstance(mod, MaskMod):
+            self.template.base = None
+        self.key = (type(mod), graph_text(mod.graph), base_ints)
+
+    def __eq__(self, other):
+        return isinstance(other, _ModDef) and self.key == other.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __repr__(self):
+        return f"{self.key[0].__name__}({self.template.graph.digest}, base={self.key[2]})"
+
+
+def _flatten_mod(mod):
+    base = getattr(mod, "base", None)
+    arrays, ints = base.parts() if base is not None else ((), None)
+    return (mod.aux, arrays), _ModDef(mod, ints)
+
+
+def _unflatten_mod(definition: _ModDef, children):
+    aux, arrays = children
+    mod = definition.template.with_aux(aux)
+    ints = definition.key[2]
+    if ints is not None:
+        mod.base = Mask.from_parts(arrays, ints)
+    return mod
+
+
+for _cls in (MaskMod, ScoreMod):
+    jax.tree_util.register_pytree_node(_cls, _flatten_mod, _unflatten_mod)
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,11 +386,45 @@ def _operands(layout: dict, mask_arrays, batch: int) -> tuple:
               for name, a in zip(MASK_FIELDS, mask_arrays)))
 
 
+def _mod_operands(q, mod, cls, role: str) -> tuple:
+    """`(graph text, aux arrays)` of a MaskMod / ScoreMod for the VJP (None, (): none); its
+    aux JAX arrays (NumPy ones converted) of the dtypes and ranks it was traced with."""
+    if mod is None:
+        return None, ()
+    if not isinstance(mod, cls):
+        raise TypeError(f"{role} must be a varlen.{cls.__name__} or None, got "
+                        f"{type(mod).__name__}")
+    named = []
+    for i, a in enumerate(mod.aux):
+        name = f"{role} aux argument {i}"
+        if isinstance(a, np.ndarray):
+            a = jnp.asarray(a)
+        elif not isinstance(a, jax.Array):
+            raise TypeError(f"{name} is a {type(a).__module__}.{type(a).__name__}; "
+                            f"varlen.jax takes aux arrays as JAX (or NumPy) arrays")
+        named.append((name, a))
+    check_together([("q", q), *named])
+    aux = [a for _, a in named]
+    for (name, a), (_, ndim, dtype) in zip(named, mod.graph.aux):
+        if (a.ndim, _dtype_name(a)) == (ndim, dtype):
+            continue
+        if mod.fn is None:
+            raise TypeError(f"{name} is a {a.ndim}-D {_dtype_name(a)} array but {role} was "
+                            f"traced with a {ndim}-D {dtype} array; build it (or with_aux) "
+                            f"with the arrays it runs on")
+        # JAX's conversion changes 64-bit NumPy arrays without x64 (also on the way into
+        # jax.jit): the function is traced again over the arrays it runs on.
+        mod = cls(mod.fn, *aux)
+        break
+    return graph_text(mod.graph), tuple(aux)
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
-                     plan=None, return_lse=False):
-    """Attention over a packed variable-length batch, differentiable in q, k and v.
+                     plan=None, return_lse=False, score_mod=None):
+    """Attention over a packed variable-length batch, differentiable in q, k and v, and in
+    the float aux arrays of a `score_mod`.
 
     Works eagerly and under `jax.jit`, `jax.grad`, `jax.vjp` and `jax.vmap`; the metadata may be
     traced.
@@ -311,7 +444,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
             gradient 0, never a key).
         mask: `"full"`, `"causal"`, `"causal_bottom_right"` or a `varlen.Mask` with ints or
             int32/bool `[B]` arrays as fields (one policy per sequence; traced arrays are
-            data). See `varlen.Mask` for what each query sees when Lq != Lk, drawn.
+            data). See `varlen.Mask` for what each query sees when Lq != Lk, drawn. Or a
+            `varlen.MaskMod(fn, *aux)` (`Mask(...) & MaskMod(...)`): `fn(b, q_idx, k_idx,
+            *aux)` says which pairs are visible, positions counted from each sequence's first
+            row; aux are JAX (or NumPy) arrays, traced or not.
         softmax_scale: float multiplying `q @ k^T`; None means `1/sqrt(D)`.
         softcap: float; above 0 the scores become `softcap * tanh(scores / softcap)`.
         max_seqlen_q, max_seqlen_k: optional Python ints bounding the lengths.
@@ -322,12 +458,24 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         plan: optional `varlen.plan(...)` of this layout and mask, reused across calls and
             layers; a static argument (a new Plan object is a new trace under `jax.jit`).
         return_lse: return `(out, lse)` instead of `out`.
+        score_mod: a `varlen.ScoreMod(fn, *aux)`: each visible pair's scaled (and softcapped)
+            score becomes `fn(score, b, h, q_idx, k_idx, *aux)` before the softmax (-inf hides
+            the pair). Its float aux arrays are differentiable (float32 accumulation, the
+            gradient in the aux's dtype, computed only when differentiated); int and bool aux
+            get float0 cotangents.
 
     Returns:
         out: `[Tq, Hq, Dv]` in q's dtype.
         lse (with `return_lse=True`): `[Hq, Tq]` float32 (float64 for float64 inputs), the
             natural log of the sum of exp of each query's scores; `-inf` on padding rows and
             for queries that see no key (their output is 0, not NaN). It has no gradient.
+
+    MaskMod and ScoreMod are pytrees (their aux arrays the leaves, the traced function the
+    structure, compared by the text of its graph), so they go into a jitted function as
+    ordinary arguments: a new object of the same function each step, over new arrays of the
+    same shapes and dtypes, reuses the trace. Built inside a jitted function from traced
+    arrays they are traced with it. As `static_argnums` they hash by identity (each new
+    object retraces, and its aux arrays become constants).
 
     Shape and dtype errors are raised while tracing. Value checks of the metadata (monotone
     `cu_seqlens`, offsets that fit) need the values: on concrete arrays the call raises the
@@ -339,17 +487,21 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    mask = as_mask(mask)
+    mask, mask_mod = split_mask(mask)
     layout = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k)
     batch = check_specs(q, k, v, *layout.values(), mask)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a varlen.Plan from varlen.plan(), got "
                         f"{type(plan).__name__}")
+    mask_text, mask_aux = _mod_operands(q, mask_mod, MaskMod, "mask_mod")
+    score_text, score_aux = _mod_operands(q, score_mod, ScoreMod, "score_mod")
     arrays, ints = mask.parts()
     static = _Static(ints, *static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k,
-                                           backend, deterministic), plan)
-    out, lse = _attention(static, q, k, v, _operands(layout, arrays, batch))
+                                           backend, deterministic), plan, mask_text,
+                     score_text)
+    out, lse = _attention(static, q, k, v, _operands(layout, arrays, batch), mask_aux,
+                          score_aux)
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out
 

@@ -8,7 +8,9 @@ Two custom ops carry the work, `torch.ops.varlen.attention_forward` and
 `torch.ops.varlen.attention_backward`; both call the validated public functions
 (`varlen.attention_forward` / `varlen.attention_backward`), whose setup step checks the call, and
 hold no attention math. The wrapper only turns its arguments into what the op schema takes
-(tensors, the mask split into tensors and ints, plain scalars, a plan key); the fake
+(tensors, the mask split into tensors and ints, plain scalars, a plan key, and a MaskMod or
+ScoreMod as the text of its graph beside a list of its aux tensors, whose float ones get
+gradients when they require grad); the fake
 implementations run the setup step's data-free checks, so a bad call fails while
 `torch.compile(fullgraph=True)` traces it, and give the output shapes and dtypes.
 

@@ -11,8 +11,9 @@ Same arguments, defaults, layouts and return values as `flash_attn.flash_attn_va
 corner, `window_size=(left, right)` counts keys around that diagonal, K/V may have fewer heads
 (GQA/MQA), `softmax_lse` is `[H, total_q]` (varlen) or `[B, H, S]` (padded) float32. The
 difference: a query that sees no key gets lse `-inf` (FlashAttention 3's value; FlashAttention 2
-writes `+inf`); its output is 0 in both. Attention dropout and ALiBi are not implemented and
-raise `NotImplementedError`. Besides float16/bfloat16 (FlashAttention's dtypes), float32 works
+writes `+inf`); its output is 0 in both. `alibi_slopes` runs as a ScoreMod
+(`varlen.mods.alibi`) with FlashAttention 2's bias; attention dropout is not implemented and
+raises `NotImplementedError`. Besides float16/bfloat16 (FlashAttention's dtypes), float32 works
 everywhere and float64 on the CPU. See `docs/dropin.md`.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from ..masks import Mask
+from ..mods import alibi
 from .._torch_ops import varlen_attention as _varlen_attention
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_func", "fa_mask"]
@@ -47,14 +49,38 @@ def fa_mask(causal=False, window_size=(-1, -1)) -> Mask:
     return Mask(window_left=left, window_right=0 if causal else right, bottom_right=True)
 
 
-def _unsupported(dropout_p, alibi_slopes) -> None:
+def _unsupported(dropout_p) -> None:
     if dropout_p != 0:
         raise NotImplementedError(
             f"dropout_p={dropout_p}: varlen has no attention dropout; pass dropout_p=0.0 "
             f"(FlashAttention's value for evaluation) or apply dropout outside attention")
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            "alibi_slopes: varlen has no ALiBi bias; pass alibi_slopes=None")
+
+
+# ALiBi's functions traced once (slopes [H] or [B, H] float32, shifts int32): a call puts its
+# tensors in with `with_aux`, which torch.compile traces (tracing a function it does not).
+_ALIBI = {ndim: alibi(np.zeros((1,) * ndim, np.float32), np.zeros(1, np.int32))
+          for ndim in (1, 2)}
+
+
+def _alibi(alibi_slopes, q, batch: int, shift):
+    """The ScoreMod of FlashAttention 2's `alibi_slopes` (None: none) for a batch of `batch`
+    sequences whose key and query lengths differ by `shift` (`Lk - Lq`, int32 `[B]`). The
+    slopes get no gradient, as in FlashAttention."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor, got "
+                        f"{type(alibi_slopes).__name__}")
+    H = q.shape[-2]
+    if tuple(alibi_slopes.shape) not in ((H,), (batch, H)):
+        raise ValueError(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected "
+                         f"({H},) or ({batch}, {H}) (nheads of q, batch)")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32 (FlashAttention's dtype), got "
+                        f"{alibi_slopes.dtype}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
+    return _ALIBI[alibi_slopes.dim()].with_aux((alibi_slopes.detach(), shift))
 
 
 def _bound(max_seqlen):
@@ -95,7 +121,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         causal: bool, bottom-right aligned causal mask.
         window_size: `(left, right)` ints; `(-1, -1)` is no window.
         softcap: float; if > 0, scores become `softcap * tanh(scores / softcap)`.
-        alibi_slopes: must be None (`NotImplementedError`).
+        alibi_slopes: optional `[Hq]` or `[B, Hq]` float32 tensor on q's device: the score of
+            query i and key j of sequence b at head h gets the bias
+            `-alibi_slopes[(b,) h] * |i + Lk[b] - Lq[b] - j|` (after the softmax scale and the
+            softcap), causal or not, as FlashAttention 2 documents it. No gradient flows into
+            the slopes (as in FlashAttention; `varlen.torch.varlen_attention` with a
+            `varlen.ScoreMod` learns them).
         deterministic: bool, bitwise-repeatable backward.
         return_attn_probs: also return `softmax_lse` and, in the place of FlashAttention's
             dropout pattern, None.
@@ -105,11 +136,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         `(out, softmax_lse, None)` with `softmax_lse` `[Hq, total_q]` float32 (float64 for
         float64 inputs), natural log, no gradient.
     """
-    _unsupported(dropout_p, alibi_slopes)
+    _unsupported(dropout_p)
+    score_mod = None
+    if alibi_slopes is not None:
+        cu_q, cu_k = (torch.as_tensor(x, device=q.device) for x in (cu_seqlens_q, cu_seqlens_k))
+        shift = ((cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])).to(torch.int32)
+        score_mod = _alibi(alibi_slopes, q, cu_q.shape[0] - 1, shift)
     out, lse = _varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, mask=fa_mask(causal, window_size),
         softmax_scale=softmax_scale, softcap=softcap, max_seqlen_q=_bound(max_seqlen_q),
-        max_seqlen_k=_bound(max_seqlen_k), deterministic=deterministic, return_lse=True)
+        max_seqlen_k=_bound(max_seqlen_k), deterministic=deterministic, return_lse=True,
+        score_mod=score_mod)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -132,7 +169,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         out: `[B, Sq, Hq, Dv]`; or `(out, softmax_lse, None)` with `softmax_lse` `[B, Hq, Sq]`
         float32, when `return_attn_probs=True`.
     """
-    _unsupported(dropout_p, alibi_slopes)
+    _unsupported(dropout_p)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (FlashAttention's contract), got "
@@ -145,11 +182,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     Sk = k.shape[1]
     if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Sk:
         raise ValueError(f"{q.shape=}, {k.shape=} and {v.shape=} disagree on batch or seqlen")
+    score_mod = None if alibi_slopes is None else _alibi(
+        alibi_slopes, q, B, torch.full((B,), Sk - Sq, dtype=torch.int32, device=q.device))
     out, lse = _varlen_attention(
         q.reshape(B * Sq, Hq, q.shape[3]), k.reshape(B * Sk, *k.shape[2:]),
         v.reshape(B * Sk, *v.shape[2:]), _batch_cu(B, Sq, q.device), _batch_cu(B, Sk, q.device),
         mask=fa_mask(causal, window_size), softmax_scale=softmax_scale, softcap=softcap,
-        max_seqlen_q=Sq, max_seqlen_k=Sk, deterministic=deterministic, return_lse=True)
+        max_seqlen_q=Sq, max_seqlen_k=Sk, deterministic=deterministic, return_lse=True,
+        score_mod=score_mod)
     out = out.view(B, Sq, Hq, out.shape[-1])
     if not return_attn_probs:
         return out

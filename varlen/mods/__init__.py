@@ -238,7 +238,13 @@ def _alibi(score, b, h, q_idx, k_idx, slopes, shift):
     return score - slopes[h] * abs(q_idx + shift[b] - k_idx)
 
 
+def _alibi_per_sequence(score, b, h, q_idx, k_idx, slopes, shift):
+    return score - slopes[b, h] * abs(q_idx + shift[b] - k_idx)
+
+
 def alibi(slopes, shift) -> ScoreMod:
     """FlashAttention 2's ALiBi as a ScoreMod: `score - slopes[h] * |q_idx + shift[b] - k_idx|`
-    with `shift[b] = Lk[b] - Lq[b]` (bottom-right alignment; zeros for top-left)."""
-    return ScoreMod(_alibi, slopes, shift)
+    with `shift[b] = Lk[b] - Lq[b]` (bottom-right alignment; zeros for top-left). `slopes` is
+    `[Hq]`, or `[B, Hq]` for slopes per sequence (`slopes[b, h]`)."""
+    per_sequence = getattr(slopes, "ndim", 1) == 2
+    return ScoreMod(_alibi_per_sequence if per_sequence else _alibi, slopes, shift)
