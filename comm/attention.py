@@ -692,9 +692,4 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         return grads
 
     call, grads = _run(group, q, prepare, compute)
-    dq, dk, dv = (call.origin.wrap(g) for g in grads[:3])
-    if not aux_grads:
-        return dq, dk, dv
-    daux = grads[3] if call.mods.aux_grads else (None,) * (
-        0 if score_mod is None else len(score_mod.aux))
-    return dq, dk, dv, tuple(None if g is None else call.origin.wrap(g) for g in daux)
+    return call.backward_results(grads, aux_grads)

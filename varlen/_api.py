@@ -122,12 +122,7 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                                       *call.grads[1:], softmax_scale=call.softmax_scale,
                                       softcap=call.softcap, deterministic=call.deterministic,
                                       **call.backend_mods)
-        dq, dk, dv = (call.origin.wrap(g) for g in grads[:3])
-        if not aux_grads:
-            return dq, dk, dv
-        daux = grads[3] if call.mods.aux_grads else (None,) * (
-            0 if score_mod is None else len(score_mod.aux))
-        return dq, dk, dv, tuple(None if g is None else call.origin.wrap(g) for g in daux)
+        return call.backward_results(grads, aux_grads)
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):

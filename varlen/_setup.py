@@ -93,6 +93,17 @@ class Call:
             block_m=bm, block_n=bn, max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
         return replace(plan, mask_mod=self.mods.mask)
 
+    def backward_results(self, grads, aux_grads) -> tuple:
+        """A backward's results for the caller: `(dq, dk, dv)` in its framework, and when it
+        asked for `aux_grads`, a fourth: per score_mod aux its gradient or None."""
+        dq, dk, dv = (self.origin.wrap(g) for g in grads[:3])
+        if not aux_grads:
+            return dq, dk, dv
+        score = self.mods.score
+        daux = grads[3] if self.mods.aux_grads else (None,) * (
+            0 if score is None else len(score.aux))
+        return dq, dk, dv, tuple(None if g is None else self.origin.wrap(g) for g in daux)
+
     @property
     def backend_mods(self) -> dict:
         """The keyword a backend's forward/backward gets for the call's user functions: none
