@@ -240,3 +240,25 @@ def test_equal_functions_have_equal_digests():
     i32 = MaskMod(lambda b, q, k, p: k < p[b], PREFIX)
     i64 = MaskMod(lambda b, q, k, p: k < p[b], PREFIX.astype(np.int64))
     assert i32.digest != i64.digest, "the aux dtype is part of the generated code"
+
+
+def test_generated_cuda_narrows_only_integers_that_fit_32_bits():
+    """Positions and int32 aux entries compute in 32 bits; a sum that may leave int32 (an
+    offset plus a position, a product of positions) stays in 64."""
+    from varlen.mods.codegen import cuda_source, int32_nodes
+    seg = MASKS["segments"].graph
+    src = cuda_source(seg, "f")
+    assert "const int t0 = (int)b;" in src
+    assert "const long long" in src, "start[b] + q_idx may pass 2**31: 64 bits"
+    prod = MaskMod(lambda b, q, k: q * k > 5).graph
+    narrow = int32_nodes(prod)
+    assert {n.key() for n in prod.nodes() if n.op == "mul"}.isdisjoint(narrow)
+    chunk = MaskMod(lambda b, q, k, c: q // c[0] == k // c[0], np.array([4], np.int32)).graph
+    div = [n for n in chunk.nodes() if n.op == "floordiv"]
+    assert all(n.key() in int32_nodes(chunk) for n in div), "q // c fits 32 bits: |q // c| <= |q|"
+    wide = MaskMod(lambda b, q, k, c: q // c[0] == k, np.array([4], np.int64)).graph
+    assert not any(n.key() in int32_nodes(wide) for n in wide.nodes() if n.op == "floordiv"), \
+        "an int64 divisor is not cut to 32 bits"
+    mod = MaskMod(lambda b, q, k, c: q % c[0] == 0, np.array([4], np.int64)).graph
+    assert not any(n.key() in int32_nodes(mod) for n in mod.nodes() if n.op == "mod"), \
+        "an int64 divisor may leave a 64-bit remainder"

@@ -177,6 +177,16 @@ template <typename F> __device__ __forceinline__ F vl_fmod(F a, F b) {
     F r = fmod(a, b);
     return (r != F(0) && ((r < F(0)) != (b < F(0)))) ? r + b : r;
 }
+__device__ __forceinline__ int vl_floordiv(int a, int b) {
+    if (b == 0) return 0;
+    int q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ int vl_mod(int a, int b) {
+    if (b == 0) return 0;
+    int r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
 __device__ __forceinline__ long long vl_clamp_index(long long i, long long n, int* err) {
     if (i < 0 || i >= n) { if (err) *err = 1; return i < 0 ? 0 : n - 1; }
     return i;
@@ -194,29 +204,59 @@ _AUX_C = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
 def cuda_source(graph: Graph, name: str, float_t: str = "float") -> str:
     """`__device__ <T> name(<leaves>, const ModAux& aux)`: the graph in CUDA C.
 
-    Floats compute in `float_t` (float in the kernels, double to check them), ints in 64 bits.
-    Needs `CUDA_PRELUDE` (and cuda_fp16/cuda_bf16 for half aux arrays) before it.
+    Floats compute in `float_t` (float in the kernels, double to check them); an integer node
+    in 32 bits where its value and its integer operands' fit them for every input (positions,
+    sequence and head numbers are int32, aux entries bounded by their dtypes: `int32_nodes`),
+    else in 64. Needs `CUDA_PRELUDE` (and cuda_fp16/cuda_bf16 for half aux arrays) before it.
     """
-    ty = {"float": float_t, **_C_TYPES}
+    narrow = int32_nodes(graph)
+
+    def ctype(n: Node) -> str:
+        if n.kind == "int":
+            return "int" if n.key() in narrow else "long long"
+        return float_t if n.kind == "float" else "bool"
     params = []
     for leaf in graph.leaves:
-        params.append(f"{ty['float'] if leaf == 'score' else 'long long'} {leaf}")
+        params.append(f"{float_t if leaf == 'score' else 'long long'} {leaf}")
     params.append("const ModAux& aux")
-    lines = [f"__device__ __forceinline__ {ty[graph.kind]} {name}({', '.join(params)}) {{"]
+    lines = [f"__device__ __forceinline__ {ctype(graph.root)} {name}({', '.join(params)}) {{"]
     names = {}
     for n in graph.nodes():
         t = f"t{len(names)}"
         names[n.key()] = t
-        expr = _c_expr(n, [names[a.key()] for a in n.args], ty, graph)
-        lines.append(f"    const {ty[n.kind]} {t} = {expr};")
+        expr = _c_expr(n, [names[a.key()] for a in n.args], ctype, graph)
+        lines.append(f"    const {ctype(n)} {t} = {expr};")
     lines.append(f"    return {names[graph.root.key()]};")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def _c_expr(n: Node, a: list, ty: dict, graph: Graph) -> str:
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def int32_nodes(graph: Graph) -> set:
+    """Keys of the integer nodes generated code computes in 32 bits: those whose value fits
+    int32 for any input and whose integer operands are such nodes too (so no operand is cut).
+    Bounds by interval arithmetic with the leaves over int32 and aux entries by dtype."""
+    import numpy as np
+    from .evaluate import DtypeRanges, _intervals
+    top = np.int64(_INT32[1])
+    boxes = {leaf: (np.int64(0), top) for leaf in graph.leaves if leaf != "score"}
+    boxes["score"] = (np.float64(-np.inf), np.float64(np.inf))
+    bounds = _intervals(graph, boxes, DtypeRanges(graph))
+    narrow = set()
+    for n in graph.nodes():
+        lo, hi = bounds[n.key()]
+        fits = n.kind == "int" and _INT32[0] <= int(np.min(lo)) and int(np.max(hi)) <= _INT32[1]
+        if fits and all(a.kind != "int" or a.key() in narrow for a in n.args
+                        if n.op != "load"):
+            narrow.add(n.key())
+    return narrow
+
+
+def _c_expr(n: Node, a: list, ctype, graph: Graph) -> str:
     op, kind = n.op, n.kind
-    T = ty[kind]
+    T = ctype(n)
     if op == "const":
         if kind == "float":
             v = n.value
@@ -225,7 +265,9 @@ def _c_expr(n: Node, a: list, ty: dict, graph: Graph) -> str:
             if abs(v) == float("inf"):
                 return f"({T})({'-' if v < 0 else ''}INFINITY)"
             return f"({T}){v!r}"
-        return "true" if n.value is True else "false" if n.value is False else f"{n.value}LL"
+        if kind == "bool":
+            return "true" if n.value else "false"
+        return f"{n.value}" if T == "int" else f"{n.value}LL"
     if not n.args:
         return f"({T}){op}"
     if op == "load":
@@ -242,7 +284,7 @@ def _c_expr(n: Node, a: list, ty: dict, graph: Graph) -> str:
     if op in _PY_BIN:
         if op in ("add", "sub", "mul", "truediv"):
             return f"{cast[0]} {_PY_BIN[op]} {cast[1]}"
-        ct = ty[_promote_kind([x.kind for x in n.args])]
+        ct = _common_type([ctype(x) for x in n.args])
         return f"({ct}){a[0]} {_PY_BIN[op]} ({ct}){a[1]}"
     if op == "floordiv":
         return (f"vl_floordiv({cast[0]}, {cast[1]})" if kind == "int"
@@ -272,6 +314,7 @@ def _c_expr(n: Node, a: list, ty: dict, graph: Graph) -> str:
     raise AssertionError(op)
 
 
-def _promote_kind(kinds) -> str:
-    order = ("bool", "int", "float")
-    return max(kinds, key=order.index)
+def _common_type(types) -> str:
+    """The C type two operands of a comparison meet in (float over 64-bit over 32-bit ints)."""
+    order = ("bool", "int", "long long", "float", "double")
+    return max(types, key=order.index)

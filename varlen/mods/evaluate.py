@@ -198,8 +198,25 @@ def may_read_outside(graph: Graph, boxes: dict, ranges: AuxRanges):
     return out
 
 
-def _intervals(graph: Graph, boxes: dict, ranges: AuxRanges) -> dict:
-    """`(lo, hi)` of every node of `graph` over the boxes, by node key."""
+class DtypeRanges:
+    """Aux entries bounded by their dtypes alone: what generated code may assume of any call."""
+
+    def __init__(self, graph: Graph):
+        self.dtypes = [dt for _, _, dt in graph.aux]
+
+    def bounds(self, i: int):
+        dt = self.dtypes[i]
+        if dt == "bool":
+            return np.int64(0), np.int64(1)
+        if dt.startswith(("int", "uint")):
+            info = np.iinfo(np.dtype(dt))
+            return np.int64(max(int(info.min), _NEG)), np.int64(min(int(info.max), _POS))
+        return np.float64(-np.inf), np.float64(np.inf)
+
+
+def _intervals(graph: Graph, boxes: dict, ranges) -> dict:
+    """`(lo, hi)` of every node of `graph` over the boxes, by node key (`ranges`: an
+    `AuxRanges` of a call's arrays, or `DtypeRanges`)."""
     vals = {}
     with np.errstate(all="ignore"):
         for n in graph.nodes():
@@ -207,6 +224,8 @@ def _intervals(graph: Graph, boxes: dict, ranges: AuxRanges) -> dict:
                 v = (np.asarray(n.value), np.asarray(n.value))
             elif n.op in boxes:
                 v = tuple(np.asarray(x) for x in boxes[n.op])
+            elif n.op == "load" and isinstance(ranges, DtypeRanges):
+                v = ranges.bounds(n.value)
             elif n.op == "load":
                 v = _load_interval(n, [vals[a.key()] for a in n.args], ranges)
             elif not n.args:
@@ -249,10 +268,16 @@ def _interval_op(n: Node, args):
         lo, hi = _corners(f, (a0, a1), (safe_b0, safe_b1))
         spans_zero = (b0 <= 0) & (b1 >= 0)
         ulo, uhi = _unbounded(kind, np.shape(lo))
+        if kind == "int":                  # |a // b| <= |a| for |b| >= 1, and x // 0 == 0
+            m = np.maximum(np.abs(a0), np.abs(a1))
+            ulo, uhi = -m, m
         return np.where(spans_zero, ulo, lo), np.where(spans_zero, uhi, hi)
     if op == "mod":
         (a0, a1), (b0, b1) = args
         ulo, uhi = _unbounded(kind, np.broadcast(a0, b0).shape)
+        if kind == "int":                  # |a % b| < |b|, and x % 0 == 0
+            m = np.maximum(np.maximum(np.abs(b0), np.abs(b1)) - 1, 0)
+            ulo, uhi = -m + 0 * ulo, m + 0 * uhi
         const_pos = (b0 == b1) & (b0 > 0)
         bb = np.where(const_pos, b0, 1)
         one_period = const_pos & (np.floor_divide(a0, bb) == np.floor_divide(a1, bb))
