@@ -159,3 +159,56 @@ def assert_mutant_caught(proc: subprocess.CompletedProcess, name: str, label: st
     says = (says,) if isinstance(says, str) else says
     assert any(m in proc.stdout + proc.stderr for m in says), (
         f"{name}: failed otherwise:\n{proc.stderr[-2000:]}")
+
+
+def nan_padded_batch(rng, lengths, Hq, Hk, gap, D=8, Dv=8):
+    """float64 packed `(cu, off, q, k, v, do, rows)`: `gap` padding rows after each sequence
+    (`off` its seq_offsets, None without gaps) holding NaN in q, k, v and do, so a backend that
+    reads one fails loudly; `rows` the bool mask of the rows that belong to a sequence."""
+    lengths = np.asarray(lengths)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    off = np.concatenate([[0], np.cumsum(lengths + gap)]).astype(np.int32)
+    T = int(off[-1])
+    q, k, v, do = (rng.standard_normal((T, h, d)) for h, d in ((Hq, D), (Hk, D), (Hk, Dv),
+                                                                 (Hq, Dv)))
+    rows = np.zeros(T, bool)
+    for b, n in enumerate(lengths):
+        rows[off[b]:off[b] + n] = True
+    for x in (q, k, v, do):
+        x[~rows] = np.nan
+    return cu, (off if gap else None), q, k, v, do, rows
+
+
+def check_numpy_backend(q, k, v, do, cu, rows, **kw):
+    """The `numpy` backend's forward, backward and aux gradients (NaN-filled fresh buffers)
+    against `varlen.reference` on the rows of the sequences, float64 (`kw`: the calls'
+    seq_offsets, mask, score_mod, softcap). lse -inf exactly where the reference has it; the
+    aux gradients are float32 sums over the visible pairs, to float32 rounding of their size."""
+    from varlen.reference import attention_dense, attention_dense_backward
+    off = kw.pop("seq_offsets", None)
+    kw = dict(seq_offsets_q=off, seq_offsets_k=off, **kw)
+    aux = kw.get("score_mod") is not None
+    o, l = attention_dense(q, k, v, cu, cu, **kw)
+    want = attention_dense_backward(do, q, k, v, cu, cu, aux_grads=aux, **kw)
+    prev = varlen.set_nan_fill(True)
+    try:
+        o2, l2 = varlen.attention_forward(q, k, v, cu, cu, backend="numpy", **kw)
+        got = varlen.attention_backward(do, q, k, v, o2, l2, cu, cu, backend="numpy",
+                                        aux_grads=aux, **kw)
+    finally:
+        varlen.set_nan_fill(prev)
+    np.testing.assert_allclose(o2[rows], o[rows], atol=1e-12, err_msg="out")
+    assert np.array_equal(np.isinf(l2[:, rows]), np.isinf(l[:, rows])), "rows with no key"
+    np.testing.assert_allclose(np.where(np.isinf(l), 0, l2)[:, rows],
+                               np.where(np.isinf(l), 0, l)[:, rows], atol=1e-12, err_msg="lse")
+    for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+        np.testing.assert_allclose(a[rows], b[rows], atol=1e-11, err_msg=name)
+    if aux:
+        assert len(got[3]) == len(want[3]), f"{len(got[3])} aux gradients"
+        for i, (a, b) in enumerate(zip(got[3], want[3])):
+            assert (a is None) == (b is None), f"aux {i}: a gradient on one side only"
+            if a is not None:
+                assert a.dtype == np.float32 and a.shape == b.shape, f"aux {i}: {a.dtype}"
+                scale = max(np.abs(b).max(), 1.0)
+                np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6 * scale,
+                                           err_msg=f"daux {i}")

@@ -9,10 +9,9 @@ import pytest
 
 import varlen
 from varlen import MaskMod, ScoreMod, reference
-from varlen.mods import evaluate
 
 from helpers import (FLOOR_UNIT, assert_close, assert_lse, cases, check_against_reference,
-                     covering, covered_rows, make_batch, np_dtype)
+                     covering, covered_rows, make_batch, naive_same_dtype)
 from mods_cases import MASK_IDS, SCORE_IDS, mask_cases, score_cases
 
 pytest.importorskip("numba")
@@ -68,35 +67,6 @@ def test_masks_match_reference(case_id, dtype, spec):
 # score_mod: the gallery, with aux gradients
 # --------------------------------------------------------------------------------------------
 
-def _naive_scored(b, score_mod, softcap=0.0):
-    """`helpers.naive_same_dtype` with the score_mod: every intermediate rounded to the batch
-    dtype, the modified score too (the error a straightforward same-dtype computation makes)."""
-    dt = np_dtype(b.dtype)
-    rnd = (lambda a: a.astype(dt).astype(np.float64)) if b.dtype != "float64" else (lambda a: a)
-    q, k, v = (x.astype(np.float64) for x in (b.q, b.k, b.v))
-    Hq, D = q.shape[1], q.shape[2]
-    kx, vx = np.repeat(k, Hq // k.shape[1], axis=1), np.repeat(v, Hq // v.shape[1], axis=1)
-    out = np.zeros((q.shape[0], Hq, v.shape[2]))
-    sq = b.cu_q[:-1] if b.off_q is None else b.off_q[:-1]
-    sk = b.cu_k[:-1] if b.off_k is None else b.off_k[:-1]
-    for i, ok in enumerate(reference.sequence_masks(b.cu_q, b.cu_k, b.mask)):
-        rq, rk = slice(sq[i], sq[i] + ok.shape[0]), slice(sk[i], sk[i] + ok.shape[1])
-        s = rnd(np.einsum("ihd,jhd->hij", q[rq], kx[rk]).astype(np.float32) / np.sqrt(D))
-        if softcap > 0:
-            s = rnd(softcap * np.tanh(s / softcap))
-        leaves = {"score": s, "b": np.int64(i), "h": np.arange(Hq)[:, None, None],
-                  "q_idx": np.arange(ok.shape[0])[None, :, None],
-                  "k_idx": np.arange(ok.shape[1])[None, None, :]}
-        s = rnd(evaluate(score_mod.graph, leaves, score_mod.aux))
-        seen = ok & (s != -np.inf)
-        s = np.where(seen, s, -np.inf)
-        mx = np.where(seen.any(2), s.max(2, initial=-np.inf), 0)[:, :, None]
-        p = rnd(np.where(seen, np.exp(s - mx), 0))
-        z = p.sum(2, keepdims=True)
-        out[rq] = rnd(np.einsum("hij,jhd->ihd", rnd(p / np.where(z > 0, z, 1)), vx[rk]))
-    return out
-
-
 def _check_scored(b, score_mod, out, lse, grads, label, softcap=0.0):
     """Forward, gradients and aux gradients against the reference, tolerances from a naive
     same-dtype computation's error (helpers.check_against_reference's rule)."""
@@ -105,7 +75,8 @@ def _check_scored(b, score_mod, out, lse, grads, label, softcap=0.0):
     ref_out, ref_lse = reference.attention_dense(b.q, b.k, b.v, b.cu_q, b.cu_k, **lay, **kw)
     naive = 0.0
     if b.dtype != "float64":
-        naive = float(np.abs(_naive_scored(b, score_mod, softcap) - ref_out).max(initial=0))
+        naive = float(np.abs(naive_same_dtype(b, softcap=softcap, score_mod=score_mod) -
+                             ref_out).max(initial=0))
     assert_close(f"{label} out", out, ref_out, dtype=b.dtype, naive_err=naive)
     assert_lse(f"{label} lse", lse, ref_lse, dtype=b.dtype)
     ref = reference.attention_dense_backward(b.dout, b.q, b.k, b.v, b.cu_q, b.cu_k, **lay,

@@ -6,31 +6,15 @@ import pytest
 import varlen
 from varlen import MaskMod, ScoreMod
 from varlen.mods import EMPTY, FULL
-from varlen.reference import attention_dense, attention_dense_backward, sequence_masks
+from varlen.reference import attention_dense, sequence_masks
 
-from helpers import cases
+from helpers import cases, check_numpy_backend, nan_padded_batch
 from mods_cases import mask_cases, score_cases
 
 RNG = np.random.default_rng(3)
 
 # (lengths, Hq, Hk, gap): zero-length first and last, length 1, not tile multiples, GQA 4
 LAYOUTS = [([0, 1, 13, 70, 33, 0], 4, 1, 0), ([17, 5, 0, 41], 2, 2, 3), ([100], 4, 2, 0)]
-
-
-def _batch(lengths, Hq, Hk, gap, D=8, Dv=8):
-    """Packed q/k/v with `gap` padding rows after each sequence (seq_offsets) holding NaN."""
-    lengths = np.asarray(lengths)
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    off = np.concatenate([[0], np.cumsum(lengths + gap)]).astype(np.int32)
-    T = int(off[-1])
-    q, k, v, do = (RNG.standard_normal((T, h, d)) for h, d in ((Hq, D), (Hk, D), (Hk, Dv),
-                                                                 (Hq, Dv)))
-    pad = np.ones(T, bool)
-    for b in range(len(lengths)):
-        pad[off[b]:off[b] + lengths[b]] = False
-    for x in (q, k, v, do):
-        x[pad] = np.nan
-    return cu, (off if gap else None), q, k, v, do
 
 
 def _ids():
@@ -43,34 +27,11 @@ def _ids():
                                            [None, "alibi", "t5", "hide-first"]))
 def test_numpy_backend_matches_the_reference(layout, mask_id, score_id):
     lengths, Hq, Hk, gap = layout
-    cu, off, q, k, v, do = _batch(lengths, Hq, Hk, gap)
+    cu, off, q, k, v, do, rows = nan_padded_batch(RNG, lengths, Hq, Hk, gap)
     mask = dict(mask_cases(lengths))[mask_id]
     score_mod = None if score_id is None else dict(score_cases(Hq))[score_id]
-    kw = dict(seq_offsets_q=off, seq_offsets_k=off, mask=mask, score_mod=score_mod,
-              softcap=2.5 if score_id == "t5" else 0.0)
-    aux = score_mod is not None
-    o, l = attention_dense(q, k, v, cu, cu, **kw)
-    want = attention_dense_backward(do, q, k, v, cu, cu, aux_grads=aux, **kw)
-    prev = varlen.set_nan_fill(True)
-    try:
-        o2, l2 = varlen.attention_forward(q, k, v, cu, cu, backend="numpy", **kw)
-        got = varlen.attention_backward(do, q, k, v, o2, l2, cu, cu, backend="numpy",
-                                        aux_grads=aux, **kw)
-    finally:
-        varlen.set_nan_fill(prev)
-    rows = ~np.isnan(q[:, 0, 0])
-    np.testing.assert_allclose(o2[rows], o[rows], atol=1e-12, err_msg="out")
-    assert np.array_equal(np.isinf(l2[:, rows]), np.isinf(l[:, rows])), "rows with no key"
-    np.testing.assert_allclose(np.where(np.isinf(l), 0, l2)[:, rows],
-                               np.where(np.isinf(l), 0, l)[:, rows], atol=1e-12, err_msg="lse")
-    for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
-        np.testing.assert_allclose(a[rows], b[rows], atol=1e-11, err_msg=name)
-    if aux:
-        for i, (a, b) in enumerate(zip(got[3], want[3])):
-            assert (a is None) == (b is None), f"aux {i}: a gradient only on one side"
-            if a is not None:
-                assert a.dtype == np.float32
-                np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6, err_msg=f"daux {i}")
+    check_numpy_backend(q, k, v, do, cu, rows, seq_offsets=off, mask=mask,
+                        score_mod=score_mod, softcap=2.5 if score_id == "t5" else 0.0)
 
 
 @pytest.mark.parametrize("mask_id", [m for m, _ in mask_cases([1])])

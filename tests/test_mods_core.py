@@ -3,6 +3,7 @@ classification (sound against every pair), derivatives (against finite differenc
 generated Python source (the same values as the array evaluation)."""
 import math
 
+import numba
 import numpy as np
 import pytest
 
@@ -139,6 +140,25 @@ def test_numba_score_function_matches_the_array_evaluation(name):
     want = evaluate(sm.graph, {"score": s, "b": b, "h": h, "q_idx": q, "k_idx": k}, sm.aux)
     got = np.array([fn(s[i], b[i], h[i], q[i], k[i], *sm.aux, err) for i in range(s.size)])
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", SCORES)
+def test_float32_score_function_matches_the_array_evaluation_to_float32_rounding(name):
+    """The float32 variant (what the CUDA kernels compile) computes in float32 throughout:
+    Numba types its result float32 (nothing widened to float64 on the way), and its values
+    are the float64 evaluation's to a few float32 roundings."""
+    sm = SCORES[name]
+    fn = numba_function(sm.graph, float32=True)
+    err = np.zeros(1, np.int32)
+    b, h, q, k = (x.reshape(-1) for x in _grid(5))
+    s = RNG.uniform(-2, 2, size=q.shape).astype(np.float32)
+    want = evaluate(sm.graph, {"score": s.astype(np.float64), "b": b, "h": h, "q_idx": q,
+                               "k_idx": k}, sm.aux)
+    got = np.array([fn(s[i], b[i], h[i], q[i], k[i], *sm.aux, err) for i in range(s.size)])
+    assert [sig.return_type for sig in fn.nopython_signatures] == [numba.float32], name
+    eps = np.finfo(np.float32).eps
+    np.testing.assert_allclose(got, want, rtol=8 * eps, atol=8 * eps, err_msg=name)
+    assert np.abs(got - want).max() > 0, f"{name}: the float32 variant gave float64 values"
 
 
 def test_integer_division_by_zero_is_zero_everywhere():

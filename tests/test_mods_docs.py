@@ -23,9 +23,10 @@ import varlen
 import varlen.mods
 import varlen.reference
 from varlen import MaskMod
-from varlen.reference import attention_dense, attention_dense_backward
+from varlen.reference import attention_dense
 
 import mods_cases
+from helpers import check_numpy_backend, nan_padded_batch
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "mods.md"
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
@@ -117,40 +118,10 @@ def test_each_example_matches_the_reference(heading, src, result):
     lengths = ns["lengths"]
     Hq = ns.get("heads", 2)
     Hk = Hq // 2 if Hq % 2 == 0 else Hq
-    cu, off = _cu(lengths, gap=3)
-    rng = np.random.default_rng(len(heading))
-    T = int(off[-1])
-    q, k, v, do = (rng.standard_normal((T, h, 16)) for h in (Hq, Hk, Hk, Hq))
-    rows = np.zeros(T, bool)
-    for b, n in enumerate(lengths):
-        rows[off[b]:off[b] + n] = True
-    for x in (q, k, v, do):
-        x[~rows] = np.nan
-    score_mod = ns.get("score_mod")
-    aux = score_mod is not None
-    kw = dict(seq_offsets_q=off, seq_offsets_k=off, mask=ns.get("mask", "full"),
-              score_mod=score_mod)
-    o, l = attention_dense(q, k, v, cu, cu, **kw)
-    want = attention_dense_backward(do, q, k, v, cu, cu, aux_grads=aux, **kw)
-    prev = varlen.set_nan_fill(True)
-    try:
-        o2, l2 = varlen.attention_forward(q, k, v, cu, cu, backend="numpy", **kw)
-        got = varlen.attention_backward(do, q, k, v, o2, l2, cu, cu, backend="numpy",
-                                        aux_grads=aux, **kw)
-    finally:
-        varlen.set_nan_fill(prev)
-    np.testing.assert_allclose(o2[rows], o[rows], atol=1e-12, err_msg="out")
-    np.testing.assert_allclose(l2[:, rows], l[:, rows], atol=1e-12, err_msg="lse")
-    for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
-        np.testing.assert_allclose(a[rows], b[rows], atol=1e-11, err_msg=name)
-    if aux:
-        for i, (a, b) in enumerate(zip(got[3], want[3])):
-            assert (a is None) == (b is None), f"aux {i}: a gradient on one side only"
-            if a is not None:
-                assert a.dtype == np.float32 and a.shape == b.shape
-                scale = max(np.abs(b).max(), 1.0)
-                np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6 * scale,
-                                           err_msg=f"daux {i}")
+    cu, off, q, k, v, do, rows = nan_padded_batch(np.random.default_rng(len(heading)), lengths,
+                                                  Hq, Hk, gap=3, D=16, Dv=16)
+    check_numpy_backend(q, k, v, do, cu, rows, seq_offsets=off, mask=ns.get("mask", "full"),
+                        score_mod=ns.get("score_mod"))
 
 
 def test_every_name_the_page_shows_exists():

@@ -11,6 +11,7 @@ import varlen  # noqa: E402
 import varlen.torch as vt  # noqa: E402
 from varlen import MaskMod, ScoreMod  # noqa: E402
 from varlen.reference import attention_dense, attention_dense_backward  # noqa: E402
+from varlen.testing import _covered  # noqa: E402
 
 from adapter_cases import needs_numba_simulator  # noqa: E402
 from helpers import assert_close, cases  # noqa: E402
@@ -89,14 +90,6 @@ def _reference(q, k, v, do, cu, off, mask, score_mod, **kw):
     return fwd, bwd
 
 
-def _rows(cu, off, T):
-    rows = np.zeros(T, bool)
-    starts = cu[:-1] if off is None else off[:-1]
-    for s, n in zip(starts, np.diff(cu)):
-        rows[s:s + n] = True
-    return rows
-
-
 # --------------------------------------------------------------------------------------------
 # The gallery against the reference
 # --------------------------------------------------------------------------------------------
@@ -121,7 +114,7 @@ def test_gallery_matches_the_reference(layout, mask_id, score_id):
         varlen.set_nan_fill(prev)
     _check(f"{layout} {mask_id} {score_id}", got,
            _reference(q, k, v, do, cu, off, mask, score_mod, **kw), "float64",
-           _rows(cu, off, q.shape[0]))
+           _covered(cu, off, q.shape[0]))
 
 
 @pytest.mark.parametrize("score_id", ["alibi", "relative-bias"])
@@ -133,7 +126,7 @@ def test_float32_with_aux_gradients(score_id):
     got = _run(q, k, v, do, cu, off, mask, score_mod)
     assert got[0].dtype == torch.float32 and got[3][0].dtype == torch.float32
     _check(f"float32 {score_id}", got, _reference(q, k, v, do, cu, off, mask, score_mod),
-           "float32", _rows(cu, off, q.shape[0]))
+           "float32", _covered(cu, off, q.shape[0]))
 
 
 def test_int_aux_gets_no_gradient_and_aux_without_requires_grad_none():
@@ -344,6 +337,6 @@ def test_numba_kernels_behind_the_op_in_the_simulator():
     score_mod = dict(score_cases(2))["relative-bias"]
     got = _run(q, k, v, do, cu, off, mask, score_mod, backend="numba")
     _check("numba", got, _reference(q, k, v, do, cu, off, mask, score_mod), "float32",
-           _rows(cu, off, q.shape[0]))
+           _covered(cu, off, q.shape[0]))
     with pytest.raises(ValueError, match="not bitwise repeatable"):
         _run(q, k, v, do, cu, off, mask, score_mod, backend="numba", deterministic=True)

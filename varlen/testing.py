@@ -141,18 +141,26 @@ def covered_rows(batch: Batch, side="q"):
     return _covered(batch.cu_k, batch.off_k, batch.k.shape[0])
 
 
-def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0):
+def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None,
+                     score_mod=None):
     """Dense attention with every intermediate rounded to the batch dtype (fp32 accumulation):
-    the error a straightforward same-dtype implementation makes."""
+    the error a straightforward same-dtype implementation makes.
+
+    `mask` (default `batch.mask`): anything `varlen.Mask` accepts, a `MaskMod` or
+    `Mask & MaskMod` included. `score_mod`: a `ScoreMod` applied to the (softcapped) scores,
+    evaluated (`varlen.mods.evaluate`) in the working dtype (float32, float64 for a float64
+    batch) and rounded to the batch dtype; a pair it sends to -inf is hidden.
+    """
     dt = np_dtype(batch.dtype)
-    rnd = (lambda a: a.astype(dt).astype(np.float64)) if batch.dtype != "float64" else (lambda a: a)
+    f64 = batch.dtype == "float64"
+    rnd = (lambda a: a) if f64 else (lambda a: np.asarray(a).astype(dt).astype(np.float64))
     q, k, v = (x.astype(np.float64) for x in (batch.q, batch.k, batch.v))
     Hq, D = q.shape[1], q.shape[2]
     scale = 1.0 / np.sqrt(D) if softmax_scale is None else softmax_scale
     kx = np.repeat(k, Hq // k.shape[1], axis=1)
     vx = np.repeat(v, Hq // v.shape[1], axis=1)
     out = np.zeros((q.shape[0], Hq, v.shape[2]))
-    masks = reference.sequence_masks(batch.cu_q, batch.cu_k, batch.mask)
+    masks = reference.sequence_masks(batch.cu_q, batch.cu_k, batch.mask if mask is None else mask)
     sq = batch.cu_q[:-1] if batch.off_q is None else batch.off_q[:-1]
     sk = batch.cu_k[:-1] if batch.off_k is None else batch.off_k[:-1]
     for b, ok in enumerate(masks):
@@ -161,9 +169,19 @@ def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0):
         s = rnd(np.einsum("ihd,jhd->hij", q[rq], kx[rk]).astype(np.float32) * scale)
         if softcap > 0:
             s = rnd(softcap * np.tanh(s / softcap))
-        s = np.where(ok, s, -np.inf)
-        mx = np.where(ok.any(1), s.max(2, initial=-np.inf), 0)[:, :, None]
-        p = rnd(np.where(ok, np.exp(s - mx), 0))
+        seen = np.broadcast_to(ok, s.shape)
+        if score_mod is not None:
+            from .mods import evaluate
+            leaves = {"score": s, "b": np.int64(b), "h": np.arange(Hq)[:, None, None],
+                      "q_idx": np.arange(ok.shape[0])[None, :, None],
+                      "k_idx": np.arange(ok.shape[1])[None, None, :]}
+            aux = tuple(reference._host(a) for a in score_mod.aux)
+            s = rnd(evaluate(score_mod.graph, leaves, aux,
+                             float_dtype=np.float64 if f64 else np.float32).astype(np.float64))
+            seen = seen & (s != -np.inf)
+        s = np.where(seen, s, -np.inf)
+        mx = np.where(seen.any(2), s.max(2, initial=-np.inf), 0)[:, :, None]
+        p = rnd(np.where(seen, np.exp(s - mx), 0))
         z = p.sum(2, keepdims=True)
         out[rq] = rnd(np.einsum("hij,jhd->ihd", rnd(p / np.where(z > 0, z, 1)), vx[rk]))
     return out

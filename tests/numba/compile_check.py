@@ -6,17 +6,25 @@ its own with NUMBA_ENABLE_CUDASIM=0 (the simulator replaces `numba.cuda` process
     NUMBA_ENABLE_CUDASIM=0 python tests/numba/compile_check.py [--quick]
 
 Prints one JSON line: {"ok": [...], "failed": {name: error}, "narrow": {name: [place, ...]},
-"audited": n, "seconds": ...}; exit status 1 when anything failed or is narrow.
+"audited": n, "f64": {name: [instruction, ...]}, "functions": n, "seconds": ...}; exit status 1
+when anything failed, is narrow or computes in f64.
 
 `narrow` is the 64-bit audit: every kernel is typed once more and its typed IR, and that of
 every device function it calls, is searched for signed integer arithmetic or `range()`
 counters narrower than 64 bits. Numba indexes arrays in int64, so with none of those, no
 element offset (row x heads x dim past 2**31 on real batches) is computed in 32 bits.
+
+`f64` is the float32 audit: the device functions of the gallery's user functions
+(tests/mods_cases.py) and of their derivatives, generated as the kernels compile them
+(`numba_function(..., float32=True)`), are compiled to PTX alone and searched for f64
+instructions (1/64 of the float32 rate on many GPUs). Their aux arrays are float32 or
+integers: a float64 aux array is read (and converted once) in f64, as it is stored.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -159,6 +167,40 @@ def narrow_integers(cres, where: str, seen=None) -> list[str]:
     return found
 
 
+def user_functions_f64():
+    """`({name: [f64 instruction, ...]}, functions compiled)` over the gallery's user functions
+    and their derivatives in the kernels' float32 form, as device functions (sm_90)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from mods_cases import mask_cases, score_cases
+    from varlen.mods import ScoreMod, split_mask
+    from varlen.mods.codegen import numba_function
+    from varlen.mods.derive import aux_derivatives, derivative
+
+    mods = ([(f"mask[{i}]", split_mask(m)[1]) for i, m in mask_cases([5, 0, 17])] +
+            [(f"score[{i}]", m) for i, m in score_cases(2)])
+    found, n = {}, 0
+    _CC[0] = CCS[-1]
+    for name, mod in mods:
+        graphs = [(name, mod.graph)]
+        if isinstance(mod, ScoreMod):
+            graphs.append((f"{name}.d_score", derivative(mod.graph, "score")))
+            graphs += [(f"{name}.d_aux{j}", g) for j, (_, g) in
+                       enumerate(aux_derivatives(mod.graph))]
+        for label, g in graphs:
+            fn = numba_function(g, cuda=True, packed=True, float32=True).py_func
+            sig = tuple(f32 if leaf == "score" else i64 for leaf in g.leaves) + (_fn_args(mod),)
+            try:
+                ptx, _ = cuda.compile_ptx(fn, sig, device=True, cc=CCS[-1])
+            except Exception as e:  # noqa: BLE001
+                found[label] = [f"could not compile: {type(e).__name__}: {e}"[:2000]]
+                continue
+            n += 1
+            ops = sorted(set(re.findall(r"^\s*([a-z][\w.]*\.f64)\b", ptx, re.M)))
+            if ops:
+                found[label] = ops
+    return found, n
+
+
 def main(argv):
     quick = "--quick" in argv
     t0 = time.time()
@@ -182,9 +224,10 @@ def main(argv):
             found = [f"could not audit: {type(e).__name__}: {e}"[:2000]]
         if found:
             narrow[name] = found
+    f64, functions = user_functions_f64()
     print(json.dumps({"ok": ok, "failed": failed, "narrow": narrow, "audited": audited,
-                      "seconds": round(time.time() - t0, 1)}))
-    return 1 if failed or narrow else 0
+                      "f64": f64, "functions": functions, "seconds": round(time.time() - t0, 1)}))
+    return 1 if failed or narrow or f64 else 0
 
 
 if __name__ == "__main__":

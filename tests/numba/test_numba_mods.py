@@ -17,11 +17,11 @@ from numba import cuda   # a module global: the simulator swaps it inside kernel
 import varlen
 from varlen import MaskMod, ScoreMod, reference
 from varlen.mods import Mods
-from varlen.mods.evaluate import evaluate
 from varlen.backends import _numba_launch as L
 from varlen.backends.numba_backend import BACKEND as NUMBA, plan_from_cu_seqlens, variant
 
-from helpers import assert_close, assert_lse, covered_rows, make_batch, np_dtype
+from helpers import (assert_close, assert_lse, covered_rows, make_batch, naive_same_dtype,
+                     np_dtype)
 from mods_cases import mask_cases, score_cases
 
 HQ, HK, D = 2, 1, 16
@@ -59,40 +59,6 @@ def _nan_fill():
     varlen.set_nan_fill(before)
 
 
-def _naive_out(batch, mask, score_mod, softmax_scale, softcap):
-    """The output of a dense same-dtype computation (every intermediate rounded to the
-    batch's dtype, float32 accumulation) with the user functions: the error a straightforward
-    implementation makes, which sets the tolerance."""
-    dt = np_dtype(batch.dtype)
-
-    def rnd(a):
-        return np.asarray(a, np.float64).astype(dt).astype(np.float64)
-    q, k, v = (x.astype(np.float64) for x in (batch.q, batch.k, batch.v))
-    G = q.shape[1] // k.shape[1]
-    kx, vx = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
-    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
-    sq = batch.cu_q[:-1] if batch.off_q is None else batch.off_q[:-1]
-    sk = batch.cu_k[:-1] if batch.off_k is None else batch.off_k[:-1]
-    for b, ok in enumerate(reference.sequence_masks(batch.cu_q, batch.cu_k, mask)):
-        rq, rk = slice(sq[b], sq[b] + ok.shape[0]), slice(sk[b], sk[b] + ok.shape[1])
-        s = rnd(np.einsum("ihd,jhd->hij", q[rq], kx[rk]).astype(np.float32) * softmax_scale)
-        if softcap > 0:
-            s = rnd(softcap * np.tanh(s / softcap))
-        seen = np.broadcast_to(ok, s.shape)
-        if score_mod is not None:
-            leaves = {"score": s, "b": np.int64(b), "h": np.arange(s.shape[0])[:, None, None],
-                      "q_idx": np.arange(ok.shape[0])[None, :, None],
-                      "k_idx": np.arange(ok.shape[1])[None, None, :]}
-            s = rnd(evaluate(score_mod.graph, leaves, score_mod.aux))
-            seen = seen & (s != -np.inf)
-        s = np.where(seen, s, -np.inf)
-        mx = np.where(seen.any(2), s.max(2, initial=-np.inf), 0)[:, :, None]
-        p = rnd(np.where(seen, np.exp(s - mx), 0))
-        z = p.sum(2, keepdims=True)
-        out[rq] = rnd(np.einsum("hij,jhd->ihd", rnd(p / np.where(z > 0, z, 1)), vx[rk]))
-    return out
-
-
 def _amax(a):
     a = np.abs(np.asarray(a, np.float64))
     return float(a.max()) if a.size else 0.0
@@ -107,8 +73,8 @@ def _check(label, batch, mods_kw, got, *, softmax_scale, softcap, grads=True):
                                                  batch.cu_k, **kw)
     naive = 0.0
     if batch.dtype != "float64":
-        naive = _amax(_naive_out(batch, batch.mask, kw["score_mod"], softmax_scale, softcap) -
-                      ref_out)
+        naive = _amax(naive_same_dtype(batch, softmax_scale, softcap,
+                                       score_mod=kw["score_mod"]) - ref_out)
     assert_close(f"{label} out", out, ref_out, dtype=batch.dtype, naive_err=naive)
     assert_lse(f"{label} lse", lse, ref_lse, dtype=batch.dtype)
     if not grads:

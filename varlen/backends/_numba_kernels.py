@@ -245,7 +245,7 @@ def _scatter_step(prev, slot: int, d_fn, flat):
     def scatter(ds, s, b, h, i, j, args, grads):
         prev(ds, s, b, h, i, j, args, grads)
         g = ds * d_fn(s, b, h, i, j, args)
-        if g != 0.0:
+        if g != float32(0.0):
             cuda.atomic.add(grads[SLOT], flat(s, b, h, i, j, args, args[SLOT]), float32(g))
     return scatter
 
@@ -263,7 +263,7 @@ def user_functions(fns: UserFns):
     from ..mods.graph import Graph
 
     def compiled(graph):
-        return numba_function(graph, cuda=True, packed=True)
+        return numba_function(graph, cuda=True, packed=True, float32=True)
 
     mask_graph, score_graph = fns.graphs
     mask = compiled(mask_graph) if fns.mask else _sees_all

@@ -20,7 +20,8 @@ def _leaf_params(graph: Graph) -> list:
     return list(graph.leaves)
 
 
-def python_source(graph: Graph, name: str, *, packed: bool = False) -> str:
+def python_source(graph: Graph, name: str, *, packed: bool = False,
+                  float_type: str | None = None) -> str:
     """`def name(<leaves>, a0, a1, ..., err):` returning the function's value.
 
     Aux arrays are passed as arrays (any rank), `err` a 1-element int32 array. Compiles as is
@@ -28,7 +29,17 @@ def python_source(graph: Graph, name: str, *, packed: bool = False) -> str:
     `packed`, `def name(<leaves>, args):` reads them from one tuple `args = (a0, ..., err)`: a
     CUDA kernel passes a user function's arrays as one tuple, whatever their number, and
     Numba does not inline a call with `*args`.
+
+    Floats are Python `float` (float64) by default. `float_type="float32"` makes every float
+    temporary float32: conversions `float32(x)`, literals `float32(1.5)`, and math functions,
+    comparisons and selections on float32 operands only (Numba widens a float32 mixed with a
+    float64 or an int64 to float64), so Numba types the whole function in float32; the
+    source then needs the name `float32` (`numpy.float32` or `numba.float32`) beside `math`.
+    Integers stay 64-bit either way.
     """
+    if float_type not in (None, "float32"):
+        raise ValueError(f"float_type must be None or 'float32', not {float_type!r}")
+    fl = _Floats(float_type)
     aux = [f"a{i}" for i in range(len(graph.aux))] + ["err"]
     args = _leaf_params(graph) + (["args"] if packed else aux)
     lines = [f"def {name}({', '.join(args)}):"]
@@ -38,27 +49,44 @@ def python_source(graph: Graph, name: str, *, packed: bool = False) -> str:
     for n in graph.nodes():
         t = f"t{len(names)}"
         names[n.key()] = t
-        lines.extend("    " + s for s in _py_stmt(n, t, [names[a.key()] for a in n.args]))
+        lines.extend("    " + s for s in _py_stmt(n, t, [names[a.key()] for a in n.args], fl))
     ret = names[graph.root.key()]
     kind = graph.kind
-    cast = {"float": "float", "int": "int", "bool": "bool"}[kind]
+    cast = {"float": fl.conv, "int": "int", "bool": "bool"}[kind]
     lines.append(f"    return {cast}({ret})" if graph.root.op == "const" else f"    return {ret}")
     return "\n".join(lines) + "\n"
 
 
-def _py_num(n: Node, x: str) -> str:
+class _Floats:
+    """How generated Python spells floats: Python `float` (float64), or float32 throughout."""
+
+    def __init__(self, float_type: str | None):
+        self.f32 = float_type == "float32"
+        self.conv = "float32" if self.f32 else "float"
+
+    def lit(self, v: float) -> str:
+        """The literal `v` in the float type."""
+        text = repr(v) if v == v and abs(v) != float("inf") else (
+            "math.nan" if v != v else ("math.inf" if v > 0 else "-math.inf"))
+        if not self.f32:
+            return text
+        return f"-float32(math.inf)" if text == "-math.inf" else f"float32({text})"
+
+    def zero(self) -> str:
+        """0 for a comparison with a float: an int in float64 (as before), float32(0.0)."""
+        return "float32(0.0)" if self.f32 else "0"
+
+
+def _py_num(n: Node, x: str, fl: _Floats) -> str:
     """`x` as n's kind (bool operands of arithmetic become ints, as in Python)."""
-    return f"float({x})" if n.kind == "float" else f"int({x})" if n.kind == "int" else x
+    return f"{fl.conv}({x})" if n.kind == "float" else f"int({x})" if n.kind == "int" else x
 
 
-def _py_stmt(n: Node, t: str, a: list) -> list:
+def _py_stmt(n: Node, t: str, a: list, fl: _Floats) -> list:
     op, kind = n.op, n.kind
     if op == "const":
         if kind == "float":
-            v = n.value
-            lit = repr(v) if v == v and abs(v) != float("inf") else (
-                "math.nan" if v != v else ("math.inf" if v > 0 else "-math.inf"))
-            return [f"{t} = {lit}"]
+            return [f"{t} = {fl.lit(n.value)}"]
         return [f"{t} = {n.value!r}"]
     if not n.args:
         return [f"{t} = {op}"]
@@ -73,16 +101,24 @@ def _py_stmt(n: Node, t: str, a: list) -> list:
                       f"    err[0] = 1",
                       f"    {j} = 0 if {j} < 0 else {aux}.shape[{d}] - 1"]
             idx.append(j)
-        conv = "float" if kind == "float" else "int" if kind == "int" else "bool"
+        conv = fl.conv if kind == "float" else "int" if kind == "int" else "bool"
         return stmts + [f"{t} = {conv}({aux}[{', '.join(idx)}])"]
     if op in _PY_BIN:
         x, y = a
         if op in ("add", "sub", "mul", "truediv"):
-            return [f"{t} = {_py_num(n, x)} {_PY_BIN[op]} {_py_num(n, y)}"]
+            return [f"{t} = {_py_num(n, x, fl)} {_PY_BIN[op]} {_py_num(n, y, fl)}"]
+        if fl.f32 and _promote_kind([v.kind for v in n.args]) == "float":
+            # an int or a float64 beside a float32 would widen the comparison to float64
+            return [f"{t} = float32({x}) {_PY_BIN[op]} float32({y})"]
         return [f"{t} = {x} {_PY_BIN[op]} {y}"]
     if op in ("floordiv", "mod"):
-        x, y = (_py_num(n, v) for v in a)
+        x, y = (_py_num(n, v, fl) for v in a)
         sym = "//" if op == "floordiv" else "%"
+        if kind == "float" and fl.f32:
+            z, inf, nan = fl.zero(), fl.lit(float("inf")), fl.lit(float("nan"))
+            other = (f"(({inf} if {x} > {z} else -{inf}) if {x} != {z} else {nan})"
+                     if op == "floordiv" else nan)
+            return [f"{t} = {x} {sym} {y} if {y} != {z} else {other}"]
         if kind == "float":
             return [f"{t} = {x} {sym} {y} if {y} != 0.0 else "
                     f"({'math.inf * (1 if ' + x + ' > 0 else -1) if ' + x + ' != 0 else math.nan' if op == 'floordiv' else 'math.nan'})"]
@@ -94,45 +130,54 @@ def _py_stmt(n: Node, t: str, a: list) -> list:
             return [f"{t} = bool({x}) {sym} bool({y})"]
         return [f"{t} = int({x}) {sym} int({y})"]
     if op in ("minimum", "maximum"):
-        x, y = (_py_num(n, v) for v in a)
+        x, y = (_py_num(n, v, fl) for v in a)
         cmp = "<=" if op == "minimum" else ">="
         return [f"{t} = {x} if {x} {cmp} {y} else {y}"]
     if op == "where":
         c, x, y = a
-        return [f"{t} = {_py_num(n, x)} if {c} else {_py_num(n, y)}"]
+        return [f"{t} = {_py_num(n, x, fl)} if {c} else {_py_num(n, y, fl)}"]
     (x,) = a
     if op == "neg":
-        return [f"{t} = -{_py_num(n, x)}"]
+        return [f"{t} = -{_py_num(n, x, fl)}"]
     if op == "abs":
-        return [f"{t} = abs({_py_num(n, x)})"]
+        return [f"{t} = abs({_py_num(n, x, fl)})"]
     if op == "invert":
         return [f"{t} = not {x}"] if kind == "bool" else [f"{t} = ~int({x})"]
+    # float32: the operand converted first (an int compared with float32(0.0) would widen)
+    x, arg = (f"float32({x})",) * 2 if fl.f32 else (x, f"float({x})")
+    z, nan = fl.zero(), fl.lit(float("nan"))
     if op == "log":
-        return [f"{t} = math.log(float({x})) if {x} > 0 else "
-                f"(-math.inf if {x} == 0 else math.nan)"]
+        return [f"{t} = math.log({arg}) if {x} > {z} else "
+                f"({fl.lit(-float('inf'))} if {x} == {z} else {nan})"]
     if op == "sqrt":
-        return [f"{t} = math.sqrt(float({x})) if {x} >= 0 else math.nan"]
+        return [f"{t} = math.sqrt({arg}) if {x} >= {z} else {nan}"]
     if op in ("exp", "tanh"):
-        return [f"{t} = math.{op}(float({x}))"]
+        return [f"{t} = math.{op}({arg})"]
     raise AssertionError(op)
 
 
 _NUMBA_CACHE: dict = {}
 
 
-def numba_function(graph: Graph, *, cuda: bool = False, packed: bool = False):
+def numba_function(graph: Graph, *, cuda: bool = False, packed: bool = False,
+                   float32: bool = False):
     """The graph compiled with Numba: an `njit` function, or a CUDA device function.
 
-    Cached per graph digest, target and form; the function takes `(<leaves>, a0, ..., err)`,
-    or `(<leaves>, (a0, ..., err))` with `packed` (`python_source`).
+    Cached per graph digest, target, form and float type; the function takes
+    `(<leaves>, a0, ..., err)`, or `(<leaves>, (a0, ..., err))` with `packed`, and computes its
+    floats in float64, or in float32 with `float32` (`python_source`).
     """
-    key = (graph.digest, cuda, packed)
+    key = (graph.digest, cuda, packed, float32)
     fn = _NUMBA_CACHE.get(key)
     if fn is None:
         import math
-        name = f"{graph.role}_{graph.digest}"
-        scope = {"math": math}
-        exec(compile(python_source(graph, name, packed=packed), f"<{name}>", "exec"), scope)
+
+        import numba
+        name = f"{graph.role}_{graph.digest}" + ("_f32" if float32 else "")
+        scope = {"math": math, "float32": numba.float32}
+        src = python_source(graph, name, packed=packed,
+                            float_type="float32" if float32 else None)
+        exec(compile(src, f"<{name}>", "exec"), scope)
         py = scope[name]
         if cuda:
             from numba import cuda as nb_cuda
