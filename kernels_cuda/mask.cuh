@@ -55,6 +55,33 @@ __device__ __forceinline__ Band query_band(const SeqPolicy& pol, int j, int q_lo
     return Band{max(lo, q_lo), min(hi, q_hi)};
 }
 
+// Whether the block's pairs of queries [q_pos, q_pos + q_rows) and keys [k_pos, k_pos +
+// k_rows) of sequence `seq` hold one the built-in mask and the mask_mod both show (without a
+// mask_mod: true, nothing evaluated). Each of the NUM_THREADS threads tests its share of the
+// pairs (consecutive threads, consecutive keys of a query), then the block votes: a barrier,
+// so the whole block calls it alike. The pairs it evaluates the mask_mod on are those a
+// partial tile's mask would (the band's, in rows present), so a skipped tile flags an aux index
+// out of range as a computed one would.
+template <int NUM_THREADS>
+__device__ __forceinline__ bool block_sees_any(const SeqPolicy& pol, const ModParams& mods,
+                                               int seq, int q_pos, int q_rows, int k_pos,
+                                               int k_rows) {
+    if constexpr (!HAS_MASK_MOD) {
+        return true;
+    } else {
+        bool any = false;
+        const int pairs = q_rows * k_rows;
+        #pragma unroll 1
+        for (int i = threadIdx.x; i < pairs && !any; i += NUM_THREADS) {
+            const int r = i / k_rows;
+            const int q = q_pos + r;
+            const int k = k_pos + (i - r * k_rows);
+            any = key_band(pol, q, k, k).contains(k) && user_mask(mods, seq, q, k);
+        }
+        return __syncthreads_or(any) != 0;
+    }
+}
+
 // The mask of a warp's [16, N] tile in C-fragment layout, whose columns are one partner chunk:
 // rows are queries and columns keys (forward, dQ), or, transposed, rows are keys and columns
 // queries (dK/dV). A lane holds rows g and g + 8 (`half` 0 and 1); `band(half)` gives the
