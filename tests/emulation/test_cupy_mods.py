@@ -8,6 +8,8 @@ float64 reference with the STYLE.md tolerances (`varlen.testing`).
   aux arrays and a transcendental one under a softcap; a row that a score_mod leaves without a
   key (out 0, lse -inf); zero- and one-row sequences, lengths that are no multiple of a tile,
   GQA 4/2, D = 64.
+* the skip of chunks a mask_mod empties (forward, dK/dV, both dQ modes): results, and the
+  emulation's ldmatrix and cp.async counts against a mask_mod that shows every pair.
 * the sm_90a forward with packed query heads (each packed row's score_mod sees its own head).
 * an aux index out of range: the kernels' flag, raised by `varlen.check_device_errors()`.
 * what the implementations refuse and why (`supports_mods`, no emulation).
