@@ -334,10 +334,11 @@ varlen_bwd_dkdv(const BwdParams params) {
                 stats.s_delta += col;
                 const T* s_q = qs.q_at(stage) + col * Cfg::STRIDE;
                 const T* s_do = qs.do_at(stage) + col * Cfg::STRIDE;
-                recompute_p_ds<HAS_SOFTCAP, T, D>(
-                    acc_s, acc_dp, smem.k, smem.v, s_q, s_do,
-                    key_rows_mask<BN>(pol, b.tile, w, cols, &params.mods, qs.head0 + c.head),
-                    stats, call, w);
+                TileMask<true> mask = key_rows_mask<BN>(pol, b.tile, w, cols, &params.mods,
+                                                        qs.head0 + c.head);
+                mask.aux_grads = part == 0;     // once per pair, whatever D_PARTS
+                recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, smem.k, smem.v, s_q, s_do,
+                                                  mask, stats, call, w);
                 gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dv, acc_s, s_do + col0, w.lane);
                 gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dk, acc_dp, s_q + col0, w.lane);
                 if constexpr (ATOMIC_DQ && Cfg::SUBTILES > 1) {

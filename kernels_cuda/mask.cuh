@@ -106,6 +106,7 @@ struct TileMask {
     int head = 0;       // query head: of the chunk (ROWS_ARE_KEYS), else of the tile's row 0
     int head_row = 0;   // tile row of row g: with packed heads row r is head + (r & head_mask)
     int head_mask = 0;  // PACK - 1
+    bool aux_grads = true;  // HAS_AUX_GRADS: the backward adds the aux gradients of this tile
 
     __device__ __forceinline__ Band band(int half) const {
         const int pos = row_pos + half_step * half;
@@ -146,6 +147,11 @@ struct TileMask {
     __device__ __forceinline__ float user_score_grad(float s, int half, int col) const {
         return ::varlen::user_score_grad(*mods, s, seq, query_head(half), q_idx(half, col),
                                          k_idx(half, col));
+    }
+    // A visible pair's share of the aux gradients: ds = dL/d score_mod(s).
+    __device__ __forceinline__ void user_aux_grad(float ds, float s, int half, int col) const {
+        ::varlen::user_aux_grad(*mods, ds, s, seq, query_head(half), q_idx(half, col),
+                                k_idx(half, col));
     }
 };
 
