@@ -21,8 +21,9 @@ structs and data arguments every launch shares, the module cache), `plan`, `mma`
 here imports CuPy before a call needs it, and nothing reads device memory on the host.
 
 User functions (`runs_mods`): both implementations run a mask_mod and a score_mod in the
-forward, `cupy:mma` in the backward too; neither computes the gradients of a score_mod's aux
-arrays (`mods.refusal` says why, and `varlen.backends.explain()` shows it).
+forward, `cupy:mma` in the backward too, with the gradients of a score_mod's aux arrays
+(float32 atomics: not with deterministic=True; `mods.refusal` says why, and
+`varlen.backends.explain()` shows it).
 """
 from __future__ import annotations
 
