@@ -15,9 +15,9 @@
 //     dQ  += dS K  (ATOMIC_DQ: dS^T goes through shared memory, then fp32 atomics; with
 //                  ORDERED_DQ each query chunk's additions come in key-slot order,
 //                  bwd_dq_ordered.cuh: bitwise repeatable)
-// With a mask_mod, a query chunk where no pair of the key tile is visible (built-in mask and
-// mask_mod: block_sees_any, a block vote) is skipped, neither loaded nor computed; with
-// ORDERED_DQ the block still takes and hands on its turn at the chunk's dQ.
+// With a mask_mod every query chunk the schedule lists is computed: a block vote between
+// chunks (block_sees_any, as the forward skips key chunks) spilled 12-48 B in kernels at 255
+// registers (docs/cupy_backend.md, "User functions").
 // Above D = 128 the dK, dV accumulators of a warp (D registers per lane) do not fit: the block
 // walks its query chunks D_PARTS = 2 times, each pass accumulating half of dK's and dV's columns
 // from the full S^T and dP^T (recomputed per pass, about 1.4 times the work at D = 256); dQ
@@ -363,18 +363,6 @@ varlen_bwd_dkdv(const BwdParams params) {
                         add_dq_atomic<T, Cfg, DS_HELD>(acc_dp, smem.ds, smem.k, dq_rows, c, w,
                                               UnorderedDq{});
                     }
-                }
-            }
-        }, [&](const Chunk& c) {
-            // with a mask_mod, a query chunk where no pair of the tile is visible is skipped
-            return block_sees_any<Cfg::NUM_THREADS>(pol, params.mods, b.tile.seq, c.pos, c.rows,
-                                                    b.tile.pos, b.tile.rows);
-        }, [&](const Chunk& c) {
-            if constexpr (ORDERED_DQ) {
-                // a skipped chunk adds nothing to dQ, but hands the chunk's turn on
-                if (part == 0) {
-                    const OrderedDq order{params.dq_order, plan, call, b.tile, qs.head0};
-                    order.template release<Cfg::CARRY_RANK>(c, order.acquire(c));
                 }
             }
         });

@@ -16,21 +16,12 @@ constexpr int STAGES = 2;
 struct KeepAll {
     __device__ __forceinline__ bool operator()(const Chunk&) const { return true; }
 };
-struct NoHandOff {
-    __device__ __forceinline__ void operator()(const Chunk&) const {}
-};
 
 // Moves `cursor` past the chunks `keep(chunk)` rejects (block_sees_any: a block vote, so every
-// thread walks alike), calling `skipped(chunk)` on each; nothing of them is loaded.
-template <int CHUNK, typename Keep, typename Skipped>
-__device__ __forceinline__ void skip_hidden(PartnerCursor<CHUNK>& cursor, Keep&& keep,
-                                            Skipped&& skipped) {
-    while (cursor.valid()) {
-        const Chunk c = cursor.chunk();
-        if (keep(c)) return;
-        skipped(c);
-        cursor.advance();
-    }
+// thread walks alike); nothing of them is loaded.
+template <int CHUNK, typename Keep>
+__device__ __forceinline__ void skip_hidden(PartnerCursor<CHUNK>& cursor, Keep&& keep) {
+    while (cursor.valid() && !keep(cursor.chunk())) cursor.advance();
 }
 
 // Runs `compute(chunk, stage)` on every chunk of `cursor` once `load(chunk, stage)` has filled
@@ -38,20 +29,16 @@ __device__ __forceinline__ void skip_hidden(PartnerCursor<CHUNK>& cursor, Keep&&
 // barrier that publishes everyone's: a thread may rewrite its own copies there
 // (zero_nonfinite_chunks). The copies of the block's own tile, issued by the caller before, join
 // the first chunk's group. On return every copy has landed and every thread is past its last
-// compute, so the shared tiles may be reused. Chunks `keep` rejects are skipped (skip_hidden).
-template <int CHUNK, typename Load, typename Own, typename Compute, typename Keep = KeepAll,
-          typename Skipped = NoHandOff>
+// compute, so the shared tiles may be reused.
+template <int CHUNK, typename Load, typename Own, typename Compute>
 __device__ __forceinline__ void for_each_chunk(PartnerCursor<CHUNK>& cursor, Load&& load,
-                                               Own&& own, Compute&& compute,
-                                               Keep&& keep = Keep{}, Skipped&& skipped = Skipped{}) {
-    skip_hidden(cursor, keep, skipped);
+                                               Own&& own, Compute&& compute) {
     if (cursor.valid()) load(cursor.chunk(), 0);
     cp_async_commit();
     int stage = 0;
     while (cursor.valid()) {
         const Chunk cur = cursor.chunk();
         cursor.advance();
-        skip_hidden(cursor, keep, skipped);
         // The other stage was last read one iteration ago and released by the barrier ending it.
         if (cursor.valid()) load(cursor.chunk(), stage ^ 1);
         cp_async_commit();
@@ -133,7 +120,7 @@ struct KvPipeline {
     __device__ __forceinline__ static Chunk fetch(PartnerCursor<CHUNK>& cursor, const Kv& kv,
                                                   int into, Keep&& keep) {
         Chunk c{0, 0, 0, 0, false};
-        skip_hidden(cursor, keep, NoHandOff{});
+        skip_hidden(cursor, keep);
         if (cursor.valid()) {
             c = cursor.chunk();
             cursor.advance();

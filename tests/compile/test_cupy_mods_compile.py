@@ -147,5 +147,5 @@ def test_params_carry_the_aux_arrays():
     assert not arg["mask"]["ptr"][2:].any()
     assert not any(_mods.mod_params_arg(None, None, id).tobytes())
     grads = (np.zeros(52, np.float32),)           # the table's gradient buffer (aux_grads)
-    arg = _mods.mod_params_arg(mods, None, lambda a: a.ctypes.data, grads)
+    arg = _mods.mod_params_arg(mods, np.zeros((), np.int32), lambda a: a.ctypes.data, grads)
     assert arg["grad"][0] == grads[0].ctypes.data and not arg["grad"][1:].any()
