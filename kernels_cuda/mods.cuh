@@ -15,8 +15,8 @@
 // as partially masked (TileMask::partial): each pair is tested, the built-in band AND the
 // mask_mod, and the score_mod applied to the visible ones; pairs the band hides, and rows or
 // columns past the tile, never reach the user's functions (so an aux index they would take out
-// of range is not flagged). With a mask_mod the mma.sync kernels skip a chunk where none of
-// the tile's pairs is visible (block_sees_any, mask.cuh).
+// of range is not flagged). With a mask_mod the mma.sync forward skips a key chunk where none
+// of the tile's pairs is visible (block_sees_any, mask.cuh).
 #pragma once
 
 #include "common.cuh"
