@@ -15,6 +15,9 @@
 //     dQ  += dS K  (ATOMIC_DQ: dS^T goes through shared memory, then fp32 atomics; with
 //                  ORDERED_DQ each query chunk's additions come in key-slot order,
 //                  bwd_dq_ordered.cuh: bitwise repeatable)
+// With a mask_mod every query chunk the schedule lists is computed: a block vote between
+// chunks (block_sees_any, as the forward skips key chunks) spilled 12-48 B in kernels at 255
+// registers (docs/cupy_backend.md, "User functions").
 // Above D = 128 the dK, dV accumulators of a warp (D registers per lane) do not fit: the block
 // walks its query chunks D_PARTS = 2 times, each pass accumulating half of dK's and dV's columns
 // from the full S^T and dP^T (recomputed per pass, about 1.4 times the work at D = 256); dQ
@@ -331,10 +334,11 @@ varlen_bwd_dkdv(const BwdParams params) {
                 stats.s_delta += col;
                 const T* s_q = qs.q_at(stage) + col * Cfg::STRIDE;
                 const T* s_do = qs.do_at(stage) + col * Cfg::STRIDE;
-                recompute_p_ds<HAS_SOFTCAP, T, D>(
-                    acc_s, acc_dp, smem.k, smem.v, s_q, s_do,
-                    key_rows_mask<BN>(pol, b.tile, w, cols, &params.mods, qs.head0 + c.head),
-                    stats, call, w);
+                TileMask<true> mask = key_rows_mask<BN>(pol, b.tile, w, cols, &params.mods,
+                                                        qs.head0 + c.head);
+                mask.aux_grads = part == 0;     // once per pair, whatever D_PARTS
+                recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, smem.k, smem.v, s_q, s_do,
+                                                  mask, stats, call, w);
                 gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dv, acc_s, s_do + col0, w.lane);
                 gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dk, acc_dp, s_q + col0, w.lane);
                 if constexpr (ATOMIC_DQ && Cfg::SUBTILES > 1) {

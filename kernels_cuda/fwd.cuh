@@ -10,8 +10,10 @@
 // schedule, which does not depend on its key tile: a tile of BN = 128 keys is 2 or 4
 // chunks); K and V wait separately (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
-// rows). A row that sees a NaN or inf (in q, or in k or v of a key it sees) writes NaN to out
-// and lse; hidden keys never reach it (mask_scores, KvStages::zero_nonfinite).
+// rows). With a mask_mod every chunk is partial, and one where no pair of the tile is visible
+// is skipped before it is loaded (block_sees_any, a block vote). A row that sees a NaN or
+// inf (in q, or in k or v of a key it sees) writes NaN to out and lse; hidden keys never reach
+// it (mask_scores, KvStages::zero_nonfinite).
 // Every row of out and lse is written: a query tile's rows by its block (0 and -inf for a row
 // without a visible key), the rows of no tile by the pad blocks (for_each_pad_run).
 #pragma once
@@ -225,9 +227,15 @@ varlen_fwd(const FwdParams params) {
                                                   params.q_strides);
     cp_async_commit();
     PartnerCursor<KN> keys = key_cursor<KN>(plan, b.i_tile);
+    const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
+    // With a mask_mod, a key chunk where no pair of the tile is visible is not loaded
+    const auto keep = [&](const Chunk& c) {
+        return block_sees_any<Cfg::NUM_THREADS>(pol, params.mods, b.tile.seq, b.tile.pos,
+                                                b.tile.rows, c.pos, c.rows);
+    };
     using Pipeline = KvPipeline<STAGES, KN>;
     Pipeline pipe;
-    pipe.start(keys, kv);
+    pipe.start(keys, kv, keep);
     constexpr bool Q_IN_REGS = Cfg::q_in_regs(HAS_SOFTCAP);
     QOperand<T, D, MT, Q_IN_REGS> q_op{s_q, w.row0};
     if constexpr (Q_IN_REGS) {
@@ -235,7 +243,6 @@ varlen_fwd(const FwdParams params) {
         __syncthreads();
         q_op.load(w.lane);
     }
-    const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
 
     // [MT][16, D] output accumulators and [MT][16, KN] scores, then probabilities, of this
     // warp's rows
@@ -268,7 +275,7 @@ varlen_fwd(const FwdParams params) {
                                                                       int kk) {
             c_to_a<T>(a, acc_s[mt], kk);
         }, kv.v_at(stage), 0, w.lane);
-    });
+    }, keep);
     store_output<T, D, Cfg::STRIDE>(acc_o, softmax, s_q,
                                     tile_output<T, D>(params, b.tile, b.i_head), w);
 }

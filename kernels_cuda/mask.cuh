@@ -55,6 +55,33 @@ __device__ __forceinline__ Band query_band(const SeqPolicy& pol, int j, int q_lo
     return Band{max(lo, q_lo), min(hi, q_hi)};
 }
 
+// Whether the block's pairs of queries [q_pos, q_pos + q_rows) and keys [k_pos, k_pos +
+// k_rows) of sequence `seq` hold one the built-in mask and the mask_mod both show (without a
+// mask_mod: true, nothing evaluated). Each of the NUM_THREADS threads tests its share of the
+// pairs (consecutive threads, consecutive keys of a query), then the block votes: a barrier,
+// so the whole block calls it alike. The pairs it evaluates the mask_mod on are those a
+// partial tile's mask would (the band's, in rows present), so a skipped tile flags an aux index
+// out of range as a computed one would.
+template <int NUM_THREADS>
+__device__ __forceinline__ bool block_sees_any(const SeqPolicy& pol, const ModParams& mods,
+                                               int seq, int q_pos, int q_rows, int k_pos,
+                                               int k_rows) {
+    if constexpr (!HAS_MASK_MOD) {
+        return true;
+    } else {
+        bool any = false;
+        const int pairs = q_rows * k_rows;
+        #pragma unroll 1
+        for (int i = threadIdx.x; i < pairs && !any; i += NUM_THREADS) {
+            const int r = i / k_rows;
+            const int q = q_pos + r;
+            const int k = k_pos + (i - r * k_rows);
+            any = key_band(pol, q, k, k).contains(k) && user_mask(mods, seq, q, k);
+        }
+        return __syncthreads_or(any) != 0;
+    }
+}
+
 // The mask of a warp's [16, N] tile in C-fragment layout, whose columns are one partner chunk:
 // rows are queries and columns keys (forward, dQ), or, transposed, rows are keys and columns
 // queries (dK/dV). A lane holds rows g and g + 8 (`half` 0 and 1); `band(half)` gives the
@@ -79,6 +106,7 @@ struct TileMask {
     int head = 0;       // query head: of the chunk (ROWS_ARE_KEYS), else of the tile's row 0
     int head_row = 0;   // tile row of row g: with packed heads row r is head + (r & head_mask)
     int head_mask = 0;  // PACK - 1
+    bool aux_grads = true;  // HAS_AUX_GRADS: the backward adds the aux gradients of this tile
 
     __device__ __forceinline__ Band band(int half) const {
         const int pos = row_pos + half_step * half;
@@ -119,6 +147,11 @@ struct TileMask {
     __device__ __forceinline__ float user_score_grad(float s, int half, int col) const {
         return ::varlen::user_score_grad(*mods, s, seq, query_head(half), q_idx(half, col),
                                          k_idx(half, col));
+    }
+    // A visible pair's share of the aux gradients: ds = dL/d score_mod(s).
+    __device__ __forceinline__ void user_aux_grad(float ds, float s, int half, int col) const {
+        ::varlen::user_aux_grad(*mods, ds, s, seq, query_head(half), q_idx(half, col),
+                                k_idx(half, col));
     }
 };
 

@@ -42,6 +42,9 @@ using ::ModAux;
 struct ModParams {
     ModAux mask;
     ModAux score;
+    // the score_mod's aux gradients (aux_grads): flat float32 buffers of its float aux arrays,
+    // null for the others; read only by a dK/dV kernel compiled with VARLEN_SCORE_MOD_AUX_GRAD
+    float* grad[VARLEN_MAX_AUX];
 };
 
 // Where the elements of a [T, H, D] array lie: element (t, h, d) is t * row + h * head + d

@@ -12,6 +12,18 @@ namespace varlen {
 
 constexpr int STAGES = 2;
 
+// The chunks a block computes: every one the schedule lists (`keep` below may drop some).
+struct KeepAll {
+    __device__ __forceinline__ bool operator()(const Chunk&) const { return true; }
+};
+
+// Moves `cursor` past the chunks `keep(chunk)` rejects (block_sees_any: a block vote, so every
+// thread walks alike); nothing of them is loaded.
+template <int CHUNK, typename Keep>
+__device__ __forceinline__ void skip_hidden(PartnerCursor<CHUNK>& cursor, Keep&& keep) {
+    while (cursor.valid() && !keep(cursor.chunk())) cursor.advance();
+}
+
 // Runs `compute(chunk, stage)` on every chunk of `cursor` once `load(chunk, stage)` has filled
 // that stage. Before, `own(chunk, stage)` runs between this thread's wait for its copies and the
 // barrier that publishes everyone's: a thread may rewrite its own copies there
@@ -60,19 +72,22 @@ struct KvPipeline {
     int stage;                  // the stage of ahead[0]
 
     // Issues the first STAGES - 1 chunks of `cursor`. Copies issued before (the block's own
-    // tile) must be committed in a group of their own.
-    template <typename Kv>
-    __device__ __forceinline__ void start(PartnerCursor<CHUNK>& cursor, const Kv& kv) {
+    // tile) must be committed in a group of their own. Chunks `keep` rejects are skipped
+    // (skip_hidden), here and in run(), which must get the same `keep`.
+    template <typename Kv, typename Keep = KeepAll>
+    __device__ __forceinline__ void start(PartnerCursor<CHUNK>& cursor, const Kv& kv,
+                                          Keep&& keep = Keep{}) {
         #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) ahead[s] = fetch(cursor, kv, s);
+        for (int s = 0; s < STAGES - 1; ++s) ahead[s] = fetch(cursor, kv, s, keep);
         stage = 0;
     }
 
     // Runs scores(chunk, stage) then values(chunk, stage) on every chunk; on return every copy
     // has landed and every thread is past its last read of the stages.
-    template <typename Kv, typename Own, typename Scores, typename Values>
+    template <typename Kv, typename Own, typename Scores, typename Values,
+              typename Keep = KeepAll>
     __device__ __forceinline__ void run(PartnerCursor<CHUNK>& cursor, const Kv& kv, Own&& own,
-                                        Scores&& scores, Values&& values) {
+                                        Scores&& scores, Values&& values, Keep&& keep = Keep{}) {
         while (ahead[0].rows > 0) {
             const Chunk cur = ahead[0];
             #pragma unroll
@@ -84,7 +99,7 @@ struct KvPipeline {
                 own(cur, stage);
             }
             __syncthreads();
-            ahead[STAGES - 2] = fetch(cursor, kv, stage == 0 ? STAGES - 1 : stage - 1);
+            ahead[STAGES - 2] = fetch(cursor, kv, stage == 0 ? STAGES - 1 : stage - 1, keep);
             scores(cur, stage);
             if (cur.full) {
                 cp_async_wait<2 * STAGES - 2>();     // all but the chunks ahead: V
@@ -99,12 +114,13 @@ struct KvPipeline {
     }
 
   private:
-    // The next chunk of `cursor` into `into`: a K group and a V group, both committed (empty
-    // past the last chunk, so that every thread counts groups alike).
-    template <typename Kv>
+    // The next chunk of `cursor` that `keep` takes into `into`: a K group and a V group, both
+    // committed (empty past the last chunk, so that every thread counts groups alike).
+    template <typename Kv, typename Keep>
     __device__ __forceinline__ static Chunk fetch(PartnerCursor<CHUNK>& cursor, const Kv& kv,
-                                                  int into) {
+                                                  int into, Keep&& keep) {
         Chunk c{0, 0, 0, 0, false};
+        skip_hidden(cursor, keep);
         if (cursor.valid()) {
             c = cursor.chunk();
             cursor.advance();

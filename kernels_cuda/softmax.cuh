@@ -181,7 +181,9 @@ __device__ __forceinline__ void load_row_stats(float& row_lse2, float& row_delta
 // the score_mod of a visible pair's score, and dS is multiplied by its derivative (before the
 // softcap's chain factor, which the product commutes with). A pair the score_mod sends to -inf
 // is hidden here: P = dS = 0 whatever its operands hold (a row it leaves without a key has
-// lse -inf, which the preprocessing turns into a NaN delta).
+// lse -inf, which the preprocessing turns into a NaN delta). With aux_grads (HAS_AUX_GRADS) a
+// visible pair adds its dL/d score_mod = P (dP - delta) times each float aux read's derivative
+// into the aux gradients (mask.user_aux_grad), where `mask.aux_grads` says so.
 template <bool HAS_SOFTCAP, int NB, typename Mask, typename Stats>
 __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[NB][4],
                                                  const Mask& mask, const Stats& stats,
@@ -192,10 +194,12 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
             float th = 0.f;
             float x = score_scaled<HAS_SOFTCAP>(qk, call.softmax_scale, call.softcap, &th);
             float t = dp[nb][i] - stats.delta(i / 2, col);
+            const float dp_delta = t;
             if (HAS_SOFTCAP) t *= 1.f - th * th;
             // NaN for a pair with a NaN or inf operand, as below (before the score_mod's factor)
             const float nan_check = zero_or_nan(qk + t);
             visible = mask.user_visible(visible, i / 2, col);
+            const float x_in = x;
             if (visible) {
                 t *= mask.user_score_grad(x, i / 2, col);
                 x = mask.user_score(x, i / 2, col);
@@ -203,6 +207,9 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
             }
             x = visible ? x * LOG2E + nan_check : neg_inf();
             const float p = exp2f(x - stats.lse2(i / 2, col));
+            if constexpr (HAS_AUX_GRADS) {
+                if (visible && mask.aux_grads) mask.user_aux_grad(p * dp_delta, x_in, i / 2, col);
+            }
             s[nb][i] = p;
             dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
         });

@@ -236,6 +236,11 @@ struct BlockSync {
     std::unique_ptr<Warp[]> warps;
     std::unique_ptr<Turnstile> turnstile;
     std::vector<std::vector<CopyRecord>> copies;     // per thread
+    // __syncthreads_or: three tallies used in turn (vote n uses n % 3, and clears the one of
+    // vote n + 1 before its barrier: that tally was last read before vote n - 1's barrier
+    // was left, and is next written after vote n's), and each thread's count of votes.
+    std::atomic<int> votes[3];
+    std::vector<uint64_t> voted;                     // per thread
 };
 inline BlockSync g_sync;
 // Run by each thread entering (false) and leaving (true) __syncthreads, when set (the sm_90
@@ -319,6 +324,15 @@ inline void __syncthreads() {
     if (hostemu::g_sync.turnstile) hostemu::g_sync.turnstile->done(threadIdx.x / 32, false);
     else hostemu::g_sync.bar->arrive_and_wait();
     if (hostemu::g_block_barrier_hook) hostemu::g_block_barrier_hook(true);
+}
+// A barrier that also returns whether any thread of the block passed a nonzero predicate.
+inline int __syncthreads_or(int predicate) {
+    hostemu::BlockSync& s = hostemu::g_sync;
+    const uint64_t n = s.voted[threadIdx.x]++;
+    s.votes[(n + 1) % 3].store(0);
+    if (predicate) s.votes[n % 3].store(1);
+    __syncthreads();
+    return s.votes[n % 3].load();
 }
 inline void __syncwarp() { hostemu::sync_point(); hostemu::my_warp().bar.arrive_and_wait(); }
 
@@ -755,6 +769,8 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
                     threads, splitmix(g_config.seed ^ (((uint64_t)by << 32) | bx)));
             }
             g_sync.copies.assign(threads, {});
+            g_sync.voted.assign(threads, 0);
+            for (std::atomic<int>& v : g_sync.votes) v.store(0);
             g_block_fences.store(0);
             g_block_releases.store(0);
             g_block_waits.store(0);

@@ -3,8 +3,9 @@ kernels_cuda/mods.cuh): gallery functions (tests/mods_cases.py) generated into t
 source, built by NVRTC for sm_80 and sm_90 (mma.sync forward and dK/dV kernels) and sm_90a
 (the forward) within the budgets of the kernels without them: no spills, registers within the
 register file, shared memory within each architecture's opt-in (unchanged: the functions add
-registers, not shared memory). Also: variants of other functions never share a module or a
-cubin, and the params structs carry the aux arrays."""
+registers, not shared memory); the dK/dV kernel with aux gradients too. Also: variants of
+other functions never share a module or a cubin, and the params structs carry the aux
+arrays."""
 from __future__ import annotations
 
 import numpy as np
@@ -70,6 +71,25 @@ def test_mma_kernels_with_user_functions_within_budget(gid, kind, head_dim, bloc
         assert k.smem + u["static_smem"] <= traits.SMEM_BUDGET[arch], (k.name, u)
 
 
+@pytest.mark.parametrize("arch", traits.ARCHS)
+def test_mma_backward_with_aux_grads_within_budget(arch):
+    """The dK/dV kernel (atomic dQ: aux gradients are refused with deterministic=True) adding
+    the aux gradients of a [Hq, 13] relative-bias table under a segments mask_mod, at D = 64:
+    no spills (242 registers on sm_80, 249 on sm_90 when measured)."""
+    masks, scores = dict(mask_cases([0, 5, 70])), dict(score_cases(4))
+    hooks = _mods.hooks_for(Mods(mask=masks["segments"], score=scores["relative-bias"],
+                                 aux_grads=True), backward=True)
+    assert hooks.aux_grads and _mods.AUX_GRAD_FN in hooks.source
+    spec = KernelSpec("bwd", "bfloat16", 64, 128, 64, False, hooks).compiled()
+    k = spec.kernels()["dkdv_atomic"]
+    _, usage = _compile.compile_names([k.name], arch, _mods.module_source(hooks))
+    u = usage[k.name]
+    print(f"{arch} {k.name} [aux grads]: {u['registers']} registers, spills "
+          f"{u['spill_stores']}/{u['spill_loads']}")
+    assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{k.name} spills: {u}"
+    assert 0 < u["registers"] <= 255, u
+
+
 @pytest.mark.parametrize("gid, head_dim, block_m, block_n, pack", [
     pytest.param("segments+relative-bias", 64, 128, 64, 2, id="segments+relative-bias-D64-P2"),
     pytest.param("prefix-lm+soft-clip", 128, 128, 128, 1, id="prefix-lm+soft-clip-D128-P1")])
@@ -94,6 +114,11 @@ def test_other_functions_never_share_a_module_or_cubin(tmp_path, monkeypatch):
     i64 = type(i32)(i32.fn, i32.aux[0].astype(np.int64))
     assert _mods.hooks_for(Mods(mask=i32)) != _mods.hooks_for(Mods(mask=i64))
     assert _hooks("segments", "alibi") == a
+    # the forward of a call with aux gradients is the forward without them
+    score = dict(score_cases(4))["alibi"]
+    assert _mods.hooks_for(Mods(score=score, aux_grads=True)) == _mods.hooks_for(Mods(score=score))
+    assert _mods.hooks_for(Mods(score=score, aux_grads=True), backward=True) != \
+        _mods.hooks_for(Mods(score=score), backward=True)
     assert KernelSpec("fwd", "float16", 64, 128, 64, False, a) != \
         KernelSpec("fwd", "float16", 64, 128, 64, False, b)
     assert KernelSpec("fwd", "float16", 64, 128, 128, False, a).compiled().mods == a
@@ -121,3 +146,6 @@ def test_params_carry_the_aux_arrays():
     assert arg["mask"]["err"] == arg["score"]["err"] != 0
     assert not arg["mask"]["ptr"][2:].any()
     assert not any(_mods.mod_params_arg(None, None, id).tobytes())
+    grads = (np.zeros(52, np.float32),)           # the table's gradient buffer (aux_grads)
+    arg = _mods.mod_params_arg(mods, np.zeros((), np.int32), lambda a: a.ctypes.data, grads)
+    assert arg["grad"][0] == grads[0].ctypes.data and not arg["grad"][1:].any()

@@ -8,6 +8,8 @@ float64 reference with the STYLE.md tolerances (`varlen.testing`).
   aux arrays and a transcendental one under a softcap; a row that a score_mod leaves without a
   key (out 0, lse -inf); zero- and one-row sequences, lengths that are no multiple of a tile,
   GQA 4/2, D = 64.
+* the forward's skip of key chunks a mask_mod empties: results, and the emulation's ldmatrix
+  and cp.async counts against a mask_mod that shows every pair.
 * the sm_90a forward with packed query heads (each packed row's score_mod sees its own head).
 * an aux index out of range: the kernels' flag, raised by `varlen.check_device_errors()`.
 * what the implementations refuse and why (`supports_mods`, no emulation).
@@ -74,14 +76,27 @@ def _compare(label, b, got, score, *, softmax_scale, softcap, grads=None):
     assert_lse(f"{label} lse", lse, ref_lse, dtype=b.dtype)
     if grads is None:
         return
+    aux_grads = len(grads) == 4
     ref_grads = reference.attention_dense_backward(b.dout, b.q, b.k, b.v, b.cu_q, b.cu_k,
-                                                   **b.layout, score_mod=score, **kw)
+                                                   **b.layout, score_mod=score, **kw,
+                                                   aux_grads=aux_grads)
     magnitude = _amax(ref_out) * _amax(np.where(covered_rows(b)[:, None, None],
                                                 b.dout.astype(np.float64), 0.0))
     rel = naive / max(_amax(ref_out), 1e-30)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close(f"{label} {name}", g, r, dtype=b.dtype, naive_err=rel * max(_amax(r), 1e-30),
                      factor=3.0, floor=16.0, magnitude=magnitude)
+    if not aux_grads:
+        return
+    assert len(grads[3]) == len(ref_grads[3]), f"{label}: {len(grads[3])} aux gradients"
+    for i, (g, r) in enumerate(zip(grads[3], ref_grads[3])):
+        if r is None:
+            assert g is None, f"{label}: aux {i} (not float) has a gradient"
+            continue
+        assert g.dtype == np.float32 and g.shape == r.shape, f"{label}: aux {i} {g.dtype}"
+        # a sum over every visible pair: its error against the sum's size (tests/test_cpu_mods)
+        assert_close(f"{label} daux{i}", g, r, dtype=b.dtype, factor=3.0, floor=64.0,
+                     naive_err=rel * max(_amax(r), 1e-30), magnitude=max(_amax(r), 1e-30))
 
 
 def _case_mma(mask_id, score_id, dtype, softcap, block_m, deterministic):
@@ -164,7 +179,70 @@ def _case_index_error():
     print("ok index error")
 
 
-CASES = {"mma": _case_mma, "sm90": _case_sm90, "index-error": _case_index_error}
+def _case_aux_grads(mask_id, score_id, dtype, softcap, block_m):
+    """The backward's aux gradients (atomic dQ; `deterministic` is refused), with the forward
+    and dq, dk, dv, against the reference's (`aux_grads=True`)."""
+    import varlen
+    from emulation.cupy import install_fake_cupy
+    from varlen.backends.cupy import BACKEND
+    from varlen.mods import Mods
+    from varlen.testing import make_batch
+    block_m, softcap = int(block_m), float(softcap)
+    install_fake_cupy(block_m, 64)
+    Hq, Hk, D = 4, 2, 64
+    mask, mask_mod, score = _functions(mask_id, score_id, LENGTHS, Hq)
+    b = make_batch(np.random.default_rng(5), LENGTHS, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
+                   gaps=True)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k, mask=mask,
+                       num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=block_m,
+                       block_n=64)
+    mods = Mods(mask=mask_mod, score=score, aux_grads=True)
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=softcap)
+    label = f"{mask_id}+{score_id} aux grads {dtype} softcap={softcap} BM{block_m} (emulated)"
+    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=mods, **kw)
+    grads = BACKEND.backward(plan, b.dout, b.q, b.k, b.v, out, lse, mods=mods, **kw)
+    assert len(grads) == 4, label
+    _compare(label, b, (out, lse), score, grads=grads, **kw)
+    varlen.check_device_errors()
+    print(f"ok {label}")
+
+
+def _always(b, q_idx, k_idx):
+    return q_idx >= 0
+
+
+def _case_skip(mask_id):
+    """The forward on a plan without a built-in mask, with the mask_mod `mask_id`:
+    "chunked", chunked causal with chunks of 32 rows (tiles of 64: every tile off the diagonal
+    holds no visible pair), or "always" (every pair shown). Checked against the reference;
+    prints the emulation's ldmatrix phases and cp.async writes (`bank_counts`: one kernel
+    library per process, which keeps them exact)."""
+    import varlen
+    from emulation.cupy import bank_counts, install_fake_cupy
+    from mods_cases import chunked_causal
+    from varlen.backends.cupy import BACKEND
+    from varlen.mods import Mods
+    from varlen.testing import make_batch
+    install_fake_cupy(64, 64)
+    lengths, D = [1, 190], 64
+    mask_mod = {"chunked": varlen.MaskMod(chunked_causal, np.array([32], np.int32)),
+                "always": varlen.MaskMod(_always)}[mask_id]
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=0.0)
+    b = make_batch(np.random.default_rng(4), lengths, Hq=2, Hk=1, D=D, dtype="float16",
+                   mask=mask_mod, gaps=True)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=64,
+                       block_n=64)
+    mods = Mods(mask=mask_mod)
+    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=mods, **kw)
+    _compare(f"{mask_id} forward (emulated)", b, (out, lse), None, **kw)
+    varlen.check_device_errors()
+    ldsm, _, copies, _ = bank_counts()
+    print(f"counts {ldsm} {copies}")
+
+
+CASES = {"mma": _case_mma, "sm90": _case_sm90, "index-error": _case_index_error,
+         "skip": _case_skip, "aux-grads": _case_aux_grads}
 
 
 def _main(argv):
@@ -200,6 +278,33 @@ def test_mma_gallery(mask_id, score_id, dtype, softcap, block_m, deterministic):
 
 
 @needs_cxx
+def test_mma_forward_skips_chunks_the_mask_mod_empties():
+    """Key chunks where the mask_mod hides every pair of the query tile are neither loaded nor
+    computed, and the results match."""
+    counts = {}
+    for mask_id in ("chunked", "always"):
+        out = emulate_script(__file__, "skip", mask_id, timeout=900)
+        line = [x for x in out.splitlines() if x.startswith("counts ")][-1]
+        counts[mask_id] = np.array(line.split()[1:], np.int64)
+    # without the skip both compute every tile (equal counts); with it the chunked mask costs
+    # about 0.4 of the ldmatrix phases and 0.5 of the cp.async writes
+    print("ldmatrix phases, cp.async writes:", counts)
+    assert (counts["chunked"] < 0.6 * counts["always"]).all(), counts
+
+
+@needs_cxx
+@pytest.mark.parametrize("mask_id, score_id, dtype, softcap, block_m", [
+    pytest.param("causal-builtin", "alibi", "float16", "0", "64", id="causal-alibi-fp16"),
+    pytest.param("segments", "relative-bias", "bfloat16", "5", "128",
+                 id="segments-relbias-softcap-bf16-BM128"),
+])
+def test_mma_aux_grads(mask_id, score_id, dtype, softcap, block_m):
+    """Gradients of the score_mod's float aux arrays (per-head ALiBi slopes, a [Hq, 13]
+    relative-bias table), float32 atomics in the dK/dV kernel."""
+    _emulate("aux-grads", mask_id, score_id, dtype, softcap, block_m)
+
+
+@needs_cxx
 def test_sm90a_forward_packed_heads():
     """The sm_90a forward, two query heads packed per position: segments (a per-token aux
     array) and a relative bias table indexed by the packed row's own head."""
@@ -212,9 +317,9 @@ def test_out_of_range_aux_index_is_recorded():
 
 
 def test_implementations_say_what_they_refuse():
-    """No aux gradients anywhere; no user functions in the sm_90a backward; the family and
-    cupy:mma run mask_mod and score_mod forward and backward (the device questions answered
-    by a stand-in H100)."""
+    """The family and cupy:mma run mask_mod and score_mod forward and backward, and aux
+    gradients but not with deterministic=True (float32 atomics); no user functions in the
+    sm_90a backward (the device questions answered by a stand-in H100)."""
     import varlen
     from varlen.backends.base import Problem
     from varlen.backends.cupy import BACKEND, DeviceInfo
@@ -225,13 +330,22 @@ def test_implementations_say_what_they_refuse():
 
     class Backward(Problem):
         grads = ()
+
+    class Deterministic(Backward):
+        deterministic = True
     fwd = Problem("float16", 64, 64, True, Mods(mask=mask, score=score))
     bwd = Backward("float16", 64, 64, True, Mods(mask=mask, score=score))
     grads = Backward("float16", 64, 64, True, Mods(score=score, aux_grads=True))
+    repeatable = Deterministic("float16", 64, 64, True, Mods(score=score, aux_grads=True))
     with BACKEND.stand_in_device(DeviceInfo((9, 0), 227 * 1024, "H100")):
         for b in (BACKEND, mma):
             assert b.supports_mods(fwd) is None and b.supports_mods(bwd) is None, b
-            assert "aux_grads=True" in b.supports_mods(grads), b
+            assert b.supports_mods(grads) is None, b
+            why = b.supports_mods(repeatable)
+            assert "aux_grads=True" in why and "deterministic=True" in why, b
+            assert "aux_grads" in b.runs_mods, b
+        assert "sm_90a backward does not compute gradients" in sm90a.supports_mods(grads)
+        assert "aux_grads" not in sm90a.runs_mods
         assert sm90a.supports_mods(fwd) is None
         assert "sm_90a backward does not run a mask_mod or score_mod" in sm90a.supports_mods(bwd)
         assert "backend='cupy'" in sm90a.supports_mods(bwd)

@@ -21,8 +21,9 @@ structs and data arguments every launch shares, the module cache), `plan`, `mma`
 here imports CuPy before a call needs it, and nothing reads device memory on the host.
 
 User functions (`runs_mods`): both implementations run a mask_mod and a score_mod in the
-forward, `cupy:mma` in the backward too; neither computes the gradients of a score_mod's aux
-arrays (`mods.refusal` says why, and `varlen.backends.explain()` shows it).
+forward, `cupy:mma` in the backward too, with the gradients of a score_mod's aux arrays
+(float32 atomics: not with deterministic=True; `mods.refusal` says why, and
+`varlen.backends.explain()` shows it).
 """
 from __future__ import annotations
 
@@ -65,14 +66,16 @@ class _CupyBase(Backend):
     """What the implementations and the family share: the GPU, the plans and their tiles."""
 
     IMPL = "mma"            # whose kernels' limits on user functions apply (`mods.refusal`)
-    runs_mods = frozenset({"mask_mod", "score_mod"})
+    runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
 
     def supports_mods(self, call):
-        """None when the kernels run the call's mask_mod / score_mod (`mods.refusal`: no aux
-        gradients; the sm_90a backward runs neither)."""
+        """None when the kernels run the call's mask_mod / score_mod (`mods.refusal`: aux
+        gradients by float32 atomics, not with deterministic=True; the sm_90a backward runs
+        neither)."""
         from .mods import refusal
         return refusal(getattr(call, "mods", None), impl=self.IMPL,
-                       backward=getattr(call, "grads", None) is not None)
+                       backward=getattr(call, "grads", None) is not None,
+                       deterministic=bool(getattr(call, "deterministic", False)))
 
     @contextlib.contextmanager
     def stand_in_device(self, device: DeviceInfo):
@@ -218,7 +221,8 @@ class MmaImplementation(_CupyBase):
                  deterministic=False, mods=None):
         """`(dq, dk, dv)` in the input dtype. dK/dV are always deterministic (one writer per
         row); dQ uses fp32 atomics, added in a fixed order when `deterministic` (bitwise
-        repeatable). `mods`: as `forward`'s (no aux gradients: `supports_mods`)."""
+        repeatable). `mods`: as `forward`'s; with `mods.aux_grads` a fourth result, the
+        score_mod's aux gradients (float32 atomics: not with `deterministic`)."""
         from . import mma
         spec = mma.spec_for(plan, q, kind="bwd", softcap=softcap, mods=mods)
         self._require_fit(spec, "bwd-deterministic" if deterministic else "bwd")
@@ -231,6 +235,7 @@ class Sm90aImplementation(_CupyBase):
 
     name = "cupy:sm90a"
     IMPL = "sm90a"
+    runs_mods = frozenset({"mask_mod", "score_mod"})     # its forward only: `mods.refusal`
     # Chosen by backend="cupy" on an H100/H200 once scripts/gpu_check.sh --sm90a has passed on
     # one (docs/hopper.md, "The GPU side"); until then only when named.
     default_eligible = False

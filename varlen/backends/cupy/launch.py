@@ -173,7 +173,7 @@ def strides(a) -> tuple:
 
 
 def _params_arg(dtype, strided, plan_arg: PlanArg, call, arrays: dict, mods=None,
-                mod_err=None) -> np.ndarray:
+                mod_err=None, aux_grads=None) -> np.ndarray:
     arg = alloc(np, (), dtype, fill=0)
     for name, a in arrays.items():
         arg[name] = address(a)
@@ -184,7 +184,7 @@ def _params_arg(dtype, strided, plan_arg: PlanArg, call, arrays: dict, mods=None
                                                if lse.shape[0] > 1 else lse.shape[1])
     arg["plan"] = plan_arg.struct
     arg["call"] = call
-    arg["mods"] = mod_params_arg(mods, mod_err, address)
+    arg["mods"] = mod_params_arg(mods, mod_err, address, aux_grads)
     return arg
 
 
@@ -198,13 +198,14 @@ def fwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, lse, mods=None,
 
 
 def bwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, dout, lse, lse2, delta, dq_accum,
-                   dq_order, dq, dk, dv, mods=None, mod_err=None) -> np.ndarray:
+                   dq_order, dq, dk, dv, mods=None, mod_err=None,
+                   aux_grads=None) -> np.ndarray:
     """The backward kernels' `BwdParams` (every field; None: a null pointer, an argument the
-    kernels of this launch never touch)."""
+    kernels of this launch never touch); `aux_grads`: the score_mod's aux gradient buffers."""
     return _params_arg(BWD_PARAMS_DTYPE, BWD_STRIDED, plan_arg, call,
                        dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse, lse2=lse2, delta=delta,
                             dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk, dv=dv),
-                       mods, mod_err)
+                       mods, mod_err, aux_grads)
 
 
 def check_heads(Hq: int):

@@ -15,7 +15,8 @@ import numpy as np
 
 from ..._array import alloc
 from . import launch as L
-from .mods import ModHooks, error_flag, hooks_for, record_errors
+from .mods import (ModHooks, aux_grad_buffers, aux_grads_result, error_flag, hooks_for,
+                   record_errors)
 from .traits import (BLOCKS, KINDS, MAX_WIDE_HEAD_DIM, WARP_ROWS, WARP_SIZE, DeviceInfo,
                      KernelLaunch, Variant, blocks_for, cxx_bool, mma_dkdv_smem, mma_fwd_smem,
                      smem_refusal, smem_stride, tile_size)
@@ -179,7 +180,7 @@ def spec_for(plan, q, *, kind: str, softcap: float, mods=None) -> KernelSpec:
     call's `mods` (`varlen.mods.Mods` or None)."""
     from ..._validate import dtype_name
     return KernelSpec(kind, dtype_name(q.dtype), int(q.shape[2]), plan.block_m, plan.block_n,
-                      softcap > 0, hooks_for(mods))
+                      softcap > 0, hooks_for(mods, backward=kind == "bwd"))
 
 
 def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tuple):
@@ -261,7 +262,9 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     element, so only its last dim must be contiguous).
 
     `mods`: as `forward`'s (the dK/dV kernel recomputes P with them and multiplies dS by the
-    score_mod's derivative).
+    score_mod's derivative). With `mods.aux_grads` it also adds dS * d(score_mod)/d(aux) into
+    zeroed float32 buffers (`mods.aux_grad_buffers`, atomics; `deterministic` is refused
+    before: `mods.refusal`) and returns them as a fourth result (`mods.aux_grads_result`).
 
     Three launches, no fill. The preprocessing computes delta and the base-2 lse and writes
     what the next two kernels do not: the zeroed fp32 dQ accumulator, the pad rows of dk and dv
@@ -283,8 +286,12 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     dk = alloc(cupy, k.shape, k.dtype)
     dv = alloc(cupy, v.shape, v.dtype)
     queries, keys = Tq * Hq > 0, Tk * Hk > 0
+    grads = aux_grad_buffers(mods)
+
+    def result():
+        return (dq, dk, dv) if grads is None else (dq, dk, dv, aux_grads_result(mods, grads))
     if not (queries or keys):
-        return dq, dk, dv
+        return result()
     mod = module(spec)
 
     # FlashAttention-2 preprocessing: delta = rowsum(dO * O), lse in base-2 units; the zeroed
@@ -298,7 +305,7 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     params = L.bwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
                               q=q, k=k, v=v, out=out, dout=dout, lse=lse, lse2=lse2,
                               delta=delta, dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk,
-                              dv=dv, mods=mods, mod_err=err)
+                              dv=dv, mods=mods, mod_err=err, aux_grads=grads)
     slot_rows = plan.num_q_tiles * plan.block_m if deterministic else 0
     threads = mod.kernels["preprocess"].threads
     items = max(Tq * Hq * threads // PREPROCESS_WARPS, _pad_windows(Tk), slot_rows)
@@ -311,10 +318,10 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
             mod.launch(role, grid=(plan.num_k_tiles, Hk), args=(params,))
         record_errors(err)
     if not queries:
-        return dq, dk, dv
+        return result()
     # a block per query row (grid-stride), its threads over the row's Hq * D elements
     mod.launch("dq_convert", grid=(L.stride_blocks(Tq, 1),), args=(params,))
-    return dq, dk, dv
+    return result()
 
 
 def _tile_grid(mod: L.Module, role: str, num_slots: int, rows: int, heads: int) -> tuple:

@@ -9,6 +9,11 @@ kernels in the params struct (`ModParams`: one `ModAux` of pointers and shapes p
 with a device flag the generated code sets on an out-of-range aux index; the launcher ors it
 into `varlen.check_device_errors()`'s record (`MOD_INDEX_ERROR`) without a host read.
 
+With `aux_grads` the module also carries `varlen_user_score_aux_grad`: for each read of a
+float aux array by the score_mod (`ScoreMod.d_aux()`), dS * d(score_mod)/d(aux[index]) added
+with a float32 atomicAdd at the read's (clamped) index into that aux's gradient buffer, whose
+addresses `ModParams::grad` carries (`aux_grad_buffers`, `aux_grads_result`).
+
 `refusal(mods, impl, backward)` says what the kernels do not run.
 """
 from __future__ import annotations
@@ -26,7 +31,8 @@ MAX_AUX_DIMS = 4              # ModAux::shape[i][4]
 MOD_AUX_DTYPE = np.dtype([("ptr", np.uint64, (MAX_AUX,)),
                           ("shape", np.int64, (MAX_AUX, MAX_AUX_DIMS)),
                           ("err", np.uint64)], align=True)
-MOD_PARAMS_DTYPE = np.dtype([("mask", MOD_AUX_DTYPE), ("score", MOD_AUX_DTYPE)], align=True)
+MOD_PARAMS_DTYPE = np.dtype([("mask", MOD_AUX_DTYPE), ("score", MOD_AUX_DTYPE),
+                             ("grad", np.uint64, (MAX_AUX,))], align=True)
 
 # What varlen.check_device_errors() raises (as part of its message) once a kernel has flagged an
 # out-of-range aux index: the IndexError the host backends raise at once.
@@ -36,22 +42,26 @@ MOD_INDEX_ERROR = ("a mask_mod or score_mod read one of its aux arrays at an ind
 
 # The generated functions' names in the module source (mods.cuh's hooks).
 MASK_FN, SCORE_FN, SCORE_GRAD_FN = "varlen_user_mask", "varlen_user_score", "varlen_user_score_grad"
+AUX_GRAD_FN = "varlen_user_score_aux_grad"
 
 
 @dataclass(frozen=True)
 class ModHooks:
     """The user's functions one module is compiled with: the graph digests of the mask_mod and
-    the score_mod ("" for none), which key the variant, and the source they generate (not
-    compared: equal digests generate equal source)."""
+    the score_mod ("" for none) and whether the backward adds the score_mod's aux gradients,
+    which key the variant, and the source they generate (not compared: equal keys generate
+    equal source)."""
 
     mask: str = ""
     score: str = ""
+    aux_grads: bool = False
     source: str = field(default="", compare=False, repr=False)
 
     @property
     def label(self) -> str:
         return "-".join(x for x in (self.mask and f"mask{self.mask[:8]}",
-                                    self.score and f"score{self.score[:8]}") if x)
+                                    self.score and f"score{self.score[:8]}",
+                                    self.aux_grads and "auxgrads") if x)
 
 
 _hooks: dict = {}
@@ -63,13 +73,15 @@ _CONSTANTS = """#ifndef INFINITY
 #endif"""
 
 
-def hooks_for(mods) -> ModHooks | None:
+def hooks_for(mods, *, backward: bool = False) -> ModHooks | None:
     """The `ModHooks` of a call's `varlen.mods.Mods` (None without functions), built once per
-    pair of graphs."""
+    pair of graphs; with the aux gradients' code for the `backward` of a call that wants
+    them."""
     if not mods:
         return None
     mask, score = mods.mask, mods.score
-    key = (mask.digest if mask is not None else "", score.digest if score is not None else "")
+    key = (mask.digest if mask is not None else "", score.digest if score is not None else "",
+           backward and bool(mods.aux_grads) and score is not None)
     hooks = _hooks.get(key)
     if hooks is None:
         # common.cuh first: the element types and, in the host emulation, __device__; NVRTC
@@ -81,8 +93,35 @@ def hooks_for(mods) -> ModHooks | None:
             parts += [cuda_source(score.graph, SCORE_FN), f"#define VARLEN_SCORE_MOD {SCORE_FN}",
                       cuda_source(score.d_score(), SCORE_GRAD_FN),
                       f"#define VARLEN_SCORE_MOD_GRAD {SCORE_GRAD_FN}"]
+        if key[2]:
+            parts += [_aux_grad_source(score.graph, score.d_aux()),
+                      f"#define VARLEN_SCORE_MOD_AUX_GRAD {AUX_GRAD_FN}"]
         hooks = _hooks[key] = ModHooks(*key, "\n".join(parts) + "\n")
     return hooks
+
+
+def _aux_grad_source(graph, d_aux) -> str:
+    """`AUX_GRAD_FN(ds, score, b, h, q_idx, k_idx, aux, grad)`: for each float aux read of the
+    score graph, its derivative times `ds`, added (when nonzero) at the read's row-major index,
+    each dimension's index clamped as the read clamps it (and flagged), into `grad[aux]`."""
+    from ...mods.graph import Graph
+    leaves = ", ".join(graph.leaves)
+    parts, body = [], []
+    for n, (load, d_graph) in enumerate(d_aux):
+        parts.append(cuda_source(d_graph, f"{AUX_GRAD_FN}_d{n}"))
+        flat = "0LL"
+        for d, arg in enumerate(load.args):
+            name = f"{AUX_GRAD_FN}_i{n}_{d}"
+            parts.append(cuda_source(Graph(arg, graph.leaves, graph.aux, f"{graph.role}_index"),
+                                     name))
+            shape = f"aux.shape[{load.value}][{d}]"
+            flat = f"({flat}) * {shape} + vl_clamp_index({name}({leaves}, aux), {shape}, aux.err)"
+        body.append(f"    {{\n        const float g = ds * {AUX_GRAD_FN}_d{n}({leaves}, aux);\n"
+                    f"        if (g != 0.f) atomicAdd(grad[{load.value}] + ({flat}), g);\n    }}")
+    params = ", ".join(f"{'float' if x == 'score' else 'long long'} {x}" for x in graph.leaves)
+    parts.append(f"__device__ __forceinline__ void {AUX_GRAD_FN}(float ds, {params}, "
+                 f"const ModAux& aux, float* const* grad) {{\n" + "\n".join(body) + "\n}")
+    return "\n".join(parts) + "\n"
 
 
 def module_source(hooks: ModHooks | None = None) -> str:
@@ -90,15 +129,17 @@ def module_source(hooks: ModHooks | None = None) -> str:
     return (hooks.source if hooks is not None else "") + f'#include "{ENTRY_FILE}"\n'
 
 
-def refusal(mods, *, impl: str, backward: bool) -> str | None:
+def refusal(mods, *, impl: str, backward: bool, deterministic: bool = False) -> str | None:
     """Why the kernels of `impl` ("mma" | "sm90a") cannot run a call's `mods` (None: they can);
-    `backward`: the call wants gradients."""
+    `backward`: the call wants gradients, `deterministic`: repeatable ones."""
     if not mods:
         return None
-    if mods.aux_grads:
-        return ("it does not compute gradients of a score_mod's aux arrays (aux_grads=True): "
-                "the CUDA kernels run mask_mod and score_mod, forward and backward, but not "
-                "their aux gradients; use backend='cpu' or 'numpy' for those")
+    if mods.aux_grads and impl == "sm90a" and backward:
+        return ("its sm_90a backward does not compute gradients of a score_mod's aux arrays "
+                "(aux_grads=True); backend='cupy' (cupy:mma's backward) does")
+    if mods.aux_grads and deterministic:
+        return ("its aux gradients (aux_grads=True) are float32 atomic additions, in no fixed "
+                "order: not with deterministic=True (use backend='cpu' for repeatable ones)")
     if impl == "sm90a" and backward:
         return ("its sm_90a backward does not run a mask_mod or score_mod; backend='cupy' "
                 "(cupy:mma's backward) runs them")
@@ -127,17 +168,38 @@ def needs_flag(mods) -> bool:
     return any(mod is not None and mod.aux for mod in (mods.mask, mods.score))
 
 
-def mod_params_arg(mods, err, address) -> np.ndarray:
+def mod_params_arg(mods, err, address, grads=None) -> np.ndarray:
     """The kernels' `ModParams` of a call's `mods` (None: all zero): each function's aux arrays
-    (contiguous working arrays) by device address (`address`) and shape, and the address of the
-    int32 error flag `err` (None: null, the generated code then flags nothing)."""
+    (contiguous working arrays) by device address (`address`) and shape, the address of the
+    int32 error flag `err` (None: null, the generated code then flags nothing), and of the
+    score_mod's aux gradient buffers `grads` (`aux_grad_buffers`; None: null)."""
     arg = np.zeros((), MOD_PARAMS_DTYPE)
     if mods:
         for name, mod in (("mask", mods.mask), ("score", mods.score)):
             if mod is not None:
                 _aux_struct(arg[name], mod, address)
                 arg[name]["err"] = address(err)
+    for i, g in enumerate(grads or ()):
+        if g is not None:
+            arg["grad"][i] = address(g)
     return arg
+
+
+def aux_grad_buffers(mods):
+    """Zeroed flat float32 device buffers, one per float aux array of the score_mod (None for
+    the others), when the call wants aux gradients; else None."""
+    if not mods or not mods.aux_grads or mods.score is None:
+        return None
+    import cupy
+    return tuple(cupy.zeros(int(a.size), np.float32) if kind == "float" else None
+                 for (kind, _, _), a in zip(mods.score.graph.aux, mods.score.aux))
+
+
+def aux_grads_result(mods, grads) -> tuple:
+    """The backward's fourth result: per score_mod aux its gradient (float32, the aux's
+    shape) or None."""
+    return tuple(None if g is None else g.reshape(a.shape)
+                 for g, a in zip(grads, mods.score.aux))
 
 
 def error_flag(mods):
