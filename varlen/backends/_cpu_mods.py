@@ -1,7 +1,7 @@
 """User functions (mask_mod, score_mod) on the `cpu` backend: the per-function tile kernels.
 
-The generic kernels (`_cpu_kernels.forward_mods`, `backward_mods`) are compiled once per
-working dtype and cached on disk like the others; they take the user's functions as Numba
+The generic kernels (`_cpu_kernels.forward`, `backward`, given the functions) are compiled once
+per working dtype and cached on disk like the others; they take the user's functions as Numba
 first-class functions of fixed signatures, one indirect call per tile, never per pair. What
 differs per function is a small tile kernel generated here around the scalar code of
 `varlen.mods.codegen.python_source` (inlined into its loops):
