@@ -643,17 +643,18 @@ def trim(lo, hi, n):
 
 
 @kernel(fastmath=FASTMATH)
-def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap, blas_min):
+def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap, blas_min, M,
+                     use_m, md, G, kh, b, qpos, kpos, row_flag):
     """One product of the online softmax (FlashAttention-2, Alg. 1, lines 6-10), in the log2
     domain: the rows of `Qb [R, D]` against keys `Kb [n, D]` whose visible rows are
     `[lo[j], hi[j])`; updates `O [R, Dv]`, the running max `m` and the float64 sum `l`
     (`lp`: scratch for the partial sums of L_BLOCK keys, zero on entry and on exit; `T_buf`:
-    `mm_nt`'s)."""
+    `mm_nt`'s). `M` ... `row_flag`: the user functions' part (`_scores`)."""
     n, R = Kb.shape[0], Qb.shape[0]
     S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major scores
     mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)
     fill(tmax, 0, R, -np.inf)
-    _scores_pass(S, n, lo, hi, c, cap, tmax)
+    _scores(S, n, lo, hi, M, use_m, md, c, cap, tmax, G, kh, b, qpos, kpos, row_flag)
     _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min)
 
 
@@ -697,13 +698,19 @@ def _reset_rows(O_buf, m, l, lp, row_flag, R, Dv):
 
 
 @kernel
-def _flag_keys(row_flag, k_cum, j0, jn, lo, hi):
+def _flag_keys(row_flag, k_cum, j0, jn, lo, hi, M, use_m):
     """Flag the rows that see one of the keys `j0 .. j0 + jn` flagged non-finite (`k_cum`:
-    the key head's flag prefix; key j is visible to rows `lo[j] .. hi[j]` of `row_flag`)."""
+    the key head's flag prefix; key j is visible to rows `lo[j] .. hi[j]` of `row_flag`, and
+    there, when `use_m`, to those `M` leaves visible)."""
     if k_cum[j0 + jn] != k_cum[j0]:
         for j in range(jn):
             if k_cum[j0 + j + 1] != k_cum[j0 + j]:
-                fill(row_flag, lo[j], hi[j], True)
+                if not use_m:
+                    fill(row_flag, lo[j], hi[j], True)
+                    continue
+                for i in range(lo[j], hi[j]):
+                    if M[j, i] != 0:
+                        row_flag[i] = True
 
 
 @kernel(fastmath=FASTMATH)
@@ -732,14 +739,16 @@ def _write_rows(out, lse, O, m, l, q_flag, row_flag, kh, t0, rows, G):
 
 @kernel(cache=True, fastmath=FASTMATH)
 def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse,
-                 ws):
+                 ws, M_buf, md):
     """Query tiles `chunks[item // Hk]` (first slot, count: consecutive tiles of one segment)
     of key head `item % Hk`: writes their rows of `out [Tq, Hq, Dv]` and `lse [Hq, Tq]`.
 
     The key tiles any of them visits make the products: up to `kstep` consecutive tiles that
     are full for every query tile of the chunk in one product, each partially masked tile in
     its own, cut to the keys and the rows that hold a visible pair (`trim`).
-    `c`, `cap`: see `_scores_pass`. `ws` is the worker's scratch (`forward_scratch`).
+    `c`, `cap`: see `_scores_pass`. `ws` is the worker's scratch (`forward_scratch`); `md` the
+    call's user functions or None, `M_buf` the scratch of their visibility ("User functions":
+    with them, the tiles' classes come from the plan's and EMPTY ones are skipped).
     """
     S_buf, O_buf, m, l, lp, tmax, row_flag, lo, hi, T_buf = ws
     Hk = Kw.shape[0]
@@ -761,21 +770,37 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
         begin, fbegin, fend, end = _chunk_range(pv.q_sched, first, count, r)
         kt = begin
         while kt < end:
-            stop = min(kt + kstep, fend, end) if fbegin <= kt < fend else kt + 1
+            kind = _chunk_class(md, pv.q_sched, first, count, r, kt, fbegin, fend)
+            if kind == EMPTY:
+                kt += 1
+                continue
+            stop = kt + 1
+            if kind == FULL:
+                while stop < min(kt + kstep, end) and _chunk_class(
+                        md, pv.q_sched, first, count, r, stop, fbegin, fend) == FULL:
+                    stop += 1
             off = kt * BN
             n = min(stop * BN, pv.k_len[b, r]) - off
-            _key_bands(lo, hi, n, kt, fbegin, fend, BN, pv.k_pos[b, r] + off, qpos0, rows, G,
-                       shift, left, right)
+            fb, fe = (kt, stop) if kind == FULL else (end, end)
+            _key_bands(lo, hi, n, kt, fb, fe, BN, pv.k_pos[b, r] + off, qpos0, rows, G, shift,
+                       left, right)
+            tile = kt
             kt = stop
             ja, jz, ra, rz = trim(lo, hi, n)
             if jz <= ja:
                 continue
             j0 = pv.k_row[b, r] + off + ja
-            jn = jz - ja
+            jn, Rr = jz - ja, rz - ra
+            kpos = np.int64(pv.k_pos[b, r]) + off + ja
+            qpos = np.int64(qpos0) + ra // G
+            M = _visibility(M_buf, jn, Rr)                  # [keys, R]
+            use_m = _mask_forward(M, jn, lo, hi, ra, rz, np.int64(t0), G, pv, first, count, r,
+                                  tile, b, qpos, kpos, kind, md)
             _forward_product(Qb[ra:rz], Kw[kh, j0:j0 + jn], Vw[kh, j0:j0 + jn], O[ra:rz],
                              m[ra:rz], l[ra:rz], lp[ra:rz], tmax[ra:rz], lo, hi, S_buf, T_buf,
-                             c, cap, blas_min)
-            _flag_keys(row_flag[ra:rz], k_cum[kh], j0, jn, lo, hi)
+                             c, cap, blas_min, M, use_m, md, G, kh, b, qpos, kpos,
+                             row_flag[ra:rz])
+            _flag_keys(row_flag[ra:rz], k_cum[kh], j0, jn, lo, hi, M, use_m)
     _write_rows(out, lse, O, m, l, q_flag[kh], row_flag, kh, t0, rows, G)
 
 
@@ -792,16 +817,17 @@ def forward_scratch(dtype_probe, rows_max, keys_max, Dv):
 
 @kernel(parallel=True, cache=True)
 def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min,
-            out, lse):
+            out, lse, md):
     """Every item of `order` (longest first) on `nw` workers: see `forward_tile`;
-    `rows_max` bounds a chunk's stacked rows."""
+    `rows_max` bounds a chunk's stacked rows; `md`: the call's user functions, or None."""
     counter = np.zeros(1, np.int64)
     for _ in prange(nw):
         ws = forward_scratch(Qw, rows_max, kstep * pv.block_n, Vw.shape[2])
+        M_buf = visibility_scratch(md, kstep * pv.block_n * rows_max)
         t = fetch_add(counter, 0, 1)
         while t < order.size:
             forward_tile(pv, order[t], chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap,
-                         blas_min, out, lse, ws)
+                         blas_min, out, lse, ws, M_buf, md)
             t = fetch_add(counter, 0, 1)
 
 
@@ -852,31 +878,36 @@ def _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale):
 
 @kernel(fastmath=FASTMATH)
 def _backward_product(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one_cum, dQ, dK, dV, lo, hi, S_buf,
-                      P_buf, T_buf, c, cap, scale, blas_min):
+                      P_buf, T_buf, c, cap, scale, blas_min, M, use_m, md, G, kh, b, qpos, kpos,
+                      gaux):
     """One pass over a (key tile, query rows) pair (FlashAttention-2, Alg. 2, lines 8-15):
     the rows of `Qb [R, D]`, `dOb [R, Dv]` against keys `Kb [n, D]`, `Vb [n, Dv]` with visible
-    rows `[lo[j], hi[j])`; adds the pair's share to `dQ [R, D]`, `dK [n, D]`, `dV [n, Dv]`."""
+    rows `[lo[j], hi[j])`; adds the pair's share to `dQ [R, D]`, `dK [n, D]`, `dV [n, Dv]`.
+    `M` ... `gaux`: the user functions' part (`_grads`)."""
     n, R = Kb.shape[0], Qb.shape[0]
     S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major
     dP = P_buf[:n * R].reshape(n, R)
     mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)                  # the forward's scores, bitwise
     mm_nt(Vb, dOb, dP, 0.0, blas_min, T_buf)
-    _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale)
+    _grads(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale, M, use_m, md, G, kh,
+           b, qpos, kpos, gaux)
     mm_nn(S, dOb, dV, 1.0, blas_min)                        # dV += P dO
     mm_nn(dP, Qb, dK, 1.0, blas_min)                        # dK += dS Q
     mm_tn(dP, Kb, dQ, 1.0, blas_min)                        # dQ += dS^T K
 
 
 @kernel(cache=True, fastmath=FASTMATH)
-def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag,
-                  k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan,
-                  dk_nan, ws):
+def backward_item(pv, item, slot, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum,
+                  q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV,
+                  dq_nan, dk_nan, ws, M_buf, md, gaux):
     """Part `item // Hk` (`parts` row: sequence, key tile slots `[s0, s1)`, partial, shift,
     stacked rows `[r0, r1)`), key head `item % Hk`: for each of its key tiles and the query
     tiles of its transposed schedule, `qstep` at a time, cut to the keys and rows that hold a
     visible pair (`trim`), one pass gives the pair's dV, dK and dQ contributions, accumulated
     in place in a fixed order: the part owns its dK/dV rows, and its dQ rows too (in dQ, or
-    for a partial part in `dq_part` at `row + shift`, zeroed here first)."""
+    for a partial part in `dq_part` at `row + shift`, zeroed here first). `md`: the call's
+    user functions or None, `M_buf` the scratch of their visibility ("User functions"); the
+    aux gradients of the item go to row `slot` of `gaux`."""
     S_buf, P_buf, lo, hi, T_buf = ws
     Hk = Kw.shape[0]
     G = dQ.shape[1] // max(pv.rows_q, 1)
@@ -890,6 +921,7 @@ def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
             fill(acc[i], 0, acc.shape[1], 0)
     else:
         acc = dQ[kh]
+    g_row = gaux[min(slot, gaux.shape[0] - 1)]
     shift_k = shift_of(pv, b)
     left, right = pv.window_left[b], pv.window_right[b]
     for s in range(s0, s1):
@@ -899,13 +931,15 @@ def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
             fend, end = pv.k_sched[s, r, S_FULL_END], pv.k_sched[s, r, S_END]
             for qt in range(begin, end, qstep):
                 last = min(qt + qstep, end)
+                kind = _span_kind(md, pv.k_sched, s, r, qt, last, fbegin, fend)
+                if kind == EMPTY:
+                    continue
                 off = qt * BM
                 t0 = pv.q_row[b, r] + off
                 rows = min(last * BM, pv.q_len[b, r]) - off
                 qpos0 = pv.q_pos[b, r] + off
-                full = fbegin <= qt and last <= fend
                 for j in range(n):
-                    if full:
+                    if kind == FULL:
                         lo[j], hi[j] = 0, rows * G
                     else:
                         lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift_k, left,
@@ -913,34 +947,45 @@ def backward_item(pv, item, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
                 ja, jz, ra, rz = trim(lo, hi, n)
                 if jz <= ja:
                     continue
+                jn, Rr = jz - ja, rz - ra
+                qpos = np.int64(qpos0) + ra // G
+                kpos = np.int64(jpos0) + ja
+                M = _visibility(M_buf, jn, Rr)              # [keys, R]
+                use_m = _mask_backward(M, jn, lo, hi, ra, Rr, qt, last, rows, BM, G, pv, s, r,
+                                       b, qpos, kpos, kind, md)
                 i0, i1, k0, k1 = t0 * G + ra, t0 * G + rz, j0 + ja, j0 + jz
                 _backward_product(Qw[kh, i0:i1], dOw[kh, i0:i1], Kw[kh, k0:k1], Vw[kh, k0:k1],
                                   lse2[kh, i0:i1], lse2_lo[kh, i0:i1], delta[kh, i0:i1],
                                   one_cum[i0:i1 + 1], acc[i0 + shift:i1 + shift], dK[kh, k0:k1],
                                   dV[kh, k0:k1], lo, hi, S_buf, P_buf, T_buf, c, cap, scale,
-                                  blas_min)
+                                  blas_min, M, use_m, md, G, kh, b, qpos, kpos, g_row)
                 if k_cum[kh, k1] != k_cum[kh, k0] or q_cum[kh, i1] != q_cum[kh, i0]:
                     for j in range(k1 - k0):
                         for i in range(lo[j], hi[j]):
-                            if k_flag[kh, k0 + j] or q_flag[kh, i0 + i]:
+                            if (not use_m or M[j, i] != 0) and (k_flag[kh, k0 + j] or
+                                                                q_flag[kh, i0 + i]):
                                 dq_nan[kh, i0 + i] = True      # the same value from any part
                                 dk_nan[kh, k0 + j] = True
 
 
 @kernel(parallel=True, cache=True)
 def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag,
-             k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan):
+             k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan,
+             md, gaux):
     """Every item of `order` (longest first) on `nw` workers: see `backward_item` (the
-    launcher then adds the dQ partials, `reduce_partials`)."""
+    launcher then adds the dQ partials, `reduce_partials`); `md`: the call's user functions,
+    or None; item `order[t]` adds its aux gradients into `gaux[t]` (the launcher sums the rows
+    in a fixed order)."""
     counter = np.zeros(1, np.int64)
     rows_max = qstep * pv.block_m * (dQ.shape[1] // max(pv.rows_q, 1))
     for _ in prange(nw):
         ws = backward_scratch(Qw, rows_max, pv.block_n)
+        M_buf = visibility_scratch(md, pv.block_n * rows_max)
         t = fetch_add(counter, 0, 1)
         while t < order.size:
-            backward_item(pv, order[t], qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
+            backward_item(pv, order[t], t, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
                           one_cum, q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ,
-                          dq_part, dK, dV, dq_nan, dk_nan, ws)
+                          dq_part, dK, dV, dq_nan, dk_nan, ws, M_buf, md, gaux)
             t = fetch_add(counter, 0, 1)
 
 
@@ -997,6 +1042,10 @@ def unpack_rows(acc, nan, out):
 # --------------------------------------------------------------------------------------------
 # User functions (mask_mod, score_mod): the same walks, driven by the plan's tile classes
 # --------------------------------------------------------------------------------------------
+#
+# `forward` and `backward` take the call's user functions as `md`, or None: Numba compiles
+# that case apart and prunes every `md is None` branch, so a call without them runs the walks
+# above as they read, and the helpers below only pick between the two.
 #
 # `md`, the call's user functions as the kernels read them (built by `cpu_backend._mods_data`):
 # forward (cstart, cls, has_mask, mask_fn, *mask aux, has_score, score_fn, *score aux, scale,
@@ -1071,22 +1120,87 @@ def _scores_pass_masked(S, n, lo, hi, M, use_m, c, cap, tile_max):
 
 
 @kernel
-def _flag_keys_masked(row_flag, k_cum, j0, jn, lo, hi, M, use_m):
-    """`_flag_keys` over the pairs `M` leaves visible (when `use_m`)."""
-    if k_cum[j0 + jn] != k_cum[j0]:
-        for j in range(jn):
-            if k_cum[j0 + j + 1] != k_cum[j0 + j]:
-                for i in range(lo[j], hi[j]):
-                    if not use_m or M[j, i] != 0:
-                        row_flag[i] = True
+def _chunk_class(md, sched, first, count, r, t, fbegin, fend):
+    """Class of key tile `t` for the forward's chunk of query tiles `first ..`: with user
+    functions (`md`) the plan's (`_group_class`), else FULL inside the schedule's full range
+    `[fbegin, fend)` (`_chunk_range`) and PARTIAL elsewhere."""
+    if md is None:
+        return FULL if fbegin <= t < fend else PARTIAL
+    return _group_class(sched, md[0], md[1], first, count, r, t)
 
 
 @kernel
-def _mask_forward(M, n, lo, hi, ra, rz, t0, G, pv, cstart, cls, first, count, r, t, b, qpos,
-                  kpos, mask_fn, maux):
-    """`M [n, rz - ra]`: visibility of the product's stacked rows `[ra, rz)` (rows of the chunk
-    of query tiles `first ..`, from packed row `t0`) for the keys of key tile `t`, per query
-    tile: its class against `t`, the mask_mod evaluated only in a PARTIAL one."""
+def _span_kind(md, sched, s, r, t0, t1, fbegin, fend):
+    """Class of query tiles `t0 .. t1` for the backward's key tile `s`: with user functions
+    the plan's (`_span_class`), else FULL inside the schedule's full range."""
+    if md is None:
+        return FULL if fbegin <= t0 and t1 <= fend else PARTIAL
+    return _span_class(sched, md[0], md[1], s, r, t0, t1)
+
+
+@kernel
+def visibility_scratch(md, size):
+    """A worker's scratch for `M` (`size` pairs): empty for a call without user functions."""
+    if md is None:
+        return np.zeros(0, np.uint8)
+    return np.zeros(size, np.uint8)
+
+
+@kernel
+def _visibility(M_buf, n, R):
+    """`M [n, R]` in `M_buf`; an empty one (never read) where `M_buf` is."""
+    if M_buf.size == 0:
+        return M_buf.reshape(0, R)
+    return M_buf[:n * R].reshape(n, R)
+
+
+@kernel(fastmath=FASTMATH)
+def _scores(S, n, lo, hi, M, use_m, md, c, cap, tile_max, G, kh, b, qpos, kpos, row_flag):
+    """The score pass of a forward product: `_scores_pass`; with user functions the
+    score_mod's tile kernel (`score_fn`), or `_scores_pass_masked`."""
+    if md is None:
+        _scores_pass(S, n, lo, hi, c, cap, tile_max)
+    elif md[8]:
+        score_fn, saux = md[9], md[10:14]
+        score_fn(S, np.int64(n), lo, hi, M, use_m, np.int64(G), np.int64(kh), np.int64(b), qpos,
+                 kpos, md[14], md[15], tile_max, row_flag, saux[0], saux[1], saux[2], saux[3])
+    else:
+        _scores_pass_masked(S, n, lo, hi, M, use_m, c, cap, tile_max)
+
+
+@kernel(fastmath=FASTMATH)
+def _grads(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale, M, use_m, md, G, kh,
+           b, qpos, kpos, gaux):
+    """P and dS of a backward product: `_grad_pass`; with user functions the score_mod's tile
+    kernel (`grad_fn`), or `_grad_pass` with the pairs `M` hides zeroed."""
+    if md is None:
+        _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale)
+    elif md[8]:
+        grad_fn, saux = md[9], md[10:14]
+        grad_fn(S, dP, np.int64(n), lo, hi, M, use_m, np.int64(G), np.int64(kh), np.int64(b),
+                qpos, kpos, lse2, lse2_lo, delta, one_cum, np.float64(scale), md[14], gaux,
+                md[15], saux[0], saux[1], saux[2], saux[3])
+    else:
+        _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale)
+        if use_m:
+            for j in range(n):
+                for i in range(lo[j], hi[j]):
+                    if M[j, i] == 0:
+                        S[j, i] = 0
+                        dP[j, i] = 0
+
+
+@kernel
+def _mask_forward(M, n, lo, hi, ra, rz, t0, G, pv, first, count, r, t, b, qpos, kpos, kind, md):
+    """Whether the forward's product needs the visibility `M [n, rz - ra]`: with a mask_mod,
+    in a PARTIAL product. Then fills it for the product's stacked rows `[ra, rz)` (rows of the
+    chunk of query tiles `first ..`, from packed row `t0`) and the keys of key tile `t`, per
+    query tile: its class against `t`, the mask_mod evaluated only in a PARTIAL one."""
+    if md is None:
+        return False
+    if not md[2] or kind != PARTIAL:
+        return False
+    cstart, cls, mask_fn, maux = md[0], md[1], md[3], md[4:8]
     for i in range(first, first + count):
         a = max((np.int64(pv.q_tiles[i, T_ROW]) - t0) * G - ra, 0)
         z = min((np.int64(pv.q_tiles[i, T_ROW]) + pv.q_tiles[i, T_ROWS] - t0) * G - ra, rz - ra)
@@ -1098,220 +1212,27 @@ def _mask_forward(M, n, lo, hi, ra, rz, t0, G, pv, cstart, cls, first, count, r,
                     np.int64(b), np.int64(qpos), np.int64(kpos), maux[0], maux[1], maux[2], maux[3])
         else:
             _fill_rows(M, n, a, z, 1 if k == FULL else 0)
+    return True
 
 
-@kernel(cache=True, fastmath=FASTMATH)
-def forward_tile_mods(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min,
-                      out, lse, ws, M_buf, md):
-    """`forward_tile` with user functions (`md`): key tiles by the chunk's class, up to
-    `kstep` consecutive FULL ones in one product, each PARTIAL one alone (masked by `M`)."""
-    S_buf, O_buf, m, l, lp, tmax, row_flag, lo, hi, T_buf = ws
-    cstart, cls, has_mask, mask_fn = md[0], md[1], md[2], md[3]
-    maux, saux = md[4:8], md[10:14]
-    has_score, score_fn, scale, softcap = md[8], md[9], md[14], md[15]
-    Hk = Kw.shape[0]
-    Dv = Vw.shape[2]
-    G = out.shape[1] // Hk
-    BN = pv.block_n
-    first, count, kh = chunks[item // Hk, 0], chunks[item // Hk, 1], item % Hk
-    b = pv.q_tiles[first, T_SEQ]
-    t0, qpos0 = pv.q_tiles[first, T_ROW], pv.q_tiles[first, T_POS]
-    last = first + count - 1
-    rows = pv.q_tiles[last, T_ROW] + pv.q_tiles[last, T_ROWS] - t0
-    R = rows * G
-    Qb = Qw[kh, t0 * G:(t0 + rows) * G]                      # [R, D]
-    O = O_buf[:R * Dv].reshape(R, Dv)                       # [R, Dv]
-    _reset_rows(O_buf, m, l, lp, row_flag, R, Dv)
-    shift = shift_of(pv, b)
-    left, right = pv.window_left[b], pv.window_right[b]
-    for r in range(pv.mk):
-        begin, _, _, end = _chunk_range(pv.q_sched, first, count, r)
-        kt = begin
-        while kt < end:
-            kind = _group_class(pv.q_sched, cstart, cls, first, count, r, kt)
-            if kind == EMPTY:
-                kt += 1
-                continue
-            stop = kt + 1
-            if kind == FULL:
-                while stop < min(kt + kstep, end) and _group_class(
-                        pv.q_sched, cstart, cls, first, count, r, stop) == FULL:
-                    stop += 1
-            off = kt * BN
-            n = min(stop * BN, pv.k_len[b, r]) - off
-            fb, fe = (kt, stop) if kind == FULL else (end, end)
-            _key_bands(lo, hi, n, kt, fb, fe, BN, pv.k_pos[b, r] + off, qpos0, rows, G, shift,
-                       left, right)
-            tile = kt
-            kt = stop
-            ja, jz, ra, rz = trim(lo, hi, n)
-            if jz <= ja:
-                continue
-            j0 = pv.k_row[b, r] + off + ja
-            jn, Rr = jz - ja, rz - ra
-            kpos = np.int64(pv.k_pos[b, r]) + off + ja
-            qpos = np.int64(qpos0) + ra // G
-            use_m = has_mask and kind == PARTIAL
-            M = M_buf[:jn * Rr].reshape(jn, Rr)             # [keys, R] visibility
-            if use_m:
-                _mask_forward(M, jn, lo, hi, ra, rz, np.int64(t0), G, pv, cstart, cls, first,
-                              count, r, tile, b, qpos, kpos, mask_fn, maux)
-            S = S_buf[:jn * Rr].reshape(jn, Rr)             # [keys, R] key-major scores
-            mm_nt(Kw[kh, j0:j0 + jn], Qb[ra:rz], S, 0.0, blas_min, T_buf)
-            tm = tmax[ra:rz]
-            fill(tm, 0, Rr, -np.inf)
-            if has_score:
-                score_fn(S, np.int64(jn), lo, hi, M, use_m, np.int64(G), np.int64(kh),
-                         np.int64(b), qpos, kpos, scale, softcap, tm, row_flag[ra:rz],
-                         saux[0], saux[1], saux[2], saux[3])
-            else:
-                _scores_pass_masked(S, jn, lo, hi, M, use_m, c, cap, tm)
-            _online_softmax(S, jn, Rr, Vw[kh, j0:j0 + jn], O[ra:rz], m[ra:rz], l[ra:rz],
-                            lp[ra:rz], tm, blas_min)
-            _flag_keys_masked(row_flag[ra:rz], k_cum[kh], j0, jn, lo, hi, M, use_m)
-    _write_rows(out, lse, O, m, l, q_flag[kh], row_flag, kh, t0, rows, G)
-
-
-@kernel(parallel=True, cache=True)
-def forward_mods(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
-                 blas_min, out, lse, md):
-    """`forward` with user functions: see `forward_tile_mods`."""
-    counter = np.zeros(1, np.int64)
-    for _ in prange(nw):
-        ws = forward_scratch(Qw, rows_max, kstep * pv.block_n, Vw.shape[2])
-        M_buf = np.zeros(kstep * pv.block_n * rows_max, np.uint8)
-        t = fetch_add(counter, 0, 1)
-        while t < order.size:
-            forward_tile_mods(pv, order[t], chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap,
-                              blas_min, out, lse, ws, M_buf, md)
-            t = fetch_add(counter, 0, 1)
-
-
-@kernel(fastmath=FASTMATH)
-def _backward_product_mods(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one_cum, dQ, dK, dV, lo, hi,
-                           S_buf, P_buf, T_buf, c, cap, scale, blas_min, M, use_m, md, G, kh, b,
-                           qpos, kpos, gaux):
-    """`_backward_product` with user functions: P and dS from the score_mod's tile kernel
-    (`grad_fn`), or `_grad_pass` with the pairs `M` hides zeroed."""
-    has_score, grad_fn, saux, softcap, want_aux = md[8], md[9], md[10:14], md[14], md[15]
-    n, R = Kb.shape[0], Qb.shape[0]
-    S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major
-    dP = P_buf[:n * R].reshape(n, R)
-    mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)                  # the forward's scores, bitwise
-    mm_nt(Vb, dOb, dP, 0.0, blas_min, T_buf)
-    if has_score:
-        grad_fn(S, dP, np.int64(n), lo, hi, M, use_m, np.int64(G), np.int64(kh), np.int64(b),
-                qpos, kpos, lse2, lse2_lo, delta, one_cum, np.float64(scale), softcap, gaux,
-                want_aux, saux[0], saux[1], saux[2], saux[3])
-    else:
-        _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale)
-        if use_m:
-            for j in range(n):
-                for i in range(lo[j], hi[j]):
-                    if M[j, i] == 0:
-                        S[j, i] = 0
-                        dP[j, i] = 0
-    mm_nn(S, dOb, dV, 1.0, blas_min)                        # dV += P dO
-    mm_nn(dP, Qb, dK, 1.0, blas_min)                        # dK += dS Q
-    mm_tn(dP, Kb, dQ, 1.0, blas_min)                        # dQ += dS^T K
-
-
-@kernel(cache=True, fastmath=FASTMATH)
-def backward_item_mods(pv, item, slot, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
-                       one_cum, q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ,
-                       dq_part, dK, dV, dq_nan, dk_nan, ws, M_buf, md, gaux):
-    """`backward_item` with user functions (`md`): query tiles by their class against each
-    key tile (EMPTY skipped, FULL without mask arithmetic, PARTIAL masked by `M`); the aux
-    gradients of the item go to row `slot` of `gaux`."""
-    S_buf, P_buf, lo, hi, T_buf = ws
-    cstart, cls, has_mask, mask_fn, maux = md[0], md[1], md[2], md[3], md[4:8]
-    Hk = Kw.shape[0]
-    G = dQ.shape[1] // max(pv.rows_q, 1)
-    BM = pv.block_m
-    p, kh = item // Hk, item % Hk
-    b, s0, s1 = parts[p, 0], parts[p, 1], parts[p, 2]
-    shift = parts[p, 4]
-    if parts[p, 3]:
-        acc = dq_part[kh]
-        for i in range(parts[p, 5] + shift, parts[p, 6] + shift):
-            fill(acc[i], 0, acc.shape[1], 0)
-    else:
-        acc = dQ[kh]
-    g_row = gaux[min(slot, gaux.shape[0] - 1)]
-    shift_k = shift_of(pv, b)
-    left, right = pv.window_left[b], pv.window_right[b]
-    for s in range(s0, s1):
-        j0, n, jpos0 = pv.k_tiles[s, T_ROW], pv.k_tiles[s, T_ROWS], pv.k_tiles[s, T_POS]
-        for r in range(pv.mq):
-            begin, end = pv.k_sched[s, r, S_BEGIN], pv.k_sched[s, r, S_END]
-            for qt in range(begin, end, qstep):
-                last = min(qt + qstep, end)
-                kind = _span_class(pv.k_sched, cstart, cls, s, r, qt, last)
-                if kind == EMPTY:
-                    continue
-                off = qt * BM
-                t0 = pv.q_row[b, r] + off
-                rows = min(last * BM, pv.q_len[b, r]) - off
-                qpos0 = pv.q_pos[b, r] + off
-                for j in range(n):
-                    if kind == FULL:
-                        lo[j], hi[j] = 0, rows * G
-                    else:
-                        lo[j], hi[j] = stacked_band(jpos0 + j, qpos0, rows, G, shift_k, left,
-                                                    right)
-                ja, jz, ra, rz = trim(lo, hi, n)
-                if jz <= ja:
-                    continue
-                jn, Rr = jz - ja, rz - ra
-                qpos = np.int64(qpos0) + ra // G
-                kpos = np.int64(jpos0) + ja
-                use_m = has_mask and kind == PARTIAL
-                M = M_buf[:jn * Rr].reshape(jn, Rr)         # [keys, R] visibility
-                if use_m:
-                    for u in range(qt, last):
-                        a = max((u - qt) * BM * G - ra, 0)
-                        z = min(min((u - qt + 1) * BM, rows) * G - ra, Rr)
-                        if z <= a:
-                            continue
-                        ku = _tile_class(pv.k_sched, cstart, cls, s, r, u)
-                        if ku == PARTIAL:
-                            mask_fn(M, np.int64(jn), lo, hi, np.int64(a), np.int64(z),
-                                    np.int64(G), np.int64(b), qpos, kpos, maux[0], maux[1],
-                                    maux[2], maux[3])
-                        else:
-                            _fill_rows(M, jn, a, z, 1 if ku == FULL else 0)
-                i0, i1, k0, k1 = t0 * G + ra, t0 * G + rz, j0 + ja, j0 + jz
-                _backward_product_mods(Qw[kh, i0:i1], dOw[kh, i0:i1], Kw[kh, k0:k1],
-                                       Vw[kh, k0:k1], lse2[kh, i0:i1], lse2_lo[kh, i0:i1],
-                                       delta[kh, i0:i1], one_cum[i0:i1 + 1],
-                                       acc[i0 + shift:i1 + shift], dK[kh, k0:k1],
-                                       dV[kh, k0:k1], lo, hi, S_buf, P_buf, T_buf, c, cap,
-                                       scale, blas_min, M, use_m, md, G, kh, b, qpos, kpos,
-                                       g_row)
-                if k_cum[kh, k1] != k_cum[kh, k0] or q_cum[kh, i1] != q_cum[kh, i0]:
-                    for j in range(k1 - k0):
-                        for i in range(lo[j], hi[j]):
-                            if (not use_m or M[j, i] != 0) and (k_flag[kh, k0 + j] or
-                                                                q_flag[kh, i0 + i]):
-                                dq_nan[kh, i0 + i] = True
-                                dk_nan[kh, k0 + j] = True
-
-
-@kernel(parallel=True, cache=True)
-def backward_mods(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum,
-                  q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV,
-                  dq_nan, dk_nan, md, gaux):
-    """`backward` with user functions: see `backward_item_mods`; item `order[t]` adds its aux
-    gradients into `gaux[t]` (the launcher sums the rows in a fixed order)."""
-    counter = np.zeros(1, np.int64)
-    rows_max = qstep * pv.block_m * (dQ.shape[1] // max(pv.rows_q, 1))
-    for _ in prange(nw):
-        ws = backward_scratch(Qw, rows_max, pv.block_n)
-        M_buf = np.zeros(pv.block_n * rows_max, np.uint8)
-        t = fetch_add(counter, 0, 1)
-        while t < order.size:
-            backward_item_mods(pv, order[t], t, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2,
-                               lse2_lo, one_cum, q_flag, k_flag, q_cum, k_cum, c, cap, scale,
-                               blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan, ws, M_buf, md,
-                               gaux)
-            t = fetch_add(counter, 0, 1)
+@kernel
+def _mask_backward(M, n, lo, hi, ra, R, qt, last, rows, BM, G, pv, s, r, b, qpos, kpos, kind, md):
+    """The backward's `_mask_forward`: `M [n, R]` for the stacked rows from `ra` of query
+    tiles `qt .. last` (`rows` rows from tile `qt`'s first) against key tile `s`."""
+    if md is None:
+        return False
+    if not md[2] or kind != PARTIAL:
+        return False
+    cstart, cls, mask_fn, maux = md[0], md[1], md[3], md[4:8]
+    for u in range(qt, last):
+        a = max((u - qt) * BM * G - ra, 0)
+        z = min(min((u - qt + 1) * BM, rows) * G - ra, R)
+        if z <= a:
+            continue
+        k = _tile_class(pv.k_sched, cstart, cls, s, r, u)
+        if k == PARTIAL:
+            mask_fn(M, np.int64(n), lo, hi, np.int64(a), np.int64(z), np.int64(G), np.int64(b),
+                    qpos, kpos, maux[0], maux[1], maux[2], maux[3])
+        else:
+            _fill_rows(M, n, a, z, 1 if k == FULL else 0)
+    return True

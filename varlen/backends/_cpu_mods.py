@@ -1,7 +1,7 @@
 """User functions (mask_mod, score_mod) on the `cpu` backend: the per-function tile kernels.
 
-The generic kernels (`_cpu_kernels.forward_mods`, `backward_mods`) are compiled once per
-working dtype and cached on disk like the others; they take the user's functions as Numba
+The generic kernels (`_cpu_kernels.forward`, `backward`, given the functions) are compiled once
+per working dtype and cached on disk like the others; they take the user's functions as Numba
 first-class functions of fixed signatures, one indirect call per tile, never per pair. What
 differs per function is a small tile kernel generated here around the scalar code of
 `varlen.mods.codegen.python_source` (inlined into its loops):
@@ -139,6 +139,25 @@ def _mask_source(graph: Graph) -> str:
     return "\n".join([_HEADER, _scalar(graph, fn), *body]) + "\n"
 
 
+def _pair_walk(rows: str, row: str, hide: list) -> list:
+    """The loops of a score tile kernel over the pairs of its product, down to the body of one
+    pair (`i` its stacked row, `k`, `q`, `h` its positions and head, at 16 spaces): `rows`
+    names key `j`'s rows of the outputs (`row` one of them, for its length), `hide` writes a
+    pair outside the band or hidden by `M`."""
+    def at(depth):
+        return [" " * depth + line for line in hide]
+    return ["    for j in range(n):", f"        {rows}", "        a, z = lo[j], hi[j]",
+            "        for i in range(0, a):", *at(12),
+            f"        for i in range(z, {row}.size):", *at(12),
+            "        k = kpos0 + j",
+            "        for t in range(a // G, z // G):",
+            "            q = qpos0 + t",
+            "            for g in range(G):",
+            "                i = t * G + g",
+            "                if use_m and M[j, i] == 0:", *at(20),
+            "                    continue"]
+
+
 def _score_source(graph: Graph, d_score: Graph, d_aux: list) -> str:
     fn, dfn = f"score_{graph.digest}", f"dscore_{graph.digest}"
     parts = [_HEADER, _scalar(graph, fn), _scalar(d_score, dfn)]
@@ -167,21 +186,7 @@ def _score_source(graph: Graph, d_score: Graph, d_aux: list) -> str:
         "    # S [n, R] key-major: products q . k in, log2-domain modified scores out",
         *_unpack_lines(graph),
         "    ninf = -math.inf",
-        "    for j in range(n):",
-        "        row = S[j]",
-        "        a, z = lo[j], hi[j]",
-        "        for i in range(0, a):",
-        "            row[i] = ninf",
-        "        for i in range(z, row.size):",
-        "            row[i] = ninf",
-        "        k = kpos0 + j",
-        "        for t in range(a // G, z // G):",
-        "            q = qpos0 + t",
-        "            for g in range(G):",
-        "                i = t * G + g",
-        "                if use_m and M[j, i] == 0:",
-        "                    row[i] = ninf",
-        "                    continue",
+        *_pair_walk("row = S[j]", "row", ["row[i] = ninf"]),
         "                x = float(row[i]) * scale",
         "                if softcap > 0.0:",
         "                    x = softcap * math.tanh(x / softcap)",
@@ -199,24 +204,7 @@ def _score_source(graph: Graph, d_score: Graph, d_aux: list) -> str:
         "              one_cum, scale, softcap, gaux, want_aux, ints, floats, table, err):",
         "    # S: products q . k in, P out; dP: dO . v in, dS (of the raw product) out",
         *_unpack_lines(graph),
-        "    for j in range(n):",
-        "        s_row, d_row = S[j], dP[j]",
-        "        a, z = lo[j], hi[j]",
-        "        for i in range(0, a):",
-        "            s_row[i] = 0",
-        "            d_row[i] = 0",
-        "        for i in range(z, s_row.size):",
-        "            s_row[i] = 0",
-        "            d_row[i] = 0",
-        "        k = kpos0 + j",
-        "        for t in range(a // G, z // G):",
-        "            q = qpos0 + t",
-        "            for g in range(G):",
-        "                i = t * G + g",
-        "                if use_m and M[j, i] == 0:",
-        "                    s_row[i] = 0",
-        "                    d_row[i] = 0",
-        "                    continue",
+        *_pair_walk("s_row, d_row = S[j], dP[j]", "s_row", ["s_row[i] = 0", "d_row[i] = 0"]),
         "                x = float(s_row[i]) * scale",
         "                sech2 = 1.0",
         "                if softcap > 0.0:",

@@ -365,11 +365,10 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=
             args = (_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
                     rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
                     BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
+            md = None
             if mods:
                 md, errors = _mods_data(plan, mods, wdt, "q", softmax_scale, softcap)
-                K.forward_mods(*args, md)
-            else:
-                K.forward(*args)
+            K.forward(*args, md)
     if not fits:
         if mods:
             return _wider(_forward, q, (q, k, v), plan, softmax_scale=softmax_scale,
@@ -472,7 +471,7 @@ def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2
         daux = _backward_mods(view, order, nw, qstep, parts, args, md, mods)
         _raise_index_errors(errors, plan, Hq)
     else:
-        K.backward(view, order, nw, qstep, parts, *args)
+        K.backward(view, order, nw, qstep, parts, *args, None, _NO_AUX_GRADS)
     K.reduce_partials(parts, dQ, dq_part)
     grads = (_unpack(dQ, dq_nan, q.shape, q.dtype), _unpack(dK, dk_nan, k.shape, k.dtype),
              _unpack(dV, dk_nan, v.shape, v.dtype))
@@ -487,6 +486,8 @@ def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2
 # order afterwards: the same bits for any thread count); a call whose rows would pass this
 # size runs its items in several launches.
 AUX_GRAD_BYTES = 64 << 20
+# The aux gradients' rows of a launch that computes none (one row, never written).
+_NO_AUX_GRADS = np.zeros((1, 1))
 
 
 def _mods():
@@ -538,10 +539,11 @@ def _raise_index_errors(errors, plan: Plan, heads: int):
 
 
 def _backward_mods(view, order, nw, qstep, parts, args, md, mods):
-    """`backward_mods` over the work items; the aux gradients (None unless `aux_grads`)."""
+    """`backward` with user functions over the work items; the aux gradients (None unless
+    `aux_grads`)."""
     K = _kernels()
     if not mods.aux_grads:
-        K.backward_mods(view, order, nw, qstep, parts, *args, md, np.zeros((1, 1)))
+        K.backward(view, order, nw, qstep, parts, *args, md, _NO_AUX_GRADS)
         return None
     score = mods.score
     n = _mods().pack_aux(score).num_floats
@@ -550,7 +552,7 @@ def _backward_mods(view, order, nw, qstep, parts, args, md, mods):
     for s in range(0, max(order.size, 1), per):
         part = np.ascontiguousarray(order[s:s + per])
         gaux = np.zeros((max(part.size, 1), max(n, 1)))
-        K.backward_mods(view, part, min(nw, max(part.size, 1)), qstep, parts, *args, md, gaux)
+        K.backward(view, part, min(nw, max(part.size, 1)), qstep, parts, *args, md, gaux)
         total += gaux.sum(axis=0)
     daux = [None] * len(score.aux)
     for i, off in _mods().float_offsets(score.graph, score.aux):
