@@ -262,40 +262,35 @@ def mm_tn(a, b, c, beta, blas_min):
 # Small intrinsics: bit casts for exp2, an atomic counter for the work queue
 # --------------------------------------------------------------------------------------------
 
-# int type of a bit pattern -> (the float type of its width, that type in LLVM IR)
-_BIT_CASTS = {types.int32: (types.float32, ir.FloatType()),
-              types.int64: (types.float64, ir.DoubleType())}
+def _bit_cast(name, casts, doc):
+    """An intrinsic `name(x)` that reinterprets the bits of `x`, of a type in `casts`, as
+    `casts[type of x]` (`(Numba type, LLVM type)` of the same width)."""
+    def typer(typingctx, x):
+        if x not in casts:
+            return None
+        result, llvm_type = casts[x]
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_type)
+        return result(x), codegen
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def _bits_to_float(typingctx, bits):
-    """The float whose bit pattern is `bits`: float32 for an int32, float64 for an int64."""
-    if bits not in _BIT_CASTS:
-        return None
-    result, llvm_type = _BIT_CASTS[bits]
+# float and int types of the same width, as (Numba type, LLVM type) pairs
+_WIDTHS = [((types.float32, ir.FloatType()), (types.int32, ir.IntType(32))),
+           ((types.float64, ir.DoubleType()), (types.int64, ir.IntType(64)))]
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llvm_type)
-    return result(bits), codegen
+_bits_to_float = _bit_cast(
+    "_bits_to_float", {i[0]: f for f, i in _WIDTHS},
+    "The float whose bit pattern is `x`: a float32 for an int32, a float64 for an int64.")
 
-
-# float type -> (the int type of its width, that type in LLVM IR)
-_FLOAT_BITS = {types.float32: (types.int32, ir.IntType(32)),
-               types.float64: (types.int64, ir.IntType(64))}
-
-
-@intrinsic
-def float_bits(typingctx, x):
+float_bits = _bit_cast(
+    "float_bits", {f[0]: i for f, i in _WIDTHS},
     """The bit pattern of `x`: an int32 for a float32, an int64 for a float64. For `x >= 0`
     the patterns order as the values do, and a maximum of them vectorises without fast-math
-    flags (the packing kernels' largest magnitudes)."""
-    if x not in _FLOAT_BITS:
-        return None
-    result, llvm_type = _FLOAT_BITS[x]
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llvm_type)
-    return result(x), codegen
+    flags (the packing kernels' largest magnitudes).""")
 
 
 @intrinsic
