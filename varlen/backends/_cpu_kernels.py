@@ -247,15 +247,15 @@ def mm_nn(a, b, c, beta, blas_min):
 
 @kernel(cache=True)
 def mm_tn(a, b, c, beta, blas_min):
-    """Row-major `c[M, N] = a[K, M].T @ b[K, N] (+ c if beta)`; contiguous operands."""
+    """Row-major `c[M, N] = a[K, M].T @ b[K, N] (+ c if beta)`; contiguous operands. Its inner
+    dimension is a product's keys (the forward's `P^T V`, the backward's `dS^T K`), at most
+    PRODUCT_KEYS or a key tile: not cut into KBLOCK chunks."""
     K, M = a.shape
     N = b.shape[1]
-    for k0 in range(0, max(K, 1), KBLOCK):
-        kn, bk = min(KBLOCK, K - k0), beta if k0 == 0 else 1.0
-        if M * N * kn >= blas_min:
-            _xgemm(_N, _T, N, M, kn, 1.0, b[k0:], N, a[k0:], M, bk, c, N)
-        elif M > 0 and N > 0:
-            _mm_loops(a.ravel()[k0 * M:], 1, M, b.ravel()[k0 * N:], N, 1, c, M, N, kn, bk)
+    if M * N * K >= blas_min:
+        _xgemm(_N, _T, N, M, K, 1.0, b, N, a, M, beta, c, N)
+    elif M > 0 and N > 0:
+        _mm_loops(a.ravel(), 1, M, b.ravel(), N, 1, c, M, N, K, beta)
 
 
 # --------------------------------------------------------------------------------------------
