@@ -560,10 +560,13 @@ def fill(x, start, stop, value):
 
 @kernel(fastmath=FASTMATH)
 def _scores_pass(S, n, lo, hi, c, cap, tile_max):
-    """Scores in the log2 domain in `S[:n]` from the products `s = q . k`: `cap * tanh(s * c)`
-    under softcap, else `s * c`; -inf outside each key's rows `[lo[j], hi[j])`; `tile_max`
-    gets the per-row maximum."""
+    """Scores in the log2 domain from the products `s = q . k` in `S[:n]`: `cap * tanh(s * c)`
+    under softcap, else `s * c`, -inf outside each key's rows `[lo[j], hi[j])`; `tile_max`
+    gets the per-row maximum of the scores. Returns whether `S` holds the scores; it keeps the
+    products (masked: -inf) where `c > 0` without softcap, and the exp pass scales them: a
+    maximum of them times `c` is the maximum of the scores, rounding being monotonic."""
     # Loops run over views from 0 so that Numba's index wraparound folds away and they vectorise.
+    scaled = cap > 0 or not c > 0
     for j in range(n):
         a, z = lo[j], hi[j]
         row = S[j]
@@ -575,12 +578,20 @@ def _scores_pass(S, n, lo, hi, c, cap, tile_max):
                 x, _ = softcap_score(seg[i], c, cap)
                 seg[i] = x
                 top[i] = max(top[i], x)
-        else:
+        elif scaled:
             cw = like(S, c)
             for i in range(seg.size):
                 x = seg[i] * cw
                 seg[i] = x
                 top[i] = max(top[i], x)
+        else:
+            for i in range(seg.size):
+                top[i] = max(top[i], seg[i])
+    if not scaled:
+        cw = like(S, c)
+        for i in range(tile_max.size):
+            tile_max[i] *= cw
+    return scaled
 
 
 @kernel
@@ -647,7 +658,8 @@ def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap
     S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major scores
     mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)
     fill(tmax, 0, R, -np.inf)
-    _scores_pass(S, n, lo, hi, c, cap, tmax)
+    scaled = _scores_pass(S, n, lo, hi, c, cap, tmax)
+    cw = like(S, 1.0) if scaled else like(S, c)
     zero = like(O, 0.0)
     for i in range(R):
         mn = max(m[i], tmax[i])
@@ -662,7 +674,7 @@ def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap
     for j in range(n):
         row = S[j]
         for i in range(R):
-            p = exp2(row[i] - tmax[i])
+            p = exp2(row[i] * cw - tmax[i])
             row[i] = p
             lp[i] += p
         if j % L_BLOCK == L_BLOCK - 1 or j == n - 1:
