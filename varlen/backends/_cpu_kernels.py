@@ -673,14 +673,17 @@ def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap
                 O[i, e] *= alpha
     for j in range(n):
         row = S[j]
-        for i in range(R):
-            p = exp2(row[i] * cw - tmax[i])
-            row[i] = p
-            lp[i] += p
-        if j % L_BLOCK == L_BLOCK - 1 or j == n - 1:
+        if j % L_BLOCK == L_BLOCK - 1 or j == n - 1:      # a block's last key: its sum to l
             for i in range(R):
-                l[i] += lp[i]
+                p = exp2(row[i] * cw - tmax[i])
+                row[i] = p
+                l[i] += lp[i] + p
                 lp[i] = 0
+        else:
+            for i in range(R):
+                p = exp2(row[i] * cw - tmax[i])
+                row[i] = p
+                lp[i] += p
     mm_tn(S, Vb, O, 1.0, blas_min)
 
 
