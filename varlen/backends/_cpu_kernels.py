@@ -248,55 +248,50 @@ def mm_nn(a, b, c, beta, blas_min):
 
 @kernel(cache=True)
 def mm_tn(a, b, c, beta, blas_min):
-    """Row-major `c[M, N] = a[K, M].T @ b[K, N] (+ c if beta)`; contiguous operands."""
+    """Row-major `c[M, N] = a[K, M].T @ b[K, N] (+ c if beta)`; contiguous operands. Its inner
+    dimension is a product's keys (the forward's `P^T V`, the backward's `dS^T K`), at most
+    PRODUCT_KEYS or a key tile: not cut into KBLOCK chunks."""
     K, M = a.shape
     N = b.shape[1]
-    for k0 in range(0, max(K, 1), KBLOCK):
-        kn, bk = min(KBLOCK, K - k0), beta if k0 == 0 else 1.0
-        if M * N * kn >= blas_min:
-            _xgemm(_N, _T, N, M, kn, 1.0, b[k0:], N, a[k0:], M, bk, c, N)
-        elif M > 0 and N > 0:
-            _mm_loops(a.ravel()[k0 * M:], 1, M, b.ravel()[k0 * N:], N, 1, c, M, N, kn, bk)
+    if M * N * K >= blas_min:
+        _xgemm(_N, _T, N, M, K, 1.0, b, N, a, M, beta, c, N)
+    elif M > 0 and N > 0:
+        _mm_loops(a.ravel(), 1, M, b.ravel(), N, 1, c, M, N, K, beta)
 
 
 # --------------------------------------------------------------------------------------------
 # Small intrinsics: bit casts for exp2, an atomic counter for the work queue
 # --------------------------------------------------------------------------------------------
 
-# int type of a bit pattern -> (the float type of its width, that type in LLVM IR)
-_BIT_CASTS = {types.int32: (types.float32, ir.FloatType()),
-              types.int64: (types.float64, ir.DoubleType())}
+def _bit_cast(name, casts, doc):
+    """An intrinsic `name(x)` that reinterprets the bits of `x`, of a type in `casts`, as
+    `casts[type of x]` (`(Numba type, LLVM type)` of the same width)."""
+    def typer(typingctx, x):
+        if x not in casts:
+            return None
+        result, llvm_type = casts[x]
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_type)
+        return result(x), codegen
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def _bits_to_float(typingctx, bits):
-    """The float whose bit pattern is `bits`: float32 for an int32, float64 for an int64."""
-    if bits not in _BIT_CASTS:
-        return None
-    result, llvm_type = _BIT_CASTS[bits]
+# float and int types of the same width, as (Numba type, LLVM type) pairs
+_WIDTHS = [((types.float32, ir.FloatType()), (types.int32, ir.IntType(32))),
+           ((types.float64, ir.DoubleType()), (types.int64, ir.IntType(64)))]
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llvm_type)
-    return result(bits), codegen
+_bits_to_float = _bit_cast(
+    "_bits_to_float", {i[0]: f for f, i in _WIDTHS},
+    "The float whose bit pattern is `x`: a float32 for an int32, a float64 for an int64.")
 
-
-# float type -> (the int type of its width, that type in LLVM IR)
-_FLOAT_BITS = {types.float32: (types.int32, ir.IntType(32)),
-               types.float64: (types.int64, ir.IntType(64))}
-
-
-@intrinsic
-def float_bits(typingctx, x):
+float_bits = _bit_cast(
+    "float_bits", {f[0]: i for f, i in _WIDTHS},
     """The bit pattern of `x`: an int32 for a float32, an int64 for a float64. For `x >= 0`
     the patterns order as the values do, and a maximum of them vectorises without fast-math
-    flags (the packing kernels' largest magnitudes)."""
-    if x not in _FLOAT_BITS:
-        return None
-    result, llvm_type = _FLOAT_BITS[x]
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llvm_type)
-    return result(x), codegen
+    flags (the packing kernels' largest magnitudes).""")
 
 
 @intrinsic
@@ -566,10 +561,13 @@ def fill(x, start, stop, value):
 
 @kernel(fastmath=FASTMATH)
 def _scores_pass(S, n, lo, hi, c, cap, tile_max):
-    """Scores in the log2 domain in `S[:n]` from the products `s = q . k`: `cap * tanh(s * c)`
-    under softcap, else `s * c`; -inf outside each key's rows `[lo[j], hi[j])`; `tile_max`
-    gets the per-row maximum."""
+    """Scores in the log2 domain from the products `s = q . k` in `S[:n]`: `cap * tanh(s * c)`
+    under softcap, else `s * c`, -inf outside each key's rows `[lo[j], hi[j])`; `tile_max`
+    gets the per-row maximum of the scores. Returns whether `S` holds the scores; it keeps the
+    products (masked: -inf) where `c > 0` without softcap, and the exp pass scales them: a
+    maximum of them times `c` is the maximum of the scores, rounding being monotonic."""
     # Loops run over views from 0 so that Numba's index wraparound folds away and they vectorise.
+    scaled = cap > 0 or not c > 0
     for j in range(n):
         a, z = lo[j], hi[j]
         row = S[j]
@@ -581,12 +579,20 @@ def _scores_pass(S, n, lo, hi, c, cap, tile_max):
                 x, _ = softcap_score(seg[i], c, cap)
                 seg[i] = x
                 top[i] = max(top[i], x)
-        else:
+        elif scaled:
             cw = like(S, c)
             for i in range(seg.size):
                 x = seg[i] * cw
                 seg[i] = x
                 top[i] = max(top[i], x)
+        else:
+            for i in range(seg.size):
+                top[i] = max(top[i], seg[i])
+    if not scaled:
+        cw = like(S, c)
+        for i in range(tile_max.size):
+            tile_max[i] *= cw
+    return scaled
 
 
 @kernel
@@ -654,15 +660,17 @@ def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap
     S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major scores
     mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)
     fill(tmax, 0, R, -np.inf)
-    _scores(S, n, lo, hi, M, use_m, md, c, cap, tmax, G, kh, b, qpos, kpos, row_flag)
-    _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min)
+    scaled = _scores(S, n, lo, hi, M, use_m, md, c, cap, tmax, G, kh, b, qpos, kpos, row_flag)
+    cw = like(S, 1.0) if scaled else like(S, c)
+    _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min, cw)
 
 
 @kernel(fastmath=FASTMATH)
-def _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min):
-    """The online softmax update of one product from its log2-domain scores `S [n, R]` and
-    their row maxima `tmax` (FlashAttention-2, Alg. 1, lines 8-10): rescale `O`, `l` by the
-    new running max `m`, `S <- P`, `l += rowsum(P)` (in L_BLOCK partial sums), `O += P^T V`."""
+def _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min, cw):
+    """The online softmax update of one product from its log2-domain scores `S [n, R]` times
+    `cw` (1, or `c` where the score pass kept the raw products) and their row maxima `tmax`
+    (FlashAttention-2, Alg. 1, lines 8-10): rescale `O`, `l` by the new running max `m`,
+    `S <- P`, `l += rowsum(P)` (in L_BLOCK partial sums), `O += P^T V`."""
     zero = like(O, 0.0)
     for i in range(R):
         mn = max(m[i], tmax[i])
@@ -676,14 +684,17 @@ def _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min):
                 O[i, e] *= alpha
     for j in range(n):
         row = S[j]
-        for i in range(R):
-            p = exp2(row[i] - tmax[i])
-            row[i] = p
-            lp[i] += p
-        if j % L_BLOCK == L_BLOCK - 1 or j == n - 1:
+        if j % L_BLOCK == L_BLOCK - 1 or j == n - 1:      # a block's last key: its sum to l
             for i in range(R):
-                l[i] += lp[i]
+                p = exp2(row[i] * cw - tmax[i])
+                row[i] = p
+                l[i] += lp[i] + p
                 lp[i] = 0
+        else:
+            for i in range(R):
+                p = exp2(row[i] * cw - tmax[i])
+                row[i] = p
+                lp[i] += p
     mm_tn(S, Vb, O, 1.0, blas_min)
 
 
@@ -1100,8 +1111,7 @@ def _fill_rows(M, n, a, z, value):
 def _scores_pass_masked(S, n, lo, hi, M, use_m, c, cap, tile_max):
     """`_scores_pass`, and -inf where `M` hides a pair (when `use_m`)."""
     if not use_m:
-        _scores_pass(S, n, lo, hi, c, cap, tile_max)
-        return
+        return _scores_pass(S, n, lo, hi, c, cap, tile_max)
     for j in range(n):
         a, z = lo[j], hi[j]
         row, vis = S[j], M[j]
@@ -1117,6 +1127,7 @@ def _scores_pass_masked(S, n, lo, hi, M, use_m, c, cap, tile_max):
                 x = row[i] * like(S, c)
             row[i] = x
             tile_max[i] = max(tile_max[i], x)
+    return True
 
 
 @kernel
@@ -1157,15 +1168,16 @@ def _visibility(M_buf, n, R):
 @kernel(fastmath=FASTMATH)
 def _scores(S, n, lo, hi, M, use_m, md, c, cap, tile_max, G, kh, b, qpos, kpos, row_flag):
     """The score pass of a forward product: `_scores_pass`; with user functions the
-    score_mod's tile kernel (`score_fn`), or `_scores_pass_masked`."""
+    score_mod's tile kernel (`score_fn`), or `_scores_pass_masked`. Returns whether `S` holds
+    the scores (else the products, which the exp pass scales: `_scores_pass`)."""
     if md is None:
-        _scores_pass(S, n, lo, hi, c, cap, tile_max)
-    elif md[8]:
+        return _scores_pass(S, n, lo, hi, c, cap, tile_max)
+    if md[8]:
         score_fn, saux = md[9], md[10:14]
         score_fn(S, np.int64(n), lo, hi, M, use_m, np.int64(G), np.int64(kh), np.int64(b), qpos,
                  kpos, md[14], md[15], tile_max, row_flag, saux[0], saux[1], saux[2], saux[3])
-    else:
-        _scores_pass_masked(S, n, lo, hi, M, use_m, c, cap, tile_max)
+        return True
+    return _scores_pass_masked(S, n, lo, hi, M, use_m, c, cap, tile_max)
 
 
 @kernel(fastmath=FASTMATH)
