@@ -10,8 +10,8 @@ import pytest
 import varlen
 from varlen import MaskMod, ScoreMod, reference
 
-from helpers import (FLOOR_UNIT, assert_close, assert_lse, cases, check_against_reference,
-                     covering, covered_rows, make_batch, naive_same_dtype)
+from helpers import (FLOOR_UNIT, assert_lse, cases, check_against_reference, covering,
+                     covered_rows, make_batch)
 from mods_cases import MASK_IDS, SCORE_IDS, mask_cases, score_cases
 
 pytest.importorskip("numba")
@@ -69,37 +69,9 @@ def test_masks_match_reference(case_id, dtype, spec):
 
 def _check_scored(b, score_mod, out, lse, grads, label, softcap=0.0):
     """Forward, gradients and aux gradients against the reference, tolerances from a naive
-    same-dtype computation's error (helpers.check_against_reference's rule)."""
-    kw = dict(mask=b.mask, softcap=softcap, score_mod=score_mod)
-    lay = dict(seq_offsets_q=b.off_q, seq_offsets_k=b.off_k)
-    ref_out, ref_lse = reference.attention_dense(b.q, b.k, b.v, b.cu_q, b.cu_k, **lay, **kw)
-    naive = 0.0
-    if b.dtype != "float64":
-        naive = float(np.abs(naive_same_dtype(b, softcap=softcap, score_mod=score_mod) -
-                             ref_out).max(initial=0))
-    assert_close(f"{label} out", out, ref_out, dtype=b.dtype, naive_err=naive)
-    assert_lse(f"{label} lse", lse, ref_lse, dtype=b.dtype)
-    ref = reference.attention_dense_backward(b.dout, b.q, b.k, b.v, b.cu_q, b.cu_k, **lay,
-                                             **kw, aux_grads=True)
-    top = max(float(np.abs(ref_out).max(initial=0)), 1e-30)
-    rel = naive / top
-    magnitude = top * float(np.abs(np.where(covered_rows(b)[:, None, None],
-                                            b.dout.astype(np.float64), 0)).max(initial=0))
-    for name, g, r in zip(("dq", "dk", "dv"), grads[:3], ref[:3]):
-        assert_close(f"{label} {name}", g, r, dtype=b.dtype, factor=3.0, floor=16.0,
-                     naive_err=rel * float(np.abs(r).max(initial=0)), magnitude=magnitude)
-    assert len(grads[3]) == len(ref[3]), f"{label}: {len(grads[3])} aux gradients"
-    for i, (g, r) in enumerate(zip(grads[3], ref[3])):
-        if r is None:
-            assert g is None, f"{label}: aux {i} (not float) has a gradient"
-            continue
-        assert g.dtype == np.float32 and g.shape == r.shape, f"{label}: aux {i} {g.dtype}"
-        # a sum over every visible pair: its error against the sum's size (per entry); the
-        # gradients are float32 whatever the inputs
-        assert_close(f"{label} daux{i}", g, r, dtype="float32" if b.dtype == "float64" else
-                     b.dtype, factor=3.0, floor=64.0,
-                     naive_err=rel * float(np.abs(r).max(initial=0)),
-                     magnitude=float(np.abs(r).max(initial=0)))
+    same-dtype computation's error (`varlen.testing.check_against_reference`)."""
+    check_against_reference(b, out, lse, grads, softcap=softcap, score_mod=score_mod,
+                            label=label)
 
 
 def _run(b, **kw):

@@ -238,21 +238,22 @@ def assert_lse(label, got, want, *, dtype):
 
 
 def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale=None,
-                            softcap=0.0, label=""):
+                            softcap=0.0, score_mod=None, label=""):
     """Assert that a backend's forward (and gradients) agree with the float64 reference.
 
     Args:
-        batch: the `Batch` the results were computed from.
+        batch: the `Batch` the results were computed from (its `mask` may hold a MaskMod).
         out: `[Tq, Hq, Dv]` output; lse: `[Hq, Tq]` natural-log log-sum-exp (-inf for rows
             without a visible key and for padding rows), host arrays in any float dtype.
-        grads: `(dq, dk, dv)` for `batch.dout`, or None to check the forward only.
-        softmax_scale, softcap: the values the backend used (default scale `1/sqrt(D)`).
+        grads: `(dq, dk, dv)` for `batch.dout`, or None to check the forward only; with a
+            fourth entry, the aux gradients of `score_mod` (one float32 array or None each).
+        softmax_scale, softcap, score_mod: what the backend used (default scale `1/sqrt(D)`).
         label: prefix of the assertion messages.
 
     Raises AssertionError naming the quantity, the error and the bound. Padding rows must be
     written as the reference has them (output and gradients 0).
     """
-    kw = dict(softmax_scale=softmax_scale, softcap=softcap)
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap, score_mod=score_mod)
     ref_out, ref_lse = batch.ref_forward(**kw)
     naive = 0.0
     if batch.dtype != "float64":
@@ -261,14 +262,29 @@ def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale
     assert_lse(f"{label} lse", lse, ref_lse, dtype=batch.dtype)
     if grads is None:
         return
-    ref_grads = batch.ref_backward(**kw)
+    aux_grads = len(grads) == 4
+    ref_grads = batch.ref_backward(**kw, aux_grads=aux_grads)
     # gradients are sums of dout-weighted products of the inputs: their natural size
     magnitude = _amax(ref_out) * _amax(np.where(covered_rows(batch)[:, None, None],
                                                 batch.dout.astype(np.float64), 0.0))
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        # Gradients of a same-dtype computation err about as much as its output, relative to
-        # the gradient's own scale.
-        rel = naive / max(_amax(ref_out), 1e-30)
+    # Gradients of a same-dtype computation err about as much as its output, relative to the
+    # gradient's own scale.
+    rel = naive / max(_amax(ref_out), 1e-30)
+    for name, g, r in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3]):
         assert_close(f"{label} {name}", g, r, dtype=batch.dtype,
                      naive_err=rel * max(_amax(r), 1e-30), factor=3.0, floor=16.0,
                      magnitude=magnitude)
+    if not aux_grads:
+        return
+    assert len(grads[3]) == len(ref_grads[3]), f"{label}: {len(grads[3])} aux gradients"
+    for i, (g, r) in enumerate(zip(grads[3], ref_grads[3])):
+        if r is None:
+            assert g is None, f"{label}: aux {i} (not float) has a gradient"
+            continue
+        g = np.asarray(g)
+        assert g.dtype == np.float32 and g.shape == r.shape, f"{label}: aux {i} {g.dtype}"
+        # a sum over every visible pair, float32 whatever the inputs: its error against the
+        # sum's size
+        assert_close(f"{label} daux{i}", g, r, factor=3.0, floor=64.0,
+                     dtype="float32" if batch.dtype == "float64" else batch.dtype,
+                     naive_err=rel * max(_amax(r), 1e-30), magnitude=max(_amax(r), 1e-30))

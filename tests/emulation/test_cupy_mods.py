@@ -62,41 +62,11 @@ def _functions(mask_id: str, score_id: str, lengths, Hq: int):
 
 
 def _compare(label, b, got, score, *, softmax_scale, softcap, grads=None):
-    """The forward (and gradients) against the float64 reference with the score_mod, within
-    the tolerances of `varlen.testing.check_against_reference` (the naive same-dtype error
-    measured without the score_mod, which adds a float32 term to each score)."""
-    from varlen import reference
-    from varlen.testing import _amax, assert_close, assert_lse, covered_rows, naive_same_dtype
-    kw = dict(softmax_scale=softmax_scale, softcap=softcap)
-    ref_out, ref_lse = reference.attention_dense(b.q, b.k, b.v, b.cu_q, b.cu_k, **b.layout,
-                                                 score_mod=score, **kw)
-    naive = _amax(naive_same_dtype(b, **kw) - b.ref_forward(**kw)[0])
-    out, lse = got
-    assert_close(f"{label} out", out, ref_out, dtype=b.dtype, naive_err=naive, factor=2.0)
-    assert_lse(f"{label} lse", lse, ref_lse, dtype=b.dtype)
-    if grads is None:
-        return
-    aux_grads = len(grads) == 4
-    ref_grads = reference.attention_dense_backward(b.dout, b.q, b.k, b.v, b.cu_q, b.cu_k,
-                                                   **b.layout, score_mod=score, **kw,
-                                                   aux_grads=aux_grads)
-    magnitude = _amax(ref_out) * _amax(np.where(covered_rows(b)[:, None, None],
-                                                b.dout.astype(np.float64), 0.0))
-    rel = naive / max(_amax(ref_out), 1e-30)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(f"{label} {name}", g, r, dtype=b.dtype, naive_err=rel * max(_amax(r), 1e-30),
-                     factor=3.0, floor=16.0, magnitude=magnitude)
-    if not aux_grads:
-        return
-    assert len(grads[3]) == len(ref_grads[3]), f"{label}: {len(grads[3])} aux gradients"
-    for i, (g, r) in enumerate(zip(grads[3], ref_grads[3])):
-        if r is None:
-            assert g is None, f"{label}: aux {i} (not float) has a gradient"
-            continue
-        assert g.dtype == np.float32 and g.shape == r.shape, f"{label}: aux {i} {g.dtype}"
-        # a sum over every visible pair: its error against the sum's size (tests/test_cpu_mods)
-        assert_close(f"{label} daux{i}", g, r, dtype=b.dtype, factor=3.0, floor=64.0,
-                     naive_err=rel * max(_amax(r), 1e-30), magnitude=max(_amax(r), 1e-30))
+    """The forward (and gradients, aux gradients with a fourth entry) against the float64
+    reference with the score_mod (`varlen.testing.check_against_reference`)."""
+    from varlen.testing import check_against_reference
+    check_against_reference(b, *got, grads, softmax_scale=softmax_scale, softcap=softcap,
+                            score_mod=score, label=label)
 
 
 def _case_mma(mask_id, score_id, dtype, softcap, block_m, deterministic):
