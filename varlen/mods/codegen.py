@@ -359,6 +359,12 @@ def _c_expr(n: Node, a: list, ctype, graph: Graph) -> str:
     raise AssertionError(op)
 
 
+def _promote_kind(kinds) -> str:
+    """Python's promotion of value kinds: bool < int < float."""
+    order = ("bool", "int", "float")
+    return max(kinds, key=order.index)
+
+
 def _common_type(types) -> str:
     """The C type two operands of a comparison meet in (float over 64-bit over 32-bit ints)."""
     order = ("bool", "int", "long long", "float", "double")
