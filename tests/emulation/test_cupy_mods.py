@@ -69,8 +69,10 @@ def _compare(label, b, got, score, *, softmax_scale, softcap, grads=None):
                             score_mod=score, label=label)
 
 
-def _case_mma(mask_id, score_id, dtype, softcap, block_m, deterministic):
-    """The mma.sync forward, then the backward (dQ atomic, or ordered with `deterministic`)."""
+def _mma_run(mask_id, score_id, dtype, softcap, block_m, *, seed, aux_grads=False,
+             deterministic=False):
+    """The mma.sync forward and backward of a gallery case on the emulated device, checked
+    against the reference (`_compare`); returns the backward's results."""
     import varlen
     from emulation.cupy import install_fake_cupy
     from varlen.backends.cupy import BACKEND
@@ -80,20 +82,28 @@ def _case_mma(mask_id, score_id, dtype, softcap, block_m, deterministic):
     install_fake_cupy(block_m, 64)
     Hq, Hk, D = 4, 2, 64
     mask, mask_mod, score = _functions(mask_id, score_id, LENGTHS, Hq)
-    b = make_batch(np.random.default_rng(1), LENGTHS, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
-                   gaps=True)
+    b = make_batch(np.random.default_rng(seed), LENGTHS, Hq=Hq, Hk=Hk, D=D, dtype=dtype,
+                   mask=mask, gaps=True)
     plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k, mask=mask,
                        num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=block_m,
                        block_n=64)
-    mods = Mods(mask=mask_mod, score=score)
+    mods = Mods(mask=mask_mod, score=score, aux_grads=aux_grads)
     kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=softcap)
-    label = f"{mask_id}+{score_id} {dtype} softcap={softcap} BM{block_m} (emulated)"
+    label = (f"{mask_id}+{score_id}{' aux grads' if aux_grads else ''} {dtype} "
+             f"softcap={softcap} BM{block_m} (emulated)")
     out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=mods, **kw)
     grads = BACKEND.backward(plan, b.dout, b.q, b.k, b.v, out, lse, mods=mods,
-                             deterministic=deterministic == "True", **kw)
+                             deterministic=deterministic, **kw)
+    assert len(grads) == (4 if aux_grads else 3), label
     _compare(label, b, (out, lse), score, grads=grads, **kw)
     varlen.check_device_errors()          # nothing flagged
     print(f"ok {label}")
+
+
+def _case_mma(mask_id, score_id, dtype, softcap, block_m, deterministic):
+    """The mma.sync forward, then the backward (dQ atomic, or ordered with `deterministic`)."""
+    _mma_run(mask_id, score_id, dtype, softcap, block_m, seed=1,
+             deterministic=deterministic == "True")
 
 
 def _case_sm90(mask_id, score_id, pack):
@@ -152,29 +162,7 @@ def _case_index_error():
 def _case_aux_grads(mask_id, score_id, dtype, softcap, block_m):
     """The backward's aux gradients (atomic dQ; `deterministic` is refused), with the forward
     and dq, dk, dv, against the reference's (`aux_grads=True`)."""
-    import varlen
-    from emulation.cupy import install_fake_cupy
-    from varlen.backends.cupy import BACKEND
-    from varlen.mods import Mods
-    from varlen.testing import make_batch
-    block_m, softcap = int(block_m), float(softcap)
-    install_fake_cupy(block_m, 64)
-    Hq, Hk, D = 4, 2, 64
-    mask, mask_mod, score = _functions(mask_id, score_id, LENGTHS, Hq)
-    b = make_batch(np.random.default_rng(5), LENGTHS, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
-                   gaps=True)
-    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k, mask=mask,
-                       num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=block_m,
-                       block_n=64)
-    mods = Mods(mask=mask_mod, score=score, aux_grads=True)
-    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=softcap)
-    label = f"{mask_id}+{score_id} aux grads {dtype} softcap={softcap} BM{block_m} (emulated)"
-    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=mods, **kw)
-    grads = BACKEND.backward(plan, b.dout, b.q, b.k, b.v, out, lse, mods=mods, **kw)
-    assert len(grads) == 4, label
-    _compare(label, b, (out, lse), score, grads=grads, **kw)
-    varlen.check_device_errors()
-    print(f"ok {label}")
+    _mma_run(mask_id, score_id, dtype, softcap, block_m, seed=5, aux_grads=True)
 
 
 def _always(b, q_idx, k_idx):
