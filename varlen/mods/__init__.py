@@ -107,11 +107,6 @@ class MaskMod(_Mod):
 
     __rand__ = __and__
 
-    def with_aux(self, aux):
-        new = super().with_aux(aux)
-        new.base = self.base
-        return new
-
 
 def _and_masks(a, b):
     raise TypeError(f"{a!r} & {b!r}: two built-in masks cannot be combined; write one of them "

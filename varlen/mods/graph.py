@@ -12,7 +12,6 @@ so an aux index out of range is found whichever branch of a `where` uses it.
 from __future__ import annotations
 
 import hashlib
-import math
 import sys
 
 import numpy as np
@@ -438,6 +437,3 @@ def substitute(root: Node, leaf: str, by: Node) -> Node:
         return memo[k]
     return rebuild(root)
 
-
-def finite_constant(node: Node) -> bool:
-    return node.op != "const" or node.kind != "float" or math.isfinite(node.value)
