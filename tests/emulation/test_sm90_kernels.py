@@ -98,14 +98,14 @@ MUTATIONS = {
     "fwd-no-v-row-zeroing": ("fwd_sm90.cuh", "        if (r < rows && !bad) continue;",
                              "        continue;", f"{FIRST}:fwd", "out: NaN pattern differs"),
     # every chunk taken as a full one: no mask
-    "fwd-no-mask": ("fwd_sm90.cuh", "query_rows_mask<Cfg::PACK>(pol, tile.pos, w, c)",
-                    "query_rows_mask<Cfg::PACK>(pol, tile.pos, w, "
-                    "[&] { auto f = c; f.full = true; return f; }())",
+    "fwd-no-mask": ("fwd_sm90.cuh", "query_rows_mask<Cfg::PACK>(pol, tile, w, c, ",
+                    "query_rows_mask<Cfg::PACK>(pol, tile, w, "
+                    "[&] { auto f = c; f.full = true; return f; }(), ",
                     "B3-bf16-D64-BM64-mixed-masks-gqa:fwd", "differs"),
     # GQA packing: a packed row's mask taken at position row (not row / pack), its output
     # written as an unpacked tile's
-    "fwd-pack-mask-by-row": ("fwd_sm90.cuh", "query_rows_mask<Cfg::PACK>(pol, tile.pos, w, c)",
-                             "query_rows_mask<1>(pol, tile.pos, w, c)",
+    "fwd-pack-mask-by-row": ("fwd_sm90.cuh", "query_rows_mask<Cfg::PACK>(pol, tile, w, c, ",
+                             "query_rows_mask<1>(pol, tile, w, c, ",
                              "G4-bf16-D128-BM64-pack2-mixed-softcap", "max abs error"),
     "fwd-pack-store-unpacked": ("fwd_sm90.cuh", "tile_output<T, D, Cfg::PACK>(",
                                 "tile_output<T, D, 1>(", PACKED, "differs"),
