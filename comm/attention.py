@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -105,7 +106,7 @@ class _RankCall:
         c = self.call
         grads = c.backend.backward(plan, dout, q, k, v, out, lse, softmax_scale=c.softmax_scale,
                                    softcap=c.softcap, deterministic=c.deterministic,
-                                   **self.mods)
+                                   **self.mods, **c.sinks_flag(c.backend))
         if c.mods.aux_grads:
             if not self.daux:
                 self.daux.extend(None if g is None else self.xp.zeros(g.shape, np.float64)
@@ -114,6 +115,15 @@ class _RankCall:
                 if g is not None:
                     total += g
         return grads[:3]
+
+    def valid_rows(self):
+        """Bool `[Tq_local]`: this rank's query rows that hold a token."""
+        return self.call.part[0].valid(self.rank)
+
+    def group_sum(self, flat):
+        """The sum over the group of each rank's flat array (one all-gather, added in rank
+        order: the same bits on every rank)."""
+        return self.group.allgather(flat).sum(axis=0)
 
     def aux_grads(self, summed: bool) -> tuple:
         """The aux gradients, float32 like the single-process API: this rank's partial sums,
@@ -125,7 +135,7 @@ class _RankCall:
                   for (kind, _, _), a in zip(c.mods.score.graph.aux, c.mods.score.aux)]
         mine = self.daux or [None if s is None else xp.zeros(s, np.float64) for s in shapes]
         flat = xp.concatenate([g.reshape(-1) for g in mine if g is not None])
-        total = self.group.allgather(flat).sum(axis=0) if summed else flat
+        total = self.group_sum(flat) if summed else flat
         out, at = [], 0
         for s in shapes:
             if s is None:
@@ -175,10 +185,10 @@ def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
 # What every rank must agree on: host-known facts (always compared) ...
 _FACTS = ("method", "validation", "dtypes", "shapes", "query partition sizes",
           "key partition sizes", "mask", "softmax_scale", "softcap", "backend",
-          "mask_mod and score_mod functions", "aux_grads")
+          "mask_mod and score_mod functions", "aux_grads", "sinks")
 # ... and the values behind them (host reads: compared when validation is on).
 _VALUES = ("query partition", "key partition", "mask values", "mask_mod and score_mod aux "
-           "values")
+           "values", "sinks values")
 
 
 def _sizes(p) -> tuple:
@@ -205,12 +215,14 @@ def _signature(call: Call) -> tuple:
     facts = (call.method, call.validate, tuple(dtype_name(a.dtype) for a in arrays),
              tuple(tuple(a.shape) for a in arrays), _sizes(pq), _sizes(pk),
              mask_key(call.mask, pq.batch), call.softmax_scale, call.softcap, call.backend.name,
-             _mods_keys(call, values=False), call.mods.aux_grads)
+             _mods_keys(call, values=False), call.mods.aux_grads, call.sinks is not None)
     values = None
     if call.validate:
         values = (pq.fingerprint(), pk.fingerprint(),
                   tuple(digest(f if isinstance(f, int) else host_copy(f), pq.batch)
-                        for f in call.mask.fields()), _mods_keys(call, values=True))
+                        for f in call.mask.fields()), _mods_keys(call, values=True),
+                  None if call.sinks is None else zlib.crc32(
+                      np.ascontiguousarray(host_copy(call.sinks)).tobytes()))
     return facts, values
 
 
@@ -602,7 +614,7 @@ _BACKWARD = {"ring": _ring_backward_any, "allgather": _allgather_backward,
 # --------------------------------------------------------------------------------------------
 
 def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, softcap=0.0,
-                      method="ring", backend=None, plan=None, score_mod=None):
+                      method="ring", backend=None, plan=None, score_mod=None, sinks=None):
     """Context-parallel attention forward on one rank. Returns this rank's `(out, lse)`.
 
     Call it on every rank of `group` with the same partition, mask and method.
@@ -623,6 +635,9 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
             sequence index, `q_idx`/`k_idx` positions in the whole sequence (never the shard),
             `h` the global query head (under Ulysses too). Their aux arrays are whole (every
             rank passes the same values), in q's framework and on its device.
+        sinks: optional float `[Hq]`, as in `varlen.attention_forward` (every rank passes the
+            same values): each row's sink enters once, after the last merge of its partial
+            results, whatever the method.
         method: `"ring"` (K/V travel the ring, overlapped with compute), `"allgather"` (K/V
             gathered once) or `"ulysses"` (all-to-all over heads; `Hq % cp_size == 0`).
         backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (as in the single-process API).
@@ -647,17 +662,23 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
     def prepare():
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
                              softcap=softcap, method=method, backend=backend,
-                             score_mod=score_mod)
+                             score_mod=score_mod, sinks=sinks)
 
-    call, (out, lse) = _run(group, q, prepare,
-                            lambda rc, steps: _FORWARD[rc.call.method](rc, steps))
+    def compute(rc, steps):
+        out, lse = _FORWARD[rc.call.method](rc, steps)
+        return rc.call.with_sinks(out, lse, rc.valid_rows()) if rc.call.sinks is not None \
+            else (out, lse)
+
+    call, (out, lse) = _run(group, q, prepare, compute)
     return call.origin.wrap(out), call.origin.wrap(lse)
 
 
 def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
                        softmax_scale=None, softcap=0.0, method="ring", backend=None,
-                       deterministic=False, plan=None, score_mod=None, aux_grads=False):
-    """Gradients of `sum(out * dout)` on one rank. Returns this rank's `(dq, dk, dv)`.
+                       deterministic=False, plan=None, score_mod=None, aux_grads=False,
+                       sinks=None, sinks_grad="group"):
+    """Gradients of `sum(out * dout)` on one rank. Returns this rank's `(dq, dk, dv)`, then
+    with `sinks` their gradient, then with `aux_grads` the aux gradients.
 
     Args:
         dout: `[Tq_local, Hq, Dv]`, this rank's shard of the output gradient (q's dtype).
@@ -671,6 +692,10 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
             single-process one); with `"rank"` each rank returns its share (float32), which
             add up over the group to the gradient, as a replicated parameter's gradients do
             (what the PyTorch and JAX adapters hand to autograd).
+        sinks: the forward's sinks (`out` and `lse` are the forward's with them).
+        sinks_grad: `"group"`: `dsinks` (float32, float64 for float64) summed over the group,
+            the single-process gradient on every rank; `"rank"`: this rank's share (its
+            rows'), which the shares of the other ranks add up to.
         The other arguments as in `attention_forward`, with the same values; any method may
         differentiate any other's output.
 
@@ -680,16 +705,21 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
                              softcap=softcap, method=method, backend=backend,
                              deterministic=deterministic, grads=(dout, out, lse),
-                             score_mod=score_mod, aux_grads=bool(aux_grads))
+                             score_mod=score_mod, aux_grads=bool(aux_grads), sinks=sinks)
 
     if aux_grads not in (False, True, "rank"):
         raise ValueError(f"aux_grads must be True, False or 'rank', got {aux_grads!r}")
+    if sinks_grad not in ("group", "rank"):
+        raise ValueError(f"sinks_grad must be 'group' or 'rank', got {sinks_grad!r}")
 
     def compute(rc, steps):
         grads = _BACKWARD[rc.call.method](rc, steps)
+        dsinks = rc.call.sink_grads(rc.valid_rows())
+        if dsinks is not None and sinks_grad == "group":
+            dsinks = rc.group_sum(dsinks)
         if rc.call.mods.aux_grads:
             grads += (rc.aux_grads(summed=aux_grads is True),)
-        return grads
+        return grads, dsinks
 
-    call, grads = _run(group, q, prepare, compute)
-    return call.backward_results(grads, aux_grads)
+    call, (grads, dsinks) = _run(group, q, prepare, compute)
+    return call.backward_results(grads, aux_grads, dsinks)

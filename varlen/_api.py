@@ -40,7 +40,7 @@ def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                       seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                       max_seqlen_q=None, max_seqlen_k=None, backend=None, plan=None,
-                      score_mod=None):
+                      score_mod=None, sinks=None):
     """Attention over a packed variable-length batch. Returns `(out, lse)`.
 
     Args:
@@ -73,6 +73,11 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
         score_mod: a `varlen.ScoreMod(fn, *aux)`: each visible pair's scaled (and softcapped)
             score becomes `fn(score, b, h, q_idx, k_idx, *aux)` before the softmax; -inf hides
             the pair.
+        sinks: optional float `[Hq]` (q's framework and device): attention sinks as in
+            gpt-oss, one logit per query head that joins every row's softmax and contributes
+            no value (not scaled, not soft-capped): `lse = log(exp(lse_keys) + exp(sinks[h]))`
+            and the output scaled by `exp(lse_keys - lse)`; a row with no visible key gets
+            output 0 and lse `sinks[h]` (docs/semantics.md).
         backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (the fastest that supports the
             call: `"cpu"` for host float16/bfloat16/float32 data when its BLAS tile products are
             usable, else `"numpy"`; docs/api.md).
@@ -82,32 +87,38 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
         out: `[Tq, Hq, Dv]` in q's dtype, in the caller's framework and device.
         lse: `[Hq, Tq]` natural-log sum of exp of the scores, float32 (float64 for float64
             inputs); `-inf` for padding rows and for queries with no visible key (whose output
-            is 0, never NaN).
+            is 0, never NaN; with sinks their lse is `sinks[h]`).
     """
     with Origin.of(q).stream_scope():
         call = setup(q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
                      seq_offsets_k=seq_offsets_k, mask=mask, softmax_scale=softmax_scale,
                      softcap=softcap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                     backend=backend, plan=plan, score_mod=score_mod)
+                     backend=backend, plan=plan, score_mod=score_mod, sinks=sinks)
         out, lse = call.backend.forward(call.plan, call.q, call.k, call.v,
                                         softmax_scale=call.softmax_scale, softcap=call.softcap,
                                         **call.backend_mods)
+        if call.sinks is not None:
+            out, lse = call.with_sinks(out, lse, call.plan.q.covered())
         return call.origin.wrap(out), call.origin.wrap(lse)
 
 
 def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                        seq_offsets_q=None, seq_offsets_k=None, mask="full", softmax_scale=None,
                        softcap=0.0, max_seqlen_q=None, max_seqlen_k=None, backend=None,
-                       plan=None, deterministic=False, score_mod=None, aux_grads=False):
-    """Gradients of `sum(out * dout)` with respect to q, k, v. Returns `(dq, dk, dv)`.
+                       plan=None, deterministic=False, score_mod=None, aux_grads=False,
+                       sinks=None):
+    """Gradients of `sum(out * dout)` with respect to q, k, v. Returns `(dq, dk, dv)`, then
+    with `sinks` their gradient `dsinks` (`[Hq]`, float32; float64 for float64 inputs), then
+    with `aux_grads` the aux gradients.
 
     Args:
         dout: `[Tq, Hq, Dv]`, the gradient of the output, q's dtype.
         out, lse: what `attention_forward` returned for these inputs.
         deterministic: bitwise-repeatable accumulation of dQ (device backends use atomics
             otherwise; the host backends are always deterministic).
-        aux_grads: also return the gradients of `score_mod`'s float aux arrays: a fourth
+        aux_grads: also return the gradients of `score_mod`'s float aux arrays: a last
             result, a tuple with one float32 array (the aux's shape) or None per aux array.
+        sinks: the forward's sinks; `out` and `lse` must be the forward's with them.
         The other arguments are those of `attention_forward`, with the same values.
 
     Padding rows get zero gradients; so do queries with no visible key, and keys no query sees.
@@ -117,12 +128,14 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                      seq_offsets_k=seq_offsets_k, mask=mask, softmax_scale=softmax_scale,
                      softcap=softcap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                      backend=backend, plan=plan, deterministic=deterministic,
-                     grads=(dout, out, lse), score_mod=score_mod, aux_grads=aux_grads)
+                     grads=(dout, out, lse), score_mod=score_mod, aux_grads=aux_grads,
+                     sinks=sinks)
         grads = call.backend.backward(call.plan, *call.grads[:1], call.q, call.k, call.v,
                                       *call.grads[1:], softmax_scale=call.softmax_scale,
                                       softcap=call.softcap, deterministic=call.deterministic,
-                                      **call.backend_mods)
-        return call.backward_results(grads, aux_grads)
+                                      **call.backend_mods, **call.sinks_flag(call.backend))
+        dsinks = None if call.sinks is None else call.sink_grads(call.plan.q.covered())
+        return call.backward_results(grads, aux_grads, dsinks)
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):

@@ -21,6 +21,7 @@ from ._validate import (as_index_array, as_policy_array, check_backward_inputs, 
                         dtype_name, scale_and_softcap, validation_enabled)
 from .masks import MASK_FIELDS, Mask, as_mask
 from .mods import NO_MODS, Mods, split_mask
+from ._sinks import add_sinks, sink_grads, working_sinks
 from .plan import Plan
 
 __all__ = ["Call", "Layout", "setup", "make_plan", "working_mask", "working_mods",
@@ -72,6 +73,7 @@ class Call:
     part: tuple | None = None  # context parallelism: (query partition, key partition)
     method: str | None = None
     mods: Mods = NO_MODS       # mask_mod / score_mod, their aux arrays as working arrays
+    sinks: object = None       # float [Hq] working array (`sinks=`), float32 or float64
 
     @property
     def rows_q(self) -> int:
@@ -93,22 +95,45 @@ class Call:
             block_m=bm, block_n=bn, max_seqlen_q=lay.max_seqlen_q, max_seqlen_k=lay.max_seqlen_k)
         return replace(plan, mask_mod=self.mods.mask)
 
-    def backward_results(self, grads, aux_grads) -> tuple:
-        """A backward's results for the caller: `(dq, dk, dv)` in its framework, and when it
-        asked for `aux_grads`, a fourth: per score_mod aux its gradient or None."""
-        dq, dk, dv = (self.origin.wrap(g) for g in grads[:3])
+    def with_sinks(self, out, lse, valid):
+        """A finished forward's `(out, lse)` with the call's sinks joined (`_sinks.add_sinks`;
+        `valid`: bool `[Tq]`, the rows that hold a token); as they are without sinks."""
+        if self.sinks is None:
+            return out, lse
+        return add_sinks(out, lse, self.sinks, valid)
+
+    def sink_grads(self, valid):
+        """`dsinks` of a backward call (`_sinks.sink_grads`), or None without sinks."""
+        if self.sinks is None:
+            return None
+        dout, out, lse = self.grads
+        return sink_grads(dout, out, lse, self.sinks, valid)
+
+    def backward_results(self, grads, aux_grads, dsinks=None) -> tuple:
+        """A backward's results for the caller: `(dq, dk, dv)` in its framework, then with
+        sinks `dsinks`, then when it asked for `aux_grads` per score_mod aux its gradient or
+        None (a tuple)."""
+        res = tuple(self.origin.wrap(g) for g in grads[:3])
+        if self.sinks is not None:
+            res += (self.origin.wrap(dsinks),)
         if not aux_grads:
-            return dq, dk, dv
+            return res
         score = self.mods.score
         daux = grads[3] if self.mods.aux_grads else (None,) * (
             0 if score is None else len(score.aux))
-        return dq, dk, dv, tuple(None if g is None else self.origin.wrap(g) for g in daux)
+        return res + (tuple(None if g is None else self.origin.wrap(g) for g in daux),)
 
     @property
     def backend_mods(self) -> dict:
         """The keyword a backend's forward/backward gets for the call's user functions: none
         when the call has none, so backends that run none never see it."""
         return {"mods": self.mods} if self.mods else {}
+
+    def sinks_flag(self, backend) -> dict:
+        """The keyword a backend's backward gets when the call's lse holds its sinks: only for
+        backends that would otherwise take a one-key row's P as 1 (`one_key_shortcut`)."""
+        return {"lse_has_sinks": True} if (self.sinks is not None
+                                           and backend.one_key_shortcut) else {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,13 +330,14 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
           seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0, max_seqlen_q=None,
           max_seqlen_k=None, backend=None, plan=None, deterministic=False, grads=None,
           part=None, method=None, grads_rows="Tq", group_size=None, score_mod=None,
-          aux_grads=False) -> Call:
+          aux_grads=False, sinks=None) -> Call:
     """Check and normalise one call's arguments; returns its `Call` record.
 
     Single process: `cu_seqlens_*` (and optional offsets, bounds, `plan`). Context
     parallelism: `part`, a pair `(query partition, key partition)`, `method` and `group_size`,
     checked here (`check_context_parallel`). `grads = (dout, out, lse)` for a backward call.
-    A `MaskMod` in `mask` and a `score_mod` become `Call.mods` (`working_mods`).
+    A `MaskMod` in `mask` and a `score_mod` become `Call.mods` (`working_mods`); `sinks`
+    `Call.sinks` (`_sinks.working_sinks`).
     """
     origin, qw, kw, vw, gw = _tensors(q, k, v, grads)
     xp = array_module(qw)
@@ -326,7 +352,7 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
                 softmax_scale=softmax_scale, softcap=softcap, deterministic=_flag(deterministic),
                 backend=None, plan=None, grads=gw, part=part, method=method)
     base, mods = working_mods(mask, score_mod, xp, q, aux_grads=aux_grads and gw is not None)
-    call = replace(call, mods=mods)
+    call = replace(call, mods=mods, sinks=working_sinks(sinks, q, call.heads_q, xp))
     call = replace(call, backend=backends.select(backend, call))
     if part is not None:
         call = replace(call, part=check_context_parallel(part, method, xp, group_size=group_size,

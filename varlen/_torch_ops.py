@@ -23,7 +23,7 @@ __all__ = ["varlen_attention", "context_parallel_attention"]
 # (a tensor where given, else the int), the scalars of `_setup.static_scalars`, the key of the
 # call's plan in `_PLANS` (0: none), then the user functions: each MaskMod / ScoreMod as the
 # text of its graph (`varlen.mods.text`: self-contained, so a compiled graph holds no Python
-# object) and its aux tensors (None: no such function).
+# object) and its aux tensors (None: no such function); last the sinks (None: none).
 _META = (("cu_seqlens_q", "Tensor"), ("cu_seqlens_k", "Tensor"),
          ("seq_offsets_q", "Tensor?"), ("seq_offsets_k", "Tensor?"),
          *((name, "Tensor?") for name in MASK_FIELDS),
@@ -31,13 +31,15 @@ _META = (("cu_seqlens_q", "Tensor"), ("cu_seqlens_k", "Tensor"),
          ("softmax_scale", "float?"), ("softcap", "float"), ("max_seqlen_q", "int?"),
          ("max_seqlen_k", "int?"), ("backend", "str?"), ("deterministic", "bool"),
          ("plan", "int"), ("mask_mod", "str?", "None"), ("mask_aux", "Tensor[]?", "None"),
-         ("score_mod", "str?", "None"), ("score_aux", "Tensor[]?", "None"))
+         ("score_mod", "str?", "None"), ("score_aux", "Tensor[]?", "None"),
+         ("sinks", "Tensor?", "None"))
 _META_SCHEMA = ", ".join(f"{kind} {name}" + (f"={d[0]}" if d else "")
                          for name, kind, *d in _META)
 _META_NAMES = tuple(name for name, *_ in _META)
 _NUM_META = len(_META)
-# Where the score_mod's aux tensors sit among the op's inputs (after q, k, v).
+# Where the score_mod's aux tensors and the sinks sit among the op's inputs (after q, k, v).
 _SCORE_AUX = 3 + _META_NAMES.index("score_aux")
+_SINKS = 3 + _META_NAMES.index("sinks")
 
 _NO_DOUBLE_BACKWARD = (
     "varlen.torch.varlen_attention has first-order gradients only (loss.backward(), "
@@ -169,13 +171,15 @@ def _forward_fake(q, k, v, *meta):
 @torch.library.custom_op("varlen::attention_backward", mutates_args=(),
                          schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                                 f"Tensor lse, {_META_SCHEMA}, bool aux_grads=False) -> "
-                                f"(Tensor, Tensor, Tensor, Tensor[])")
+                                f"(Tensor, Tensor, Tensor, Tensor[], Tensor[])")
 def _backward_op(dout, q, k, v, out, lse, *meta_and_flag):
     meta, aux_grads = _meta_and_flag(meta_and_flag)
     kw = _keywords(meta)
     with _on_device_of(q):
         dq, dk, dv, *rest = attention_backward(dout, q, k, v, out, lse, **kw,
                                                aux_grads=aux_grads)
+    # with sinks: their gradient (float32; float64 for float64), a list of one
+    dsinks = [] if kw["sinks"] is None else [rest.pop(0).contiguous()]
     # aux_grads: float32 gradients of the score_mod's float aux tensors, in order (a float aux
     # the function never reads has a zero gradient).
     daux = []
@@ -184,7 +188,7 @@ def _backward_op(dout, q, k, v, out, lse, *meta_and_flag):
             if a.is_floating_point():
                 daux.append(torch.zeros(a.shape, dtype=torch.float32, device=a.device)
                             if g is None else g.contiguous())
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), daux
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), daux, dsinks
 
 
 def _meta_and_flag(args) -> tuple:
@@ -200,7 +204,9 @@ def _backward_fake(dout, q, k, v, out, lse, *meta_and_flag):
     kw = dict(zip(_META_NAMES, meta))
     daux = [a.new_empty(a.shape, dtype=torch.float32)
             for a in _float_aux(kw["score_mod"], kw["score_aux"])] if aux_grads else []
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), daux
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dsinks = [] if kw.get("sinks") is None else [q.new_empty((q.shape[1],), dtype=acc)]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), daux, dsinks
 
 
 def _setup_context(ctx, inputs, output):
@@ -249,8 +255,8 @@ def _backward(ctx, dout, _dlse):
     aux_grads = any(w and a.is_floating_point() for w, a in zip(wants, score_aux))
     # The incoming gradient may be an expanded (stride-0) view, e.g. from `out.sum()`.
     with set_validation(ctx.validation):
-        dq, dk, dv, daux = _backward_op(dout.contiguous(), q, k, v, out, lse, *meta,
-                                        aux_grads)
+        dq, dk, dv, daux, dsinks = _backward_op(dout.contiguous(), q, k, v, out, lse, *meta,
+                                                aux_grads)
     # One gradient per input, a list for a list of tensors (the structure of the inputs).
     grads = [[None] * x.count if isinstance(x, _Saved) and x.is_list else None
              for x in ctx.meta]
@@ -261,6 +267,8 @@ def _backward(ctx, dout, _dlse):
             if a.is_floating_point():
                 g = next(daux)
                 aux_grad[i] = g.to(a.dtype) if wanted else None
+    if dsinks and len(needs) > _SINKS and needs[_SINKS]:
+        grads[_SINKS - 3] = dsinks[0].to(meta[_SINKS - 3].dtype)
     # PyTorch leaves trailing arguments that hold their default out of the inputs.
     return (dq, dk, dv, *grads)[:len(needs)]
 
@@ -336,12 +344,30 @@ def _mod_operands(q, mod, cls, role: str) -> tuple:
     return graph_text(mod.graph), list(mod.aux)
 
 
+def _sinks_operand(q, sinks):
+    """`sinks` for the op: None, or a floating tensor on q's device (checked without its data,
+    so it runs while torch.compile traces; the setup step checks its shape)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks is a {type(sinks).__module__}.{type(sinks).__name__}; "
+                        f"varlen.torch takes sinks as a float [Hq] tensor on q's device "
+                        f"({q.device})")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}; sinks must live "
+                         f"on q's device")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a float tensor (one logit per query head), got "
+                        f"{sinks.dtype}")
+    return sinks
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
-                     plan=None, return_lse=False, score_mod=None):
-    """Attention over a packed variable-length batch, differentiable in q, k and v, and in
-    the float aux tensors of a `score_mod` that require grad.
+                     plan=None, return_lse=False, score_mod=None, sinks=None):
+    """Attention over a packed variable-length batch, differentiable in q, k and v, in the
+    float aux tensors of a `score_mod` that require grad, and in `sinks`.
 
     Args:
         q: `[Tq, Hq, D]` tensor, float16, bfloat16, float32 (float64 on the CPU).
@@ -378,12 +404,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
             the pair). Aux are tensors on q's device; a float aux that requires grad (learnable
             ALiBi slopes, a relative bias table) gets its gradient, accumulated in float32
             and cast to its dtype; int and bool aux get none.
+        sinks: optional float `[Hq]` tensor on q's device: attention sinks (gpt-oss), one
+            logit per query head in every row's softmax with no value (not scaled, not
+            soft-capped); its gradient is accumulated in float32 and cast to its dtype.
 
     Returns:
         out: `[Tq, Hq, Dv]` in q's dtype, on q's device.
         lse (with `return_lse=True`): `[Hq, Tq]` natural-log sum of exp of the scores, float32
             (float64 for float64 inputs); `-inf` for padding rows and for queries with no
-            visible key (whose output is 0, never NaN). It carries no gradient.
+            visible key (whose output is 0, never NaN; with sinks their lse is `sinks[h]`).
+            It carries no gradient.
 
     Under `torch.autocast`, q, k and v are cast to the autocast dtype first (float64 stays),
     like the inputs of a matmul. Gradients are first order: double backward and `torch.func`
@@ -406,7 +436,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     # implementation on real data, so every metadata device is checked first.
     check_metadata_devices(q, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, base)
     mods = (*_mod_operands(q, mask_mod, MaskMod, "mask_mod"),
-            *_mod_operands(q, score_mod, ScoreMod, "score_mod"))
+            *_mod_operands(q, score_mod, ScoreMod, "score_mod"), _sinks_operand(q, sinks))
     meta = [_as_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k)]
     arrays, ints = base.parts()
     scalars = static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,
@@ -442,10 +472,10 @@ class _ContextParallelAttention(torch.autograd.Function):
     which the training step sums over the group with the other parameter gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, part, group, kw, deterministic, *aux):
+    def forward(ctx, q, k, v, part, group, kw, deterministic, sinks, *aux):
         import varlen.comm as vc
-        out, lse = vc.attention_forward(q, k, v, part, group, **kw)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = vc.attention_forward(q, k, v, part, group, sinks=sinks, **kw)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.part, ctx.group, ctx.kw = part, group, dict(kw, deterministic=deterministic)
         # Autograd may run the backward on another thread: it keeps the forward's mode.
         ctx.validation = validation_mode()
@@ -455,24 +485,30 @@ class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         import varlen.comm as vc
-        q, k, v, out, lse = ctx.saved_tensors
-        want = ctx.needs_input_grad[7:]
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        want = ctx.needs_input_grad[8:]
         kw = dict(ctx.kw, aux_grads="rank") if any(want) else ctx.kw
         with set_validation(ctx.validation):
-            dq, dk, dv, *daux = vc.attention_backward(dout.contiguous(), q, k, v, out, lse,
-                                                      ctx.part, ctx.group, **kw)
-        daux = daux[0] if daux else (None,) * len(want)
+            dq, dk, dv, *rest = vc.attention_backward(dout.contiguous(), q, k, v, out, lse,
+                                                      ctx.part, ctx.group, sinks=sinks,
+                                                      sinks_grad="rank", **kw)
+        dsinks = None
+        if sinks is not None:
+            dsinks = rest.pop(0)
+            dsinks = dsinks.to(sinks.dtype) if ctx.needs_input_grad[7] else None
+        daux = rest[0] if rest else (None,) * len(want)
         aux = ctx.kw["score_mod"].aux if any(want) else ()
         daux = tuple(None if g is None or not w else g.to(a.dtype)
                      for g, w, a in zip(daux, want, aux or (None,) * len(want)))
-        return (dq, dk, dv, None, None, None, None) + daux
+        return (dq, dk, dv, None, None, None, None, dsinks) + daux
 
 
 @torch.compiler.disable
 def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
-                               return_lse=False, score_mod=None):
-    """Context-parallel attention on this rank, differentiable in its q, k and v shards.
+                               return_lse=False, score_mod=None, sinks=None):
+    """Context-parallel attention on this rank, differentiable in its q, k and v shards (and
+    in `sinks` and a score_mod's float aux tensors).
 
     Call it on every rank of the group with the same partition, mask and method; each rank
     passes its shards and gets its shard of the output. `part.unshard([...])` of all ranks'
@@ -501,6 +537,9 @@ def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softma
             tensor that requires grad gets this rank's share of its gradient (the pairs its
             kernels computed), in its dtype: sum it over the group (`all_reduce`) with the
             other parameter gradients, as for any parameter every rank holds.
+        sinks: optional float `[Hq]` tensor on q's device (every rank the same values), as in
+            `varlen_attention`; it gets this rank's share of its gradient (its rows'): sum it
+            over the group with the other parameter gradients.
         method: `"ring"`, `"allgather"` or `"ulysses"` (`Hq % cp_size == 0`).
         deterministic: bitwise-repeatable backward.
         return_lse: return `(out, lse)` instead of `out`.
@@ -526,5 +565,6 @@ def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softma
               score_mod=score_mod)
     aux = () if score_mod is None else tuple(score_mod.aux)
     out, lse = _ContextParallelAttention.apply(q, k, v, part, _cp_group(group), kw,
-                                               bool(deterministic), *aux)
+                                               bool(deterministic), _sinks_operand(q, sinks),
+                                               *aux)
     return (out, lse) if return_lse else out

@@ -42,6 +42,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ._api import attention_backward, attention_forward
 from ._setup import static_scalars
+from ._sinks import add_sinks, sink_grads
 from ._validate import (as_index_array, as_policy_array, check_qkv, check_specs,
                         check_together, scale_and_softcap)
 from .masks import MASK_FIELDS, Mask, as_mask
@@ -209,39 +210,47 @@ def _dispatch(fn, result_shapes, *args):
                                       default=host)
 
 
-def _forward(static: _Static, q, k, v, meta, mask_aux=(), score_aux=()):
+def _forward(static: _Static, q, k, v, meta, mask_aux=(), score_aux=(), sinks=None):
     Tq, Hq, _ = q.shape
     lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     shapes = (jax.ShapeDtypeStruct((Tq, Hq, v.shape[2]), q.dtype),
               jax.ShapeDtypeStruct((Hq, Tq), lse_dtype))
 
-    def fn(q, k, v, meta, mask_aux, score_aux):
-        return attention_forward(q, k, v, **static.keywords(meta, mask_aux, score_aux))
-    args = (q, k, v, meta, mask_aux, score_aux)
+    def fn(q, k, v, meta, mask_aux, score_aux, sinks):
+        return attention_forward(q, k, v, **static.keywords(meta, mask_aux, score_aux),
+                                 sinks=sinks)
+    args = (q, k, v, meta, mask_aux, score_aux, sinks)
     axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(args)))
     return tuple(_vary(r, axes) for r in _dispatch(fn, shapes, *args))
 
 
 def _backward(static: _Static, dout, q, k, v, out, lse, meta, mask_aux=(), score_aux=(),
-              aux_grads=False):
-    """`(dq, dk, dv)`, and with `aux_grads` a fourth result: float32 gradients of the float
-    arrays among `score_aux`, in order."""
+              aux_grads=False, sinks=None):
+    """`(dq, dk, dv, dsinks)` (dsinks None without sinks), and with `aux_grads` a fifth
+    result: float32 gradients of the float arrays among `score_aux`, in order."""
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    if sinks is not None:
+        acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+        shapes += (jax.ShapeDtypeStruct(sinks.shape, acc),)
+    first_aux = len(shapes)
     floats = [i for i, a in enumerate(score_aux) if _floating(a)] if aux_grads else []
     shapes += tuple(jax.ShapeDtypeStruct(score_aux[i].shape, jnp.float32) for i in floats)
 
-    def fn(dout, q, k, v, out, lse, meta, mask_aux, score_aux):
+    def fn(dout, q, k, v, out, lse, meta, mask_aux, score_aux, sinks):
         grads = attention_backward(dout, q, k, v, out, lse,
                                    **static.keywords(meta, mask_aux, score_aux),
-                                   deterministic=static.deterministic, aux_grads=bool(floats))
-        daux = tuple(grads[3][i] for i in floats) if floats else ()
+                                   deterministic=static.deterministic, aux_grads=bool(floats),
+                                   sinks=sinks)
+        daux = tuple(grads[-1][i] for i in floats) if floats else ()
         # A float aux the function never reads has a zero gradient.
         daux = tuple(np.zeros(s.shape, s.dtype) if g is None else g
-                     for g, s in zip(daux, shapes[3:]))
-        return (*grads[:3], *daux)
-    dq, dk, dv, *daux = _dispatch(fn, shapes, dout, q, k, v, out, lse, meta, mask_aux,
-                                  score_aux)
-    return (dq, dk, dv, tuple(daux)) if aux_grads else (dq, dk, dv)
+                     for g, s in zip(daux, shapes[first_aux:]))
+        return (*grads[:first_aux], *daux)
+    res = _dispatch(fn, shapes, dout, q, k, v, out, lse, meta, mask_aux, score_aux, sinks)
+    dq, dk, dv = res[:3]
+    dsinks = res[3] if sinks is not None else None
+    daux = tuple(res[first_aux:])
+    return (dq, dk, dv, dsinks, daux) if aux_grads else (dq, dk, dv, dsinks)
 
 
 def _floating(x) -> bool:
@@ -255,18 +264,18 @@ def _floating(x) -> bool:
 # Symbolic zeros tell the forward rule whether the score_mod's aux arrays are differentiated:
 # their gradients are computed only then.
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, meta, mask_aux, score_aux):
-    return _forward(static, q, k, v, meta, mask_aux, score_aux)
+def _attention(static, q, k, v, meta, mask_aux, score_aux, sinks):
+    return _forward(static, q, k, v, meta, mask_aux, score_aux, sinks)
 
 
 def _attention_fwd(static, *primals):
     # symbolic_zeros: every leaf comes as a CustomVJPPrimal (its value, whether it is perturbed)
     wanted = any(p.perturbed and _floating(p.value) for p in jax.tree.leaves(
-        primals[-1], is_leaf=lambda x: isinstance(x, CustomVJPPrimal)))
-    q, k, v, meta, mask_aux, score_aux = jax.tree.map(
+        primals[-2], is_leaf=lambda x: isinstance(x, CustomVJPPrimal)))
+    q, k, v, meta, mask_aux, score_aux, sinks = jax.tree.map(
         lambda p: p.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-    out, lse = _forward(static, q, k, v, meta, mask_aux, score_aux)
-    return (out, lse), (q, k, v, out, lse, meta, mask_aux, score_aux, wanted)
+    out, lse = _forward(static, q, k, v, meta, mask_aux, score_aux, sinks)
+    return (out, lse), (q, k, v, out, lse, meta, mask_aux, score_aux, wanted, sinks)
 
 
 def _float0_like(x):
@@ -302,12 +311,14 @@ def _varying_axes(x) -> frozenset:
 
 
 def _attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, meta, mask_aux, score_aux, wanted = residuals
+    q, k, v, out, lse, meta, mask_aux, score_aux, wanted, sinks = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
     if isinstance(dout, SymbolicZero):
         dout = jnp.zeros(out.shape, out.dtype)
-    dq, dk, dv, *daux = _backward(static, dout, q, k, v, out, lse, meta, mask_aux, score_aux,
-                                  aux_grads=wanted)
+    dq, dk, dv, dsinks, *daux = _backward(static, dout, q, k, v, out, lse, meta, mask_aux,
+                                          score_aux, aux_grads=wanted, sinks=sinks)
+    if sinks is not None:       # float32 (float64) accumulation, in the sinks' dtype
+        dsinks = _vary(dsinks.astype(sinks.dtype), _varying_axes(sinks))
     dq, dk, dv = (_vary(g, _varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))
     # Gradients of the float aux arrays (float32 accumulation, in their dtype); int and bool
     # aux arrays get float0 cotangents, as JAX wants for them.
@@ -315,7 +326,7 @@ def _attention_bwd(static, residuals, cotangents):
     score_cot = tuple(_vary(next(daux).astype(a.dtype), _varying_axes(a))
                       if wanted and _floating(a) else _zero_cotangent(a) for a in score_aux)
     return (dq, dk, dv, jax.tree.map(_float0_like, meta),
-            tuple(map(_zero_cotangent, mask_aux)), score_cot)
+            tuple(map(_zero_cotangent, mask_aux)), score_cot, dsinks)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -419,12 +430,32 @@ def _mod_operands(q, mod, cls, role: str) -> tuple:
     return graph_text(mod.graph), tuple(aux)
 
 
+def _sinks_operand(q, sinks):
+    """`sinks` as a JAX array (NumPy converted) checked against q's shape without its values
+    (None: none); the setup step checks the rest."""
+    if sinks is None:
+        return None
+    if isinstance(sinks, np.ndarray):
+        sinks = jnp.asarray(sinks)
+    elif not isinstance(sinks, jax.Array):
+        raise TypeError(f"sinks is a {type(sinks).__module__}.{type(sinks).__name__}; "
+                        f"varlen.jax takes sinks as a float [Hq] JAX (or NumPy) array")
+    if not _floating(sinks):
+        raise TypeError(f"sinks must be a float array (one logit per query head), got "
+                        f"{_dtype_name(sinks)}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must have shape [Hq] = [{q.shape[1]}] (one logit per query "
+                         f"head), got {list(sinks.shape)}")
+    check_together([("q", q), ("sinks", sinks)])
+    return sinks
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
-                     plan=None, return_lse=False, score_mod=None):
-    """Attention over a packed variable-length batch, differentiable in q, k and v, and in
-    the float aux arrays of a `score_mod`.
+                     plan=None, return_lse=False, score_mod=None, sinks=None):
+    """Attention over a packed variable-length batch, differentiable in q, k and v, in the
+    float aux arrays of a `score_mod`, and in `sinks`.
 
     Works eagerly and under `jax.jit`, `jax.grad`, `jax.vjp` and `jax.vmap`; the metadata may be
     traced.
@@ -463,12 +494,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
             the pair). Its float aux arrays are differentiable (float32 accumulation, the
             gradient in the aux's dtype, computed only when differentiated); int and bool aux
             get float0 cotangents.
+        sinks: optional float `[Hq]` JAX (or NumPy) array: attention sinks (gpt-oss), one
+            logit per query head in every row's softmax with no value (not scaled, not
+            soft-capped); differentiable (float32 accumulation, in its dtype).
 
     Returns:
         out: `[Tq, Hq, Dv]` in q's dtype.
         lse (with `return_lse=True`): `[Hq, Tq]` float32 (float64 for float64 inputs), the
             natural log of the sum of exp of each query's scores; `-inf` on padding rows and
-            for queries that see no key (their output is 0, not NaN). It has no gradient.
+            for queries that see no key (their output is 0, not NaN; with sinks their lse is
+            `sinks[h]`). It has no gradient.
 
     MaskMod and ScoreMod are pytrees (their aux arrays the leaves, the traced function the
     structure, compared by the text of its graph), so they go into a jitted function as
@@ -501,7 +536,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                                            backend, deterministic), plan, mask_text,
                      score_text)
     out, lse = _attention(static, q, k, v, _operands(layout, arrays, batch), mask_aux,
-                          score_aux)
+                          score_aux, _sinks_operand(q, sinks))
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out
 
@@ -526,6 +561,7 @@ class _CPStatic:
     routes: tuple = ()          # ring over a document partition: a `_Route` per step
     score_mod: object = None    # a varlen.ScoreMod (its aux arrays travel as operands)
     has_mods: bool = False      # a mask_mod (in the step plans) or a score_mod
+    valid: object = None        # with sinks: bool [cp, Tq_local], each rank's rows with a token
 
 
 class _Aux:
@@ -797,20 +833,27 @@ _CP_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward,
                 "ulysses": _ulysses_backward}
 
 
-def _cp_forward(static, q, k, v, aux):
+def _cp_forward(static, q, k, v, aux, sinks):
     forward = _doc_ring_forward if static.routes else _CP_FORWARD[static.method]
     out, lse = forward(static, _Aux(aux), q, k, v)
-    return out.astype(q.dtype), lse
+    out = out.astype(q.dtype)
+    if sinks is not None:       # once per row, after the last merge
+        out, lse = add_sinks(out, lse, sinks.astype(_acc(q.dtype)), _valid_rows(static), jnp)
+    return out, lse
+
+
+def _valid_rows(static):
+    return jnp.asarray(static.valid)[_rank(static)]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cp_attention(static, q, k, v, aux):
-    return _cp_forward(static, q, k, v, aux)
+def _cp_attention(static, q, k, v, aux, sinks):
+    return _cp_forward(static, q, k, v, aux, sinks)
 
 
-def _cp_attention_fwd(static, q, k, v, aux):
-    out, lse = _cp_forward(static, q, k, v, aux)
-    return (out, lse), (q, k, v, out, lse, aux)
+def _cp_attention_fwd(static, q, k, v, aux, sinks):
+    out, lse = _cp_forward(static, q, k, v, aux, sinks)
+    return (out, lse), (q, k, v, out, lse, aux, sinks)
 
 
 def _is_float(x) -> bool:
@@ -836,13 +879,21 @@ def _aux_cotangents(static, aux, ax: _Aux) -> tuple:
 
 
 def _cp_attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, aux = residuals
+    q, k, v, out, lse, aux, sinks = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
     backward = _doc_ring_backward if static.routes else _CP_BACKWARD[static.method]
     ax = _Aux(aux, want=tuple(_is_float(a) for a in aux))
     grads = backward(static, ax, dout, q, k, v, out, lse)
     grads = tuple(_vary(g.astype(x.dtype), _varying_axes(x)) for g, x in zip(grads, (q, k, v)))
-    return grads + (_aux_cotangents(static, aux, ax),)
+    dsinks = None
+    if sinks is not None:       # this rank's rows' share; summed where sinks is replicated
+        dsinks = sink_grads(dout, out, lse, sinks.astype(_acc(q.dtype)), _valid_rows(static),
+                            jnp).astype(sinks.dtype)
+        axes = _varying_axes(sinks)
+        if static.axis_name not in axes:
+            dsinks = jax.lax.psum(dsinks, static.axis_name)
+        dsinks = _vary(dsinks, axes)
+    return grads + (_aux_cotangents(static, aux, ax), dsinks)
 
 
 _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
@@ -850,8 +901,9 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 
 def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
-                               return_lse=False, score_mod=None):
-    """Context-parallel attention inside `jax.shard_map`, differentiable in this device's shards.
+                               return_lse=False, score_mod=None, sinks=None):
+    """Context-parallel attention inside `jax.shard_map`, differentiable in this device's shards
+    (and in `sinks` and a score_mod's float aux arrays).
 
     Call it in a function mapped by `jax.shard_map` over mesh axis `axis_name` of size
     `part.cp_size`, with q, k, v split evenly along rows by `P(axis_name)`: the global arrays
@@ -882,6 +934,9 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
             `axis_name`), one that varies over the axis its rank's share. The functions see
             single-process coordinates: `b` the batch's sequence, `q_idx`/`k_idx` positions in
             the whole sequence, `h` the global query head (under Ulysses too).
+        sinks: optional float `[Hq]` array, as in `varlen_attention` (the same on every rank:
+            replicated, `P()` or closed over, it gets the whole gradient, `psum`med over
+            `axis_name`); each row's sink enters once, after the last merge.
         method: `"ring"` (K/V travel the ring with `lax.ppermute`, partial results merge
             through their LSE; dK/dV travel one hop behind and reach their owners last; on a
             document partition only the rows of split documents travel, between the ranks
@@ -957,7 +1012,9 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     static = _CPStatic(axis_name, part.cp_size, method, steps, backends.get(steps[0].backend),
                        scale, softcap, bool(deterministic), routes,
                        None if score_mod is None else score_mod.with_aux(()),
-                       has_mods=mask_mod is not None or score_mod is not None)
-    out, lse = _cp_attention(static, q, k, v, aux)
+                       has_mods=mask_mod is not None or score_mod is not None,
+                       valid=None if sinks is None else np.stack(
+                           [np.asarray(part.valid(r)) for r in range(part.cp_size)]))
+    out, lse = _cp_attention(static, q, k, v, aux, _sinks_operand(q, sinks))
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out

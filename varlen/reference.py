@@ -79,6 +79,24 @@ def _sequences(q, k, cu_q, cu_k, off_q, off_k, mask):
         yield (b, slice(sq[b], sq[b] + lq[b]), slice(sk[b], sk[b] + lk[b]), masks[b])
 
 
+def _softmax_terms(s, seen, sinks):
+    """`(p, z, m)` of one sequence's masked scores `s [Hq, Lq, Lk]`: unnormalised weights
+    `exp(s - m)` of the visible pairs, their sum `z` with the sink's `exp(sinks[h] - m)` in
+    (`[Hq, Lq, 1]`), and the shift `m` (the row's largest logit, 0 where there is none)."""
+    top = np.where(seen.any(axis=-1), s.max(axis=2, initial=-np.inf), -np.inf)[:, :, None]
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64).reshape(-1, 1, 1)
+        top = np.maximum(top, sink)
+    mx = np.where(np.isneginf(top), 0.0, top)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(seen, np.exp(s - mx), 0.0)
+        z = p.sum(axis=2, keepdims=True)
+        if sink is not None:
+            z = z + np.exp(sink - mx)
+    return p, z, mx
+
+
 def _expand_kv(x, Hq):
     """`[T, Hk, d]` -> `[T, Hq, d]` by repeating each key head for its query group."""
     return np.repeat(x, Hq // x.shape[1], axis=1)
@@ -86,13 +104,14 @@ def _expand_kv(x, Hq):
 
 def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                     seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
-                    score_mod=None):
+                    score_mod=None, sinks=None):
     """Forward in float64: returns `(out [Tq, Hq, Dv], lse [Hq, Tq])`, both float64.
 
     Non-finite inputs follow `docs/semantics.md`: NaN out and lse for the rows they reach.
     `mask` may be a `MaskMod` (or `Mask & MaskMod`); `score_mod` a `ScoreMod`, applied after
     the softcap; a pair it sends to -inf is hidden, and a row left without a pair has output 0
-    and lse -inf.
+    and lse -inf. `sinks` (`[Hq]`): one more logit per query head in every row's softmax,
+    with no value; such a row's lse is then `sinks[h]`.
     """
     (q, q_bad), (k, k_bad), (v, v_bad) = (split_finite(np.asarray(x, dtype=np.float64))
                                           for x in (q, k, v))
@@ -111,14 +130,10 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
             s = _modified(score_mod, s, b, ok.shape[0], ok.shape[1])[0]
             seen = ok & (s != -np.inf)                              # [Hq, Lq, Lk]
         s = np.where(seen, s, -np.inf)
-        has = seen.any(axis=-1)                                     # [Lq] or [Hq, Lq]
-        mx = np.where(has, s.max(axis=2, initial=-np.inf), 0.0)[:, :, None]
-        with np.errstate(invalid="ignore"):
-            p = np.where(seen, np.exp(s - mx), 0.0)
-        z = p.sum(axis=2, keepdims=True)
+        p, z, mx = _softmax_terms(s, seen, sinks)
         z1 = np.where(z > 0, z, 1.0)
         out[rq] = np.einsum("hij,jhd->ihd", p / z1, vx[rk])
-        lse[:, rq] = np.where(has, (mx + np.log(z1))[:, :, 0], -np.inf)
+        lse[:, rq] = np.where(z > 0, mx + np.log(z1), -np.inf)[:, :, 0]
         bad = reached(seen, q_bad[rq].T, kv_bad[rk].T)               # [Hq, Lq]
         if score_mod is not None:                   # NaN or +inf at a visible pair
             bad = bad | (seen & ~np.isfinite(s)).any(axis=-1)
@@ -129,10 +144,11 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
 
 def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                              seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
-                             out=None, lse=None, score_mod=None, aux_grads=False):
-    """Gradients in float64 of `sum(out * dout)`: returns `(dq, dk, dv)`, and with
-    `aux_grads` a fourth result: per aux array of `score_mod`, its gradient (float64, the
-    aux's shape) if it is a float array, else None.
+                             out=None, lse=None, score_mod=None, aux_grads=False,
+                             sinks=None):
+    """Gradients in float64 of `sum(out * dout)`: returns `(dq, dk, dv)`, then with `sinks`
+    their gradient `dsinks [Hq]`, then with `aux_grads` per aux array of `score_mod` its
+    gradient (float64, the aux's shape) if it is a float array, else None.
 
     Recomputes the forward itself; the analytic softmax backward, with the softcap chain rule.
     `out` and `lse` (what a backend's backward is given) are optional: their values are not
@@ -144,8 +160,11 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
     Tq, Hq, D = q.shape
     Hk = k.shape[1]
     q_bad = q_bad | do_bad
+    row_bad = do_bad.copy()                 # rows whose dout * out is not finite
     if out is not None:
-        q_bad |= split_finite(np.asarray(out, dtype=np.float64))[1]
+        out_bad = split_finite(np.asarray(out, dtype=np.float64))[1]
+        q_bad |= out_bad
+        row_bad |= out_bad
     if lse is not None:
         q_bad |= ~np.isfinite(np.asarray(lse, dtype=np.float64)).T
     scale = 1.0 / np.sqrt(D) if softmax_scale is None else float(softmax_scale)
@@ -153,6 +172,7 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
     dq = np.zeros_like(q)
     dkx = np.zeros_like(kx)
     dvx = np.zeros_like(vx)
+    dsinks = np.zeros(Hq)
     daux = [None if score_mod is None or kind != "float" else np.zeros(np.shape(a))
             for (kind, _, _), a in zip(() if score_mod is None else score_mod.graph.aux,
                                        () if score_mod is None else score_mod.aux)]
@@ -166,16 +186,17 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
             s, leaves, aux = _modified(score_mod, s_in, b, ok.shape[0], ok.shape[1])
             seen = ok & (s != -np.inf)
         s = np.where(seen, s, -np.inf)
-        has = seen.any(axis=-1)
-        mx = np.where(has, s.max(axis=2, initial=-np.inf), 0.0)[:, :, None]
-        with np.errstate(invalid="ignore"):
-            p = np.where(seen, np.exp(s - mx), 0.0)
-        z = p.sum(axis=2, keepdims=True)
-        p = p / np.where(z > 0, z, 1.0)
+        p, z, mx = _softmax_terms(s, seen, sinks)
+        z1 = np.where(z > 0, z, 1.0)
+        p = p / z1
         do = dout[rq]
         dvx[rk] += np.einsum("hij,ihd->jhd", p, do)
         dp = np.einsum("ihd,jhd->hij", do, vx[rk])
-        ds = p * (dp - (p * dp).sum(axis=2, keepdims=True))
+        d_row = (p * dp).sum(axis=2, keepdims=True)                 # rowsum(dout * out)
+        ds = p * (dp - d_row)
+        if sinks is not None:               # the sink's probability times (0 - D)
+            sink = np.asarray(sinks, dtype=np.float64).reshape(-1, 1, 1)
+            dsinks -= (np.where(z > 0, np.exp(sink - mx) / z1, 0.0) * d_row)[:, :, 0].sum(1)
         if score_mod is not None:
             if aux_grads:
                 scatter_aux_grads(score_mod.with_aux(aux), leaves, ds, seen, daux)
@@ -190,11 +211,12 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
         bad_q = reached(seen, q_bad[rq].T, kv_bad[rk].T).T              # [Lq, Hq]
         bad_k = reached(np.swapaxes(seen, -1, -2), kv_bad[rk].T, q_bad[rq].T).T  # [Lk, Hq]
         dq[rq] = np.where(bad_q[..., None], np.nan, dq[rq])
+        if sinks is not None:   # a NaN output row, or a non-finite dout or out row: NaN
+            dsinks[(bad_q | row_bad[rq]).any(axis=0)] = np.nan
         dkx[rk] = np.where(bad_k[..., None], np.nan, dkx[rk])
         dvx[rk] = np.where(bad_k[..., None], np.nan, dvx[rk])
     G = Hq // Hk
     dk = dkx.reshape(k.shape[0], Hk, G, D).sum(axis=2)
     dv = dvx.reshape(v.shape[0], Hk, G, v.shape[2]).sum(axis=2)
-    if aux_grads:
-        return dq, dk, dv, tuple(daux)
-    return dq, dk, dv
+    extra = (() if sinks is None else (dsinks,)) + ((tuple(daux),) if aux_grads else ())
+    return (dq, dk, dv, *extra)

@@ -142,14 +142,15 @@ def covered_rows(batch: Batch, side="q"):
 
 
 def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None,
-                     score_mod=None):
+                     score_mod=None, sinks=None):
     """Dense attention with every intermediate rounded to the batch dtype (fp32 accumulation):
     the error a straightforward same-dtype implementation makes.
 
     `mask` (default `batch.mask`): anything `varlen.Mask` accepts, a `MaskMod` or
     `Mask & MaskMod` included. `score_mod`: a `ScoreMod` applied to the (softcapped) scores,
     evaluated (`varlen.mods.evaluate`) in the working dtype (float32, float64 for a float64
-    batch) and rounded to the batch dtype; a pair it sends to -inf is hidden.
+    batch) and rounded to the batch dtype; a pair it sends to -inf is hidden. `sinks`: one
+    more logit per query head in each row's softmax.
     """
     dt = np_dtype(batch.dtype)
     f64 = batch.dtype == "float64"
@@ -180,9 +181,10 @@ def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None
                              float_dtype=np.float64 if f64 else np.float32).astype(np.float64))
             seen = seen & (s != -np.inf)
         s = np.where(seen, s, -np.inf)
-        mx = np.where(seen.any(2), s.max(2, initial=-np.inf), 0)[:, :, None]
-        p = rnd(np.where(seen, np.exp(s - mx), 0))
-        z = p.sum(2, keepdims=True)
+        p, z, _ = reference._softmax_terms(s, seen, sinks)
+        sink_term = z - p.sum(2, keepdims=True)          # exp(sinks[h] - m); 0 without sinks
+        p = rnd(p)
+        z = p.sum(2, keepdims=True) + sink_term
         out[rq] = rnd(np.einsum("hij,jhd->ihd", rnd(p / np.where(z > 0, z, 1)), vx[rk]))
     return out
 
@@ -238,22 +240,26 @@ def assert_lse(label, got, want, *, dtype):
 
 
 def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale=None,
-                            softcap=0.0, score_mod=None, label=""):
+                            softcap=0.0, score_mod=None, sinks=None, label=""):
     """Assert that a backend's forward (and gradients) agree with the float64 reference.
 
     Args:
         batch: the `Batch` the results were computed from (its `mask` may hold a MaskMod).
         out: `[Tq, Hq, Dv]` output; lse: `[Hq, Tq]` natural-log log-sum-exp (-inf for rows
             without a visible key and for padding rows), host arrays in any float dtype.
-        grads: `(dq, dk, dv)` for `batch.dout`, or None to check the forward only; with a
-            fourth entry, the aux gradients of `score_mod` (one float32 array or None each).
-        softmax_scale, softcap, score_mod: what the backend used (default scale `1/sqrt(D)`).
+        grads: `(dq, dk, dv)` for `batch.dout`, or None to check the forward only; with
+            `sinks` then `dsinks`; with one more entry, the aux gradients of `score_mod` (one
+            float32 array or None each).
+        softmax_scale, softcap, score_mod, sinks: what the backend used (default scale
+            `1/sqrt(D)`).
         label: prefix of the assertion messages.
 
     Raises AssertionError naming the quantity, the error and the bound. Padding rows must be
     written as the reference has them (output and gradients 0).
     """
     kw = dict(softmax_scale=softmax_scale, softcap=softcap, score_mod=score_mod)
+    if sinks is not None:
+        kw["sinks"] = np.asarray(sinks, dtype=np.float64)
     ref_out, ref_lse = batch.ref_forward(**kw)
     naive = 0.0
     if batch.dtype != "float64":
@@ -262,7 +268,7 @@ def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale
     assert_lse(f"{label} lse", lse, ref_lse, dtype=batch.dtype)
     if grads is None:
         return
-    aux_grads = len(grads) == 4
+    aux_grads = len(grads) == (4 if sinks is None else 5)
     ref_grads = batch.ref_backward(**kw, aux_grads=aux_grads)
     # gradients are sums of dout-weighted products of the inputs: their natural size
     magnitude = _amax(ref_out) * _amax(np.where(covered_rows(batch)[:, None, None],
@@ -274,10 +280,21 @@ def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale
         assert_close(f"{label} {name}", g, r, dtype=batch.dtype,
                      naive_err=rel * max(_amax(r), 1e-30), factor=3.0, floor=16.0,
                      magnitude=magnitude)
+    if sinks is not None:
+        g, r = np.asarray(grads[3]), ref_grads[3]
+        want = np.float64 if batch.dtype == "float64" else np.float32
+        assert g.dtype == want and g.shape == r.shape, f"{label}: dsinks {g.dtype} {g.shape}"
+        # a sum over every row of dout * out: its error against the sum of the terms' sizes
+        assert_close(f"{label} dsinks", g, r, factor=3.0, floor=64.0,
+                     dtype="float32" if batch.dtype != "float64" else "float64",
+                     naive_err=rel * max(_amax(r), 1e-30),
+                     magnitude=max(_amax(r), magnitude))
     if not aux_grads:
         return
-    assert len(grads[3]) == len(ref_grads[3]), f"{label}: {len(grads[3])} aux gradients"
-    for i, (g, r) in enumerate(zip(grads[3], ref_grads[3])):
+    daux = grads[-1]
+    ref_daux = ref_grads[-1]
+    assert len(daux) == len(ref_daux), f"{label}: {len(daux)} aux gradients"
+    for i, (g, r) in enumerate(zip(daux, ref_daux)):
         if r is None:
             assert g is None, f"{label}: aux {i} (not float) has a gradient"
             continue

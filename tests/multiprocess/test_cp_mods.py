@@ -1,9 +1,10 @@
-"""MaskMod and ScoreMod under context parallelism on real processes
-(`tests/comm_workers/mods_cp.py`): every gallery case, method and scheme under `mpiexec -n 2`
-and `-n 4` (MPI group, NumPy backend, float64), `varlen.torch.context_parallel_attention` with
-learnable aux tensors under torchrun (gloo), and `varlen.jax.context_parallel_attention` inside
-shard_map on 4 host devices. Each rank's shards match the single-process float64 reference;
-the aux gradients, summed over the ranks, match the reference's."""
+"""MaskMod and ScoreMod (`tests/comm_workers/mods_cp.py`) and attention sinks
+(`tests/comm_workers/sinks_cp.py`) under context parallelism on real processes: every case,
+method and scheme under `mpiexec -n 2` and `-n 4` (MPI group, NumPy backend, float64),
+`varlen.torch.context_parallel_attention` with learnable aux tensors and sinks under torchrun
+(gloo), and `varlen.jax.context_parallel_attention` inside shard_map on 4 host devices. Each
+rank's shards match the single-process float64 reference; the aux and sink gradients, summed
+over the ranks, match the reference's."""
 import os
 import shutil
 import socket
@@ -16,7 +17,9 @@ import pytest
 from helpers import cases
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "comm_workers" / "mods_cp.py"
+# worker -> (script, what its MPI run prints, its JAX run's checks)
+WORKERS = {"mods": (ROOT / "tests" / "comm_workers" / "mods_cp.py", "OK mods", 5),
+           "sinks": (ROOT / "tests" / "comm_workers" / "sinks_cp.py", "OK sinks", 4)}
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
@@ -29,13 +32,15 @@ def _run(args, timeout):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+@pytest.mark.parametrize("worker", WORKERS)
 @pytest.mark.parametrize("n", cases([2, 3, 4], [2, 4]))
-def test_gallery_under_mpiexec(n):
+def test_gallery_under_mpiexec(n, worker):
     pytest.importorskip("mpi4py")
-    run = _run([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKER), "mpi"],
+    script, ok, _ = WORKERS[worker]
+    run = _run([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(script), "mpi"],
                timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert f"OK mods size={n}" in run.stdout, run.stdout + run.stderr
+    assert f"{ok} size={n}" in run.stdout, run.stdout + run.stderr
 
 
 def _free_port():
@@ -44,18 +49,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_torch_learnable_aux_under_torchrun():
+@pytest.mark.parametrize("worker", WORKERS)
+def test_torch_learnable_aux_under_torchrun(worker):
     pytest.importorskip("torch")
     run = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                str(WORKER), "torch"], timeout=300)
+                str(WORKERS[worker][0]), "torch"], timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     for r in range(2):
         assert f"rank {r} ok" in run.stdout, run.stdout
 
 
-def test_jax_learnable_aux_inside_shard_map():
+@pytest.mark.parametrize("worker", WORKERS)
+def test_jax_learnable_aux_inside_shard_map(worker):
     pytest.importorskip("jax")
-    run = _run([sys.executable, str(WORKER), "jax"], timeout=300)
+    script, _, checks = WORKERS[worker]
+    run = _run([sys.executable, str(script), "jax"], timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert "OK jax checks=5" in run.stdout, run.stdout
+    assert f"OK jax checks={checks}" in run.stdout, run.stdout

@@ -45,6 +45,9 @@ class Backend(abc.ABC):
     # gradients of a score_mod's float aux arrays). `forward`/`backward` get `mods=` only when
     # the call has some.
     runs_mods: frozenset = frozenset()
+    # Whether its backward takes a row that sees one key to have P = 1 exactly; such a backend
+    # gets `lse_has_sinks=True` with a call's sinks (its lse then holds more than the keys).
+    one_key_shortcut: bool = False
 
     @abc.abstractmethod
     def supports(self, call) -> str | None:

@@ -381,9 +381,10 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=
 
 
 def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
-              deterministic: bool = False, mods=None):
+              deterministic: bool = False, mods=None, lse_has_sinks: bool = False):
     """`(dq, dk, dv)` in the input dtypes (and, when `mods.aux_grads`, the aux gradients:
-    `_backward_run`); always deterministic (`deterministic` changes nothing)."""
+    `_backward_run`); always deterministic (`deterministic` changes nothing). With
+    `lse_has_sinks` no row is taken to have P = 1 because it sees one key."""
     K, th = _kernels(), _threads()
     Tq, Hq, D = q.shape
     Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
@@ -415,11 +416,12 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
                     Tq * G * ado):
             grads = _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta,
                                   lse2, lse2_lo, q_flag, k_flag, c, cap, softmax_scale,
-                                  softcap, q, k, v, mods)
+                                  softcap, q, k, v, mods, lse_has_sinks)
     if grads is None:
-        if mods:
+        if mods or lse_has_sinks:
             return _wider(_backward, q, (dout, q, k, v, out, lse), plan,
-                          softmax_scale=softmax_scale, softcap=softcap, mods=mods)
+                          softmax_scale=softmax_scale, softcap=softcap, mods=mods,
+                          lse_has_sinks=lse_has_sinks)
         return _numpy().backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                                  softcap=softcap)
     _done_compile("backward", wdt)
@@ -440,15 +442,18 @@ def _empty_rows_are_not_flagged(q_flag, dout, out, lse, G: int):
 
 
 def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
-                  q_flag, k_flag, c, cap, softmax_scale, softcap, q, k, v, mods):
+                  q_flag, k_flag, c, cap, softmax_scale, softcap, q, k, v, mods,
+                  lse_has_sinks=False):
     """The backward kernels on packed operands: `(dq, dk, dv)`, and `daux` (a tuple: float32
     per float aux of the score_mod, None per other) when `mods.aux_grads`."""
     K = _kernels()
     (Tq, Hq, D), (Tk, Hk, Dv) = q.shape, v.shape
     G = Hq // Hk
     wdt = Qw.dtype
-    # rows that see one key of the built-in mask (a mask_mod may hide it: no such shortcut)
-    one = one_key_rows(plan) if not (mods and mods.mask is not None) else np.zeros(Tq, bool)
+    # rows that see one key of the built-in mask (a mask_mod may hide it, a sink joins it: no
+    # such shortcut)
+    shortcut = not (mods and mods.mask is not None) and not lse_has_sinks
+    one = one_key_rows(plan) if shortcut else np.zeros(Tq, bool)
     one_cum = np.concatenate([[0], np.cumsum(np.repeat(one, G))])   # prefix count
     q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
     dQ = _workspace.get("dq", (Hk, Tq * G, D), wdt)
@@ -599,10 +604,13 @@ class CpuBackend(HostBackend):
         return _forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
                         mods=mods or None)
 
+    one_key_shortcut = True
+
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False, mods=None):
+                 deterministic=False, mods=None, lse_has_sinks=False):
         return _backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                         softcap=softcap, deterministic=deterministic, mods=mods or None)
+                         softcap=softcap, deterministic=deterministic, mods=mods or None,
+                         lse_has_sinks=lse_has_sinks)
 
     @property
     def default_eligible(self) -> bool:

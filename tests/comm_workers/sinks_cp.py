@@ -1,0 +1,252 @@
+"""Attention sinks under context parallelism, checked on one rank of any group.
+
+`check_sinks(group, case, method, scheme)` builds the same global batch on every rank, shards
+it, runs `varlen.comm.attention_forward/backward` with the case's sinks (and mask, and score
+function), and compares this rank's shards of out, lse, dq, dk, dv with the float64
+reference's (1e-12), and `dsinks` (summed over the group, and each rank's share added up)
+with the reference's. As a script, one rank of a job:
+
+    mpiexec -n N python -m mpi4py tests/comm_workers/sinks_cp.py mpi    # every case, MPI group
+    torchrun --nproc-per-node 2 tests/comm_workers/sinks_cp.py torch    # varlen.torch, gloo
+    python tests/comm_workers/sinks_cp.py jax      # varlen.jax inside shard_map, 4 host devices
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]           # the tests' helpers and gallery
+
+import numpy as np  # noqa: E402
+
+import varlen  # noqa: E402
+import varlen.comm as vc  # noqa: E402
+from varlen import reference  # noqa: E402
+
+import mods_cases as gallery  # noqa: E402
+from cases import _assert_close  # noqa: E402
+
+TOL = 1e-12                  # float64 data: out, lse, dq, dk, dv, dsinks
+SCHEMES = ("zigzag", "document")
+
+
+@dataclass(frozen=True)
+class SinksCase:
+    """A batch (lengths not divisible by 2*cp, zero-length and one-token sequences) with
+    sinks, a built-in mask or a gallery MaskMod, and optionally a gallery ScoreMod; `Hq`
+    divides by 4, so Ulysses runs on 2 and 4 ranks."""
+
+    name: str
+    lengths: tuple
+    window: int | None = None       # a sliding causal window (built-in Mask); None: `mask_id`
+    mask_id: str | None = None      # a `gallery.mask_cases` id
+    score: str | None = None        # a `gallery.score_cases` id
+    Hq: int = 4
+    Hk: int = 2
+    D: int = 8
+    seed: int = 0
+
+    @property
+    def id(self):
+        return self.name
+
+    def functions(self):
+        """`(mask, score_mod, sinks)`; host NumPy arrays."""
+        if self.mask_id is None:
+            mask = varlen.Mask(window_left=self.window, window_right=0)
+        else:
+            mask = dict(gallery.mask_cases(self.lengths, self.seed))[self.mask_id]
+        score = None if self.score is None else dict(
+            gallery.score_cases(self.Hq, self.seed))[self.score]
+        # large enough that some rows' weight goes mostly to the sink, one head without
+        sinks = np.random.default_rng(self.seed + 7).standard_normal(self.Hq) * 3.0
+        sinks[-1] = -np.inf
+        return mask, score, sinks
+
+
+SINKS_CASES = [
+    # a sliding window: rows of the first tokens see one key, a one-token sequence
+    SinksCase("window", (0, 19, 1, 6, 0, 11), window=3),
+    # chunked causal (most ring steps see nothing) with ALiBi, MQA
+    SinksCase("chunked+alibi", (25, 3, 11), mask_id="chunked", score="alibi", Hk=1, seed=1),
+]
+
+
+def partition(cu, cp, scheme):
+    if scheme == "document":
+        return vc.partition(cu, cp, "document", max_doc_len=8)
+    return vc.partition(cu, cp, scheme)
+
+
+def global_batch(case: SinksCase) -> dict:
+    rng = np.random.default_rng(case.seed)
+    cu = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
+    T = int(cu[-1])
+    q, dout = (rng.standard_normal((T, case.Hq, case.D)) for _ in range(2))
+    k, v = (rng.standard_normal((T, case.Hk, case.D)) for _ in range(2))
+    return dict(cu=cu, q=q, k=k, v=v, dout=dout)
+
+
+def reference_results(case: SinksCase, g: dict):
+    mask, score, sinks = case.functions()
+    kw = dict(mask=mask, score_mod=score, sinks=sinks)
+    out, lse = reference.attention_dense(g["q"], g["k"], g["v"], g["cu"], g["cu"], **kw)
+    grads = reference.attention_dense_backward(g["dout"], g["q"], g["k"], g["v"], g["cu"],
+                                               g["cu"], **kw)
+    return out, lse, grads
+
+
+def check_sinks(group, case: SinksCase, method: str, scheme: str) -> None:
+    """One rank's check (asserts)."""
+    r, cp = group.rank, group.size
+    g = global_batch(case)
+    mask, score, sinks = case.functions()
+    part = partition(g["cu"], cp, scheme)
+    kw = dict(mask=mask, score_mod=score, method=method, sinks=sinks)
+    q, k, v, dout = (part.shard(g[x], r) for x in ("q", "k", "v", "dout"))
+    out, lse = vc.attention_forward(q, k, v, part, group, **kw)
+    dq, dk, dv, dsinks = vc.attention_backward(dout, q, k, v, out, lse, part, group, **kw)
+    share = vc.attention_backward(dout, q, k, v, out, lse, part, group, sinks_grad="rank",
+                                  **kw)[3]
+    ref_out, ref_lse, ref_grads = reference_results(case, g)
+    label = f"{case.id} cp={cp} {scheme} {method} rank {r}"
+    _assert_close(f"{label} out", out, part.shard(ref_out, r), TOL)
+    _assert_close(f"{label} lse", lse, part.shard(ref_lse, r, axis=1, fill=-np.inf), TOL)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+        _assert_close(f"{label} {name}", got, part.shard(want, r), TOL)
+    _assert_close(f"{label} dsinks", dsinks, ref_grads[3], TOL)
+    summed = group.allgather(np.asarray(share)).sum(axis=0)
+    _assert_close(f"{label} dsinks shares", summed, ref_grads[3], TOL)
+    pad = ~part.valid(r)
+    assert np.isneginf(lse[:, pad]).all(), f"{label}: pad rows' lse is not -inf"
+    for name, a in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not a[pad].any(), f"{label}: {name} is not zero on pad rows"
+
+
+def combos(cp: int):
+    return [(case, method, scheme) for case in SINKS_CASES for scheme in SCHEMES
+            for method in vc.METHODS if method != "ulysses" or case.Hq % cp == 0]
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch: learnable sinks through varlen.torch.context_parallel_attention
+# --------------------------------------------------------------------------------------------
+
+def check_torch(group, case: SinksCase, method: str, scheme: str) -> None:
+    """`varlen.torch.context_parallel_attention` with learnable sinks: out, dq, dk, dv shards
+    and the sinks' gradient (each rank's share, summed over the group as a training step sums
+    parameter gradients) against the reference."""
+    import torch
+    import torch.distributed as dist
+    import varlen.torch as vt
+    from varlen._torch_ops import _cp_group
+
+    rank, cp = _cp_group(group).rank, _cp_group(group).size
+    g = global_batch(case)
+    mask, score, sinks = case.functions()
+    if score is not None:
+        score = varlen.ScoreMod(score.fn, *map(torch.as_tensor, score.aux))
+    if not isinstance(mask, varlen.Mask):
+        mask = varlen.MaskMod(mask.fn, *map(torch.as_tensor, mask.aux), base=mask.base)
+    part = partition(g["cu"], cp, scheme)
+    t_sinks = torch.tensor(sinks, requires_grad=True)
+    q, k, v = (torch.tensor(part.shard(g[x], rank), requires_grad=True) for x in "qkv")
+    out = vt.context_parallel_attention(q, k, v, part, group, mask=mask, score_mod=score,
+                                        method=method, sinks=t_sinks)
+    (out * torch.as_tensor(part.shard(g["dout"], rank))).sum().backward()
+    ref_out, _, ref_grads = reference_results(case, g)
+    label = f"torch {case.id} cp={cp} {scheme} {method} rank {rank}"
+    _assert_close(f"{label} out", out.detach(), part.shard(ref_out, rank), TOL)
+    for name, t, want in zip(("dq", "dk", "dv"), (q, k, v), ref_grads):
+        _assert_close(f"{label} {name}", t.grad, part.shard(want, rank), TOL)
+    total = t_sinks.grad.clone()
+    dist.all_reduce(total, group=group)
+    _assert_close(f"{label} dsinks", total, ref_grads[3], TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# JAX: varlen.jax.context_parallel_attention inside shard_map, replicated learnable sinks
+# --------------------------------------------------------------------------------------------
+
+def check_jax(case: SinksCase, cp: int, method: str, scheme: str) -> None:
+    """Outputs and gradients (q, k, v and the sinks, entering the shard_map replicated) of the
+    concatenated shards against the reference, under `jax.jit(jax.grad(...))`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    import varlen.jax as vj
+
+    g = global_batch(case)
+    mask, score, sinks = case.functions()
+    part = partition(g["cu"], cp, scheme)
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+
+    def sharded(x):
+        return jnp.concatenate([part.shard(x, r) for r in range(cp)])
+
+    def loss(q, k, v, s):
+        def body(q, k, v, s):
+            return vj.context_parallel_attention(q, k, v, part, axis_name="cp", mask=mask,
+                                                 score_mod=score, method=method, sinks=s)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3 + (P(),),
+                          out_specs=P("cp"))
+        out = f(q, k, v, s)
+        return jnp.sum(out * sharded(g["dout"])), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    grads, out = grad(*(sharded(g[x]) for x in "qkv"), jnp.asarray(sinks))
+    ref_out, _, ref_grads = reference_results(case, g)
+    label = f"jax {case.id} cp={cp} {scheme} {method}"
+    _assert_close(f"{label} out", out, sharded(ref_out), TOL)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _assert_close(f"{label} {name}", got, sharded(want), TOL)
+    _assert_close(f"{label} dsinks", grads[3], ref_grads[3], TOL)
+
+
+def _jax_main():
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    varlen.set_nan_fill(True)
+    n = 0
+    for cp, case, method, scheme in ((2, SINKS_CASES[0], "ring", "document"),
+                                     (4, SINKS_CASES[0], "ulysses", "zigzag"),
+                                     (4, SINKS_CASES[1], "ring", "zigzag"),
+                                     (2, SINKS_CASES[1], "allgather", "document")):
+        check_jax(case, cp, method, scheme)
+        n += 1
+    print(f"OK jax checks={n}", flush=True)
+
+
+def _torch_main():
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    varlen.set_nan_fill(True)
+    try:
+        for method, scheme in (("ring", "document"), ("ulysses", "zigzag")):
+            for case in SINKS_CASES:
+                check_torch(None, case, method, scheme)
+        dist.barrier()
+        print(f"rank {dist.get_rank()} ok", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _mpi_main():
+    from mpi4py import MPI
+    varlen.set_nan_fill(True)
+    group = vc.init(MPI.COMM_WORLD, backend="mpi")
+    n = 0
+    for case, method, scheme in combos(group.size):
+        check_sinks(group, case, method, scheme)
+        n += 1
+    if group.rank == 0:
+        print(f"OK sinks size={group.size} checks={n}", flush=True)
+
+
+if __name__ == "__main__":
+    {"mpi": _mpi_main, "torch": _torch_main, "jax": _jax_main}[sys.argv[1]]()
