@@ -2,7 +2,9 @@
 
 Tiny Llama (GQA 4:2) and Qwen2 (MQA 4:1, qkv bias, sliding-window layers) models built from
 configs with random weights (nothing is downloaded), in float32 (against "eager") and float64
-(against "sdpa"): logits and every
+(against "sdpa"), and tiny gpt-oss (learnable attention sinks, alternating sliding-window
+layers) and DeepSeek-V3 (MLA: query/key head dim 24, value head dim 16) in float32 against
+"eager" (their experts run in float32 only): logits and every
 parameter's gradient on padded batches (left and right padding; holes for Llama, whose layers
 have no window that would count the holes) and packed batches (documents marked by position
 ids or by `DataCollatorWithFlattening`'s kwargs, with and without a cache), greedy generation
@@ -38,7 +40,26 @@ def qwen2():
         max_window_layers=1, max_position_embeddings=128)
 
 
-CONFIGS = {"llama": llama, "qwen2": qwen2}
+def gpt_oss():
+    # sliding-window (4 tokens) and full layers; one sink logit per query head
+    return transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+
+
+def deepseek_v3():
+    # MLA: q/k heads of 16 + 8 (no rope + rope) dims, v heads of 16; one dense, one MoE layer
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=128)
+
+
+CONFIGS = {"llama": llama, "qwen2": qwen2, "gpt-oss": gpt_oss, "deepseek-v3": deepseek_v3}
 # Largest error allowed, relative to the largest reference value: float64 differs only in
 # summation order; float32 by a few hundred ulps through the layers.
 RTOL = {torch.float32: 2e-5, torch.float64: 1e-11}
@@ -49,13 +70,17 @@ RTOL = {torch.float32: 2e-5, torch.float64: 1e-11}
 REFERENCE = {torch.float32: "eager", torch.float64: "sdpa"}
 
 
-def pair(name, dtype):
+def pair(name, dtype, reference=None):
     """The same random model twice: with the reference attn_implementation and "varlen"."""
     models = []
-    for impl in (REFERENCE[dtype], "varlen"):
+    for impl in (reference or REFERENCE[dtype], "varlen"):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](),
                                                               attn_implementation=impl)
+        with torch.no_grad():       # sinks start at 0: make them matter
+            for pname, p in model.named_parameters():
+                if pname.endswith("sinks"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
         models.append(model.to(dtype).eval())
     assert models[1].config._attn_implementation == "varlen"
     return models
@@ -112,6 +137,32 @@ def test_padded_batch(name, dtype):
     keep = mask.bool()
     assert_same_model_outputs(f"{name} padded", logits_and_grads(varlen_model, keep, **inputs),
                               logits_and_grads(reference, keep, **inputs), dtype)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v3"])
+def test_sinks_and_mla_models(name):
+    """gpt-oss's sinks (and their gradients) and DeepSeek-V3's value head dim below the
+    query's: padded batches (left, right, one token; holes where no layer has a window)
+    against eager, logits and gradients; packed documents against each run alone."""
+    dtype = torch.float32
+    reference, varlen_model = pair(name, dtype, reference="eager")
+    mask = padding_masks(13, holes=name == "deepseek-v3")
+    inputs = dict(input_ids=ids(*mask.shape), attention_mask=mask)
+    keep = mask.bool()
+    got = logits_and_grads(varlen_model, keep, **inputs)
+    assert_same_model_outputs(f"{name} padded", got,
+                              logits_and_grads(reference, keep, **inputs), dtype)
+    if name == "gpt-oss":
+        assert any(n.endswith("sinks") and g.abs().max() > 0 for n, g in got[1].items())
+    # packed documents (transformers' eager path may not split them): each as run alone
+    inputs = packed_inputs()
+    with torch.no_grad():
+        got = varlen_model(**inputs, use_cache=False).logits[0]
+        start = 0
+        for n in DOCS:
+            alone = reference(input_ids=inputs["input_ids"][:, start:start + n]).logits[0]
+            assert_close(f"{name} document at {start}", got[start:start + n], alone, dtype)
+            start += n
 
 
 def test_sliding_window_with_holes_is_refused():

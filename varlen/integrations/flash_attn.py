@@ -92,8 +92,8 @@ def _bound(max_seqlen):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False):
-    """FlashAttention 2's `flash_attn_varlen_func`, differentiable in q, k and v.
+                           deterministic=False, return_attn_probs=False, sinks=None):
+    """FlashAttention 2's `flash_attn_varlen_func`, differentiable in q, k and v (and `sinks`).
 
     If `causal=True`, the causal mask is aligned to the bottom-right corner of each sequence's
     attention matrix (`x` = visible)::
@@ -130,6 +130,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         deterministic: bool, bitwise-repeatable backward.
         return_attn_probs: also return `softmax_lse` and, in the place of FlashAttention's
             dropout pattern, None.
+        sinks: optional float `[Hq]` tensor on q's device, learnable: attention sinks as in
+            gpt-oss (one logit per query head in every row's softmax, with no value; not
+            scaled, not soft-capped). A row that sees no key then has lse `sinks[h]`.
 
     Returns:
         out: `[total_q, Hq, Dv]` in q's dtype; or, with `return_attn_probs=True`,
@@ -146,7 +149,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v, cu_seqlens_q, cu_seqlens_k, mask=fa_mask(causal, window_size),
         softmax_scale=softmax_scale, softcap=softcap, max_seqlen_q=_bound(max_seqlen_q),
         max_seqlen_k=_bound(max_seqlen_k), deterministic=deterministic, return_lse=True,
-        score_mod=score_mod)
+        score_mod=score_mod, sinks=sinks)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -157,7 +160,7 @@ def _batch_cu(batch: int, seqlen: int, device) -> torch.Tensor:
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+                    return_attn_probs=False, sinks=None):
     """FlashAttention 2's `flash_attn_func`: a batch of equal-length sequences.
 
     Args:
@@ -189,7 +192,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         v.reshape(B * Sk, *v.shape[2:]), _batch_cu(B, Sq, q.device), _batch_cu(B, Sk, q.device),
         mask=fa_mask(causal, window_size), softmax_scale=softmax_scale, softcap=softcap,
         max_seqlen_q=Sq, max_seqlen_k=Sk, deterministic=deterministic, return_lse=True,
-        score_mod=score_mod)
+        score_mod=score_mod, sinks=sinks)
     out = out.view(B, Sq, Hq, out.shape[-1])
     if not return_attn_probs:
         return out

@@ -21,8 +21,8 @@ needs no `repeat_kv`). The batch arrives in one of three forms:
 
 Causal layers are causal (bottom-right aligned) and a layer's `sliding_window` `W` lets a query
 see itself and the `W - 1` keys before it, as transformers defines it; `softcap` and `scaling`
-pass through. Attention dropout during training, attention sinks (`s_aux`) and
-`output_attentions` are not available (each layer returns no weights: with
+pass through, and so do a layer's attention sinks (`s_aux`, gpt-oss: learnable, their gradient
+included). Attention dropout during training and `output_attentions` are not available (each layer returns no weights: with
 `output_attentions=True` the model's `attentions` is an empty tuple, as with transformers'
 sdpa implementation). Models that add their own mask functions on top of
 causal/sliding (bidirectional image tokens, chunked attention) need another implementation.
@@ -148,7 +148,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
         scaling: softmax scale (default `1/sqrt(D)`); sliding_window: int or None;
         softcap: float or None; is_causal: bool or None.
         kwargs: without a mask, `cu_seq_lens_q`, `cu_seq_lens_k` (and `max_length_q`,
-            `max_length_k`) or else `position_ids` `[B or 1, Sq]` mark packed documents.
+            `max_length_k`) or else `position_ids` `[B or 1, Sq]` mark packed documents;
+            `s_aux` `[Hq]`: the layer's attention sinks (gpt-oss), learnable.
 
     Returns:
         `(out [B, Sq, Hq, Dv], None)`.
@@ -156,12 +157,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
     if dropout:
         raise NotImplementedError(f"dropout={dropout}: varlen has no attention dropout; set "
                                   f"the config's attention_dropout to 0.0")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("s_aux (attention sinks) is not supported by varlen")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     left = sliding_window - 1 if sliding_window else -1
     kw = dict(mask=fa_mask(bool(is_causal), (left, left)), softmax_scale=scaling,
-              softcap=softcap or 0.0)
+              softcap=softcap or 0.0, sinks=kwargs.get("s_aux"))
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     (B, Sq), Sk = q.shape[:2], k.shape[1]
     position_ids, cu_q, cu_k = (kwargs.get(n) for n in ("position_ids", "cu_seq_lens_q",
