@@ -280,23 +280,7 @@ def gemm_peak(n_threads: int, repeat: int = 5) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def run_ours(d: Data):
-    import varlen
-    from varlen.backends import get
-    from varlen.backends.cpu_backend import release_workspace
-    mask = d.mask()
-    bm, bn = get("cpu").default_blocks("float32", d.D)
-    plan = varlen.plan(d.cu, d.cu, mask=mask, block_m=bm, block_n=bn)
-    kw = dict(mask=mask, plan=plan, backend="cpu")
-
-    def fwd():
-        return varlen.attention_forward(d.q, d.k, d.v, d.cu, d.cu, **kw)
-
-    def fwd_bwd():
-        out, lse = fwd()
-        return out, varlen.attention_backward(d.dout, d.q, d.k, d.v, out, lse, d.cu, d.cu, **kw)
-    fwd.release = fwd_bwd.release = release_workspace
-    out, grads = fwd_bwd()
-    return {"fwd": fwd, "fwd+bwd": fwd_bwd}, {"out": out, "grads": grads}
+    return _ours_with(d, d.mask())
 
 
 def _torch_inputs(torch, d):
@@ -773,6 +757,9 @@ def parse_args(argv):
                          "out/bench_cpu/bench_cpu.json in the repository)")
     ap.add_argument("--png", default=None, help="plot (default: beside the JSON)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ap.add_argument("--features", action="store_true",
+                    help="the sinks target (one thread): 16k causal forward + backward with "
+                         "and without sinks; JSON beside --json (_features)")
     ap.add_argument("--mods", action="store_true",
                     help="user functions instead (one thread, about five minutes): "
                          "MaskMod(k <= q) against built-in causal on 16k tokens, chunked "
@@ -1015,15 +1002,17 @@ def _chunked(b, q_idx, k_idx):
     return (k_idx <= q_idx) & (q_idx // MODS_CHUNK == k_idx // MODS_CHUNK)
 
 
-def _ours_with(d: Data, mask, cu=None):
-    """`run_ours` with another mask (a MaskMod) and cu_seqlens (the same packed rows)."""
+def _ours_with(d: Data, mask, cu=None, **extra):
+    """`varlen` on `d` (backend="cpu", the plan built once) with `mask` (the workload's, a
+    MaskMod, ...) and cu_seqlens `cu` (default the workload's; the same packed rows), and the
+    keywords `extra` (sinks=) on both calls."""
     import varlen
     from varlen.backends import get
     from varlen.backends.cpu_backend import release_workspace
     cu = d.cu if cu is None else cu
     bm, bn = get("cpu").default_blocks("float32", d.D)
     plan = varlen.plan(cu, cu, mask=mask, block_m=bm, block_n=bn)
-    kw = dict(mask=mask, plan=plan, backend="cpu")
+    kw = dict(mask=mask, plan=plan, backend="cpu", **extra)
 
     def fwd():
         return varlen.attention_forward(d.q, d.k, d.v, cu, cu, **kw)
@@ -1157,8 +1146,63 @@ def mods_bench(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# --features: what today's models train with (attention sinks) against the plain call
+# ---------------------------------------------------------------------------------------------
+
+def features_bench(args) -> int:
+    """Issue targets for sinks, one thread: one causal document of 16384 tokens, Hq8/Hk2 D64,
+    forward + backward with and without sinks, side by side (checked first on 2048 tokens
+    against the float64 reference)."""
+    from varlen import reference as ref
+    tick = Progress(5, not args.no_progress)
+    pin(1)
+    rep = args.repeat
+    Hq, Hk, D = 8, 2, 64
+    report = dict(command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+                  machine=machine(), threads=1, repeat=rep, parity_tolerance=PARITY_TOL)
+    sinks = np.random.default_rng(0).standard_normal(Hq).astype(np.float32)
+    tick("sinks: parity on 2048 tokens")
+    small = Data([2048], Hq, Hk, D, None)
+    _, s_out = _ours_with(small, "causal", sinks=sinks)
+    want, _ = ref.attention_dense(small.q, small.k, small.v, small.cu, small.cu, mask="causal",
+                                  sinks=sinks)
+    grads = ref.attention_dense_backward(small.dout, small.q, small.k, small.v, small.cu,
+                                         small.cu, mask="causal", sinks=sinks)
+    parities = {"sinks": parity(s_out, {"out": want, "grads": list(grads)})}
+    tick("16k causal: plain and with sinks")
+    d16 = Data([16384], Hq, Hk, D, None)
+    p_calls, _ = _ours_with(d16, "causal")
+    s_calls, _ = _ours_with(d16, "causal", sinks=sinks)
+    t = measure({("plain", ph): p_calls[ph] for ph in PHASES} |
+                {("sinks", ph): s_calls[ph] for ph in PHASES}, rep, tick)
+    ms = lambda r: 1e3 * r["seconds"]                             # noqa: E731
+    rows = [(f"16k causal, {name}", ph, ms(t[(key, ph)]))
+            for key, name in (("plain", "no sinks"), ("sinks", "sinks=")) for ph in PHASES]
+    over = t[("sinks", "fwd+bwd")]["seconds"] / t[("plain", "fwd+bwd")]["seconds"] - 1
+    targets_ = {"sinks cost at most 3% of forward + backward": over}
+    met = {k: v <= 0.03 for k, v in targets_.items()}
+    report.update(rows=rows, parity=parities,
+                  targets={k: {"value": v, "met": met[k]} for k, v in targets_.items()})
+    path = os.path.splitext(args.json)[0] + "_features.json"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    print("| case | phase | ms (1 thread) |\n| --- | --- | --- |")
+    for name, ph, v in rows:
+        print(f"| {name} | {ph} | {v:.0f} |")
+    print("\ntargets:")
+    for k, v in targets_.items():
+        print(f"  {'MET' if met[k] else 'NOT MET'}: {k}: {100 * v:+.1f} %")
+    print(f"\nJSON: {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.features:
+        _malloc_mode(False)
+        return features_bench(args)
     if args.mods:
         _malloc_mode(False)
         return mods_bench(args)
