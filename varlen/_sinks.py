@@ -70,12 +70,12 @@ def add_sinks(out, lse, sinks, valid, xp=None):
         total = w_row + w_sink
         seen = total > 0
         safe = xp.where(seen, total, acc.type(1))
-        new_lse = xp.where(seen, m + xp.log(safe), acc.type(-np.inf))
-        weight = (w_row / safe).T[:, :, None]                         # [T, Hq, 1]
-        new_out = out.astype(acc) * weight
-    new_lse = xp.where(valid[None, :], new_lse, lse_a).astype(lse.dtype)
-    new_out = xp.where(valid[:, None, None], new_out, out.astype(acc)).astype(out.dtype)
-    return new_out, new_lse
+        new_lse = xp.where(seen & valid[None, :], m + xp.log(safe), lse_a)
+        # padding rows keep their output (weight 1); one pass over out
+        weight = xp.where(valid[None, :], w_row / safe, acc.type(1)).T[:, :, None]
+        new_out = (out * weight.astype(out.dtype)) if out.dtype == acc else \
+            (out.astype(acc) * weight).astype(out.dtype)
+    return new_out, new_lse.astype(lse.dtype)
 
 
 def sink_grads(dout, out, lse, sinks, valid, xp=None):
@@ -86,7 +86,8 @@ def sink_grads(dout, out, lse, sinks, valid, xp=None):
     xp = xp or array_module(out)
     acc = sinks.dtype
     with np.errstate(all="ignore"):
-        d = (dout.astype(acc) * out.astype(acc)).sum(axis=2).T          # [Hq, T]
+        d = xp.einsum("thd,thd->ht", dout.astype(acc, copy=False),
+                      out.astype(acc, copy=False))                       # [Hq, T]
         d = xp.where(xp.isfinite(d), d, acc.type(np.nan))
         lse_a = lse.astype(acc)
         p = xp.where(xp.isneginf(lse_a), acc.type(0), xp.exp(sinks[:, None] - lse_a))
