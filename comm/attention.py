@@ -19,6 +19,12 @@ outputs and gradients.
 * `ulysses`: all-to-all from sequence shards to head shards, one kernel call over the whole
   sequence for `Hq / cp` heads, all-to-all back. KV heads are replicated when `Hk` does not
   divide by cp (GQA); `Hq` must.
+* `usp` (`ulysses_size=u`, cp = u x r): the two levels of a cluster. Inside each group of u
+  consecutive ranks (a node) an all-to-all over heads gives every rank the group's rows (its
+  u shards, in rank order) for `Hq / u` heads (KV heads replicated as for Ulysses when `Hk`
+  does not divide by u); across the r groups the ranks of one head slice run the ring over the
+  groups' rows; an all-to-all brings the results back. The groups are `group.split` once and
+  kept: their bytes are counted as `"intra"` and `"inter"` in `group.traffic`.
 
 One call on one rank: the setup step (`varlen._setup.setup`, shared with the single-process
 API) checks and normalises the arguments, the context-parallel ones included; the rank's step
@@ -66,6 +72,9 @@ class _RankCall:
     # Backward with aux gradients: this rank's partial sums (float64, one per float aux
     # array, None for the others), added to by every kernel call (`backward`).
     daux: list = field(default_factory=list)
+    # The global number of this rank's first query head when its kernels see a slice of the
+    # heads (usp's ring, whose `group` is the ring across nodes); None: from the method.
+    head_first: int | None = None
 
     @property
     def rank(self) -> int:
@@ -91,6 +100,8 @@ class _RankCall:
         c = self.call
         if not c.mods:
             return {}
+        if self.head_first is not None:
+            return {"mods": c.mods.for_heads(self.head_first)}
         if c.method == "ulysses":
             return {"mods": c.mods.for_heads(self.rank * c.heads_q // self.cp)}
         return {"mods": c.mods}
@@ -175,7 +186,8 @@ def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
                  **kw)
     pq, pk = call.part
     where = dict(rank=group.rank, method=call.method, backend=call.backend,
-                 blocks=call.blocks(), mask=call.mask, mask_mod=call.mods.mask)
+                 blocks=call.blocks(), mask=call.mask, mask_mod=call.mods.mask,
+                 ulysses_size=call.ulysses_size)
     if plan is None:
         return call, step_plans(pq, pk, **where)
     check_step_plans(plan, parts=call.part, validate=call.validate, **where)
@@ -185,7 +197,7 @@ def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
 # What every rank must agree on: host-known facts (always compared) ...
 _FACTS = ("method", "validation", "dtypes", "shapes", "query partition sizes",
           "key partition sizes", "mask", "softmax_scale", "softcap", "backend",
-          "mask_mod and score_mod functions", "aux_grads", "sinks")
+          "mask_mod and score_mod functions", "aux_grads", "sinks", "ulysses_size")
 # ... and the values behind them (host reads: compared when validation is on).
 _VALUES = ("query partition", "key partition", "mask values", "mask_mod and score_mod aux "
            "values", "sinks values")
@@ -215,7 +227,8 @@ def _signature(call: Call) -> tuple:
     facts = (call.method, call.validate, tuple(dtype_name(a.dtype) for a in arrays),
              tuple(tuple(a.shape) for a in arrays), _sizes(pq), _sizes(pk),
              mask_key(call.mask, pq.batch), call.softmax_scale, call.softcap, call.backend.name,
-             _mods_keys(call, values=False), call.mods.aux_grads, call.sinks is not None)
+             _mods_keys(call, values=False), call.mods.aux_grads, call.sinks is not None,
+             call.ulysses_size)
     values = None
     if call.validate:
         values = (pq.fingerprint(), pk.fingerprint(),
@@ -593,6 +606,52 @@ def _ulysses_backward(rc: _RankCall, steps: StepPlans):
     return dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype)
 
 
+# --------------------------------------------------------------------------------------------
+# usp: Ulysses inside each group of u ranks, the ring across the groups
+# --------------------------------------------------------------------------------------------
+
+def _usp_groups(rc: _RankCall):
+    """`(node, ring)`: this rank's group of u consecutive ranks, and the ranks of its head
+    slice across the groups (the same position in each), split once and kept by the group."""
+    u, cp = rc.call.ulysses_size, rc.cp
+    node = rc.group.split([tuple(range(g, g + u)) for g in range(0, cp, u)], level="intra")
+    ring = rc.group.split([tuple(range(i, cp, u)) for i in range(u)], level="inter")
+    return node, ring
+
+
+def _usp_ring_call(rc: _RankCall, node, ring, **arrays) -> _RankCall:
+    """The ring part of usp: over `ring`, on the node's rows of this rank's heads (`arrays`:
+    q, k, v, grads as the node's all-to-all left them)."""
+    c = rc.call
+    return replace(rc, group=ring, call=replace(c, **arrays),
+                   head_first=node.rank * c.heads_q // node.size)
+
+
+def _usp_forward(rc: _RankCall, steps: StepPlans):
+    node, ring = _usp_groups(rc)
+    nrc = replace(rc, group=node)
+    q, k, v, _ = _ulysses_inputs(nrc)
+    o, l = _ring_forward(_usp_ring_call(rc, node, ring, q=q, k=k, v=v), steps)
+    return _finish_forward(rc, _heads_to_seq(nrc, o), _lse_to_seq(nrc, l))
+
+
+def _usp_backward(rc: _RankCall, steps: StepPlans):
+    c = rc.call
+    node, ring = _usp_groups(rc)
+    nrc = replace(rc, group=node)
+    dout, out, lse = c.grads
+    q, k, v, f = _ulysses_inputs(nrc)
+    grads = (_seq_to_heads(nrc, dout), _seq_to_heads(nrc, out), _lse_to_heads(nrc, lse))
+    dq, dk, dv = _ring_backward(_usp_ring_call(rc, node, ring, q=q, k=k, v=v, grads=grads),
+                                steps)
+    dq, dk, dv = _heads_to_seq(nrc, dq), _heads_to_seq(nrc, dk), _heads_to_seq(nrc, dv)
+    if f > 1:
+        T, Hk = c.k.shape[:2]
+        dk = dk.astype(rc.acc).reshape(T, Hk, f, -1).sum(axis=2)
+        dv = dv.astype(rc.acc).reshape(T, Hk, f, -1).sum(axis=2)
+    return dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype)
+
+
 def _ring_forward_any(rc: _RankCall, steps: StepPlans):
     doc = steps.parts[1].scheme == "document"
     return (_doc_ring_forward if doc else _ring_forward)(rc, steps)
@@ -604,9 +663,9 @@ def _ring_backward_any(rc: _RankCall, steps: StepPlans):
 
 
 _FORWARD = {"ring": _ring_forward_any, "allgather": _allgather_forward,
-            "ulysses": _ulysses_forward}
+            "ulysses": _ulysses_forward, "usp": _usp_forward}
 _BACKWARD = {"ring": _ring_backward_any, "allgather": _allgather_backward,
-             "ulysses": _ulysses_backward}
+             "ulysses": _ulysses_backward, "usp": _usp_backward}
 
 
 # --------------------------------------------------------------------------------------------
@@ -614,7 +673,8 @@ _BACKWARD = {"ring": _ring_backward_any, "allgather": _allgather_backward,
 # --------------------------------------------------------------------------------------------
 
 def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, softcap=0.0,
-                      method="ring", backend=None, plan=None, score_mod=None, sinks=None):
+                      method="ring", backend=None, plan=None, score_mod=None, sinks=None,
+                      ulysses_size=None, return_stats=False):
     """Context-parallel attention forward on one rank. Returns this rank's `(out, lse)`.
 
     Call it on every rank of `group` with the same partition, mask and method.
@@ -639,7 +699,14 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
             same values): each row's sink enters once, after the last merge of its partial
             results, whatever the method.
         method: `"ring"` (K/V travel the ring, overlapped with compute), `"allgather"` (K/V
-            gathered once) or `"ulysses"` (all-to-all over heads; `Hq % cp_size == 0`).
+            gathered once), `"ulysses"` (all-to-all over heads; `Hq % cp_size == 0`) or
+            `"usp"` (all-to-all over heads inside each group of `ulysses_size` consecutive
+            ranks, the ring across the groups; `Hq % ulysses_size == 0`).
+        ulysses_size: with `method="usp"`, the ranks of one all-to-all group (a node's GPUs):
+            a divisor of cp_size; cp_size / ulysses_size groups form the ring.
+        return_stats: also return the bytes this rank sent and received in this call, per
+            level (`{"flat" | "intra" | "inter": {"sent": n, "received": n}}`, as
+            `group.traffic` counts them; docs/context_parallel.md).
         backend: `"numpy"`, `"cpu"`, `"numba"`, `"cupy"` or None (as in the single-process API).
         plan: this rank's step plans, `varlen.comm.plan(part, group.rank, ...)`, built once
             and passed to every layer. Default: the partition's cached plans for this rank,
@@ -649,6 +716,7 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
     Returns:
         out: `[Tq_local, Hq, Dv]` in q's dtype; lse: `[Hq, Tq_local]` float32 (float64 for
         float64). Pad rows (positions past a sequence's global length) get out 0, lse -inf.
+        With `return_stats`, a third result: the call's bytes per level.
         `part.unshard([...])` of all ranks' results is the single-process result.
 
     Errors: argument errors on any rank, and ranks that disagree on the shards' shapes or
@@ -662,21 +730,23 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
     def prepare():
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
                              softcap=softcap, method=method, backend=backend,
-                             score_mod=score_mod, sinks=sinks)
+                             score_mod=score_mod, sinks=sinks, ulysses_size=ulysses_size)
 
     def compute(rc, steps):
         out, lse = _FORWARD[rc.call.method](rc, steps)
         return rc.call.with_sinks(out, lse, rc.valid_rows()) if rc.call.sinks is not None \
             else (out, lse)
 
+    before = _traffic_before(group)
     call, (out, lse) = _run(group, q, prepare, compute)
-    return call.origin.wrap(out), call.origin.wrap(lse)
+    res = (call.origin.wrap(out), call.origin.wrap(lse))
+    return res + (group.traffic.since(before),) if return_stats else res
 
 
 def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
                        softmax_scale=None, softcap=0.0, method="ring", backend=None,
                        deterministic=False, plan=None, score_mod=None, aux_grads=False,
-                       sinks=None, sinks_grad="group"):
+                       sinks=None, sinks_grad="group", ulysses_size=None, return_stats=False):
     """Gradients of `sum(out * dout)` on one rank. Returns this rank's `(dq, dk, dv)`, then
     with `sinks` their gradient, then with `aux_grads` the aux gradients.
 
@@ -696,6 +766,7 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         sinks_grad: `"group"`: `dsinks` (float32, float64 for float64) summed over the group,
             the single-process gradient on every rank; `"rank"`: this rank's share (its
             rows'), which the shares of the other ranks add up to.
+        return_stats: also return the call's bytes per level, last (as in the forward).
         The other arguments as in `attention_forward`, with the same values; any method may
         differentiate any other's output.
 
@@ -705,7 +776,8 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
                              softcap=softcap, method=method, backend=backend,
                              deterministic=deterministic, grads=(dout, out, lse),
-                             score_mod=score_mod, aux_grads=bool(aux_grads), sinks=sinks)
+                             score_mod=score_mod, aux_grads=bool(aux_grads), sinks=sinks,
+                             ulysses_size=ulysses_size)
 
     if aux_grads not in (False, True, "rank"):
         raise ValueError(f"aux_grads must be True, False or 'rank', got {aux_grads!r}")
@@ -721,5 +793,13 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
             grads += (rc.aux_grads(summed=aux_grads is True),)
         return grads, dsinks
 
+    before = _traffic_before(group)
     call, (grads, dsinks) = _run(group, q, prepare, compute)
-    return call.backward_results(grads, aux_grads, dsinks)
+    res = call.backward_results(grads, aux_grads, dsinks)
+    return res + (group.traffic.since(before),) if return_stats else res
+
+
+def _traffic_before(group):
+    """`group.traffic`'s snapshot before a call (an empty one for what is not a Group: the
+    call reports that)."""
+    return group.traffic.snapshot() if isinstance(group, Group) else {}

@@ -171,14 +171,15 @@ class Partition:
                         pos=pos.astype(np.int32), seqlen=self.seqlens,
                         num_rows=self.local_rows + row_offset)
 
-    def gathered_segments(self) -> Segments:
-        """Segments `[B, cp*m]` of the rank-major concatenation of all shards
-        (`cp * local_rows` rows), the layout of an all-gather."""
+    def gathered_segments(self, ranks=None) -> Segments:
+        """Segments `[B, n*m]` of the concatenation of the shards of `ranks` (default all, in
+        rank order: `cp * local_rows` rows, the layout of an all-gather)."""
         xp = self.xp
-        parts = [self.segments(r, row_offset=r * self.local_rows) for r in range(self.cp_size)]
+        ranks = range(self.cp_size) if ranks is None else [self._rank(r) for r in ranks]
+        parts = [self.segments(r, row_offset=i * self.local_rows) for i, r in enumerate(ranks)]
         cat = lambda f: xp.concatenate([getattr(s, f) for s in parts], axis=1)  # noqa: E731
         return Segments(row=cat("row"), length=cat("length"), pos=cat("pos"),
-                        seqlen=self.seqlens, num_rows=self.cp_size * self.local_rows)
+                        seqlen=self.seqlens, num_rows=len(parts) * self.local_rows)
 
     def _gather_index(self, rank):
         """Per local row: its global row (clamped) and whether it is a valid token."""

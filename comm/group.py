@@ -27,7 +27,7 @@ import numpy as np
 from varlen._array import array_module
 
 __all__ = ["Group", "P2P", "GroupAborted", "LocalGroup", "LocalGroups", "local_group",
-           "DEFAULT_TIMEOUT"]
+           "Traffic", "DEFAULT_TIMEOUT"]
 
 # Seconds a rank waits for a peer before it ends the group with an error naming that peer.
 DEFAULT_TIMEOUT = 60.0
@@ -38,6 +38,51 @@ def check_timeout(timeout) -> float:
                                                              np.floating)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     return float(timeout)
+
+
+class Traffic:
+    """Bytes a rank's group (and the subgroups split from it) sent and received, per level.
+
+    A level is the name of the group that moved them: `"flat"` for a group made by `init` or
+    `local_group`, `"intra"` and `"inter"` for the node and cross-node groups of `usp`
+    (`Group.split(..., level=)`). Counted where the data enters a group, as the data this rank
+    hands to others and gets from others, whatever the library does underneath:
+
+    * point to point: `x.nbytes` sent per `post_send`, `buf.nbytes` received per `post_recv`;
+    * `allgather(x)`: `(size - 1) * x.nbytes` sent and received (to and from each peer);
+    * `alltoall(x)`, `reduce_scatter(x)` (`x` `[size, ...]`): `(size - 1) / size * x.nbytes`
+      sent and received (every block but this rank's own).
+
+    Host metadata (`allgather_object`: agreement checks) is not counted. `snapshot()` is a
+    plain dict `{level: {"sent": bytes, "received": bytes}}`; `since(snapshot)` the bytes
+    moved after it.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bytes = {}
+
+    def add(self, level: str, sent: int, received: int) -> None:
+        with self._lock:
+            d = self._bytes.setdefault(level, {"sent": 0, "received": 0})
+            d["sent"] += int(sent)
+            d["received"] += int(received)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {lv: dict(d) for lv, d in self._bytes.items()}
+
+    def since(self, before: dict) -> dict:
+        """`{level: {"sent", "received"}}` moved since `before` (a `snapshot()`), levels that
+        moved nothing left out."""
+        now = self.snapshot()
+        out = {}
+        for lv, d in now.items():
+            b = before.get(lv, {"sent": 0, "received": 0})
+            delta = {k: d[k] - b[k] for k in ("sent", "received")}
+            if delta["sent"] or delta["received"]:
+                out[lv] = delta
+        return out
 
 
 class GroupAborted(RuntimeError):
@@ -74,6 +119,7 @@ class P2P:
                 not 0 <= peer < g.size:
             raise ValueError(f"peer must be a rank in [0, {g.size}), got {peer!r}")
         self._posted.append((kind, x, int(peer)))
+        g._count(int(x.nbytes), 0) if kind == "send" else g._count(0, int(x.nbytes))
 
     def post_send(self, x, peer):
         """Queue sending `x` to rank `peer`."""
@@ -119,10 +165,63 @@ class Group:
 
     size: int
     rank: int
+    level: str = "flat"         # what `traffic` files this group's bytes under
+
+    @property
+    def traffic(self) -> Traffic:
+        """The bytes this rank moved through this group and the groups split from it, per
+        level (`Traffic`)."""
+        t = self.__dict__.get("_traffic")
+        if t is None:
+            t = self.__dict__.setdefault("_traffic", Traffic())
+        return t
+
+    def _count(self, sent: int, received: int) -> None:
+        self.traffic.add(self.level, sent, received)
 
     def p2p(self, tag: int = 0) -> P2P:
         """A new point-to-point channel; `tag` keeps concurrent channels apart."""
         return P2P(self, tag)
+
+    def allgather(self, x):
+        """`[size, *x.shape]`: every rank's `x`, by rank."""
+        self._count((self.size - 1) * x.nbytes, (self.size - 1) * x.nbytes)
+        return self._allgather(x)
+
+    def alltoall(self, x):
+        """`x` is `[size, ...]`; returns `y` with `y[s]` = what rank s sent to this rank
+        (its `x[self.rank]`)."""
+        self._count_blocks(x)
+        return self._alltoall(x)
+
+    def reduce_scatter(self, x):
+        """`x` is `[size, ...]`; returns the sum over ranks of their `x[self.rank]`."""
+        self._count_blocks(x)
+        return self._reduce_scatter(x)
+
+    def _count_blocks(self, x):
+        moved = (self.size - 1) * (x.nbytes // max(self.size, 1))
+        self._count(moved, moved)
+
+    def split(self, groups, *, level: str) -> "Group":
+        """The subgroup of `groups` (a list of disjoint tuples of ranks that covers the group;
+        the same list on every rank: a collective) that holds this rank, its ranks numbered in
+        tuple order. Made once per `groups` and kept (no communicator is created per call);
+        its bytes go to this group's `traffic` under `level`; aborting it aborts this group."""
+        key = (tuple(tuple(int(r) for r in g) for g in groups), level)
+        cache = self.__dict__.setdefault("_splits", {})
+        if key in cache:
+            return cache[key]
+        flat = sorted(r for g in key[0] for r in g)
+        if flat != list(range(self.size)) or any(not g for g in key[0]):
+            raise ValueError(f"groups must split ranks 0..{self.size - 1} into non-empty "
+                             f"disjoint tuples, got {groups!r}")
+        mine = next(i for i, g in enumerate(key[0]) if self.rank in g)
+        sub = self._subgroup(key[0], mine)
+        sub.level = level
+        sub.__dict__["_traffic"] = self.traffic
+        cache[key] = sub
+        return sub
 
     # Subclasses implement these.
     def _start(self, ops, tag):
@@ -131,19 +230,18 @@ class Group:
     def _finish(self, handle):
         raise NotImplementedError
 
-    def allgather(self, x):
-        """`[size, *x.shape]`: every rank's `x`, by rank."""
+    def _allgather(self, x):
         raise NotImplementedError
 
-    def alltoall(self, x):
-        """`x` is `[size, ...]`; returns `y` with `y[s]` = what rank s sent to this rank
-        (its `x[self.rank]`)."""
+    def _alltoall(self, x):
         raise NotImplementedError
 
-    def reduce_scatter(self, x):
-        """`x` is `[size, ...]`; returns the sum over ranks of their `x[self.rank]`."""
-        parts = self.alltoall(x)
-        return parts.sum(axis=0)
+    def _reduce_scatter(self, x):
+        return self._alltoall(x).sum(axis=0)
+
+    def _subgroup(self, groups: tuple, mine: int) -> "Group":
+        """This rank's group among `groups` (every rank calls it with the same `groups`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split")
 
     def allgather_object(self, obj) -> list:
         """Every rank's picklable `obj`, by rank (host data: checks and metadata)."""
@@ -173,6 +271,13 @@ class _World:
         self.mailbox = {}
         self.aborted = None                                     # the error that aborted it
         self.entered = [0] * n                                  # collectives entered, by rank
+        self.family = [self]        # worlds split from one another: aborted together
+
+    def abort(self, error):
+        for w in self.family:
+            if w.aborted is None:
+                w.aborted = error
+            w.barrier.abort()
 
     def channel(self, src, dst, tag) -> queue.Queue:
         with self.lock:
@@ -251,11 +356,11 @@ class LocalGroup(Group):
             self.abort(err)
             raise err from None
 
-    def allgather(self, x):
+    def _allgather(self, x):
         xp = array_module(x)
         return xp.stack([v.copy() for v in self._exchange(x)])
 
-    def alltoall(self, x):
+    def _alltoall(self, x):
         if x.shape[0] != self.size:
             raise ValueError(f"alltoall needs [size={self.size}, ...], got {tuple(x.shape)}")
         xp = array_module(x)
@@ -268,10 +373,18 @@ class LocalGroup(Group):
         self._exchange(None)
 
     def abort(self, error=None):
-        w = self._world
-        if w.aborted is None:
-            w.aborted = error if error is not None else RuntimeError("abort()")
-        w.barrier.abort()
+        self._world.abort(error if error is not None else RuntimeError("abort()"))
+
+    def _subgroup(self, groups, mine):
+        worlds = None
+        if self.rank == 0:                  # rank 0 makes every subgroup's world
+            worlds = [_World(len(g), self._world.timeout) for g in groups]
+            family = self._world.family
+            family.extend(worlds)
+            for w in worlds:
+                w.family = family
+        worlds = self._exchange(worlds)[0]
+        return LocalGroup(worlds[mine], groups[mine].index(self.rank))
 
 
 class LocalGroups:

@@ -150,7 +150,7 @@ class MpiGroup(Group):
         if ops:
             self._wait(self._post(self._coll, ops, 0, what))
 
-    def allgather(self, x, *, what="allgather"):
+    def _allgather(self, x, *, what="allgather"):
         xp = array_module(x)
         out = xp.empty((self.size,) + tuple(x.shape), dtype=x.dtype)
         out[self.rank] = x
@@ -158,7 +158,7 @@ class MpiGroup(Group):
         self._exchange([data] * self.size, out, what)
         return out
 
-    def alltoall(self, x):
+    def _alltoall(self, x):
         if x.shape[0] != self.size:
             raise ValueError(f"alltoall needs [size={self.size}, ...], got {tuple(x.shape)}")
         xp = array_module(x)
@@ -170,14 +170,18 @@ class MpiGroup(Group):
     def allgather_object(self, obj) -> list:
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         what = "allgather_object (the agreement at the start of a call)"
-        sizes = self.allgather(np.array([data.size], np.int64), what=what)[:, 0]
+        sizes = self._allgather(np.array([data.size], np.int64), what=what)[:, 0]
         buf = np.zeros(int(sizes.max()), np.uint8)
         buf[:data.size] = data
-        every = self.allgather(buf, what=what)
+        every = self._allgather(buf, what=what)
         return [pickle.loads(every[r, :int(n)].tobytes()) for r, n in enumerate(sizes)]
 
     def barrier(self):
-        self.allgather(np.zeros(1, np.uint8), what="barrier")
+        self._allgather(np.zeros(1, np.uint8), what="barrier")
+
+    def _subgroup(self, groups, mine):
+        sub = self.comm.Split(mine, groups[mine].index(self.rank))
+        return MpiGroup(sub, cuda_aware=self.cuda_aware, timeout=self.timeout)
 
     def abort(self, error=None):
         report_abort(self.rank, error)

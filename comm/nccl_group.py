@@ -94,7 +94,7 @@ class NcclGroup(Group):
 
     # Collectives -----------------------------------------------------------------------------
 
-    def allgather(self, x):
+    def _allgather(self, x):
         cp, nccl = self._cp, self._nccl
         x = self._device_array(x, "x")
         out = cp.empty((self.size,) + x.shape, dtype=x.dtype)
@@ -102,7 +102,7 @@ class NcclGroup(Group):
                             cp.cuda.get_current_stream().ptr)
         return out
 
-    def alltoall(self, x):
+    def _alltoall(self, x):
         cp, nccl = self._cp, self._nccl
         x = self._device_array(x, "x")
         if x.shape[0] != self.size:
@@ -119,7 +119,7 @@ class NcclGroup(Group):
             nccl.groupEnd()
         return out
 
-    def reduce_scatter(self, x):
+    def _reduce_scatter(self, x):
         cp, nccl = self._cp, self._nccl
         x = self._device_array(x, "x")
         if x.shape[0] != self.size:
@@ -129,7 +129,7 @@ class NcclGroup(Group):
                  np.dtype(np.float64): nccl.NCCL_FLOAT64,
                  np.dtype(np.float16): nccl.NCCL_FLOAT16}
         if np.dtype(x.dtype) not in types:
-            return super().reduce_scatter(x)
+            return super()._reduce_scatter(x)
         out = cp.empty(x.shape[1:], dtype=x.dtype)
         self.comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, types[np.dtype(x.dtype)],
                                 nccl.NCCL_SUM, cp.cuda.get_current_stream().ptr)
@@ -140,6 +140,10 @@ class NcclGroup(Group):
 
     def barrier(self):
         self._host.barrier()
+
+    def _subgroup(self, groups, mine):
+        sub = self._host.comm.Split(mine, groups[mine].index(self.rank))
+        return NcclGroup(sub, device=self.device, timeout=self._host.timeout)
 
     def abort(self, error=None):
         report_abort(self.rank, error)

@@ -33,7 +33,8 @@ class StepPlans:
     Attributes:
         parts: `(query partition, key partition)` they were built for, with their metadata
             where the plans live (host or device).
-        rank, method: the rank and the method (`"ring"`, `"allgather"`, `"ulysses"`).
+        rank, method: the rank and the method (`"ring"`, `"allgather"`, `"ulysses"`, `"usp"`);
+            ulysses_size: `u` of `"usp"`.
         backend: name of the backend whose `make_plan` built them; blocks: `(BM, BN)`.
         mask: the working `varlen.Mask` they evaluate; mask_key: its host fingerprint.
         mask_mod: the call's `varlen.MaskMod` (aux arrays where the plans live) or None;
@@ -42,6 +43,9 @@ class StepPlans:
         plans: one `varlen.Plan` per kernel call. Ring: `plans[i]` is step `i`, this rank's
             query segments against the key segments of rank `(rank - i) % cp`. All-gather:
             one plan against every rank's keys. Ulysses: one plan, all queries against all keys.
+            usp (cp = u x r, groups of u consecutive ranks): `plans[i]` is step `i` of the ring
+            across groups, the rows of this rank's group (its u shards, in rank order)
+            against those of group `(g - i) % r`.
         busy: per plan, False when a host plan's schedule is empty, or every tile it keeps is
             EMPTY under the mask_mod (that step is not launched); always True for device
             plans, which are never read on the host.
@@ -58,6 +62,7 @@ class StepPlans:
     busy: tuple
     mask_mod: object = None
     mask_mod_key: tuple | None = None
+    ulysses_size: int | None = None     # method "usp": u of cp = u x r
 
     def __repr__(self):
         return (f"StepPlans(rank={self.rank}, method={self.method!r}, backend={self.backend!r}, "
@@ -87,8 +92,16 @@ def _cacheable(key: tuple | None) -> bool:
     return key is None or not any(isinstance(f, tuple) and f[0] == "device" for f in key)
 
 
-def _step_segments(pq, pk, rank, method):
+def _step_segments(pq, pk, rank, method, ulysses_size=None):
     """`(query segments, key segments)` of every kernel call `method` makes on `rank`."""
+    if method == "usp":
+        u = ulysses_size
+        r, g = pq.cp_size // u, rank // u
+
+        def rows(p, grp):                       # the u shards of group grp, in rank order
+            return p.gathered_segments(range(grp * u, grp * u + u))
+        q = rows(pq, g)
+        return [(q, rows(pk, (g - i) % r)) for i in range(r)]
     if method == "ring" and pq.scheme == "document":
         if pk.groups != pq.groups:
             raise ValueError("the query and key document partitions place documents on "
@@ -116,7 +129,8 @@ def _has_work(plan) -> bool:
     return plan.mask_mod is None or bool((plan.tile_classes("q")[1] != EMPTY).any())
 
 
-def step_plans(pq, pk, rank, method, backend, blocks, mask, mask_mod=None) -> StepPlans:
+def step_plans(pq, pk, rank, method, backend, blocks, mask, mask_mod=None,
+               ulysses_size=None) -> StepPlans:
     """`rank`'s step plans over partitions `pq`, `pk` (already where the data lives) for a
     working `mask` and `mask_mod` (a `varlen.MaskMod` whose aux arrays live there too, or
     None), built by `backend` with tiles `blocks`: from `pq`'s cache, else built and cached
@@ -124,7 +138,7 @@ def step_plans(pq, pk, rank, method, backend, blocks, mask, mask_mod=None) -> St
     are global, and sequence `b` is the batch's sequence `b` on every rank, so the mask_mod
     sees the single-process coordinates."""
     mkey, mod = mask_key(mask, pq.batch), mod_key(mask_mod)
-    key = (pk, rank, method, backend.name, tuple(blocks), mkey, mod)
+    key = (pk, rank, method, ulysses_size, backend.name, tuple(blocks), mkey, mod)
     cacheable = _cacheable(mkey) and _cacheable(mod)
     if cacheable:
         with pq._lock:
@@ -133,14 +147,14 @@ def step_plans(pq, pk, rank, method, backend, blocks, mask, mask_mod=None) -> St
                 pq._steps.move_to_end(key)
                 return hit
     bm, bn = blocks
-    segments = _step_segments(pq, pk, rank, method)
+    segments = _step_segments(pq, pk, rank, method, ulysses_size)
     plans = tuple(replace(backend.make_plan(q, k, mask, block_m=bm, block_n=bn),
                           mask_mod=mask_mod) for q, k in segments)
     steps = StepPlans(parts=(pq, pk), rank=rank, method=method, backend=backend.name,
                       blocks=(bm, bn), mask=mask, mask_key=mkey, plans=plans,
                       busy=tuple(_has_work(p) and k.num_rows > 0 for p, (_, k) in
                                  zip(plans, segments)),
-                      mask_mod=mask_mod, mask_mod_key=mod)
+                      mask_mod=mask_mod, mask_mod_key=mod, ulysses_size=ulysses_size)
     if cacheable:
         with pq._lock:
             pq._steps[key] = steps
@@ -154,7 +168,7 @@ def _where(p) -> str:
 
 
 def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, validate,
-                     mask_mod=None):
+                     mask_mod=None, ulysses_size=None):
     """`steps`, passed as `plan=`, must be the plans this call would use (else an error that
     names what differs). Device mask arrays are compared by value only when validating."""
     if not isinstance(steps, StepPlans):
@@ -166,6 +180,7 @@ def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, valid
                          f" build it with varlen.comm.plan(..., on_device={pq.xp is not np})")
     differs = [f"{name} ({mine!r} in the plan, {want!r} in the call)" for name, mine, want in (
         ("rank", steps.rank, rank), ("method", steps.method, method),
+        ("ulysses_size", steps.ulysses_size, ulysses_size),
         ("backend", steps.backend, backend.name), ("blocks", steps.blocks, tuple(blocks)),
         ("mask", steps.mask_key, mask_key(mask, pq.batch)),
         ("mask_mod", steps.mask_mod_key, mod_key(mask_mod))) if mine != want]
@@ -187,7 +202,8 @@ def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, valid
 
 
 def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=None,
-         head_dim_v=None, on_device=None, score_mod=None, aux_grads=False) -> StepPlans:
+         head_dim_v=None, on_device=None, score_mod=None, aux_grads=False,
+         ulysses_size=None) -> StepPlans:
     """Build (or fetch from `part`'s cache) rank `rank`'s step plans, to pass as `plan=`.
 
     A training step builds them once per batch and passes them to every layer's
@@ -201,7 +217,8 @@ def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=Non
             NumPy dtype); head_dim: `D` of q and k; head_dim_v: `Dv` (default `D`). With the
             backend they fix the tile sizes.
         mask, method, backend: as the calls will pass them (`mask` may hold a
-            `varlen.MaskMod`: its aux arrays are moved to where the plans live).
+            `varlen.MaskMod`: its aux arrays are moved to where the plans live);
+            ulysses_size: with `method="usp"`, as the calls pass it.
         score_mod, aux_grads: as the calls will pass them; they pick the backend (one that
             runs them) and are not part of the plans.
         on_device: build device plans (True) or host plans (False); default: where `part`'s
@@ -210,7 +227,7 @@ def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=Non
     Returns a `StepPlans`.
     """
     pair = (part, part) if isinstance(part, Partition) else part
-    pq, pk = check_context_parallel(pair, method)
+    pq, pk = check_context_parallel(pair, method, ulysses_size=ulysses_size)
     xp = _plan_module(pq, on_device)
     pq, pk = pq.on(xp), pk.on(xp)
     rank = pq._rank(rank)
@@ -231,7 +248,8 @@ def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=Non
     chosen = backends.select(backend, backends.Problem(name, head_dim, head_dim_v,
                                                        xp is not np, mods))
     return step_plans(pq, pk, rank, method, chosen, chosen.default_blocks(name, head_dim),
-                      working_mask(base, pq.batch, xp), mask_mod)
+                      working_mask(base, pq.batch, xp), mask_mod,
+                      None if ulysses_size is None else int(ulysses_size))
 
 
 def _aux_in(a, name, xp):

@@ -77,7 +77,7 @@ class TorchGroup(Group):
 
     # Collectives ----------------------------------------------------------------------------
 
-    def allgather(self, x):
+    def _allgather(self, x):
         xp = array_module(x)
         x = xp.ascontiguousarray(x)
         out = xp.empty((self.size,) + tuple(x.shape), dtype=x.dtype)
@@ -85,7 +85,7 @@ class TorchGroup(Group):
                               group=self.pg)
         return out
 
-    def alltoall(self, x):
+    def _alltoall(self, x):
         if x.shape[0] != self.size:
             raise ValueError(f"alltoall needs [size={self.size}, ...], got {tuple(x.shape)}")
         xp = array_module(x)
@@ -100,7 +100,12 @@ class TorchGroup(Group):
         return every
 
     def barrier(self):
-        self.allgather(np.zeros(1, np.uint8))
+        self._allgather(np.zeros(1, np.uint8))
+
+    def _subgroup(self, groups, mine):
+        # every rank makes every subgroup, in the same order (torch.distributed's rule)
+        pgs = [self._dist.new_group([self._global[r] for r in g]) for g in groups]
+        return TorchGroup(pgs[mine])
 
     def abort(self, error=None):
         # torch.distributed cannot wake a peer blocked in a transfer; ending this process

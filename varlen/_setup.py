@@ -74,6 +74,7 @@ class Call:
     method: str | None = None
     mods: Mods = NO_MODS       # mask_mod / score_mod, their aux arrays as working arrays
     sinks: object = None       # float [Hq] working array (`sinks=`), float32 or float64
+    ulysses_size: int | None = None   # method "usp": ranks per all-to-all group (u of u x r)
 
     @property
     def rows_q(self) -> int:
@@ -330,7 +331,7 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
           seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0, max_seqlen_q=None,
           max_seqlen_k=None, backend=None, plan=None, deterministic=False, grads=None,
           part=None, method=None, grads_rows="Tq", group_size=None, score_mod=None,
-          aux_grads=False, sinks=None) -> Call:
+          aux_grads=False, sinks=None, ulysses_size=None) -> Call:
     """Check and normalise one call's arguments; returns its `Call` record.
 
     Single process: `cu_seqlens_*` (and optional offsets, bounds, `plan`). Context
@@ -357,7 +358,9 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
     if part is not None:
         call = replace(call, part=check_context_parallel(part, method, xp, group_size=group_size,
                                                          rows=(call.rows_q, call.rows_k),
-                                                         heads_q=call.heads_q))
+                                                         heads_q=call.heads_q,
+                                                         ulysses_size=ulysses_size),
+                       ulysses_size=None if ulysses_size is None else int(ulysses_size))
         return replace(call, mask=working_mask(base, part[0].batch, xp), plan=plan)
     lay = _layout(xp, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
                   max_seqlen_k)
@@ -375,18 +378,40 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
 # Context parallelism
 # --------------------------------------------------------------------------------------------
 
-CP_METHODS = ("ring", "allgather", "ulysses")
+CP_METHODS = ("ring", "allgather", "ulysses", "usp")
+
+
+def check_ulysses_size(method, ulysses_size, cp_size, heads_q=None) -> None:
+    """Method `"usp"` takes `ulysses_size=u`: an int that divides `cp_size` and `heads_q`;
+    the other methods take none."""
+    if method != "usp":
+        if ulysses_size is not None:
+            raise ValueError(f"ulysses_size={ulysses_size!r} is for method='usp' (Ulysses inside "
+                             f"groups of ulysses_size ranks, the ring across them); method="
+                             f"{method!r} takes none")
+        return
+    u = ulysses_size
+    if isinstance(u, (bool, np.bool_)) or not isinstance(u, (int, np.integer)) or u < 1:
+        raise ValueError(f"method='usp' needs ulysses_size, an int >= 1 that divides cp_size="
+                         f"{cp_size} (the ranks of one all-to-all group), got {u!r}")
+    if cp_size % u:
+        raise ValueError(f"ulysses_size={u} does not divide cp_size={cp_size}: cp = "
+                         f"ulysses_size x ring size")
+    if heads_q is not None and heads_q % u:
+        raise ValueError(f"method='usp' splits heads over ulysses_size={u} ranks: q has "
+                         f"{heads_q} heads, not divisible by it")
 
 
 def check_context_parallel(part, method, xp=None, *, group_size=None, rows=None,
-                           heads_q=None) -> tuple:
+                           heads_q=None, ulysses_size=None) -> tuple:
     """The context-parallel arguments of a call (`varlen.comm`); each check runs when its
     value is given. Returns `part` with its metadata in array module `xp` (None: where it is).
 
     part: `(query partition, key partition)`, built for the same cp size, scheme and batch;
     method: one of `CP_METHODS`; group_size: the group's ranks, the partition's cp size;
     rows: `(Tq_local, Tk_local)` of the shards, each partition's `local_rows`; heads_q: `Hq`,
-    which Ulysses splits over the ranks.
+    which Ulysses splits over the ranks; ulysses_size: `u` of method `"usp"` (required there,
+    refused elsewhere): a divisor of cp_size (and of `Hq`).
     """
     # Partitions are known by what they offer: varlen.comm sits above this step.
     def is_partition(p):
@@ -412,4 +437,5 @@ def check_context_parallel(part, method, xp=None, *, group_size=None, rows=None,
     if heads_q is not None and method == "ulysses" and heads_q % pq.cp_size:
         raise ValueError(f"method='ulysses' splits heads over ranks: q has {heads_q} heads, not "
                          f"divisible by cp_size={pq.cp_size}; use 'ring' or 'allgather'")
+    check_ulysses_size(method, ulysses_size, pq.cp_size, heads_q)
     return (pq, pk) if xp is None else (pq.on(xp), pk.on(xp))

@@ -506,7 +506,8 @@ class _ContextParallelAttention(torch.autograd.Function):
 @torch.compiler.disable
 def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
-                               return_lse=False, score_mod=None, sinks=None):
+                               return_lse=False, score_mod=None, sinks=None,
+                               ulysses_size=None):
     """Context-parallel attention on this rank, differentiable in its q, k and v shards (and
     in `sinks` and a score_mod's float aux tensors).
 
@@ -540,7 +541,10 @@ def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softma
         sinks: optional float `[Hq]` tensor on q's device (every rank the same values), as in
             `varlen_attention`; it gets this rank's share of its gradient (its rows'): sum it
             over the group with the other parameter gradients.
-        method: `"ring"`, `"allgather"` or `"ulysses"` (`Hq % cp_size == 0`).
+        method: `"ring"`, `"allgather"`, `"ulysses"` (`Hq % cp_size == 0`) or `"usp"`
+            (Ulysses inside groups of `ulysses_size` consecutive ranks, the ring across them;
+            `Hq % ulysses_size == 0`).
+        ulysses_size: with `method="usp"`, the ranks of one all-to-all group.
         deterministic: bitwise-repeatable backward.
         return_lse: return `(out, lse)` instead of `out`.
 
@@ -562,7 +566,7 @@ def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softma
         raise NotImplementedError(_NO_FUNC_TRANSFORMS)
     q, k, v = _autocast(q, k, v)
     kw = dict(mask=mask, softmax_scale=softmax_scale, softcap=softcap, method=method,
-              score_mod=score_mod)
+              score_mod=score_mod, ulysses_size=ulysses_size)
     aux = () if score_mod is None else tuple(score_mod.aux)
     out, lse = _ContextParallelAttention.apply(q, k, v, part, _cp_group(group), kw,
                                                bool(deterministic), _sinks_operand(q, sinks),

@@ -901,7 +901,8 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 
 def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
-                               return_lse=False, score_mod=None, sinks=None):
+                               return_lse=False, score_mod=None, sinks=None,
+                               ulysses_size=None):
     """Context-parallel attention inside `jax.shard_map`, differentiable in this device's shards
     (and in `sinks` and a score_mod's float aux arrays).
 
@@ -946,6 +947,8 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
             == 0`, KV heads replicated when `Hk` does not divide by cp).
         deterministic: bitwise-repeatable backward.
         return_lse: return `(out, lse)` instead of `out`.
+        ulysses_size: for `method="usp"`, which `varlen.jax` does not run yet
+            (`NotImplementedError`; `varlen.comm` and `varlen.torch` do).
 
     Returns:
         out: `[Tq_local, Hq, Dv]` in q's dtype, typed varying over `axis_name`; lse (with
@@ -965,6 +968,10 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
 
     if method not in vc.METHODS:
         raise ValueError(f"method must be one of {', '.join(vc.METHODS)}, got {method!r}")
+    if method == "usp" or ulysses_size is not None:
+        raise NotImplementedError("method='usp' is not implemented in varlen.jax yet (a 2-D "
+                                  "mesh, one axis per level); use 'ring', 'allgather' or "
+                                  "'ulysses' here, or varlen.comm / varlen.torch for 'usp'")
     if not isinstance(part, vc.Partition):
         raise TypeError(f"part must be a varlen.comm.Partition, got {type(part).__name__}")
     if part.xp is not np:

@@ -1,0 +1,201 @@
+"""Two-level context parallelism (`method="usp"`), checked on one rank of any group.
+
+`check_usp(group, case, u, scheme)` builds the same global batch on every rank, shards it, runs
+`varlen.comm.attention_forward/backward` with `method="usp", ulysses_size=u` (Ulysses inside
+each group of u consecutive ranks, the ring across the groups) and compares this rank's shards
+of out, lse, dq, dk, dv (and dsinks) with the float64 reference's (1e-12); the call's counted
+bytes come in the levels the layout implies. As a script, one rank of a job:
+
+    mpiexec -n N python -m mpi4py tests/comm_workers/usp_cp.py mpi   # every u dividing N
+    torchrun --nproc-per-node 4 tests/comm_workers/usp_cp.py torch   # varlen.torch, gloo
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]           # the tests' helpers
+
+import numpy as np  # noqa: E402
+
+import varlen  # noqa: E402
+import varlen.comm as vc  # noqa: E402
+from varlen import reference  # noqa: E402
+
+from cases import _assert_close  # noqa: E402
+
+TOL = 1e-12
+SCHEMES = ("zigzag", "document")
+
+
+def _head_bias(score, b, h, q_idx, k_idx, w):
+    """A per-head bias on the distance: wrong under usp if `h` were the local head."""
+    return score - w[h] * abs(q_idx - k_idx)
+
+
+@dataclass(frozen=True)
+class UspCase:
+    """A batch with lengths not divisible by 2*cp, empty and one-token sequences, a mask per
+    sequence (causal, full, windows, bottom-right), 12 query heads (usp's u of 1, 2, 3, 4, 6
+    divide them) over Hk key heads (replicated where u does not divide Hk)."""
+
+    name: str
+    lengths: tuple
+    Hk: int = 2
+    score: bool = False
+    sinks: bool = False
+    Hq: int = 12
+    D: int = 8
+    seed: int = 0
+
+    @property
+    def id(self):
+        return self.name
+
+    def mask(self):
+        B = len(self.lengths)
+        left = np.array([-1, -1, 3, 0, 5, -1, 2, -1][:B], np.int32)
+        right = np.array([0, -1, 0, 0, 1, 0, 0, -1][:B], np.int32)
+        br = np.array([False, False, True, False, False, True, False, False][:B])
+        return varlen.Mask(window_left=left, window_right=right, bottom_right=br)
+
+    def functions(self):
+        """`(score_mod or None, sinks or None)`; host NumPy arrays."""
+        rng = np.random.default_rng(self.seed + 3)
+        score = varlen.ScoreMod(_head_bias, rng.uniform(0, 0.5, self.Hq)) if self.score \
+            else None
+        sinks = rng.standard_normal(self.Hq) * 2 if self.sinks else None
+        return score, sinks
+
+
+USP_CASES = [
+    UspCase("mixed-masks-gqa", (0, 13, 7, 1, 22, 5, 0, 9)),
+    UspCase("head-bias+sinks-mqa", (11, 0, 30, 2, 6), Hk=1, score=True, sinks=True, seed=1),
+]
+
+
+def partition(cu, cp, scheme):
+    if scheme == "document":
+        return vc.partition(cu, cp, "document", max_doc_len=8)
+    return vc.partition(cu, cp, scheme)
+
+
+def global_batch(case: UspCase) -> dict:
+    rng = np.random.default_rng(case.seed)
+    cu = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
+    T = int(cu[-1])
+    q, dout = (rng.standard_normal((T, case.Hq, case.D)) for _ in range(2))
+    k, v = (rng.standard_normal((T, case.Hk, case.D)) for _ in range(2))
+    return dict(cu=cu, q=q, k=k, v=v, dout=dout)
+
+
+def reference_results(case: UspCase, g: dict):
+    score, sinks = case.functions()
+    kw = dict(mask=case.mask(), score_mod=score, sinks=sinks)
+    out, lse = reference.attention_dense(g["q"], g["k"], g["v"], g["cu"], g["cu"], **kw)
+    grads = reference.attention_dense_backward(g["dout"], g["q"], g["k"], g["v"], g["cu"],
+                                               g["cu"], **kw)
+    return out, lse, grads
+
+
+def check_usp(group, case: UspCase, u: int, scheme: str) -> None:
+    """One rank's check (asserts)."""
+    r, cp = group.rank, group.size
+    g = global_batch(case)
+    score, sinks = case.functions()
+    part = partition(g["cu"], cp, scheme)
+    kw = dict(mask=case.mask(), score_mod=score, sinks=sinks, method="usp", ulysses_size=u)
+    q, k, v, dout = (part.shard(g[x], r) for x in ("q", "k", "v", "dout"))
+    out, lse, fwd_bytes = vc.attention_forward(q, k, v, part, group, return_stats=True, **kw)
+    *grads, bwd_bytes = vc.attention_backward(dout, q, k, v, out, lse, part, group,
+                                              return_stats=True, **kw)
+    ref_out, ref_lse, ref_grads = reference_results(case, g)
+    label = f"{case.id} cp={cp} u={u} {scheme} rank {r}"
+    _assert_close(f"{label} out", out, part.shard(ref_out, r), TOL)
+    _assert_close(f"{label} lse", lse, part.shard(ref_lse, r, axis=1, fill=-np.inf), TOL)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _assert_close(f"{label} {name}", got, part.shard(want, r), TOL)
+    if sinks is not None:
+        _assert_close(f"{label} dsinks", grads[3], ref_grads[3], TOL)
+    pad = ~part.valid(r)
+    for name, a in (("out", out), ("dq", grads[0]), ("dk", grads[1]), ("dv", grads[2])):
+        assert not a[pad].any(), f"{label}: {name} is not zero on pad rows"
+    # all-to-alls inside the node when u > 1, the ring across nodes when there are several
+    for what, moved in (("forward", fwd_bytes), ("backward", bwd_bytes)):
+        assert ("intra" in moved) == (u > 1), f"{label}: {what} bytes {moved}"
+        assert ("inter" in moved) == (cp // u > 1), f"{label}: {what} bytes {moved}"
+        assert "flat" not in moved or sinks is not None, f"{label}: {what} bytes {moved}"
+
+
+def divisors(n: int) -> list:
+    return [u for u in range(1, n + 1) if n % u == 0 and 12 % u == 0]
+
+
+def combos(cp: int):
+    return [(case, u, scheme) for case in USP_CASES for u in divisors(cp) for scheme in SCHEMES]
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch: varlen.torch.context_parallel_attention with method="usp"
+# --------------------------------------------------------------------------------------------
+
+def check_torch(case: UspCase, u: int, scheme: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import varlen.torch as vt
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    g = global_batch(case)
+    score, sinks = case.functions()
+    if score is not None:
+        score = varlen.ScoreMod(score.fn, *map(torch.as_tensor, score.aux))
+    part = partition(g["cu"], cp, scheme)
+    t_sinks = None if sinks is None else torch.tensor(sinks, requires_grad=True)
+    q, k, v = (torch.tensor(part.shard(g[x], rank), requires_grad=True) for x in "qkv")
+    out = vt.context_parallel_attention(q, k, v, part, None, mask=case.mask(), score_mod=score,
+                                        sinks=t_sinks, method="usp", ulysses_size=u)
+    (out * torch.as_tensor(part.shard(g["dout"], rank))).sum().backward()
+    ref_out, _, ref_grads = reference_results(case, g)
+    label = f"torch {case.id} cp={cp} u={u} {scheme} rank {rank}"
+    _assert_close(f"{label} out", out.detach(), part.shard(ref_out, rank), TOL)
+    for name, t, want in zip(("dq", "dk", "dv"), (q, k, v), ref_grads):
+        _assert_close(f"{label} {name}", t.grad, part.shard(want, rank), TOL)
+    if t_sinks is not None:
+        total = t_sinks.grad.clone()
+        dist.all_reduce(total)
+        _assert_close(f"{label} dsinks", total, ref_grads[3], TOL)
+
+
+def _torch_main():
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    varlen.set_nan_fill(True)
+    try:
+        n = 0
+        for case in USP_CASES:
+            for u, scheme in ((2, "zigzag"), (2, "document")):
+                check_torch(case, u, scheme)
+                n += 1
+        dist.barrier()
+        print(f"rank {dist.get_rank()} ok checks={n}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _mpi_main():
+    from mpi4py import MPI
+    varlen.set_nan_fill(True)
+    group = vc.init(MPI.COMM_WORLD, backend="mpi")
+    n = 0
+    for case, u, scheme in combos(group.size):
+        check_usp(group, case, u, scheme)
+        n += 1
+    if group.rank == 0:
+        print(f"OK usp size={group.size} checks={n}", flush=True)
+
+
+if __name__ == "__main__":
+    {"mpi": _mpi_main, "torch": _torch_main}[sys.argv[1]]()
