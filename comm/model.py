@@ -32,6 +32,8 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def _add(d: dict, level: str, sent: int, received: int | None = None) -> None:
+    if not sent and not received:
+        return                                  # a level that moves nothing is left out
     t = d.setdefault(level, {"sent": 0, "received": 0})
     t["sent"] += int(sent)
     t["received"] += int(sent if received is None else received)
