@@ -12,9 +12,10 @@
 See `docs/context_parallel.md`. mpi4py, CuPy and torch are imported only when a group needs
 them; under torchrun, `torch_group()` is the default torch.distributed group.
 """
-from .attention import METHODS, attention_backward, attention_forward
+from .attention import METHODS, TWO_LEVEL_METHODS, attention_backward, attention_forward
 from .chunked import CHUNK_SCHEMES, Partition, local_rows_bound
-from .group import DEFAULT_TIMEOUT, Group, GroupAborted, LocalGroup, LocalGroups, P2P, local_group
+from .group import (DEFAULT_TIMEOUT, P2P, Group, GroupAborted, LocalGroup, LocalGroups, Traffic,
+                    local_group)
 from .merge import merge_partial
 from .partition import SCHEMES, partition
 from .plans import StepPlans, plan
@@ -22,9 +23,8 @@ from .torch_group import TorchGroup, torch_group
 
 __all__ = ["partition", "Partition", "local_rows_bound", "plan", "StepPlans", "init",
            "local_group", "torch_group", "TorchGroup", "Group", "LocalGroup", "LocalGroups", "P2P",
-           "GroupAborted",
-           "attention_forward", "attention_backward", "merge_partial", "METHODS", "SCHEMES",
-           "CHUNK_SCHEMES", "DEFAULT_TIMEOUT"]
+           "GroupAborted", "Traffic", "attention_forward", "attention_backward", "merge_partial",
+           "METHODS", "TWO_LEVEL_METHODS", "SCHEMES", "CHUNK_SCHEMES", "DEFAULT_TIMEOUT"]
 
 BACKENDS = ("mpi", "nccl")
 

@@ -54,9 +54,12 @@ from .merge import accumulate_dtype, merge_partial
 from .plans import (StepPlans, check_step_plans, mask_key, mod_key,
                     step_plans)
 
-__all__ = ["attention_forward", "attention_backward", "METHODS"]
+__all__ = ["attention_forward", "attention_backward", "METHODS", "TWO_LEVEL_METHODS"]
 
-METHODS = CP_METHODS
+# The methods that run on one flat group with no further argument, and the two-level ones
+# (which take `ulysses_size`); `method=` takes either.
+METHODS = tuple(m for m in CP_METHODS if m != "usp")
+TWO_LEVEL_METHODS = ("usp",)
 
 # Channel tags: K/V and the travelling dK/dV accumulators are in flight at the same time.
 _TAG_KV, _TAG_DKV = 11, 12

@@ -966,12 +966,12 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
 
     from . import backends
 
-    if method not in vc.METHODS:
-        raise ValueError(f"method must be one of {', '.join(vc.METHODS)}, got {method!r}")
     if method == "usp" or ulysses_size is not None:
         raise NotImplementedError("method='usp' is not implemented in varlen.jax yet (a 2-D "
                                   "mesh, one axis per level); use 'ring', 'allgather' or "
                                   "'ulysses' here, or varlen.comm / varlen.torch for 'usp'")
+    if method not in vc.METHODS:
+        raise ValueError(f"method must be one of {', '.join(vc.METHODS)}, got {method!r}")
     if not isinstance(part, vc.Partition):
         raise TypeError(f"part must be a varlen.comm.Partition, got {type(part).__name__}")
     if part.xp is not np:
