@@ -37,6 +37,7 @@ schedule; for host data a step whose schedule is empty is not even launched.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import warnings
 import zlib
@@ -51,6 +52,7 @@ from varlen._validate import dtype_name
 from .chunked import Partition
 from .group import Group, GroupAborted
 from .merge import accumulate_dtype, merge_partial
+from .model import PRESETS, Cluster, choose
 from .plans import (StepPlans, check_step_plans, mask_key, mod_key,
                     step_plans)
 
@@ -677,7 +679,7 @@ _BACKWARD = {"ring": _ring_backward_any, "allgather": _allgather_backward,
 
 def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, softcap=0.0,
                       method="ring", backend=None, plan=None, score_mod=None, sinks=None,
-                      ulysses_size=None, return_stats=False):
+                      ulysses_size=None, return_stats=False, cluster=None):
     """Context-parallel attention forward on one rank. Returns this rank's `(out, lse)`.
 
     Call it on every rank of `group` with the same partition, mask and method.
@@ -705,8 +707,13 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
             gathered once), `"ulysses"` (all-to-all over heads; `Hq % cp_size == 0`) or
             `"usp"` (all-to-all over heads inside each group of `ulysses_size` consecutive
             ranks, the ring across the groups; `Hq % ulysses_size == 0`).
+            Or `"auto"`: the method (and ulysses_size) the cost model predicts fastest for this
+            partition, shapes and mask on `cluster` (`varlen.comm.model.choose`), said in a
+            log line (logger `varlen.comm`, INFO, rank 0) and under `"auto"` in the stats.
         ulysses_size: with `method="usp"`, the ranks of one all-to-all group (a node's GPUs):
             a divisor of cp_size; cp_size / ulysses_size groups form the ring.
+        cluster: for `method="auto"`: a `varlen.comm.model.Cluster`, a preset name (`"h100"`,
+            `"h200"`), or None: the H100 preset's links with the group's ranks per node.
         return_stats: also return the bytes this rank sent and received in this call, per
             level (`{"flat" | "intra" | "inter": {"sent": n, "received": n}}`, as
             `group.traffic` counts them; docs/context_parallel.md).
@@ -730,10 +737,13 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
     """
     _warn_outside_autograd("attention_forward", (q, k, v))
 
+    chosen = {}
+
     def prepare():
+        how, u, chosen["auto"] = _auto(method, ulysses_size, q, k, v, part, group, mask, cluster)
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
-                             softcap=softcap, method=method, backend=backend,
-                             score_mod=score_mod, sinks=sinks, ulysses_size=ulysses_size)
+                             softcap=softcap, method=how, backend=backend,
+                             score_mod=score_mod, sinks=sinks, ulysses_size=u)
 
     def compute(rc, steps):
         out, lse = _FORWARD[rc.call.method](rc, steps)
@@ -743,13 +753,14 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
     before = _traffic_before(group)
     call, (out, lse) = _run(group, q, prepare, compute)
     res = (call.origin.wrap(out), call.origin.wrap(lse))
-    return res + (group.traffic.since(before),) if return_stats else res
+    return res + (_stats(group, before, chosen),) if return_stats else res
 
 
 def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
                        softmax_scale=None, softcap=0.0, method="ring", backend=None,
                        deterministic=False, plan=None, score_mod=None, aux_grads=False,
-                       sinks=None, sinks_grad="group", ulysses_size=None, return_stats=False):
+                       sinks=None, sinks_grad="group", ulysses_size=None, return_stats=False,
+                       cluster=None):
     """Gradients of `sum(out * dout)` on one rank. Returns this rank's `(dq, dk, dv)`, then
     with `sinks` their gradient, then with `aux_grads` the aux gradients.
 
@@ -775,12 +786,15 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
 
     Pad rows get zero gradients; dK/dV of each rank's own key rows come back to it.
     """
+    chosen = {}
+
     def prepare():
+        how, u, chosen["auto"] = _auto(method, ulysses_size, q, k, v, part, group, mask, cluster)
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
-                             softcap=softcap, method=method, backend=backend,
+                             softcap=softcap, method=how, backend=backend,
                              deterministic=deterministic, grads=(dout, out, lse),
                              score_mod=score_mod, aux_grads=bool(aux_grads), sinks=sinks,
-                             ulysses_size=ulysses_size)
+                             ulysses_size=u)
 
     if aux_grads not in (False, True, "rank"):
         raise ValueError(f"aux_grads must be True, False or 'rank', got {aux_grads!r}")
@@ -799,7 +813,57 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
     before = _traffic_before(group)
     call, (grads, dsinks) = _run(group, q, prepare, compute)
     res = call.backward_results(grads, aux_grads, dsinks)
-    return res + (group.traffic.since(before),) if return_stats else res
+    return res + (_stats(group, before, chosen),) if return_stats else res
+
+
+def _stats(group, before, chosen) -> dict:
+    """A call's bytes per level, and under `"auto"` what `method="auto"` chose and why."""
+    out = group.traffic.since(before)
+    if chosen.get("auto"):
+        out["auto"] = chosen["auto"]
+    return out
+
+
+_LOG = logging.getLogger("varlen.comm")
+
+
+def _auto(method, ulysses_size, q, k, v, part, group, mask, cluster):
+    """`(method, ulysses_size, choice)`: for `method="auto"` what the cost model
+    (`varlen.comm.model.choose`) predicts fastest on this partition and group, said once in a
+    log line (kept on the partition: the same call chooses the same without recomputing);
+    other methods as they are, choice None."""
+    if method != "auto":
+        return method, ulysses_size, None
+    if ulysses_size is not None:
+        raise ValueError("method='auto' chooses ulysses_size itself; pass neither or a method")
+    if isinstance(cluster, str):
+        if cluster not in PRESETS:
+            raise ValueError(f"cluster={cluster!r} is not a preset ({', '.join(PRESETS)}); pass "
+                             f"one or a varlen.comm.model.Cluster")
+        cluster = PRESETS[cluster]
+    elif cluster is None:           # the H100 preset's links, the group's nodes
+        n = group.gpus_per_node()
+        cluster = replace(PRESETS["h100"], gpus_per_node=n, name="the H100 preset's links")
+    elif not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a preset name or a varlen.comm.model.Cluster, got "
+                        f"{type(cluster).__name__}")
+    pq = part[0] if isinstance(part, (tuple, list)) else part
+    m = mask if isinstance(mask, str) else None       # other masks: costed as full
+    dtype = str(q.dtype).rsplit(".", 1)[-1]
+    key = (cluster, tuple(q.shape), tuple(k.shape), tuple(v.shape), dtype, m)
+    cache = pq.__dict__.setdefault("_auto_choices", {})
+    choice = cache.get(key)
+    if choice is None:
+        choice = choose(pq, heads_q=q.shape[1], heads_k=k.shape[1], head_dim=q.shape[2],
+                        head_dim_v=v.shape[2], dtype=dtype if dtype in ("float16", "float32",
+                                                                         "float64") else
+                        "bfloat16", mask=m, cluster=cluster)
+        cache[key] = choice
+        if group.rank == 0:
+            _LOG.info("method='auto' chose %s%s: %s", choice["method"],
+                      f" ulysses_size={choice['ulysses_size']}" if choice["ulysses_size"]
+                      else "", choice["why"])
+    return choice["method"], choice["ulysses_size"], choice
 
 
 def _traffic_before(group):

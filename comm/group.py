@@ -176,6 +176,11 @@ class Group:
             t = self.__dict__.setdefault("_traffic", Traffic())
         return t
 
+    def gpus_per_node(self) -> int:
+        """How many of the group's ranks share this rank's node (what `method="auto"` takes
+        as the node size; a collective where it needs one)."""
+        return self.size
+
     def _count(self, sent: int, received: int) -> None:
         self.traffic.add(self.level, sent, received)
 

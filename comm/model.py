@@ -15,18 +15,25 @@ in-process ranks and under mpiexec). It follows the methods step by step:
 * usp (`ulysses_size=u`): the Ulysses all-to-alls inside the node group (`"intra"`), the ring
   over the groups' rows of the rank's head slice across them (`"inter"`).
 
-`scripts/cp_model.py` builds the cost model (time per layer from these bytes, the links'
-bandwidths and the plans' tile counts) on top of it.
+On top of it the cost model (`predict`, `model`; `scripts/cp_model.py` is its command line,
+with the method in its docstring): time per layer from these bytes, the links' bandwidths and
+latencies, and the plans' tile counts; `choose` is what `method="auto"` asks.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from varlen._validate import dtype_name
+from varlen.masks import Mask, as_mask
+from varlen.plan import build_plan
 
-__all__ = ["call_traffic", "ITEMSIZE"]
+from .partition import partition as make_partition
+
+__all__ = ["call_traffic", "ITEMSIZE", "Cluster", "PRESETS", "Batch", "predict", "model",
+           "lower_bound", "candidates", "choose"]
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -129,3 +136,276 @@ def call_traffic(parts, rank: int, method: str, *, heads_q: int, heads_k: int, h
     if sinks and backward and cp > 1:
         _add(d, "flat", (cp - 1) * Hq * acc)              # dsinks summed over the group
     return d
+
+
+# --------------------------------------------------------------------------------------------
+# The cost model
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cluster:
+    """Per GPU: `gpus_per_node`, attention TFLOP/s forward and backward, GB/s and latency (us)
+    of the links inside a node and between nodes."""
+
+    name: str
+    gpus_per_node: int = 8
+    tflops_fwd: float = 500.0
+    tflops_bwd: float = 400.0
+    intra_gbps: float = 450.0
+    intra_lat_us: float = 3.0
+    inter_gbps: float = 50.0
+    inter_lat_us: float = 8.0
+
+
+PRESETS = {"h100": Cluster("H100 SXM, 8 per node, NVLink 4 + NDR InfiniBand"),
+           "h200": Cluster("H200 SXM, 8 per node, NVLink 4 + NDR InfiniBand")}
+BLOCK = (128, 128)          # the tiles the cost is counted in (the sm_90a forward's)
+
+
+@dataclass(frozen=True)
+class Batch:
+    lengths: tuple
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    mask: object            # "causal", "full", "sliding:W", or a varlen.Mask of scalars
+
+    def mask_obj(self):
+        if isinstance(self.mask, Mask):
+            return self.mask
+        if self.mask in ("causal", "full"):
+            return as_mask(self.mask)
+        w = int(self.mask.split(":")[1])
+        return Mask(window_left=w, window_right=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Compute: tiles of the plans
+# --------------------------------------------------------------------------------------------
+
+def _tiles_by_owner(plan, rows_per_owner: int, owners: int) -> np.ndarray:
+    """Tiles `plan` visits, split by which block of `rows_per_owner` key rows (an owner: a
+    rank or a group) holds each key tile's first row."""
+    s = np.asarray(plan.q_sched).reshape(-1, 4)
+    begin, end = s[:, 0].astype(np.int64), s[:, 3].astype(np.int64)
+    keep = end > begin
+    begin, end = begin[keep], end[keep]
+    bn = plan.block_n
+    counts = np.zeros(owners, np.int64)
+    for o in range(owners):            # tiles whose first row lies in owner o's rows
+        lo = -(-(o * rows_per_owner) // bn)
+        hi = -(-((o + 1) * rows_per_owner) // bn)
+        counts[o] = np.clip(np.minimum(end, hi) - np.maximum(begin, lo), 0, None).sum()
+    return counts
+
+
+def _work(part, ranks, mask, owners_group: int = 1) -> dict:
+    """Per rank of `ranks` (or per group of `owners_group` ranks): tiles of its query rows
+    against each owner's key rows (`[owners]`)."""
+    bm, bn = BLOCK
+    keys = part.gathered_segments()
+    out = {}
+    u = owners_group
+    for r in ranks:
+        g = r // u
+        q = part.gathered_segments(range(g * u, g * u + u))
+        plan = build_plan(q, keys, mask, block_m=bm, block_n=bn)
+        out[r] = _tiles_by_owner(plan, u * part.local_rows, part.cp_size // u)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Time
+# --------------------------------------------------------------------------------------------
+
+def _link(cl: Cluster, span: int):
+    """`(GB/s, latency s)` of a ring or collective over `span` consecutive ranks: the slowest
+    link's."""
+    if span > cl.gpus_per_node:
+        return cl.inter_gbps * 1e9, cl.inter_lat_us * 1e-6
+    return cl.intra_gbps * 1e9, cl.intra_lat_us * 1e-6
+
+
+def _a2a_time(cl: Cluster, n: int, moved: int) -> float:
+    """An all-to-all over `n` consecutive ranks moving `moved` bytes each way per rank."""
+    if n <= 1 or not moved:
+        return 0.0
+    on_node = min(n, cl.gpus_per_node) - 1
+    intra = moved * on_node / (n - 1)
+    inter = moved - intra
+    t = intra / (cl.intra_gbps * 1e9) + cl.intra_lat_us * 1e-6
+    if inter:
+        t = max(t, inter / (cl.inter_gbps * 1e9) + cl.inter_lat_us * 1e-6)
+    return t
+
+
+def _tile_seconds(b: Batch, heads: float, tflops: float, backward: bool) -> float:
+    bm, bn = BLOCK
+    flops = 2.0 * bm * bn * (b.head_dim + b.head_dim_v) * heads * (2.5 if backward else 1.0)
+    return flops / (tflops * 1e12)
+
+
+def _ring_time(step_tiles, step_bytes, tile_s, bw, lat) -> float:
+    """Steps of a ring: each takes the longer of its kernels and the next step's transfer."""
+    t = 0.0
+    for s, tiles in enumerate(step_tiles):
+        moved = step_bytes[s] if s + 1 < len(step_tiles) else 0
+        t += max(tiles * tile_s, moved / bw + lat if moved else 0.0)   # nothing posted: free
+    return t
+
+
+def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | None,
+            work_cache: dict, part=None) -> dict:
+    """Forward and backward seconds per layer (the busiest sampled rank) and its bytes."""
+    cu = np.concatenate([[0], np.cumsum(b.lengths)]).astype(np.int32)
+    key = (cp, scheme)
+    if key not in work_cache:
+        kw = {}
+        if scheme.startswith("document"):       # "document/n": documents over T / (n cp) split
+            n = int(scheme.split("/")[1])
+            kw = dict(max_doc_len=max(1, int(np.ceil(sum(b.lengths) / cp / n))))
+        if part is None:
+            part = make_partition(cu, cp, scheme.split("/")[0], **kw)
+        ranks = list(range(cp)) if cp <= 16 else sorted(set(np.linspace(0, cp - 1, 8)
+                                                              .astype(int).tolist()))
+        work_cache[key] = (part, ranks, {})
+    part, ranks, works = work_cache[key]
+    mask = b.mask_obj()
+    isz, acc = ITEMSIZE[b.dtype], 8 if b.dtype == "float64" else 4
+    shape = dict(heads_q=b.heads_q, heads_k=b.heads_k, head_dim=b.head_dim,
+                 head_dim_v=b.head_dim_v, dtype=b.dtype)
+    res = {"fwd": 0.0, "bwd": 0.0, "inter_bytes": 0, "bytes": 0}
+    for backward in (False, True):
+        tflops = cl.tflops_bwd if backward else cl.tflops_fwd
+        worst = 0.0
+        for r in ranks:
+            t = call_traffic(part, r, method, backward=backward, ulysses_size=u, **shape)
+            moved = sum(v["sent"] for v in t.values())
+            inter_moved = 0
+            if method in ("ring", "allgather"):
+                if 1 not in works:
+                    works[1] = _work(part, ranks, mask)
+                wk = works[1][r]
+                tile_s = _tile_seconds(b, b.heads_q, tflops, backward)
+                bw, lat = _link(cl, cp)
+                if method == "ring":
+                    if scheme.startswith("document"):
+                        steps = [part.ring_count(r, (r + s) % cp) if s else 0
+                                 for s in range(1, cp + 1)]
+                        row = b.heads_k * (b.head_dim + b.head_dim_v)
+                        step_bytes = [n * row * (isz + (acc if backward else 0))
+                                      for n in steps]
+                    else:
+                        kv = part.local_rows * b.heads_k * (b.head_dim + b.head_dim_v)
+                        step_bytes = [kv * (isz + (acc if backward else 0))] * cp
+                    tiles = [wk[(r - s) % cp] for s in range(cp)]
+                    sec = _ring_time(tiles, step_bytes, tile_s, bw, lat)
+                else:
+                    sec = moved / bw + (cp - 1) * lat + wk.sum() * tile_s
+                inter_moved = moved if cp > cl.gpus_per_node and (
+                    method == "allgather" or (r + 1) % cl.gpus_per_node == 0) else 0
+            elif method == "ulysses":
+                if "all" not in works:
+                    works["all"] = _work(part, [0], mask, owners_group=cp)[0]
+                wk = works["all"]
+                sec = _a2a_time(cl, cp, moved) + wk.sum() * _tile_seconds(
+                    b, b.heads_q / cp, tflops, backward)
+                on_node = min(cp, cl.gpus_per_node) - 1
+                inter_moved = moved - moved * on_node // max(cp - 1, 1)
+            else:                                           # usp
+                r_groups = cp // u
+                if ("usp", u) not in works:
+                    works[("usp", u)] = _work(part, ranks, mask, owners_group=u)
+                wk = works[("usp", u)][r]
+                tile_s = _tile_seconds(b, b.heads_q / u, tflops, backward)
+                intra = t.get("intra", {"sent": 0})["sent"]
+                inter = t.get("inter", {"sent": 0})["sent"]
+                bw, lat = _link(cl, cp) if r_groups > 1 else (1.0, 0.0)
+                hop = inter / max(r_groups - 1, 1) if not backward else 0
+                if backward:        # K/V hops (r - 1) and dK/dV hops (r): per step
+                    heads = b.heads_k * (u // math.gcd(b.heads_k, u)) // u
+                    kvb = u * part.local_rows * heads * (b.head_dim + b.head_dim_v)
+                    hop = kvb * (isz + acc)
+                g = r // u
+                tiles = [wk[(g - s) % r_groups] for s in range(r_groups)]
+                sec = _a2a_time(cl, u, intra) + _ring_time(tiles, [hop] * r_groups, tile_s,
+                                                           bw, lat)
+                inter_moved = inter if cp > cl.gpus_per_node else 0
+            worst = max(worst, sec)
+            res["inter_bytes"] = max(res["inter_bytes"], inter_moved)
+            res["bytes"] = max(res["bytes"], moved)
+        res["bwd" if backward else "fwd"] = worst
+    return res
+
+
+def lower_bound(cl: Cluster, b: Batch, cp: int, work_cache: dict) -> dict:
+    """The batch's tiles over cp ranks, no communication."""
+    cu = np.concatenate([[0], np.cumsum(b.lengths)]).astype(np.int32)
+    part = make_partition(cu, 1, "contiguous")          # one segment per document
+    key = ("whole",)
+    if key not in work_cache:
+        work_cache[key] = int(_work(part, [0], b.mask_obj())[0].sum())
+    tiles = work_cache[key]
+    return {ph: tiles * _tile_seconds(b, b.heads_q, t, ph == "bwd") / cp
+            for ph, t in (("fwd", cl.tflops_fwd), ("bwd", cl.tflops_bwd))}
+
+
+def candidates(cl: Cluster, b: Batch, cp: int) -> list:
+    out = [("ring", None), ("allgather", None)]
+    if b.heads_q % cp == 0:
+        out.append(("ulysses", None))
+    for u in range(2, min(cl.gpus_per_node, cp) + 1):
+        if cp % u == 0 and b.heads_q % u == 0 and u < cp:
+            out.append(("usp", u))
+    return out
+
+
+# The document scheme with documents longer than T / (n cp) split, for n of 2, 4, 8: fewer
+# splits exchange less, more splits balance the ranks better.
+SCHEMES = ("zigzag", "document/2", "document/4", "document/8")
+
+
+def model(cl: Cluster, b: Batch, cps, schemes=SCHEMES) -> dict:
+    rows = []
+    cache = {}
+    for cp in cps:
+        lb = lower_bound(cl, b, cp, cache)
+        for method, u in candidates(cl, b, cp):
+            for scheme in schemes:
+                p = predict(cl, b, cp, method, scheme, u, cache)
+                rows.append(dict(cp=cp, method=method, ulysses_size=u, scheme=scheme, **p,
+                                 total=p["fwd"] + p["bwd"],
+                                 lower_bound=lb["fwd"] + lb["bwd"]))
+        for key in [k for k in cache if k[0] == cp]:     # keep the memory of one cp at a time
+            del cache[key]
+    return {"cluster": asdict(cl), "batch": asdict(b), "rows": rows}
+
+
+
+
+def choose(part, *, heads_q: int, heads_k: int, head_dim: int, head_dim_v: int, dtype: str,
+           mask, cluster: Cluster, cache: dict | None = None) -> dict:
+    """What `method="auto"` runs on partition `part` (its scheme is the caller's): the
+    candidate with the least predicted forward + backward time per layer. Returns
+    `{"method", "ulysses_size", "predicted_ms", "why"}`; `mask` a mask name, a `varlen.Mask`
+    of scalars, or None for full."""
+    lengths = tuple(int(x) for x in np.asarray(part.seqlens).tolist())
+    b = Batch(lengths, int(heads_q), int(heads_k), int(head_dim), int(head_dim_v), dtype,
+              "full" if mask is None else as_mask(mask))
+    cache = {} if cache is None else cache
+    cp = part.cp_size
+    options = []
+    for method, u in candidates(cluster, b, cp):
+        p = predict(cluster, b, cp, method, part.scheme, u, cache, part=part)
+        options.append((p["fwd"] + p["bwd"], method, u, p))
+    options.sort(key=lambda o: o[0])
+    t, method, u, p = options[0]
+    others = ", ".join(f"{m}{f'({v})' if v else ''} {1e3 * o:.2f} ms"
+                       for o, m, v, _ in options[1:4])
+    why = (f"predicted {1e3 * t:.2f} ms per layer (forward + backward) on "
+           f"{cluster.name} with {cluster.gpus_per_node} GPUs per node for cp={cp}, "
+           f"{part.scheme} partition; next: {others or 'none'}")
+    return {"method": method, "ulysses_size": u, "predicted_ms": float(1e3 * t), "why": why}
+

@@ -179,6 +179,14 @@ class MpiGroup(Group):
     def barrier(self):
         self._allgather(np.zeros(1, np.uint8), what="barrier")
 
+    def gpus_per_node(self) -> int:
+        n = self.__dict__.get("_node_size")
+        if n is None:
+            node = self.comm.Split_type(self._MPI.COMM_TYPE_SHARED)
+            n = self._node_size = node.Get_size()
+            node.Free()
+        return n
+
     def _subgroup(self, groups, mine):
         sub = self.comm.Split(mine, groups[mine].index(self.rank))
         return MpiGroup(sub, cuda_aware=self.cuda_aware, timeout=self.timeout)

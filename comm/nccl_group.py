@@ -141,6 +141,9 @@ class NcclGroup(Group):
     def barrier(self):
         self._host.barrier()
 
+    def gpus_per_node(self) -> int:
+        return self._host.gpus_per_node()
+
     def _subgroup(self, groups, mine):
         sub = self._host.comm.Split(mine, groups[mine].index(self.rank))
         return NcclGroup(sub, device=self.device, timeout=self._host.timeout)

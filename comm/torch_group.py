@@ -102,6 +102,10 @@ class TorchGroup(Group):
     def barrier(self):
         self._allgather(np.zeros(1, np.uint8))
 
+    def gpus_per_node(self) -> int:
+        import os
+        return min(self.size, int(os.environ.get("LOCAL_WORLD_SIZE", self.size)))
+
     def _subgroup(self, groups, mine):
         # every rank makes every subgroup, in the same order (torch.distributed's rule)
         pgs = [self._dist.new_group([self._global[r] for r in g]) for g in groups]
