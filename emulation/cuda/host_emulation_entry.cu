@@ -1,5 +1,6 @@
 // Host-emulation entry points (see host_emulation.cuh): one variant per build, chosen with
-// -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC= and the tiles of traits.tile_size
+// -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC= (-DEMU_DV=, head_dim_v, default
+// EMU_D) and the tiles of traits.tile_size
 // the launchers pass as template arguments, -DEMU_KN= -DEMU_STAGES= (the mma.sync forward's
 // key chunk and stages) -DEMU_KN90= (the sm_90a forward's key chunk). Compiled with g++ -x c++
 // -DVARLEN_HOST_EMULATION, never by NVRTC.
@@ -24,7 +25,10 @@
 namespace {
 
 using T = EMU_T;
-constexpr int D = EMU_D, BM = EMU_BM, BN = EMU_BN, BQ = EMU_BQ;
+#ifndef EMU_DV
+#define EMU_DV EMU_D
+#endif
+constexpr int D = EMU_D, BM = EMU_BM, BN = EMU_BN, BQ = EMU_BQ, DV = EMU_DV;
 constexpr int KN = EMU_KN, STAGES = EMU_STAGES, KN90 = EMU_KN90;
 constexpr bool SC = EMU_SC;
 
@@ -61,10 +65,11 @@ struct Kernel {
 };
 
 const Kernel KERNELS[] = {
-    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC, KN, STAGES>),
-    VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D>),
-    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic", varlen_bwd_dkdv<T, D, BN, BQ, SC, true>),
-    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true>),
+    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC, KN, STAGES, DV>),
+    VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D, DV>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic",
+                      varlen_bwd_dkdv<T, D, BN, BQ, SC, true, false, DV>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true, DV>),
     VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T, D>),
     VARLEN_EMU_KERNEL("varlen_plan_scan", varlen_plan_scan),
     VARLEN_EMU_KERNEL("varlen_plan_tiles", varlen_plan_tiles),
