@@ -5,10 +5,11 @@
 // fragment read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP).
 // Q's fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
-// [KN][D+8] and V [KN][D+8] (V's first DV columns: head_dim_v <= D, out [Tq, Hq, DV]) (KN and STAGES from the launcher's tile_size: KN = 64, or 32 at
-// D >= 96, BM = 128 and at D > 128, where BM = 64 only; the chunks walk the plan's row
-// schedule, which does not depend on its key tile: a tile of BN = 128 keys is 2 or 4
-// chunks); K and V wait separately (KvPipeline), so Q K^T starts while V is in flight.
+// [KN][D+8] and V [KN][D+8] (V in its first DV columns: head_dim_v <= D, out [Tq, Hq, DV])
+// (KN and STAGES from the launcher's tile_size: KN = 64, or 32 at D >= 96, BM = 128 and at
+// D > 128, where BM = 64 only; the chunks walk the plan's row schedule, which does not depend
+// on its key tile: a tile of BN = 128 keys is 2 or 4 chunks); K and V wait separately
+// (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). With a mask_mod every chunk is partial, and one where no pair of the tile is visible
 // is skipped before it is loaded (block_sees_any, a block vote). A row that sees a NaN or

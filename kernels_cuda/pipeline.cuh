@@ -159,8 +159,8 @@ struct TileBlock {
     template <int ROWS, int D, int NUM_THREADS, int COLS = D, typename T>
     __device__ __forceinline__ void load_rows(T* s_dst, const T* base,
                                               const Strides& strides) const {
-        load_tile_async<ROWS, D, NUM_THREADS, COLS>(s_dst, head_rows(base, strides, i_head), tile.row,
-                                              tile.rows);
+        load_tile_async<ROWS, D, NUM_THREADS, COLS>(s_dst, head_rows(base, strides, i_head),
+                                                    tile.row, tile.rows);
     }
 };
 

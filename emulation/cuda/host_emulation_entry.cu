@@ -117,19 +117,20 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
     std::memcpy(out, v, sizeof(v));
 }
 
-// The sm_90a forward (fwd_sm90.cuh), in variants it supports (D of 64, 128 or 256, BM of 64 or
-// 128; query heads packed 1, 2, 4 or 8 per position, `_pack` P: BM the kernel's rows, BM / P
-// the plan's query tile), the sm_90a dK/dV kernel (bwd_sm90.cuh: key tiles of 64 or 128 at
+// The sm_90a forward (fwd_sm90.cuh), in variants it supports (D of 64, 128 or 256, and 192 with
+// DV = 128; BM of 64 or 128; query heads packed 1, 2, 4 or 8 per position, `_pack` P: BM the
+// kernel's rows, BM / P the plan's query tile), the sm_90a dK/dV kernel (bwd_sm90.cuh: key tiles of 64 or 128 at
 // D = 64 and 128, of 64 at D = 256), and the tensor maps their launchers pass
 // (varlen/backends/_cupy_sm90.py): entry points of their own, so that the table above stays
 // that of the mma.sync kernels.
-#if (EMU_D == 64 || EMU_D == 128 || EMU_D == 256) && (EMU_BM == 64 || EMU_BM == 128)
+#if (EMU_D == 64 || EMU_D == 128 || EMU_D == 256 || (EMU_D == 192 && EMU_DV == 128)) && \
+    (EMU_BM == 64 || EMU_BM == 128) && EMU_DV % 64 == 0
 namespace {
 const Kernel SM90_KERNELS[] = {
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 1>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack2", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 2>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack4", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 4>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack8", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 8>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 1, DV>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack2", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 2, DV>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack4", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 4, DV>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack8", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 8, DV>),
 // (not in a build with a call's mask_mod or score_mod: the sm_90a backward runs neither)
 #if ((EMU_D <= 128 && EMU_BN <= 128) || (EMU_D == 256 && EMU_BN == 64)) && !VARLEN_HAS_MODS_BUILD
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90", varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, false>),

@@ -32,8 +32,9 @@ import functools
 
 from ...plan import Plan
 from ..base import Backend
-from .traits import (BLOCKS, DTYPES, HEAD_DIMS, SM90_COMPUTE_CAPABILITY, SM90_HEAD_DIMS,
-                     DeviceInfo, default_blocks, head_dim_v_refusal, smem_refusal,
+from .traits import (BLOCKS, DTYPES, HEAD_DIMS, SM90_COMPUTE_CAPABILITY,
+                     SM90_FWD_HEAD_DIM_V_PAIRS, SM90_HEAD_DIMS, DeviceInfo, default_blocks,
+                     head_dim_v_refusal, sm90_backward_refusal, smem_refusal,
                      unsupported_device)
 
 __all__ = ["BACKEND", "CupyBackend", "MmaImplementation", "Sm90aImplementation", "DeviceInfo",
@@ -193,7 +194,7 @@ class MmaImplementation(_CupyBase):
                 return f"deterministic=True runs a kernel that does not fit: {why}"
         return None
 
-    def runs(self, kind: str, plan, q, softcap: float) -> str | None:
+    def runs(self, kind: str, plan, q, softcap: float, v=None) -> str | None:
         """None when this implementation runs pass `kind` of a call with `plan`."""
         return None
 
@@ -240,7 +241,13 @@ class Sm90aImplementation(_CupyBase):
     default_eligible = False
 
     def supports(self, call):
-        why = self._common_refusal(call, SM90_HEAD_DIMS)
+        """Its forward also takes the pairs of `traits.SM90_FWD_HEAD_DIM_V_PAIRS` (D = 192 with
+        head_dim_v = 128), its backward head_dim_v == head_dim only."""
+        pair = (call.head_dim, call.head_dim_v)
+        why = self._common_refusal(call, SM90_HEAD_DIMS if pair not in
+                                   SM90_FWD_HEAD_DIM_V_PAIRS else (call.head_dim,))
+        if why is None and getattr(call, "grads", None) is not None:
+            why = sm90_backward_refusal(*pair)
         if why:
             return why
         device, why = self.device()
@@ -251,15 +258,15 @@ class Sm90aImplementation(_CupyBase):
                     f"compute capability 9.0 only (H100/H200)")
         return None
 
-    def runs(self, kind: str, plan, q, softcap: float) -> str | None:
-        """None when this implementation has a variant for pass `kind` of a call with `plan`,
-        else why not."""
+    def runs(self, kind: str, plan, q, softcap: float, v=None) -> str | None:
+        """None when this implementation has a variant for pass `kind` of a call with `plan`
+        (and values `v`: head_dim_v; None: q's head dim), else why not."""
         from . import sm90
         try:
             if kind == "fwd":
-                sm90.fwd_spec_for(plan, q, softcap)
+                sm90.fwd_spec_for(plan, q, softcap, v=v)
             else:
-                sm90.bwd_spec_for(plan, q, softcap)
+                sm90.bwd_spec_for(plan, q, softcap, v=v)
         except ValueError as e:
             return str(e)
         return None
@@ -276,7 +283,8 @@ class Sm90aImplementation(_CupyBase):
         (`sm90.backward`). It runs no mask_mod or score_mod (`supports_mods` refuses them)."""
         from . import sm90
         from .mods import refusal
-        why = refusal(mods, impl=self.IMPL, backward=True)
+        why = refusal(mods, impl=self.IMPL, backward=True) or sm90_backward_refusal(
+            int(q.shape[2]), int(v.shape[2]))
         if why:
             raise ValueError(f"backend {self.name!r} cannot run this backward: {why}")
         return sm90.backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
@@ -319,7 +327,7 @@ class CupyBackend(_CupyBase):
         default-eligible one that has a variant for it (the last one otherwise)."""
         probe = _Probe(q, on_device=True, mods=mods, backward=kind == "bwd", v=v)
         for impl in self.implementations[:-1]:
-            if impl.default_eligible and impl.runs(kind, plan, q, softcap) is None and \
+            if impl.default_eligible and impl.runs(kind, plan, q, softcap, v) is None and \
                     impl.supports(probe) is None and impl.supports_mods(probe) is None:
                 return impl
         return self.implementations[-1]
