@@ -119,8 +119,8 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
 
 // The sm_90a forward (fwd_sm90.cuh), in variants it supports (D of 64, 128 or 256, and 192 with
 // DV = 128; BM of 64 or 128; query heads packed 1, 2, 4 or 8 per position, `_pack` P: BM the
-// kernel's rows, BM / P the plan's query tile), the sm_90a dK/dV kernel (bwd_sm90.cuh: key tiles of 64 or 128 at
-// D = 64 and 128, of 64 at D = 256), and the tensor maps their launchers pass
+// kernel's rows, BM / P the plan's query tile), the sm_90a dK/dV kernel (bwd_sm90.cuh: key
+// tiles of 64 or 128 at D = 64 and 128, of 64 at D = 256), and the tensor maps their launchers pass
 // (varlen/backends/_cupy_sm90.py): entry points of their own, so that the table above stays
 // that of the mma.sync kernels.
 #if (EMU_D == 64 || EMU_D == 128 || EMU_D == 256 || (EMU_D == 192 && EMU_DV == 128)) && \

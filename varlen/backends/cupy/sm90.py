@@ -491,8 +491,9 @@ def warm(workers: int, specs=None) -> int:
 def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | None = None,
             mods=None):
     """`out [Tq, Hq, Dv]` (q's dtype, pad rows 0; Dv = v.shape[2]) and `lse [Hq, Tq]`
-    (float32, pad rows -inf), as `mma.forward`, by the sm_90a kernel: one launch of `persistent_grid` blocks over
-    num_q_tiles x Hq / pack work items, no fill (the blocks also write the rows of no tile).
+    (float32, pad rows -inf), as `mma.forward`, by the sm_90a kernel: one launch of
+    `persistent_grid` blocks over num_q_tiles x Hq / pack work items, no fill (the blocks also
+    write the rows of no tile).
     `pack`: query heads per position in a tile (`pack_for`; None: `choose_pack`). q, k and v
     are read where they lie (`launch.data` with the tensor maps' rules). `mods`: the call's
     mask_mod and score_mod, as in `mma.forward` (a packed row's score_mod sees its own head)."""
