@@ -108,8 +108,8 @@ def head_dim_v_cases():
         dict(label="B4-gqa-perseq-softcap-bf16-D192-Dv128", lengths_q=[5, 0, 40, 1],
              lengths_k=[70, 3, 0, 1], Hq=2, Hk=1, D=192, Dv=128, dtype="bfloat16",
              mask=per_seq, gaps=True, softcap=5.0, block_m=64, garbage=np.nan),
-        dict(label="B4-gqa-perseq-bf16-D128-Dv64-BN128", lengths_q=[1, 100, 0, 9],
-             lengths_k=[1, 130, 4, 0], Hq=2, Hk=1, D=128, Dv=64, dtype="bfloat16",
+        dict(label="B4-gqa-perseq-bf16-D128-Dv64-BN128", lengths_q=[1, 70, 0, 9],
+             lengths_k=[1, 90, 4, 0], Hq=2, Hk=1, D=128, Dv=64, dtype="bfloat16",
              mask=per_seq, gaps=True, softcap=0.0, block_m=128, block_n=128),
     ]
 
