@@ -97,7 +97,8 @@ struct DkdvConfig {
     static_assert(NUM_WARPS % DQ_GROUPS == 0 && D % (DQ_COLS * DQ_SPLIT) == 0,
                   "every warp takes an equal part of dQ: whole row groups, whole column slices");
     static_assert(DC % 16 == 0 && DVC % 16 == 0, "whole pairs of n-blocks per part");
-    static_assert(DV <= D, "V and dO of DV <= D columns, in the stages of K and Q");
+    static_assert(DV <= D && (DV == D || D < 8 * DV), "V and dO of DV <= D columns, in the "
+                  "stages of K and Q; a K chunk's NaN marks a V column of its own (D / DV < 8)");
     static_assert(BQ % BQ_REG == 0 && BQ_REG % 16 == 0, "whole register tiles of k-steps");
 };
 
@@ -318,10 +319,13 @@ varlen_bwd_dkdv(const BwdParams params) {
                     // K is the right-hand factor of dQ += dS K: a NaN or inf in a key row moves
                     // to its V row, which meets queries only in dP^T = V dO^T, pair by pair.
                     // This thread's own K and V copies (the first group): no barrier needed.
+                    // With DV < D a thread's K chunks are not its V chunks: a barrier first (every
+                    // V copy landed), and K's chunk col marks V column col % DV + col / DV
+                    // (col a multiple of 8, D / DV < 8: one writer per element).
+                    if constexpr (DV != D) __syncthreads();
                     zero_nonfinite_chunks<BN, D, Cfg::NUM_THREADS>(smem.k, b.tile.rows,
                                                                    [&](int r, int col) {
-                        // (a column of V's DV: col itself unless DV < D)
-                        smem.v[r * Cfg::STRIDE + (DV == D ? col : col % DV)] =
+                        smem.v[r * Cfg::STRIDE + (DV == D ? col : col % DV + col / DV)] =
                             ElemTraits<T>::from_float(nan_f());
                     });
                 }

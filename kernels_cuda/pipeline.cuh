@@ -197,8 +197,11 @@ struct KvStages {
     // On a partially masked chunk, where hidden pairs have P = 0: a NaN or inf in this thread's
     // chunks of V (the right-hand factor of P V) is zeroed and handed on as a NaN in K, which
     // meets the key row only in Q K^T, one pair at a time: exactly the rows that see the key are
-    // flagged, the others select it away. Call it in for_each_chunk's `own` step.
+    // flagged, the others select it away. Call it in for_each_chunk's `own` step, every thread
+    // alike. With DV < D a thread's V chunks are not its K chunks: a barrier first, so that
+    // every K copy of the chunk has landed before a NaN is written into it.
     __device__ __forceinline__ void zero_nonfinite(const Chunk& c, int stage) const {
+        if constexpr (DV != D) __syncthreads();
         T* s_to = s_k + stage * STAGE_ELEMS;
         zero_nonfinite_chunks<BN, D, NUM_THREADS, DV>(s_v + stage * STAGE_ELEMS, c.rows,
                                                   [&](int r, int col) {
