@@ -40,7 +40,8 @@ def cases(quick: bool):
             dict(label="B3-mqa-causal_br-fp16-D128", lengths_q=[1, 97, 113],
                  lengths_k=[30, 3, 200], Hq=2, Hk=1, D=128, dtype="float16",
                  mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64),
-            *default_variant_cases(), *wide_head_dim_cases(), *wide_key_tile_cases()]
+            *default_variant_cases(), *wide_head_dim_cases(), *wide_key_tile_cases(),
+            *head_dim_v_cases()]
 
 
 def wide_key_tile_cases():
@@ -86,6 +87,30 @@ def wide_head_dim_cases():
         dict(label="B3-perseq-softcap-fp16-D192", lengths_q=[0, 1, 70, 9, 33],
              lengths_k=[2, 1, 66, 4, 0], Hq=1, Hk=1, D=192, dtype="float16", mask=per_seq,
              softcap=3.0, **base),
+    ]
+
+
+def head_dim_v_cases():
+    """head_dim_v < head_dim (multi-head latent attention), the pairs of
+    traits.HEAD_DIM_V_PAIRS: 192 / 128 in both dtypes (tiles (64, 64): the forward's V and O of
+    128 columns in rows of 192, dK/dV in two passes of 96 dK and 64 dV columns), one with a
+    softcap, and 128 / 64 on the default tiles (128, 128) (dK/dV on 8 warps, query chunks of
+    64 in two register tiles). Zero- and one-row sequences, a sequence of keys without queries
+    and one of queries without keys, lengths that are no multiple of a tile, pad gaps, GQA,
+    per-sequence and causal masks; small."""
+    per_seq = Mask(window_left=np.array([-1, 3, -1, 0], np.int32),
+                   window_right=np.array([0, -1, 5, 0], np.int32),
+                   bottom_right=np.array([0, 0, 1, 1], np.int32))
+    return [
+        dict(label="B3-gqa-causal_br-fp16-D192-Dv128", lengths_q=[0, 1, 70],
+             lengths_k=[3, 1, 67], Hq=2, Hk=1, D=192, Dv=128, dtype="float16",
+             mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64),
+        dict(label="B4-gqa-perseq-softcap-bf16-D192-Dv128", lengths_q=[5, 0, 40, 1],
+             lengths_k=[70, 3, 0, 1], Hq=2, Hk=1, D=192, Dv=128, dtype="bfloat16",
+             mask=per_seq, gaps=True, softcap=5.0, block_m=64, garbage=np.nan),
+        dict(label="B4-gqa-perseq-bf16-D128-Dv64-BN128", lengths_q=[1, 70, 0, 9],
+             lengths_k=[1, 90, 4, 0], Hq=2, Hk=1, D=128, Dv=64, dtype="bfloat16",
+             mask=per_seq, gaps=True, softcap=0.0, block_m=128, block_n=128),
     ]
 
 

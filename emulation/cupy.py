@@ -126,32 +126,34 @@ def _compile_command(source, out, flags, source_dir, defines=()):
             f"-I{EMULATION_DIR}", *defines, source, "-o", out]
 
 
-def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None, prelude=""):
+def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None, prelude="", DV=None):
     """The library of variant (T, D, BM, BN, BQ, SC): every kernel's entry point, with the
     tiles the launchers pass as template arguments (None: `traits.tile_size`'s): `KN` and
     `STAGES` of the mma.sync forward, `KN90` of the sm_90a forward. `prelude`: what a module's
     source puts ahead of the kernels (a call's generated mask_mod and score_mod,
-    `varlen.backends.cupy.mods`), included first."""
+    `varlen.backends.cupy.mods`), included first. `DV`: head_dim_v (None: D)."""
     race, schedule, seed, strict_banks, source_dir = _mode()
     mma = traits.tile_size("fwd", "mma", "float16", D, BM, BN)
     KN = mma.key_chunk if KN is None else KN
     STAGES = mma.stages if STAGES is None else STAGES
     KN90 = traits.tile_size("fwd", "sm90a", "float16", D, BM, BN).key_chunk if KN90 is None \
         else KN90
-    key = (T, D, BM, BN, BQ, SC, KN, STAGES, KN90, prelude, race, source_dir)
+    DV = D if DV is None else DV
+    key = (T, D, BM, BN, BQ, SC, KN, STAGES, KN90, prelude, race, source_dir, DV)
     if key not in _libs:
         if race and not tsan_loaded():
             raise RuntimeError("VARLEN_EMULATION_RACE=1 needs the ThreadSanitizer runtime "
                                f"preloaded: LD_PRELOAD={tsan_runtime()} (or use --race)")
         os.makedirs(BUILD_DIR, exist_ok=True)
         flags = TSAN_FLAGS if race else ()
-        tag = hashlib.sha256(f"{key[:10]}{flags}{_sources_hash(source_dir)}".encode())
+        dv_tag = "" if DV == D else f"DV{DV}"       # the D == DV libraries keep their tags
+        tag = hashlib.sha256(f"{key[:10]}{flags}{_sources_hash(source_dir)}{dv_tag}".encode())
         path = os.path.join(BUILD_DIR, f"varlen_emu_{tag.hexdigest()[:16]}.so")
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
             defines = (f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
                        f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}", f"-DEMU_KN={KN}",
-                       f"-DEMU_STAGES={STAGES}", f"-DEMU_KN90={KN90}")
+                       f"-DEMU_STAGES={STAGES}", f"-DEMU_KN90={KN90}", f"-DEMU_DV={DV}")
             if prelude:
                 header = f"{path[:-3]}_prelude.cuh"
                 with open(header, "w") as f:
@@ -193,7 +195,8 @@ class _Kernel:
 
     MAX_PARAMS = 32
 
-    def __init__(self, name: str, block_m: int, block_n: int = 64, prelude: str = ""):
+    def __init__(self, name: str, block_m: int, block_n: int = 64, prelude: str = "",
+                 dv: int | None = None):
         self.name = name
         self.prelude = prelude
         self.max_dynamic_shared_size_bytes = 0
@@ -205,21 +208,28 @@ class _Kernel:
         a = [x.strip() for x in args.split(",")]
         T, D, BM, BN, SC = a[0], 64, block_m, block_n, "false"
         tiles = {}
+        # head_dim_v: a trailing template argument where it differs from D, else the module's
+        # (`dv`: the dQ conversion, which has none, runs in the library of its module's DV)
         if kind == "varlen_fwd":
             D, BM, BN, SC = int(a[1]), int(a[2]), int(a[3]), a[4]
             tiles = dict(KN=int(a[5]), STAGES=int(a[6]))
+            dv = int(a[7]) if a[7:] else None
         elif kind == "varlen_bwd_dkdv":
             D, BN, SC = int(a[1]), int(a[2]), a[4]
             # ordered dQ (a 7th argument, true) is atomic dQ in a fixed order
-            kind += "_ordered" if a[6:] == ["true"] else "_atomic" if a[5] == "true" else ""
-        elif kind in ("varlen_bwd_preprocess", "varlen_bwd_dq_convert"):
+            kind += "_ordered" if a[6:7] == ["true"] else "_atomic" if a[5] == "true" else ""
+            dv = int(a[7]) if a[7:] else None
+        elif kind == "varlen_bwd_preprocess":
+            D = int(a[1])
+            dv = int(a[2]) if a[2:] else None
+        elif kind == "varlen_bwd_dq_convert":
             D = int(a[1])
         else:
             raise AssertionError(f"unknown kernel {name}")
         # the dK/dV kernel's query chunk everywhere, so that one library serves the variant
         bq = (int(a[3]) if kind.startswith("varlen_bwd_dkdv")
               else traits.tile_size("bwd", "mma", "float16", D, 64, BN).query_chunk)
-        self._bind(kind, T, D, BM, BN, bq, SC, **tiles)
+        self._bind(kind, T, D, BM, BN, bq, SC, DV=dv, **tiles)
 
     def _bind(self, kind, T, D, BM, BN, bq, SC, **tiles):
         """The entry point `kind` of the library of variant (T, D, BM, BN, bq, SC) (`tiles`:
@@ -386,7 +396,7 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
 
         def get_function(self, name):
             assert name in self.names, f"{name} is not among the name expressions"
-            return _Kernel(name, block_m, block_n, self.prelude)
+            return _Kernel(name, block_m, block_n, self.prelude, _module_dv(self.names))
 
     fake.RawModule = RawModule
     fake.logical_or = np.logical_or                  # varlen._device_errors.record
@@ -402,6 +412,16 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
     return fake
 
 
+def _module_dv(names) -> int | None:
+    """head_dim_v of a module of the mma.sync backward, from its preprocessing kernel's name
+    (`varlen_bwd_preprocess<T, D, DV>`; None: D)."""
+    for name in names:
+        m = re.fullmatch(r"varlen_bwd_preprocess<\w+, \d+, (\d+)>", name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
 def module_prelude(code: str) -> str:
     """What a module's source puts ahead of its `#include` of the kernels' entry file (a call's
     mask_mod and score_mod): "" for the kernels alone."""
@@ -410,16 +430,16 @@ def module_prelude(code: str) -> str:
 
 
 def run_case(label, lengths_q, lengths_k, *, Hq, Hk, D, dtype, mask, gaps, softcap, block_m,
-             block_n=64, garbage=1e4, seed=0):
+             block_n=64, garbage=1e4, seed=0, Dv=None):
     """Forward and both backward modes of one batch through the emulated kernels, checked
-    against the float64 reference; `garbage` fills the pad rows (make_batch). Raises
-    AssertionError on a mismatch."""
+    against the float64 reference; `garbage` fills the pad rows (make_batch); `Dv`: head_dim_v
+    (None: D). Raises AssertionError on a mismatch."""
     import varlen
     from varlen.backends.cupy import BACKEND
     from varlen.testing import check_against_reference, make_batch
     install_fake_cupy(block_m, block_n)
     rng = np.random.default_rng(seed)
-    b = make_batch(rng, lengths_q, lengths_k, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask,
+    b = make_batch(rng, lengths_q, lengths_k, Hq=Hq, Hk=Hk, D=D, Dv=Dv, dtype=dtype, mask=mask,
                    gaps=gaps, garbage=garbage)
     plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
                        mask=b.mask, num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],

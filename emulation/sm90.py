@@ -34,13 +34,13 @@ class EmulatedRuntime:
     @staticmethod
     def _build_args(spec) -> tuple:
         """`emulation.cupy._build`'s (type, D, BM, BN, BQ, softcap) of the build holding the
-        kernel of `spec`, and its tiles (the forward's key chunk)."""
+        kernel of `spec`, and its tiles (the forward's key chunk) and head_dim_v."""
         softcap = "true" if spec.softcap else "false"
         if isinstance(spec, sm90.BwdSpec):
             return (spec.ctype, spec.head_dim, 64, spec.block_n, spec.query_chunk, softcap), {}
         bq = 32 if spec.head_dim > 64 else 64
         return ((spec.ctype, spec.head_dim, spec.block_m, spec.block_n, bq, softcap),
-                dict(KN90=spec.key_chunk))
+                dict(KN90=spec.key_chunk, DV=spec.head_dim_v))
 
     @staticmethod
     def entry(spec) -> bytes:

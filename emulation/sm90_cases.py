@@ -129,6 +129,19 @@ FORWARD = {
         lengths_q=[20, 7, 1, 40], lengths_k=[20, 7, 1, 40], Hq=8, Hk=1, D=64,
         dtype="bfloat16", mask="causal", gaps=True, softcap=0.0, block_m=128, nan_in_pad=True,
         pack=8, ctas=2),
+    # head_dim_v < head_dim (multi-head latent attention): D = 192 (Q K^T over three boxes),
+    # V and out of 128 columns (two boxes, wgmma N = 128 for P V), key chunks of 64; a NaN in
+    # the last key of a sequence (a partial chunk: V's boxes sanitised), GQA, a sequence
+    # without queries, one of a single row
+    "B3-fp16-D192-Dv128-BM64-gqa-causal-nan-key": dict(
+        lengths_q=[1, 0, 70], lengths_k=[1, 3, 70], Hq=2, Hk=1, D=192, Dv=128,
+        dtype="float16", mask="causal_bottom_right", gaps=True, softcap=0.0, block_m=64,
+        nan_in_pad=True, nan={"v": (2, -1)}),
+    # the same in bfloat16 with a softcap, two query heads packed per position, two blocks
+    "G3-bf16-D192-Dv128-BM64-pack2-softcap-mixed": dict(
+        lengths_q=[9, 40, 1], lengths_k=[20, 70, 0], Hq=4, Hk=2, D=192, Dv=128,
+        dtype="bfloat16", mask=("mixed",), gaps=True, softcap=5.0, block_m=64,
+        nan_in_pad=True, pack=2, ctas=2),
 }
 
 BACKWARD = {
@@ -195,7 +208,8 @@ PACKED = "G6-fp16-D64-BM128-pack4-decode-nan-key"
 # the first case, both kinds (the sanitizer's, the smoke run's), and the quick run's: those, the
 # persistent loop and GQA packing
 FIRST = "B4-fp16-D64-BM64-causal-gaps-nan"
-QUICK = [(FIRST, "fwd"), (FIRST, "bwd"), (PERSISTENT, "fwd"), (PACKED, "fwd")]
+HEAD_DIM_V = "G3-bf16-D192-Dv128-BM64-pack2-softcap-mixed"
+QUICK = [(FIRST, "fwd"), (FIRST, "bwd"), (PERSISTENT, "fwd"), (PACKED, "fwd"), (HEAD_DIM_V, "fwd")]
 # the column of a row's NaN (`nan`), by tensor
 NAN_COLUMN = {"q": 11, "k": 3, "v": 3, "dout": 7}
 
@@ -227,7 +241,7 @@ def batch(c):
     """The packed batch of case `c`, NaN in it where the case says (q's NaN aside)."""
     from varlen.testing import covered_rows, make_batch
     b = make_batch(np.random.default_rng(0), c["lengths_q"], c["lengths_k"], Hq=c["Hq"],
-                   Hk=c["Hk"], D=c["D"], dtype=c["dtype"], mask=_mask(c["mask"],
+                   Hk=c["Hk"], D=c["D"], Dv=c.get("Dv"), dtype=c["dtype"], mask=_mask(c["mask"],
                                                                       len(c["lengths_q"])),
                    gaps=c["gaps"])
     if c["nan_in_pad"]:
@@ -296,7 +310,7 @@ def run_case(label: str, kind: str, device: bool = False) -> float:
         runtime = emulation.sm90.install(c.get("ctas", emulation.sm90.EMULATED_SM_COUNT))
     b = batch(c)
     plan = plan_of(c, b)
-    why = varlen.backends.get("cupy:sm90a").runs(kind, plan, b.q, c["softcap"])
+    why = varlen.backends.get("cupy:sm90a").runs(kind, plan, b.q, c["softcap"], b.v)
     assert why is None, f"{label}: cupy:sm90a has no {kind} variant for it: {why}"
     kw = dict(softmax_scale=1.0 / math.sqrt(c["D"]), softcap=c["softcap"])
     ref_out, ref_lse = (np.asarray(x) for x in b.ref_forward(**kw))

@@ -23,6 +23,9 @@
 // from the full S^T and dP^T (recomputed per pass, about 1.4 times the work at D = 256); dQ
 // (atomic or ordered) is added in the first pass only, and each pass writes its columns from
 // registers.
+// With head_dim_v DV < D (multi-head latent attention), V, dO and dV have DV columns: dP^T
+// contracts over DV, dV's accumulators take DV / D_PARTS columns; V and dO lie in the rows of
+// K and Q (D + 8), their first DV columns.
 // Shared memory: K, V [BN][D+8]; two stages of Q, dO [BQ][D+8] and lse2, delta [BQ] (all by
 // cp.async, one group per chunk); dS^T [BN][BQ+8] with ATOMIC_DQ.
 // A key row with a pair it sees holding a NaN or inf operand writes NaN to dK and dV, and that
@@ -40,9 +43,10 @@
 
 namespace varlen {
 
-template <int D_, int BN_, int BQ_, bool ATOMIC_DQ>
+template <int D_, int BN_, int BQ_, bool ATOMIC_DQ, int DV_ = D_>
 struct DkdvConfig {
     static constexpr int D = D_;
+    static constexpr int DV = DV_;       // head_dim_v: columns of V, dO and dV (in tiles of D)
     static constexpr int BN = BN_;
     static constexpr int BQ = BQ_;
     static constexpr int NUM_WARPS = BN / WARP_ROWS;
@@ -68,6 +72,7 @@ struct DkdvConfig {
     // through shared memory in the last pass only spilled 8 bytes on sm_80 at D = 256).
     static constexpr int D_PARTS = D > 128 ? 2 : 1;
     static constexpr int DC = D / D_PARTS;
+    static constexpr int DVC = DV / D_PARTS;     // dV's columns per pass
     // Ordered dQ hands its turn on by storing rank + 1, the rank kept in a register (4 warps up
     // to D = 128), or by a release increment (bwd_dq_ordered.cuh): whichever ptxas allocates
     // without a spill.
@@ -91,7 +96,9 @@ struct DkdvConfig {
     static_assert(D % 16 == 0, "head dim in k-steps of 16");
     static_assert(NUM_WARPS % DQ_GROUPS == 0 && D % (DQ_COLS * DQ_SPLIT) == 0,
                   "every warp takes an equal part of dQ: whole row groups, whole column slices");
-    static_assert(DC % 16 == 0, "whole pairs of n-blocks per part");
+    static_assert(DC % 16 == 0 && DVC % 16 == 0, "whole pairs of n-blocks per part");
+    static_assert(DV <= D && (DV == D || D < 8 * DV), "V and dO of DV <= D columns, in the "
+                  "stages of K and Q; a K chunk's NaN marks a V column of its own (D / DV < 8)");
     static_assert(BQ % BQ_REG == 0 && BQ_REG % 16 == 0, "whole register tiles of k-steps");
 };
 
@@ -135,7 +142,7 @@ struct QueryStages {
         load_tile_async<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(
             s.q + stage * STAGE_ELEMS,
             head_rows(static_cast<const T*>(params.q), params.q_strides, head), c.row, c.rows);
-        load_tile_async<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(
+        load_tile_async<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS, Cfg::DV>(
             s.dout + stage * STAGE_ELEMS,
             head_rows(static_cast<const T*>(params.dout), params.dout_strides, head), c.row,
             c.rows);
@@ -168,8 +175,8 @@ struct QueryStages {
         const auto flag = [&](int r, int) { atomicAdd(p_delta + r, nan_f()); };
         zero_nonfinite_chunks<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(s.q + stage * STAGE_ELEMS, c.rows,
                                                                  flag);
-        zero_nonfinite_chunks<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS>(s.dout + stage * STAGE_ELEMS,
-                                                                 c.rows, flag);
+        zero_nonfinite_chunks<Cfg::BQ, Cfg::D, Cfg::NUM_THREADS, Cfg::DV>(
+            s.dout + stage * STAGE_ELEMS, c.rows, flag);
     }
 
     __device__ __forceinline__ const T* q_at(int stage) const { return s.q + stage * STAGE_ELEMS; }
@@ -261,12 +268,13 @@ __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ_REG / 
 
 using namespace varlen;
 
+// DV: head_dim_v, the columns of V, dO and dV (DV < D: multi-head latent attention).
 template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ATOMIC_DQ,
-          bool ORDERED_DQ = false>
-__global__ void __launch_bounds__(DkdvConfig<D, BN, BQ, ATOMIC_DQ>::NUM_THREADS,
-                                  DkdvConfig<D, BN, BQ, ATOMIC_DQ>::MIN_BLOCKS)
+          bool ORDERED_DQ = false, int DV = D>
+__global__ void __launch_bounds__(DkdvConfig<D, BN, BQ, ATOMIC_DQ, DV>::NUM_THREADS,
+                                  DkdvConfig<D, BN, BQ, ATOMIC_DQ, DV>::MIN_BLOCKS)
 varlen_bwd_dkdv(const BwdParams params) {
-    using Cfg = DkdvConfig<D, BN, BQ, ATOMIC_DQ>;
+    using Cfg = DkdvConfig<D, BN, BQ, ATOMIC_DQ, DV>;
     static_assert(ATOMIC_DQ || !ORDERED_DQ, "ordered dQ is atomic dQ in a fixed order");
     const PlanView& plan = params.plan;
     const CallParams& call = params.call;
@@ -286,17 +294,21 @@ varlen_bwd_dkdv(const BwdParams params) {
     const DkdvSmem<T, Cfg> smem(smem_raw);
     const QueryStages<T, Cfg> qs{smem, params, b.i_khead * b.group};
     b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.k, static_cast<const T*>(params.k), params.k_strides);
-    b.load_rows<BN, D, Cfg::NUM_THREADS>(smem.v, static_cast<const T*>(params.v), params.v_strides);
+    b.load_rows<BN, D, Cfg::NUM_THREADS, DV>(smem.v, static_cast<const T*>(params.v),
+                                             params.v_strides);
     const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
     constexpr int DC = Cfg::DC;
+    constexpr int DVC = Cfg::DVC;
     bool first = true;
     #pragma unroll 1
     for (int part = 0; part < Cfg::D_PARTS; ++part) {
         const int col0 = part * DC;
         PartnerCursor<BQ> queries = query_cursor<BQ>(plan, b.i_tile, b.group);
-        // [16, DC] dK and dV accumulators of this warp's key rows, columns col0 ..
+        // [16, DC] dK and [16, DVC] dV accumulators of this warp's key rows, columns col0 ..
+        // and vcol0 ..
+        const int vcol0 = part * DVC;
         float acc_dk[DC / 8][4];
-        float acc_dv[DC / 8][4];
+        float acc_dv[DVC / 8][4];
         zero_acc(acc_dk);
         zero_acc(acc_dv);
         for_each_chunk(queries, [&](const Chunk& c, int stage) { qs.load(c, stage); },
@@ -307,9 +319,14 @@ varlen_bwd_dkdv(const BwdParams params) {
                     // K is the right-hand factor of dQ += dS K: a NaN or inf in a key row moves
                     // to its V row, which meets queries only in dP^T = V dO^T, pair by pair.
                     // This thread's own K and V copies (the first group): no barrier needed.
+                    // With DV < D a thread's K chunks are not its V chunks: a barrier first (every
+                    // V copy landed), and K's chunk col marks V column col % DV + col / DV
+                    // (col a multiple of 8, D / DV < 8: one writer per element).
+                    if constexpr (DV != D) __syncthreads();
                     zero_nonfinite_chunks<BN, D, Cfg::NUM_THREADS>(smem.k, b.tile.rows,
                                                                    [&](int r, int col) {
-                        smem.v[r * Cfg::STRIDE + col] = ElemTraits<T>::from_float(nan_f());
+                        smem.v[r * Cfg::STRIDE + (DV == D ? col : col % DV + col / DV)] =
+                            ElemTraits<T>::from_float(nan_f());
                     });
                 }
             }
@@ -337,9 +354,9 @@ varlen_bwd_dkdv(const BwdParams params) {
                 TileMask<true> mask = key_rows_mask<BN>(pol, b.tile, w, cols, &params.mods,
                                                         qs.head0 + c.head);
                 mask.aux_grads = part == 0;     // once per pair, whatever D_PARTS
-                recompute_p_ds<HAS_SOFTCAP, T, D>(acc_s, acc_dp, smem.k, smem.v, s_q, s_do,
+                recompute_p_ds<HAS_SOFTCAP, T, D, DV>(acc_s, acc_dp, smem.k, smem.v, s_q, s_do,
                                                   mask, stats, call, w);
-                gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dv, acc_s, s_do + col0, w.lane);
+                gemm_pb<T, DVC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dv, acc_s, s_do + vcol0, w.lane);
                 gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dk, acc_dp, s_q + col0, w.lane);
                 if constexpr (ATOMIC_DQ && Cfg::SUBTILES > 1) {
                     // these columns of dS^T to shared memory for the dQ phase: s_ds was
@@ -369,7 +386,7 @@ varlen_bwd_dkdv(const BwdParams params) {
         HeadRows<T> dk_rows = head_rows(static_cast<T*>(params.dk), params.dk_strides, b.i_head);
         HeadRows<T> dv_rows = head_rows(static_cast<T*>(params.dv), params.dv_strides, b.i_head);
         dk_rows.p += col0;
-        dv_rows.p += col0;
+        dv_rows.p += vcol0;
         if constexpr (Cfg::D_PARTS > 1) {
             store_fragments(acc_dk, dk_rows, b.tile.row + w.row0, b.tile.rows - w.row0, w.lane);
             store_fragments(acc_dv, dv_rows, b.tile.row + w.row0, b.tile.rows - w.row0, w.lane);
@@ -378,7 +395,7 @@ varlen_bwd_dkdv(const BwdParams params) {
             const float one[2] = {1.f, 1.f};
             store_rows<T, DC / 8, Cfg::STRIDE>(acc_dk, one, smem.k, w.row0, dk_rows, b.tile.row,
                                                b.tile.rows, w.lane);
-            store_rows<T, DC / 8, Cfg::STRIDE>(acc_dv, one, smem.v, w.row0, dv_rows, b.tile.row,
+            store_rows<T, DVC / 8, Cfg::STRIDE>(acc_dv, one, smem.v, w.row0, dv_rows, b.tile.row,
                                                b.tile.rows, w.lane);
         }
     }

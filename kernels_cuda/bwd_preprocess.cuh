@@ -32,10 +32,12 @@ constexpr int CONVERT_THREADS = 256;
 
 using namespace varlen;
 
-template <typename T, int D>
+// D: the head dim of q, k, dq_accum; DV: that of v, out and dout (head_dim_v <= D).
+template <typename T, int D, int DV = D>
 __global__ void __launch_bounds__(PREPROCESS_WARPS * WARP_SIZE)
 varlen_bwd_preprocess(const BwdParams params) {
-    static_assert(D % WARP_SIZE == 0, "each lane reads D / 32 elements of a row");
+    static_assert(D % WARP_SIZE == 0 && DV % WARP_SIZE == 0,
+                  "each lane reads DV / 32 elements of a row and zeroes D / 32");
     const PlanView& plan = params.plan;
     const int Tq = plan.rows_q;
     const int Hq = params.call.Hq;
@@ -56,7 +58,7 @@ varlen_bwd_preprocess(const BwdParams params) {
                         static_cast<int64_t>(head) * params.dout_strides.head;
         float sum = 0.f;
         #pragma unroll
-        for (int i = 0; i < D / WARP_SIZE; ++i) {
+        for (int i = 0; i < DV / WARP_SIZE; ++i) {
             const int d = lane + i * WARP_SIZE;
             sum += ElemTraits<T>::to_float(p_o[d]) * ElemTraits<T>::to_float(p_do[d]);
         }
@@ -103,7 +105,7 @@ varlen_bwd_preprocess(const BwdParams params) {
                          [&](int64_t begin, int64_t end) {
             zero_head_rows<D>(static_cast<T*>(params.dk), params.dk_strides, params.call.Hk,
                               begin, end);
-            zero_head_rows<D>(static_cast<T*>(params.dv), params.dv_strides, params.call.Hk,
+            zero_head_rows<DV>(static_cast<T*>(params.dv), params.dv_strides, params.call.Hk,
                               begin, end);
         });
     }

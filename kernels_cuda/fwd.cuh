@@ -5,10 +5,11 @@
 // fragment read from shared memory feeds two mma tiles, FlashAttention-2's 1/32 byte per FLOP).
 // Q's fragments stay in registers where the budget allows (FwdConfig::q_in_regs), else they are
 // read from the Q tile per k-step. Shared memory: Q [BM][D+8], then STAGES stages of K
-// [KN][D+8] and V [KN][D+8] (KN and STAGES from the launcher's tile_size: KN = 64, or 32 at
-// D >= 96, BM = 128 and at D > 128, where BM = 64 only; the chunks walk the plan's row
-// schedule, which does not depend on its key tile: a tile of BN = 128 keys is 2 or 4
-// chunks); K and V wait separately (KvPipeline), so Q K^T starts while V is in flight.
+// [KN][D+8] and V [KN][D+8] (V in its first DV columns: head_dim_v <= D, out [Tq, Hq, DV])
+// (KN and STAGES from the launcher's tile_size: KN = 64, or 32 at D >= 96, BM = 128 and at
+// D > 128, where BM = 64 only; the chunks walk the plan's row schedule, which does not depend
+// on its key tile: a tile of BN = 128 keys is 2 or 4 chunks); K and V wait separately
+// (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
 // rows). With a mask_mod every chunk is partial, and one where no pair of the tile is visible
 // is skipped before it is loaded (block_sees_any, a block vote). A row that sees a NaN or
@@ -29,9 +30,10 @@ namespace varlen {
 
 // The tiles come from the launcher (varlen/backends/cupy/traits.py, tile_size): KN keys per
 // chunk and STAGES K/V stages; the static_asserts below state the constraints its choice meets.
-template <int D_, int BM, int BN, int KN_, int STAGES_>
+template <int D_, int BM, int BN, int KN_, int STAGES_, int DV_ = D_>
 struct FwdConfig {
     static constexpr int D = D_;
+    static constexpr int DV = DV_;                       // head_dim_v: columns of V and O
     static constexpr int KN = KN_;                       // keys per chunk (a K or V stage)
     static constexpr int STAGES = STAGES_;               // K/V stages in flight
     static constexpr int NUM_WARPS = 4;
@@ -48,7 +50,7 @@ struct FwdConfig {
     // softcap (48 + 128 + 32 = 208) spilled 8 bytes there with Q in registers. Fitted to
     // ptxas: every other variant keeps its placement.
     static constexpr int Q_REGS = MT * D / 4;
-    static constexpr int ACC_REGS = MT * (D + KN) / 2;
+    static constexpr int ACC_REGS = MT * (DV + KN) / 2;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static constexpr int Q_BUDGET = 208;
 #else
@@ -68,6 +70,8 @@ struct FwdConfig {
     static_assert(BM % (NUM_WARPS * WARP_ROWS) == 0, "each warp owns whole m16 tiles");
     static_assert(KN % 16 == 0, "P V consumes key chunks in k-steps of 16");
     static_assert(D % 16 == 0, "Q K^T consumes the head dim in k-steps of 16");
+    static_assert(DV <= D && DV % 16 == 0, "V and O of DV <= D columns (in K's stages and Q's "
+                  "staging rows), whole 16-byte chunks per lane when stored");
     static_assert(D <= 128 || MT == 1, "above D = 128 a warp's O accumulators of 16 rows take "
                   "D / 2 registers: one m16 tile per warp (BM = 64)");
     static_assert(KN <= BN && BN % KN == 0, "a key chunk is a part of the plan's key tile, so "
@@ -199,11 +203,12 @@ __device__ __forceinline__ void write_forward_pad_rows(const FwdParams& params, 
     });
 }
 
-template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int STAGES>
-__global__ void __launch_bounds__(FwdConfig<D, BM, BN, KN, STAGES>::NUM_THREADS,
-                                  FwdConfig<D, BM, BN, KN, STAGES>::MIN_BLOCKS)
+// DV: head_dim_v, the columns of V and out (DV < D: multi-head latent attention's 192 / 128).
+template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int STAGES, int DV = D>
+__global__ void __launch_bounds__(FwdConfig<D, BM, BN, KN, STAGES, DV>::NUM_THREADS,
+                                  FwdConfig<D, BM, BN, KN, STAGES, DV>::MIN_BLOCKS)
 varlen_fwd(const FwdParams params) {
-    using Cfg = FwdConfig<D, BM, BN, KN, STAGES>;
+    using Cfg = FwdConfig<D, BM, BN, KN, STAGES, DV>;
     constexpr int MT = Cfg::MT;
     const PlanView& plan = params.plan;
     const CallParams& call = params.call;
@@ -211,7 +216,7 @@ varlen_fwd(const FwdParams params) {
     const int i_pad = pad_block_index(static_cast<int>(gridDim.x - 1 - blockIdx.x),
                                       plan.num_q_tiles);
     if (i_pad >= 0) {
-        write_forward_pad_rows<T, D, Cfg::NUM_THREADS>(params, i_pad);
+        write_forward_pad_rows<T, DV, Cfg::NUM_THREADS>(params, i_pad);
         return;
     }
     const TileBlock<false, Cfg::WARP_M> b(plan, call);
@@ -220,7 +225,7 @@ varlen_fwd(const FwdParams params) {
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* s_q = reinterpret_cast<T*>(smem_raw);                          // [BM][STRIDE]
-    const KvStages<T, D, KN, Cfg::NUM_THREADS, STAGES> kv(
+    const KvStages<T, D, KN, Cfg::NUM_THREADS, STAGES, DV> kv(
         s_q + BM * Cfg::STRIDE, static_cast<const T*>(params.k), params.k_strides,
         static_cast<const T*>(params.v), params.v_strides, b.i_khead);
     b.template load_rows<BM, D, Cfg::NUM_THREADS>(s_q, static_cast<const T*>(params.q),
@@ -244,9 +249,9 @@ varlen_fwd(const FwdParams params) {
         q_op.load(w.lane);
     }
 
-    // [MT][16, D] output accumulators and [MT][16, KN] scores, then probabilities, of this
+    // [MT][16, DV] output accumulators and [MT][16, KN] scores, then probabilities, of this
     // warp's rows
-    float acc_o[MT][D / 8][4];
+    float acc_o[MT][DV / 8][4];
     float acc_s[MT][KN / 8][4];
     OnlineSoftmax softmax[MT];
     #pragma unroll
@@ -271,11 +276,11 @@ varlen_fwd(const FwdParams params) {
             softmax[mt].update(acc_s[mt], acc_o[mt]);
         }
     }, [&](const Chunk&, int stage) {
-        gemm_mt<T, MT, D / 8, KN / 16, Cfg::STRIDE, false>(acc_o, [&](uint32_t (&a)[4], int mt,
+        gemm_mt<T, MT, DV / 8, KN / 16, Cfg::STRIDE, false>(acc_o, [&](uint32_t (&a)[4], int mt,
                                                                       int kk) {
             c_to_a<T>(a, acc_s[mt], kk);
         }, kv.v_at(stage), 0, w.lane);
     }, keep);
-    store_output<T, D, Cfg::STRIDE>(acc_o, softmax, s_q,
-                                    tile_output<T, D>(params, b.tile, b.i_head), w);
+    store_output<T, DV, Cfg::STRIDE>(acc_o, softmax, s_q,
+                                     tile_output<T, DV>(params, b.tile, b.i_head), w);
 }

@@ -17,8 +17,9 @@
 // Key chunks of KN rows (the wgmma N of S): KN = 128 at D <= 128, two of the plan's 64-row key
 // tiles when it has those; KN = 64 at D = 256. Shared memory, 1024-byte aligned, every tile in
 // boxes of 64 columns (128 bytes, 128B swizzle) written by TMA:
-//   Q [D / 64][BM][64], K and V [STAGES][D / 64][KN][64] each, the output stage [BM][D + 8],
-//   then the mbarriers.
+//   Q [D / 64][BM][64], K [STAGES][D / 64][KN][64], V [STAGES][DV / 64][KN][64], the output
+//   stage [BM][DV + 8], then the mbarriers (DV: head_dim_v, the columns of V and out; DV < D
+//   for multi-head latent attention's D = 192, DV = 128).
 // The producer's thread 0 loads each item's Q once the consumers have released the last one
 // (q_empty: every consumer thread arrives once the item's last S has retired, before its last
 // P V and the epilogue, which thus overlap the next item's Q and first K loads), then K of chunk
@@ -48,9 +49,10 @@
 
 namespace varlen {
 
-template <int D_, int BM_, int BN_, int KN_, int PACK_ = 1>
+template <int D_, int BM_, int BN_, int KN_, int PACK_ = 1, int DV_ = D_>
 struct FwdSm90Config {
     static constexpr int D = D_;
+    static constexpr int DV = DV_;                       // head_dim_v: V's and out's columns
     static constexpr int BM = BM_;                       // rows of a tile (wgmma M per consumer)
     static constexpr int BN = BN_;                       // the plan's key tiles
     // rows of a key chunk, a K or V stage: the launcher's tile_size, 128 where two stages of K
@@ -68,14 +70,16 @@ struct FwdSm90Config {
     static constexpr int BOX_COLS = 64;                  // 128 bytes of 16-bit elements
     static constexpr int BOX_ROW_BYTES = 128;            // = the swizzle width
     static constexpr int D_BOXES = D / BOX_COLS;
+    static constexpr int DV_BOXES = DV / BOX_COLS;
     static constexpr int ATOM_BYTES = 8 * BOX_ROW_BYTES; // 8 rows: the 128B swizzle's repeat
     static constexpr int Q_BYTES = BM * D * 2;
-    static constexpr int KV_BYTES = KN * D * 2;          // one K (or V) stage
-    static constexpr int OUT_STRIDE = smem_stride<D>();
+    static constexpr int KV_BYTES = KN * D * 2;          // one K stage
+    static constexpr int V_BYTES = KN * DV * 2;          // one V stage (KV_BYTES when DV = D)
+    static constexpr int OUT_STRIDE = smem_stride<DV>();
     static constexpr int OUT_BYTES = BM * OUT_STRIDE * 2;
     static constexpr int OFF_K = Q_BYTES;
     static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-    static constexpr int OFF_OUT = OFF_V + STAGES * KV_BYTES;
+    static constexpr int OFF_OUT = OFF_V + STAGES * V_BYTES;
     static constexpr int OFF_BARS = (OFF_OUT + OUT_BYTES + 7) / 8 * 8;
     // q_full, q_empty, then k_full, v_full, ready, k_empty, v_empty per stage
     static constexpr int NUM_BARS = 2 + 5 * STAGES;
@@ -107,7 +111,10 @@ struct FwdSm90Config {
     static_assert(KN == 64 || KN == 128, "wgmma N of Q K^T: key chunks of 64 or 128 rows");
     static_assert(BN % KN == 0 || KN == 2 * BN,
                   "a key chunk is a part of a plan tile or two of them");
-    static_assert(D == 64 || D == 128 || D == 256, "head dim in boxes of 64, wgmma N of P V");
+    static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head dim in boxes of 64");
+    static_assert(DV == 64 || DV == 128 || DV == 256, "DV in boxes of 64, wgmma N of P V");
+    static_assert(DV <= D && (D != 192 || DV == 128),
+                  "DV <= D; D = 192 only with DV = 128 (multi-head latent attention)");
     static_assert(PACK == 1 || PACK == 2 || PACK == 4 || PACK == 8,
                   "packed heads: a power of two up to 8 (the Q box's heads, row g + 8 a whole "
                   "step on)");
@@ -128,7 +135,7 @@ struct Sm90Smem {
         return reinterpret_cast<T*>(base + Cfg::OFF_K + s * Cfg::KV_BYTES);
     }
     __device__ __forceinline__ T* v(int s) const {
-        return reinterpret_cast<T*>(base + Cfg::OFF_V + s * Cfg::KV_BYTES);
+        return reinterpret_cast<T*>(base + Cfg::OFF_V + s * Cfg::V_BYTES);
     }
     __device__ __forceinline__ T* out() const { return reinterpret_cast<T*>(base + Cfg::OFF_OUT); }
     __device__ __forceinline__ sm90::u64* bar(int i) const {
@@ -242,7 +249,7 @@ __device__ __forceinline__ void sanitize_partial_chunk(T* s_k, T* s_v, int rows,
         bool bad = false;
         if (r < rows) {
             #pragma unroll
-            for (int b = 0; b < Cfg::D_BOXES; ++b) {
+            for (int b = 0; b < Cfg::DV_BOXES; ++b) {
                 const uint4* p = reinterpret_cast<const uint4*>(
                     reinterpret_cast<const unsigned char*>(s_v) + b * Cfg::KN * Cfg::BOX_ROW_BYTES +
                     r * Cfg::BOX_ROW_BYTES);
@@ -252,7 +259,7 @@ __device__ __forceinline__ void sanitize_partial_chunk(T* s_k, T* s_v, int rows,
         }
         if (r < rows && !bad) continue;
         #pragma unroll
-        for (int b = 0; b < Cfg::D_BOXES; ++b) {
+        for (int b = 0; b < Cfg::DV_BOXES; ++b) {
             uint4* p = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(s_v) +
                                                 b * Cfg::KN * Cfg::BOX_ROW_BYTES +
                                                 r * Cfg::BOX_ROW_BYTES);
@@ -269,12 +276,12 @@ __device__ __forceinline__ void sanitize_partial_chunk(T* s_k, T* s_v, int rows,
 }
 
 // `ROWS` rows of one head from packed row `row` into `dst`: one TMA box per 64 head-dim columns
-// (the 128B swizzle's width), completing on `bar`.
-template <typename Cfg, int ROWS>
+// (the 128B swizzle's width; BOXES of them: D / 64, or DV / 64 for V), completing on `bar`.
+template <typename Cfg, int ROWS, int BOXES = Cfg::D_BOXES>
 __device__ __forceinline__ void load_rows(void* dst, const sm90::TensorMap* map, sm90::u64* bar,
                                           int head, int row) {
     #pragma unroll
-    for (int b = 0; b < Cfg::D_BOXES; ++b) {
+    for (int b = 0; b < BOXES; ++b) {
         sm90::tma_load_3d(static_cast<unsigned char*>(dst) + b * ROWS * Cfg::BOX_ROW_BYTES, map,
                           bar, b * Cfg::BOX_COLS, head, row);
     }
@@ -291,8 +298,9 @@ __device__ __forceinline__ void produce_v(const sm90::TensorMap* map_v, const Sm
     // every producer thread waits, so that none arrives on `ready` a round early
     sm90::mbar_wait(sm.v_empty(s), parity ^ 1u);
     if (t == 0) {
-        sm90::mbar_arrive_expect_tx(sm.v_full(s), Cfg::KV_BYTES);
-        load_rows<Cfg, Cfg::KN>(sm.v(s), map_v, sm.v_full(s), i_khead + c.head, c.row);
+        sm90::mbar_arrive_expect_tx(sm.v_full(s), Cfg::V_BYTES);
+        load_rows<Cfg, Cfg::KN, Cfg::DV_BOXES>(sm.v(s), map_v, sm.v_full(s), i_khead + c.head,
+                                               c.row);
     }
     if (!c.full) {
         sm90::mbar_wait(sm.k_full(s), parity);
@@ -373,7 +381,7 @@ __device__ __forceinline__ void issue_s(float (&s_frag)[Cfg::KN / 2], const Sm90
 // O += P V of chunk i, issued and committed: P (registers) as A, V N-major as B: 8-key atoms
 // SBO apart, k16 steps of 16 rows, the next 64 columns of the head dim one box (LBO) further.
 template <typename T, typename Cfg>
-__device__ __forceinline__ void issue_pv(float (&o_frag)[Cfg::D / 2],
+__device__ __forceinline__ void issue_pv(float (&o_frag)[Cfg::DV / 2],
                                         const uint32_t (&p_frag)[Cfg::KN / 16][4],
                                         const Sm90Smem<T, Cfg>& sm, int i) {
     const sm90::u64 desc_v = sm90::smem_desc(sm.v(i % Cfg::STAGES),
@@ -381,7 +389,7 @@ __device__ __forceinline__ void issue_pv(float (&o_frag)[Cfg::D / 2],
                                              sm90::Swizzle::B128);
     #pragma unroll
     for (int j = 0; j < Cfg::KN / 16; ++j) {
-        sm90::wgmma_rs<T, Cfg::D, true>(o_frag, p_frag[j],
+        sm90::wgmma_rs<T, Cfg::DV, true>(o_frag, p_frag[j],
                                         sm90::desc_advance(desc_v, j * 16 * Cfg::BOX_ROW_BYTES),
                                         true);
     }
@@ -435,20 +443,20 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
                                                      int i_tile, int i_head, int c_wg,
                                                      const WarpSlot& w, sm90::u64 desc_q,
                                                      Sm90Ring& ring) {
-    constexpr int STAGES = Cfg::STAGES, KN = Cfg::KN, D = Cfg::D;
+    constexpr int STAGES = Cfg::STAGES, KN = Cfg::KN, DV = Cfg::DV;
     const PlanView& plan = params.plan;
     const CallParams& call = params.call;
     const SeqPolicy pol = SeqPolicy::load(plan, tile.seq);
 
-    // [16, D] output rows and [16, KN] scores of this warp, as the warpgroup's wgmma D
+    // [16, DV] output rows and [16, KN] scores of this warp, as the warpgroup's wgmma D
     // fragments, and [16, KN] probabilities of the chunk before as wgmma A fragments
-    float acc_o[D / 8][4];
+    float acc_o[DV / 8][4];
     float acc_s[KN / 8][4];
     uint32_t p_frag[KN / 16][4];
     OnlineSoftmax softmax[1];
     zero_acc(acc_o);
     softmax[0].init();
-    auto& o_frag = reinterpret_cast<float (&)[D / 2]>(acc_o);
+    auto& o_frag = reinterpret_cast<float (&)[DV / 2]>(acc_o);
     auto& s_frag = reinterpret_cast<float (&)[KN / 2]>(acc_s);
     const PingPong<Cfg> turn{c_wg};
     // the mask of this warp's rows against a key chunk
@@ -532,10 +540,10 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
     } else {
         sm90::mbar_arrive(sm.q_empty());
     }
-    store_output<T, D, Cfg::OUT_STRIDE>(reinterpret_cast<const float (&)[1][D / 8][4]>(acc_o),
-                                        softmax, sm.out(),
-                                        tile_output<T, D, Cfg::PACK>(params, tile, i_head),
-                                        w);
+    store_output<T, DV, Cfg::OUT_STRIDE>(reinterpret_cast<const float (&)[1][DV / 8][4]>(acc_o),
+                                         softmax, sm.out(),
+                                         tile_output<T, DV, Cfg::PACK>(params, tile, i_head),
+                                         w);
     // the warp's rows of the output stage were read back by other lanes: the next item's
     // staging must follow those reads
     __syncwarp();
@@ -574,14 +582,15 @@ using namespace varlen;
 // is position r / PACK of head r % PACK, the plan's query tiles being BM / PACK rows) and
 // (64, 1, KN) for K and V, 128B swizzle, zero fill past row T. BN is the plan's key tile, KN
 // the key chunk. PACK divides Hq / Hk. Grid (G, 1) with G <= num_q_tiles x Hq / PACK work
-// items (at most the SMs x CTAs per SM, at least 1). out and lse through params.
-template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int PACK>
-__global__ void __launch_bounds__(FwdSm90Config<D, BM, BN, KN, PACK>::NUM_THREADS, 1)
+// items (at most the SMs x CTAs per SM, at least 1). out and lse through params. DV:
+// head_dim_v, the columns of v and out (DV < D: multi-head latent attention).
+template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int PACK, int DV = D>
+__global__ void __launch_bounds__(FwdSm90Config<D, BM, BN, KN, PACK, DV>::NUM_THREADS, 1)
 varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D]
                 const __grid_constant__ sm90::TensorMap map_k,   // k [Tk, Hk, D]
-                const __grid_constant__ sm90::TensorMap map_v,   // v [Tk, Hk, D]
+                const __grid_constant__ sm90::TensorMap map_v,   // v [Tk, Hk, DV]
                 const FwdParams params) {
-    using Cfg = FwdSm90Config<D, BM, BN, KN, PACK>;
+    using Cfg = FwdSm90Config<D, BM, BN, KN, PACK, DV>;
     const PlanView& plan = params.plan;
     // The rows of no tile (as varlen_fwd's pad blocks, whose windows the block takes in turn:
     // pad block i_pad of a grid of one row of blocks), by the whole block before its items.
@@ -591,7 +600,7 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
     for (int i_pad = static_cast<int>(gridDim.x - 1 - blockIdx.x);
          static_cast<int64_t>(i_pad) * Cfg::NUM_THREADS * PAD_ROWS_PER_THREAD < plan.rows_q;
          i_pad += static_cast<int>(gridDim.x)) {
-        write_forward_pad_rows<T, D, Cfg::NUM_THREADS>(params, i_pad);
+        write_forward_pad_rows<T, DV, Cfg::NUM_THREADS>(params, i_pad);
     }
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];

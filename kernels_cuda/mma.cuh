@@ -122,18 +122,20 @@ __device__ __forceinline__ void for_each_own_chunk(F&& f) {
     }
 }
 
-// Asynchronously copies rows [row, row + ROWS) x columns [0, D) of one head of a packed array
-// into a padded shared tile [ROWS][D + SMEM_PAD]; rows >= valid_rows are zero-filled, so no
+// Asynchronously copies rows [row, row + ROWS) x columns [0, COLS) of one head of a packed
+// array into a padded shared tile [ROWS][D + SMEM_PAD] (COLS < D: V and dO of head_dim_v
+// columns in tiles of Q's and K's row width); rows >= valid_rows are zero-filled, so no
 // value of a row outside the tile (another sequence, a padding gap) ever enters shared memory.
 // Only row `row` is addressed for them (it is valid whenever valid_rows > 0). Each chunk's
 // address is its row's, row + r (< 2^31 for a valid row), times the stride: no 64-bit row
 // pointer is held across the chunks (held, it spilled in the forward at D = 192 once the
 // strides came from the params).
-template <int ROWS, int D, int NUM_THREADS, typename T>
+template <int ROWS, int D, int NUM_THREADS, int COLS = D, typename T>
 __device__ __forceinline__ void load_tile_async(T* s_dst, const HeadRows<const T>& src, int row,
                                                 int valid_rows) {
+    static_assert(COLS <= D, "a row of COLS columns in a tile of D");
     constexpr int STRIDE = smem_stride<D>();
-    for_each_own_chunk<ROWS, D, NUM_THREADS>([&](int r, int col) {
+    for_each_own_chunk<ROWS, COLS, NUM_THREADS>([&](int r, int col) {
         const bool valid = r < valid_rows;
         const T* p = src.row(valid ? row + r : row) + (valid ? col : 0);
         cp_async_16(s_dst + r * STRIDE + col, p, valid);
@@ -141,16 +143,16 @@ __device__ __forceinline__ void load_tile_async(T* s_dst, const HeadRows<const T
 }
 
 // Zeroes this thread's chunks of a tile loaded by load_tile_async (with the same ROWS, D,
-// NUM_THREADS) that hold a NaN or inf, and calls flag(r, col) for each. Call it after this
+// NUM_THREADS, COLS) that hold a NaN or inf, and calls flag(r, col) for each. Call it after this
 // thread's cp.async.wait for the tile: its own copies have landed for it, and no other thread
 // touches them before the next barrier. It keeps a non-finite value of a row out of the
 // products in which that row has a zero coefficient (the masked pairs of P V, dS K, P^T dO,
 // dS^T Q, where 0 x NaN would be NaN); `flag` hands the value on to an operand that only meets
 // the row's pairs one by one, where the mask selects.
-template <int ROWS, int D, int NUM_THREADS, typename T, typename Flag>
+template <int ROWS, int D, int NUM_THREADS, int COLS = D, typename T, typename Flag>
 __device__ __forceinline__ void zero_nonfinite_chunks(T* s_tile, int valid_rows, Flag&& flag) {
     constexpr int STRIDE = smem_stride<D>();
-    for_each_own_chunk<ROWS, D, NUM_THREADS>([&](int r, int col) {
+    for_each_own_chunk<ROWS, COLS, NUM_THREADS>([&](int r, int col) {
         if (r >= valid_rows) return;                   // zero-filled
         uint4* p = reinterpret_cast<uint4*>(s_tile + r * STRIDE + col);
         if (any_nonfinite<T>(*p)) {
@@ -242,13 +244,14 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NB][4]) {
 }
 
 // acc[16, 8 NB] = A X^T with A rows row0.. of s_a and X = s_b [8 NB] rows, both padded shared
-// tiles of D columns: the scores S = Q K^T of a warp's rows (and dO V^T, K Q^T, V dO^T).
-template <typename T, int D, int NB>
+// tiles of D columns, over their first K columns: the scores S = Q K^T of a warp's rows (and
+// dO V^T, K Q^T, V dO^T; K = head_dim_v for the last).
+template <typename T, int D, int K = D, int NB>
 __device__ __forceinline__ void gemm_abt(float (&acc)[NB][4], const T* s_a, int row0,
                                          const T* s_b, int lane) {
     constexpr int STRIDE = smem_stride<D>();
     zero_acc(acc);
-    gemm_16<T, NB, D / 16, STRIDE, true>(acc, [&](uint32_t (&a)[4], int kk) {
+    gemm_16<T, NB, K / 16, STRIDE, true>(acc, [&](uint32_t (&a)[4], int kk) {
         ldmatrix_block<STRIDE, X4::ROWS_FIRST, false>(a, s_a, row0, kk * 16, lane);
     }, s_b, 0, lane);
 }

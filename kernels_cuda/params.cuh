@@ -66,8 +66,8 @@ struct Strides {
 struct FwdParams {
     const void* q;             // [Tq, Hq, D] of T
     const void* k;             // [Tk, Hk, D]
-    const void* v;             // [Tk, Hk, D]
-    void* out;                 // [Tq, Hq, D] of T, output: every row written (pad rows 0)
+    const void* v;             // [Tk, Hk, DV] (DV = head_dim_v <= D)
+    void* out;                 // [Tq, Hq, DV] of T, output: every row written (pad rows 0)
     float* lse;                // [Hq, Tq] output, natural log (-inf: no visible key)
     Strides q_strides;
     Strides k_strides;
@@ -84,9 +84,9 @@ struct FwdParams {
 struct BwdParams {
     const void* q;             // [Tq, Hq, D] of T
     const void* k;             // [Tk, Hk, D]
-    const void* v;             // [Tk, Hk, D]
-    const void* out;           // [Tq, Hq, D], the forward's output
-    const void* dout;          // [Tq, Hq, D]
+    const void* v;             // [Tk, Hk, DV] (DV = head_dim_v <= D)
+    const void* out;           // [Tq, Hq, DV], the forward's output
+    const void* dout;          // [Tq, Hq, DV]
     const float* lse;          // [Hq, Tq], the forward's
     float* lse2;               // [Hq, Tq] packed workspace: lse in base 2, +inf: no key
     float* delta;              // [Hq, Tq] packed workspace: rowsum(dO * O)
@@ -94,7 +94,7 @@ struct BwdParams {
     int* dq_order;             // [Hq + 1, Tq]: ordered dQ's counters and slots; null: unordered
     void* dq;                  // [Tq, Hq, D] of T, output
     void* dk;                  // [Tk, Hk, D] of T, output
-    void* dv;                  // [Tk, Hk, D] of T, output
+    void* dv;                  // [Tk, Hk, DV] of T, output
     Strides q_strides;
     Strides k_strides;
     Strides v_strides;

@@ -154,18 +154,19 @@ struct TileBlock {
           i_khead(KEY_TILES ? i_head : i_head / group),
           tile(load_tile(KEY_TILES ? plan.k_tiles : plan.q_tiles, i_tile)), w(warp_slot<WARP_M>()) {}
 
-    // Issues the copies of head i_head's rows of the tile, from a [T, H, D] array whose rows
-    // and heads lie `strides` apart, into s_dst [ROWS][D + 8].
-    template <int ROWS, int D, int NUM_THREADS, typename T>
+    // Issues the copies of head i_head's rows of the tile, from a [T, H, COLS] array whose rows
+    // and heads lie `strides` apart, into s_dst [ROWS][D + 8] (COLS <= D).
+    template <int ROWS, int D, int NUM_THREADS, int COLS = D, typename T>
     __device__ __forceinline__ void load_rows(T* s_dst, const T* base,
                                               const Strides& strides) const {
-        load_tile_async<ROWS, D, NUM_THREADS>(s_dst, head_rows(base, strides, i_head), tile.row,
-                                              tile.rows);
+        load_tile_async<ROWS, D, NUM_THREADS, COLS>(s_dst, head_rows(base, strides, i_head),
+                                                    tile.row, tile.rows);
     }
 };
 
-// The K and V chunks of one key head, through shared stages [NUM_STAGES][BN][D + 8] each.
-template <typename T, int D, int BN, int NUM_THREADS, int NUM_STAGES = STAGES>
+// The K and V chunks of one key head, through shared stages [NUM_STAGES][BN][D + 8] each; V
+// rows hold DV <= D columns (head_dim_v), in stages of K's row width.
+template <typename T, int D, int BN, int NUM_THREADS, int NUM_STAGES = STAGES, int DV = D>
 struct KvStages {
     static constexpr int STAGE_ELEMS = BN * smem_stride<D>();
     T* s_k;
@@ -185,7 +186,7 @@ struct KvStages {
     }
 
     __device__ __forceinline__ void load_v(const Chunk& c, int stage) const {
-        load_tile_async<BN, D, NUM_THREADS>(s_v + stage * STAGE_ELEMS, v, c.row, c.rows);
+        load_tile_async<BN, D, NUM_THREADS, DV>(s_v + stage * STAGE_ELEMS, v, c.row, c.rows);
     }
 
     __device__ __forceinline__ void load(const Chunk& c, int stage) const {
@@ -196,10 +197,13 @@ struct KvStages {
     // On a partially masked chunk, where hidden pairs have P = 0: a NaN or inf in this thread's
     // chunks of V (the right-hand factor of P V) is zeroed and handed on as a NaN in K, which
     // meets the key row only in Q K^T, one pair at a time: exactly the rows that see the key are
-    // flagged, the others select it away. Call it in for_each_chunk's `own` step.
+    // flagged, the others select it away. Call it in for_each_chunk's `own` step, every thread
+    // alike. With DV < D a thread's V chunks are not its K chunks: a barrier first, so that
+    // every K copy of the chunk has landed before a NaN is written into it.
     __device__ __forceinline__ void zero_nonfinite(const Chunk& c, int stage) const {
+        if constexpr (DV != D) __syncthreads();
         T* s_to = s_k + stage * STAGE_ELEMS;
-        zero_nonfinite_chunks<BN, D, NUM_THREADS>(s_v + stage * STAGE_ELEMS, c.rows,
+        zero_nonfinite_chunks<BN, D, NUM_THREADS, DV>(s_v + stage * STAGE_ELEMS, c.rows,
                                                   [&](int r, int col) {
             s_to[r * smem_stride<D>() + col] = ElemTraits<T>::from_float(nan_f());
         });

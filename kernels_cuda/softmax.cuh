@@ -233,15 +233,15 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
 
 // P and dS of this warp's rows of one tile pair in the backward pass: S = X Y^T and
 // dP = dX dY^T (X, dX = K, V and Y, dY = Q, dO: transposed, in the dK/dV kernel; padded
-// shared tiles of D columns), then softmax_backward.
-template <bool HAS_SOFTCAP, typename T, int D, int NB, typename Mask, typename Stats>
+// shared tiles of D columns, dX and dY holding DV of them), then softmax_backward.
+template <bool HAS_SOFTCAP, typename T, int D, int DV, int NB, typename Mask, typename Stats>
 __device__ __forceinline__ void recompute_p_ds(float (&p)[NB][4], float (&ds)[NB][4],
                                                const T* s_x, const T* s_dx, const T* s_y,
                                                const T* s_dy, const Mask& mask,
                                                const Stats& stats, const CallParams& call,
                                                const WarpSlot& w) {
     gemm_abt<T, D>(p, s_x, w.row0, s_y, w.lane);
-    gemm_abt<T, D>(ds, s_dx, w.row0, s_dy, w.lane);
+    gemm_abt<T, D, DV>(ds, s_dx, w.row0, s_dy, w.lane);
     softmax_backward<HAS_SOFTCAP>(p, ds, mask, stats, call, w.lane);
 }
 

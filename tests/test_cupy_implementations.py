@@ -10,6 +10,7 @@ attributes read once per device, and the same NVRTC options (include directories
 as in the compile-budget check."""
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -69,7 +70,7 @@ def test_explain_gives_each_implementation_its_reason():
         assert "not chosen by default yet" in rows["cupy:sm90a"]
         assert "backend='cupy:sm90a'" in rows["cupy:sm90a"]
         rows = dict(backends.explain(device_call(head_dim=128, head_dim_v=64)))
-        assert "head_dim_v=64 differs" in rows["cupy:sm90a"]
+        assert "(head_dim, head_dim_v)=(128, 64) is not compiled" in rows["cupy:sm90a"]
     with BACKEND.stand_in_device(T4):
         rows = dict(backends.explain(device_call()))
         assert "sm_80 or newer" in rows["cupy:mma"]
@@ -99,6 +100,121 @@ def test_named_implementation_is_selected_or_refused_with_its_reason():
             ValueError, match=r"backend='cupy:sm90a' cannot run this call: the GPU is NVIDIA "
                               r"A100 \(sm_80\); the sm_90a kernels .* 9.0 only"):
         backends.select("cupy:sm90a", device_call())
+
+
+@pytest.mark.parametrize("D, Dv", _cupy_traits.HEAD_DIM_V_PAIRS,
+                         ids=[f"D{d}-Dv{dv}" for d, dv in _cupy_traits.HEAD_DIM_V_PAIRS])
+def test_mma_takes_the_head_dim_v_pairs(D, Dv):
+    """head_dim_v < head_dim: cupy:mma runs the compiled pairs forward and backward (the
+    refusal of every head_dim_v != head_dim is gone), on the tiles of head_dim; cupy:sm90a runs
+    the forward of 192 / 128 and refuses its backward, and refuses the other pairs."""
+    mma, sm90a = backends.get("cupy:mma"), backends.get("cupy:sm90a")
+    with BACKEND.stand_in_device(H100):
+        assert mma.supports(device_call(head_dim=D, head_dim_v=Dv)) is None
+        assert mma.supports(_call("bfloat16", D, Dv=Dv, backward=True,
+                                  deterministic=True)) is None
+        assert backends.select("cupy:mma", device_call(head_dim=D, head_dim_v=Dv)) is mma
+        rows = dict(backends.explain(device_call(head_dim=D, head_dim_v=Dv)))
+        assert "backend='cupy:mma'" in rows["cupy:mma"]       # only not default-eligible
+        backward = sm90a.supports(_call("float16", D, Dv=Dv, backward=True))
+        if (D, Dv) in _cupy_traits.SM90_FWD_HEAD_DIM_V_PAIRS:
+            assert backward == (
+                f"head_dim_v={Dv} differs from head_dim={D}: the sm_90a backward takes "
+                f"head_dim_v == head_dim (cupy:mma runs the backward of (head_dim, head_dim_v) "
+                f"in {_cupy_traits.HEAD_DIM_V_PAIRS})")
+            assert sm90a.supports(device_call(head_dim=D, head_dim_v=Dv)) is None
+            assert "backend='cupy:sm90a'" in rows["cupy:sm90a"]
+        else:
+            assert rows["cupy:sm90a"].endswith(backward) and rows["cupy:sm90a"].endswith(
+                f"(head_dim, head_dim_v)=({D}, {Dv}) is not compiled: the sm_90a forward takes "
+                f"head_dim_v == head_dim or (head_dim, head_dim_v) in "
+                f"{_cupy_traits.SM90_FWD_HEAD_DIM_V_PAIRS}, its backward head_dim_v == "
+                f"head_dim (cupy:mma runs {_cupy_traits.HEAD_DIM_V_PAIRS})")
+
+
+@pytest.mark.parametrize("D, Dv", [(192, 64), (64, 32), (128, 192), (256, 128), (96, 80)])
+def test_explain_names_the_refused_head_dim_v(D, Dv):
+    """Pairs the mma.sync kernels are not compiled for: a refusal naming both dims and the
+    pairs they take, in supports, explain and a named selection."""
+    why = (f"(head_dim, head_dim_v)=({D}, {Dv}) is not compiled: the mma.sync kernels take "
+           f"head_dim_v == head_dim or (head_dim, head_dim_v) in "
+           f"{_cupy_traits.HEAD_DIM_V_PAIRS}")
+    with BACKEND.stand_in_device(H100):
+        if D in _cupy_traits.HEAD_DIMS:
+            assert backends.get("cupy:mma").supports(device_call(head_dim=D,
+                                                                 head_dim_v=Dv)) == why
+            assert dict(backends.explain(device_call(head_dim=D, head_dim_v=Dv)))[
+                "cupy:mma"].endswith(why)
+            with pytest.raises(ValueError, match=re.escape(why)):
+                backends.select("cupy:mma", device_call(head_dim=D, head_dim_v=Dv))
+        with pytest.raises(ValueError, match=r"KernelSpec: "):
+            KernelSpec("fwd", "float16", D, 64, 64, False, None, Dv)
+
+
+def test_head_dim_v_kernel_names():
+    """head_dim_v == head_dim keeps the kernels' names (DV defaults to D); a pair appends DV."""
+    same = KernelSpec("bwd", "float16", 192, 64, 64, False)
+    assert same.head_dim_v == 192
+    assert KernelSpec("bwd", "float16", 192, 64, 64, False, None, 192) == same
+    assert same.name_expressions == (
+        "varlen_bwd_preprocess<__half, 192>",
+        "varlen_bwd_dkdv<__half, 192, 64, 32, false, true>",
+        "varlen_bwd_dkdv<__half, 192, 64, 32, false, true, true>",
+        "varlen_bwd_dq_convert<__half, 192>")
+    mla = KernelSpec("bwd", "float16", 192, 64, 64, False, None, 128)
+    assert mla.name_expressions == (
+        "varlen_bwd_preprocess<__half, 192, 128>",
+        "varlen_bwd_dkdv<__half, 192, 64, 32, false, true, false, 128>",
+        "varlen_bwd_dkdv<__half, 192, 64, 32, false, true, true, 128>",
+        "varlen_bwd_dq_convert<__half, 192>")
+    assert mla.dkdv_smem() == same.dkdv_smem() and mla.label == "bwd-float16-D192-Dv128-BM64-BN64"
+    fwd = KernelSpec("fwd", "bfloat16", 128, 128, 128, True, None, 64)
+    assert fwd.compiled().head_dim_v == 64
+    assert fwd.fwd_name() == "varlen_fwd<__nv_bfloat16, 128, 128, 64, true, 32, 2, 64>"
+    assert {(s.head_dim, s.head_dim_v) for s in _cupy_mma.all_specs()} >= set(
+        _cupy_traits.HEAD_DIM_V_PAIRS)
+
+
+def test_family_runs_head_dim_v_per_pass(monkeypatch):
+    """The family's choice per pass knows head_dim_v: sm_90a, default-eligible, runs the
+    forward of 192 / 128 and is passed over for its backward and for the pairs it has no
+    kernels for; named, its backward refuses them."""
+    ran = _stub_launches(monkeypatch)
+    monkeypatch.setattr(Sm90aImplementation, "default_eligible", True)
+    lse = np.zeros((2, 4), np.float32)
+    call = dict(softmax_scale=0.125, softcap=0.0)
+    q128, v64 = np.zeros((4, 2, 128), np.float16), np.zeros((4, 2, 64), np.float16)
+    q192 = np.zeros((4, 2, 192), np.float16)
+    with BACKEND.stand_in_device(H100):
+        assert BACKEND.forward(_Plan(), q128, q128, v64, **call) == "mma"
+        assert BACKEND.backward(_Plan(), v64, q128, q128, v64, v64, lse, **call) == "mma"
+        assert BACKEND.forward(_Plan(), q128, q128, q128, **call) == "sm90a"
+        assert BACKEND.forward(_Plan(), q192, q192, q128, **call) == "sm90a"
+        assert BACKEND.backward(_Plan(), q128, q192, q192, q128, q128, lse, **call) == "mma"
+        with pytest.raises(ValueError, match=r"backend 'cupy:sm90a' cannot run this backward: "
+                                             r"head_dim_v=128 differs from head_dim=192: the "
+                                             r"sm_90a backward takes head_dim_v == head_dim"):
+            backends.get("cupy:sm90a").backward(_Plan(), q128, q192, q192, q128, q128, lse,
+                                                **call)
+    assert ran == ["mma", ("mma", False), "sm90a", "sm90a", ("mma", False)]
+
+
+def test_sm90a_forward_spec_of_head_dim_v():
+    """The sm_90a forward's (192, 128) variant: V and the output stage of 128 columns in its
+    shared memory, DV appended to its name; D = 192 only with 128, no backward spec."""
+    from varlen.backends.cupy import sm90
+    spec = sm90.FwdSpec("bfloat16", 192, 64, 64, False, head_dim_v=128)
+    assert spec.key_chunk == 64 and spec.name == (
+        "varlen_fwd_sm90<__nv_bfloat16, 192, 64, 64, false, 64, 1, 128>")
+    # Q [64][192] + 2 x (K [64][192] + V [64][128]) + out [64][136], barriers, alignment
+    assert spec.smem == (64 * 192 + 2 * 64 * (192 + 128) + 64 * 136) * 2 + 8 * 12 + 1024
+    assert sm90.FwdSpec("float16", 128, 128, 128, False, head_dim_v=128).name == \
+        sm90.FwdSpec("float16", 128, 128, 128, False).name
+    for d, dv in ((192, 192), (128, 64), (256, 128), (192, 64)):
+        with pytest.raises(ValueError, match="FwdSpec: "):
+            sm90.FwdSpec("float16", d, 64, 64, False, head_dim_v=dv)
+    with pytest.raises(ValueError, match="head_dim=192"):
+        sm90.BwdSpec("float16", 192, 64, False)
 
 
 def _stub_launches(monkeypatch):
@@ -215,9 +331,9 @@ SMALL_SMEM_TILES = {D: (128, 64) if D <= 128 else None for D in _cupy_traits.HEA
 SMALL_SMEM = DeviceInfo((8, 9), 64 * KIB, "a GPU with 64 KiB per block")
 
 
-def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False):
+def _call(dtype="bfloat16", D=128, *, backward=False, deterministic=False, Dv=None):
     """What `supports` reads of a call (the setup record's attributes)."""
-    return types.SimpleNamespace(dtype=dtype, head_dim=D, head_dim_v=D, on_device=True,
+    return types.SimpleNamespace(dtype=dtype, head_dim=D, head_dim_v=Dv or D, on_device=True,
                                  grads=() if backward else None, deterministic=deterministic)
 
 

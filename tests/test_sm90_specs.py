@@ -25,6 +25,8 @@ from varlen.backends.cupy.sm90 import BwdSpec, FwdSpec
     (FwdSpec, dict(head_dim=256, key_chunk=128)),       # 322 KiB
     (FwdSpec, dict(block_n=128, key_chunk=256)), (FwdSpec, dict(key_chunk=32)),
     (FwdSpec, dict(pack=3)), (FwdSpec, dict(pack=16)),
+    (FwdSpec, dict(head_dim=192)), (FwdSpec, dict(head_dim=128, head_dim_v=64)),
+    (FwdSpec, dict(head_dim=64, head_dim_v=128)),
     (BwdSpec, dict(dtype="float32")), (BwdSpec, dict(head_dim=96)), (BwdSpec, dict(head_dim=512)),
     (BwdSpec, dict(head_dim=256, block_n=128)), (BwdSpec, dict(block_n=32)),
     (BwdSpec, dict(block_n=256)),
@@ -42,18 +44,19 @@ def _spec_of(label, kind):
     c = sm90_cases.CASES[label]
     b = sm90_cases.batch(c)
     plan = sm90_cases.plan_of(c, b)
-    why = varlen.backends.get("cupy:sm90a").runs(kind, plan, b.q, c["softcap"])
+    why = varlen.backends.get("cupy:sm90a").runs(kind, plan, b.q, c["softcap"], b.v)
     assert why is None, f"{label}: cupy:sm90a has no {kind} variant for it: {why}"
     if kind == "bwd":
-        return sm90.bwd_spec_for(plan, b.q, c["softcap"], c.get("deterministic", False))
+        return sm90.bwd_spec_for(plan, b.q, c["softcap"], c.get("deterministic", False), b.v)
     pack = c.get("pack", 1)
     if pack == "auto":
         pack = sm90.pack_for(plan, b.q.shape[0], c["Hq"], c["Hk"], c["block_m"])
-    return dataclasses.replace(sm90.fwd_spec_for(plan, b.q, c["softcap"]), pack=pack)
+    return dataclasses.replace(sm90.fwd_spec_for(plan, b.q, c["softcap"], v=b.v), pack=pack)
 
 
 # what a field of each kind's variants is
-FIELDS = {FwdSpec: ("dtype", "head_dim", "block_m", "block_n", "softcap", "key_chunk", "pack"),
+FIELDS = {FwdSpec: ("dtype", "head_dim", "block_m", "block_n", "softcap", "key_chunk", "pack",
+                    "head_dim_v"),
           BwdSpec: ("dtype", "head_dim", "block_n", "softcap", "ordered_dq")}
 
 

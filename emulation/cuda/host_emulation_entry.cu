@@ -1,5 +1,6 @@
 // Host-emulation entry points (see host_emulation.cuh): one variant per build, chosen with
-// -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC= and the tiles of traits.tile_size
+// -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC= (-DEMU_DV=, head_dim_v, default
+// EMU_D) and the tiles of traits.tile_size
 // the launchers pass as template arguments, -DEMU_KN= -DEMU_STAGES= (the mma.sync forward's
 // key chunk and stages) -DEMU_KN90= (the sm_90a forward's key chunk). Compiled with g++ -x c++
 // -DVARLEN_HOST_EMULATION, never by NVRTC.
@@ -24,7 +25,10 @@
 namespace {
 
 using T = EMU_T;
-constexpr int D = EMU_D, BM = EMU_BM, BN = EMU_BN, BQ = EMU_BQ;
+#ifndef EMU_DV
+#define EMU_DV EMU_D
+#endif
+constexpr int D = EMU_D, BM = EMU_BM, BN = EMU_BN, BQ = EMU_BQ, DV = EMU_DV;
 constexpr int KN = EMU_KN, STAGES = EMU_STAGES, KN90 = EMU_KN90;
 constexpr bool SC = EMU_SC;
 
@@ -61,10 +65,11 @@ struct Kernel {
 };
 
 const Kernel KERNELS[] = {
-    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC, KN, STAGES>),
-    VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D>),
-    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic", varlen_bwd_dkdv<T, D, BN, BQ, SC, true>),
-    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true>),
+    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC, KN, STAGES, DV>),
+    VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D, DV>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic",
+                      varlen_bwd_dkdv<T, D, BN, BQ, SC, true, false, DV>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true, DV>),
     VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T, D>),
     VARLEN_EMU_KERNEL("varlen_plan_scan", varlen_plan_scan),
     VARLEN_EMU_KERNEL("varlen_plan_tiles", varlen_plan_tiles),
@@ -112,19 +117,20 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
     std::memcpy(out, v, sizeof(v));
 }
 
-// The sm_90a forward (fwd_sm90.cuh), in variants it supports (D of 64, 128 or 256, BM of 64 or
-// 128; query heads packed 1, 2, 4 or 8 per position, `_pack` P: BM the kernel's rows, BM / P
-// the plan's query tile), the sm_90a dK/dV kernel (bwd_sm90.cuh: key tiles of 64 or 128 at
-// D = 64 and 128, of 64 at D = 256), and the tensor maps their launchers pass
+// The sm_90a forward (fwd_sm90.cuh), in variants it supports (D of 64, 128 or 256, and 192 with
+// DV = 128; BM of 64 or 128; query heads packed 1, 2, 4 or 8 per position, `_pack` P: BM the
+// kernel's rows, BM / P the plan's query tile), the sm_90a dK/dV kernel (bwd_sm90.cuh: key
+// tiles of 64 or 128 at D = 64 and 128, of 64 at D = 256), and the tensor maps their launchers pass
 // (varlen/backends/_cupy_sm90.py): entry points of their own, so that the table above stays
 // that of the mma.sync kernels.
-#if (EMU_D == 64 || EMU_D == 128 || EMU_D == 256) && (EMU_BM == 64 || EMU_BM == 128)
+#if (EMU_D == 64 || EMU_D == 128 || EMU_D == 256 || (EMU_D == 192 && EMU_DV == 128)) && \
+    (EMU_BM == 64 || EMU_BM == 128) && EMU_DV % 64 == 0
 namespace {
 const Kernel SM90_KERNELS[] = {
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 1>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack2", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 2>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack4", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 4>),
-    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack8", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 8>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 1, DV>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack2", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 2, DV>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack4", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 4, DV>),
+    VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack8", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 8, DV>),
 // (not in a build with a call's mask_mod or score_mod: the sm_90a backward runs neither)
 #if ((EMU_D <= 128 && EMU_BN <= 128) || (EMU_D == 256 && EMU_BN == 64)) && !VARLEN_HAS_MODS_BUILD
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90", varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, false>),

@@ -106,10 +106,11 @@ def test_host_smem_matches_kernel_layout():
     for s in _cupy_mma.all_specs():
         if s.kind == "fwd":
             lines.append(f"static_assert(2 * FwdConfig<{s.head_dim}, {s.block_m}, "
-                         f"{s.fwd_block_n}, {s.fwd_chunk}, {s.fwd_stages}>::SMEM_ELEMS == "
-                         f"{s.fwd_smem()}, \"{s.label} fwd\");")
+                         f"{s.fwd_block_n}, {s.fwd_chunk}, {s.fwd_stages}, {s.head_dim_v}>"
+                         f"::SMEM_ELEMS == {s.fwd_smem()}, \"{s.label} fwd\");")
             continue
-        cfg = f"DkdvConfig<{s.head_dim}, {s.block_n}, {s.bwd_query_chunk}, true>"
+        cfg = (f"DkdvConfig<{s.head_dim}, {s.block_n}, {s.bwd_query_chunk}, true, "
+               f"{s.head_dim_v}>")
         lines.append(f"static_assert(2 * {cfg}::T_ELEMS + 4 * {cfg}::F_ELEMS == "
                      f"{s.dkdv_smem()}, \"{s.label} dkdv\");")
     src = "\n".join(lines) + "\n"

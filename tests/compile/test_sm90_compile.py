@@ -21,8 +21,9 @@ from varlen.backends.cupy.sm90 import BwdSpec, FwdSpec
 from helpers import cases
 
 # the values of each field the validation is asked about
-FWD_FIELDS = dict(dtype=tuple(traits.DTYPES), head_dim=traits.SM90_HEAD_DIMS, blocks=traits.BLOCKS,
-                  softcap=(False, True), key_chunk=(None, 64, 128), pack=sm90.PACKS)
+FWD_FIELDS = dict(dtype=tuple(traits.DTYPES), head_dim=FwdSpec.HEAD_DIMS, blocks=traits.BLOCKS,
+                  softcap=(False, True), key_chunk=(None, 64, 128), pack=sm90.PACKS,
+                  head_dim_v=(None, *{dv for _, dv in traits.SM90_FWD_HEAD_DIM_V_PAIRS}))
 BWD_FIELDS = dict(dtype=tuple(traits.DTYPES), head_dim=traits.SM90_HEAD_DIMS, block_n=(64, 128),
                   softcap=(False, True), ordered_dq=(False, True))
 
@@ -95,7 +96,8 @@ def test_sm90_cubins_are_kept_on_disk_between_processes(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     specs = dispatched_specs()
     names = [s.name for s in specs]
-    assert len(names) == len(set(names)) == 72
+    # 72 at head_dim_v == head_dim, 16 forwards of (head_dim, head_dim_v) = (192, 128)
+    assert len(names) == len(set(names)) == 88
     assert {s.pack for s in specs if isinstance(s, Sm90Spec)} == {1, 2, 4, 8}
     assert _cupy_sm90.warm(2, specs[:2]) == 2
     assert len(list(tmp_path.glob("*.cubin"))) == 2

@@ -68,17 +68,32 @@ def test_nonfinite_backward_matches_reference_pattern(tensor):
     _emulate("nonfinite-backward", tensor)
 
 
-def _nonfinite_batch():
-    """fp16, D=32, GQA 4/2, tiles (64, 64). Sequence 0 (70 x 70, causal) has a tile edge at
-    row 64 inside it: its diagonal chunks are partially masked, chunk 0 of its second query tile
-    is fully visible, its last key chunk is ragged. Sequence 1 (9 x 12, sliding window) follows
-    after a padding gap. Every padding row of q, k, v, dout holds NaN."""
+@needs_cxx
+@pytest.mark.parametrize("case, args", [("nonfinite-forward", ("v", "0.0")),
+                                        ("nonfinite-backward", ("k",))], ids=["fwd-v", "bwd-k"])
+def test_nonfinite_at_head_dim_v_below_head_dim(case, args):
+    """D = 192, Dv = 128: a thread's V chunks are not its K chunks, so the NaN a non-finite V
+    row hands to its K row (forward) and a K row to its V row (dK/dV) is written after a
+    barrier; copies land at random points (a NaN written before another thread's copy landed
+    would be lost, and its rows finite)."""
+    from helpers import emulate
+    emulate([__file__, case, *args, "192", "128"],
+            {"VARLEN_EMULATION_SCHEDULE": "random", "VARLEN_EMULATION_SEED": "1"}, timeout=900)
+
+
+def _nonfinite_batch(D=32, Dv=None):
+    """fp16, D=32 (or `D` and `Dv`), GQA 4/2, tiles (64, 64). Sequence 0 (70 x 70, causal) has a
+    tile edge at row 64 inside it: its diagonal chunks are partially masked, chunk 0 of its
+    second query tile is fully visible, its last key chunk is ragged. Sequence 1 (9 x 12,
+    sliding window) follows after a padding gap. Every padding row of q, k, v, dout holds
+    NaN."""
     import varlen
     from helpers import make_batch
     mask = varlen.Mask(window_left=np.array([-1, 4], np.int32),
                        window_right=np.array([0, 2], np.int32))
     rng = np.random.default_rng(7)
-    b = make_batch(rng, [70, 9], [70, 12], Hq=4, Hk=2, D=32, dtype="float16", mask=mask,
+    b = make_batch(rng, [70, 9], [70, 12], Hq=4, Hk=2, D=int(D),
+                   Dv=None if Dv is None else int(Dv), dtype="float16", mask=mask,
                    gaps=True, garbage=np.nan)
     assert b.off_q[1] > b.off_q[0] + 70 or b.off_k[1] > b.off_k[0] + 70, "no padding gap"
     return b
@@ -119,11 +134,11 @@ def _emulated_plan(b):
                        block_m=64, block_n=64)
 
 
-def _case_nonfinite_forward(tensor, softcap):
+def _case_nonfinite_forward(tensor, softcap, D=32, Dv=None):
     from test_nonfinite import _assert_same_pattern
     from varlen import reference
     from varlen.backends.cupy import BACKEND
-    b = _nonfinite_batch()
+    b = _nonfinite_batch(D, Dv)
     plan = _emulated_plan(b)
     scale, softcap = 1.0 / math.sqrt(b.q.shape[2]), float(softcap)
     args = _poisoned({"q": b.q, "k": b.k, "v": b.v}, tensor, _positions(b, tensor))
@@ -140,11 +155,11 @@ def _case_nonfinite_forward(tensor, softcap):
     _assert_finite_close(f"{label}: lse", lse, rlse, 2e-2)
 
 
-def _case_nonfinite_backward(tensor):
+def _case_nonfinite_backward(tensor, D=32, Dv=None):
     from test_nonfinite import _assert_same_pattern
     from varlen import reference
     from varlen.backends.cupy import BACKEND
-    b = _nonfinite_batch()
+    b = _nonfinite_batch(D, Dv)
     plan = _emulated_plan(b)
     scale = 1.0 / math.sqrt(b.q.shape[2])
     out, lse = BACKEND.forward(plan, b.q, b.k, b.v, softmax_scale=scale, softcap=0.0)

@@ -4,8 +4,9 @@ process per case (the emulation replaces `cupy` in its process), so the cases ca
 parallel. Among them, a grid of more CTAs than the SMs of the GPU the emulation stands for, and
 blocks that visit three or more partner tiles (the barrier that ends each loop step only
 matters from the third). The head dims above 128 (tiles (64, 64) only: one m16 tile per warp
-in the forward, dK/dV in two passes over halves of the head dim) and the tiles (128, 128)
-(dK/dV on 8 warps of 16 keys, query chunks of 64) run under the strict modes: warps one at a
+in the forward, dK/dV in two passes over halves of the head dim), the tiles (128, 128)
+(dK/dV on 8 warps of 16 keys, query chunks of 64) and head_dim_v < head_dim (192 / 128,
+128 / 64) run under the strict modes: warps one at a
 time in a seeded order, copies landing at random points, a cp.async bank conflict fatal, no
 ldmatrix bank conflict."""
 from __future__ import annotations
@@ -15,8 +16,8 @@ import pytest
 import varlen.backends.cupy.mma as _cupy_mma
 import varlen.backends.cupy.traits as _cupy_traits
 from emulation.cases import H100_SM_COUNT as EMULATED_SM_COUNT
-from emulation.cases import (default_variant_cases, grid_figures, wide_head_dim_cases,
-                             wide_key_tile_cases)
+from emulation.cases import (default_variant_cases, grid_figures, head_dim_v_cases,
+                             wide_head_dim_cases, wide_key_tile_cases)
 from varlen.backends.cupy.traits import DEFAULT_BLOCKS
 
 from helpers import cases, emulate, needs_cxx
@@ -24,6 +25,7 @@ from helpers import cases, emulate, needs_cxx
 CASES = default_variant_cases()
 WIDE_CASES = wide_head_dim_cases()
 WIDE_KEY_CASES = wide_key_tile_cases()
+HEAD_DIM_V_CASES = head_dim_v_cases()
 
 RUNNER = """
 import sys
@@ -101,4 +103,30 @@ def test_wide_head_dim_on_strict_host_emulation(label):
 @needs_cxx
 @pytest.mark.parametrize("label", _labels(WIDE_KEY_CASES, ["B3-causal_br-softcap-fp16-D64-BN128"]))
 def test_wide_key_tiles_on_strict_host_emulation(label):
+    _run_strict(label)
+
+
+def test_head_dim_v_cases_are_adversarial():
+    """head_dim_v < head_dim: 192 / 128 in both dtypes (one with a softcap), another pair of
+    traits.HEAD_DIM_V_PAIRS, zero- and one-row sequences on both sides, lengths that are no
+    multiple of a tile, pad gaps (NaN in one), GQA everywhere."""
+    import numpy as np
+    cases = HEAD_DIM_V_CASES
+    pairs = {(c["D"], c["Dv"]) for c in cases}
+    assert pairs == set(_cupy_traits.HEAD_DIM_V_PAIRS) and all(d > dv for d, dv in pairs)
+    assert {c["dtype"] for c in cases if (c["D"], c["Dv"]) == (192, 128)} == set(
+        _cupy_traits.DTYPES)
+    assert any(c["softcap"] > 0 for c in cases)
+    assert all(c["Hq"] > c["Hk"] and c["gaps"] for c in cases)
+    assert any(np.isnan(c.get("garbage", 0.0)) for c in cases)
+    for side in ("lengths_q", "lengths_k"):
+        lengths = [n for c in cases for n in c[side]]
+        assert 0 in lengths and 1 in lengths and any(n % 64 and n > 64 for n in lengths), side
+
+
+@needs_cxx
+@pytest.mark.parametrize("label", [c["label"] for c in HEAD_DIM_V_CASES])
+def test_head_dim_v_on_host_emulation(label):
+    """Forward and both backward modes at head_dim_v < head_dim against the float64 reference
+    (out and dV of head_dim_v columns), under the strict modes."""
     _run_strict(label)

@@ -107,8 +107,8 @@ MUTATIONS = {
     "fwd-pack-mask-by-row": ("fwd_sm90.cuh", "query_rows_mask<Cfg::PACK>(pol, tile, w, c, ",
                              "query_rows_mask<1>(pol, tile, w, c, ",
                              "G4-bf16-D128-BM64-pack2-mixed-softcap", "max abs error"),
-    "fwd-pack-store-unpacked": ("fwd_sm90.cuh", "tile_output<T, D, Cfg::PACK>(",
-                                "tile_output<T, D, 1>(", PACKED, "differs"),
+    "fwd-pack-store-unpacked": ("fwd_sm90.cuh", "tile_output<T, DV, Cfg::PACK>(",
+                                "tile_output<T, DV, 1>(", PACKED, "differs"),
     # the producer refills a V stage the consumers still read: the barrier phases go wrong,
     # reported at an mbarrier, or as a deadlock of the ping-pong's turn when a consumer holding
     # the turn waits for a v_full phase that never comes (V is waited for inside the turn)

@@ -11,8 +11,10 @@ rounding floor, with a relative-RMS and a max-abs check.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import types
 import zlib
 
 import numpy as np
@@ -67,17 +69,19 @@ def _host(a):
     return cp.asnumpy(a)
 
 
-def _require(backend, dtype, head_dim):
-    """Skip what `backend` does not support, with its reason."""
-    why = varlen.backends.get(backend).supports(
-        Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, on_device=True))
+def _require(backend, dtype, head_dim, head_dim_v=None):
+    """Skip what `backend` does not support, forward and backward, with its reason."""
+    call = Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v or head_dim,
+                   on_device=True)
+    why = varlen.backends.get(backend).supports(call) or varlen.backends.get(backend).supports(
+        types.SimpleNamespace(**dataclasses.asdict(call), grads=()))
     if why:
         pytest.skip(f"{backend}: {why}")
 
 
 def _run(b, backend, *, softcap=0.0, deterministic=False, plan=None):
     """Forward and backward of batch `b` on the device through the public API."""
-    _require(backend, b.dtype, b.q.shape[2])
+    _require(backend, b.dtype, b.q.shape[2], b.v.shape[2])
     dev = {n: _device(getattr(b, n)) for n in ("q", "k", "v", "dout")}
     cu = dict(cu_seqlens_q=_device(b.cu_q), cu_seqlens_k=_device(b.cu_k))
     lay = dict(seq_offsets_q=None if b.off_q is None else _device(b.off_q),
@@ -126,6 +130,20 @@ def test_other_head_dims(D, dtype, cupy_backend):
         out, lse, grads = _run(b, cupy_backend, softcap=2.0, deterministic=det)
         check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
                                 softcap=2.0, label=f"D{D}/{dtype} deterministic={det}")
+
+
+@pytest.mark.parametrize("D, Dv, dtype", [(192, 128, "bfloat16"), (128, 64, "float16")],
+                         ids=["D192-Dv128", "D128-Dv64"])
+def test_head_dim_v_below_head_dim(D, Dv, dtype, cupy_backend):
+    """Multi-head latent attention's head dims: out and dv of Dv columns, both dQ modes."""
+    rng = np.random.default_rng(D + Dv)
+    b = make_batch(rng, [0, 130, 1, 64], [5, 100, 7, 200], Hq=4, Hk=2, D=D, Dv=Dv, dtype=dtype,
+                   mask=PER_SEQ_4, gaps=True)
+    for det in (False, True):
+        out, lse, grads = _run(b, cupy_backend, softcap=2.0, deterministic=det)
+        assert out.shape == (b.q.shape[0], 4, Dv) and grads[2].shape == b.v.shape
+        check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
+                                softcap=2.0, label=f"D{D}/Dv{Dv}/{dtype} deterministic={det}")
 
 
 PER_SEQ_4 = Mask(window_left=np.array([-1, 11, -1, -1], np.int32),

@@ -32,8 +32,10 @@ import functools
 
 from ...plan import Plan
 from ..base import Backend
-from .traits import (BLOCKS, DTYPES, HEAD_DIMS, SM90_COMPUTE_CAPABILITY, SM90_HEAD_DIMS,
-                     DeviceInfo, default_blocks, smem_refusal, unsupported_device)
+from .traits import (BLOCKS, DTYPES, HEAD_DIMS, SM90_COMPUTE_CAPABILITY,
+                     SM90_FWD_HEAD_DIM_V_PAIRS, SM90_HEAD_DIMS, DeviceInfo, default_blocks,
+                     head_dim_v_refusal, sm90_backward_refusal, smem_refusal,
+                     unsupported_device)
 
 __all__ = ["BACKEND", "CupyBackend", "MmaImplementation", "Sm90aImplementation", "DeviceInfo",
            "device_info"]
@@ -108,9 +110,7 @@ class _CupyBase(Backend):
                     f"{', '.join(DTYPES)})")
         if call.head_dim not in head_dims:
             return f"head_dim={call.head_dim} is not compiled (available: {head_dims})"
-        if call.head_dim_v != call.head_dim:
-            return f"head_dim_v={call.head_dim_v} differs from head_dim={call.head_dim}"
-        return None
+        return head_dim_v_refusal(call.head_dim, call.head_dim_v, self.IMPL)
 
     def can_plan(self, on_device: bool) -> str | None:
         if not on_device:
@@ -194,7 +194,7 @@ class MmaImplementation(_CupyBase):
                 return f"deterministic=True runs a kernel that does not fit: {why}"
         return None
 
-    def runs(self, kind: str, plan, q, softcap: float) -> str | None:
+    def runs(self, kind: str, plan, q, softcap: float, v=None) -> str | None:
         """None when this implementation runs pass `kind` of a call with `plan`."""
         return None
 
@@ -209,10 +209,10 @@ class MmaImplementation(_CupyBase):
                              f"tiles of the backend's default_blocks or use another backend")
 
     def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
-        """`out [Tq, Hq, D]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf.
+        """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf.
         `mods`: the call's mask_mod and score_mod, compiled into the kernel."""
         from . import mma
-        spec = mma.spec_for(plan, q, kind="fwd", softcap=softcap, mods=mods)
+        spec = mma.spec_for(plan, q, kind="fwd", softcap=softcap, mods=mods, v=v)
         self._require_fit(spec, "fwd")
         return mma.forward(spec, plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
                            mods=mods)
@@ -224,7 +224,7 @@ class MmaImplementation(_CupyBase):
         repeatable). `mods`: as `forward`'s; with `mods.aux_grads` a fourth result, the
         score_mod's aux gradients (float32 atomics: not with `deterministic`)."""
         from . import mma
-        spec = mma.spec_for(plan, q, kind="bwd", softcap=softcap, mods=mods)
+        spec = mma.spec_for(plan, q, kind="bwd", softcap=softcap, mods=mods, v=v)
         self._require_fit(spec, "bwd-deterministic" if deterministic else "bwd")
         return mma.backward(spec, plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                             softcap=softcap, deterministic=bool(deterministic), mods=mods)
@@ -241,7 +241,13 @@ class Sm90aImplementation(_CupyBase):
     default_eligible = False
 
     def supports(self, call):
-        why = self._common_refusal(call, SM90_HEAD_DIMS)
+        """Its forward also takes the pairs of `traits.SM90_FWD_HEAD_DIM_V_PAIRS` (D = 192 with
+        head_dim_v = 128), its backward head_dim_v == head_dim only."""
+        pair = (call.head_dim, call.head_dim_v)
+        why = self._common_refusal(call, SM90_HEAD_DIMS if pair not in
+                                   SM90_FWD_HEAD_DIM_V_PAIRS else (call.head_dim,))
+        if why is None and getattr(call, "grads", None) is not None:
+            why = sm90_backward_refusal(*pair)
         if why:
             return why
         device, why = self.device()
@@ -252,15 +258,15 @@ class Sm90aImplementation(_CupyBase):
                     f"compute capability 9.0 only (H100/H200)")
         return None
 
-    def runs(self, kind: str, plan, q, softcap: float) -> str | None:
-        """None when this implementation has a variant for pass `kind` of a call with `plan`,
-        else why not."""
+    def runs(self, kind: str, plan, q, softcap: float, v=None) -> str | None:
+        """None when this implementation has a variant for pass `kind` of a call with `plan`
+        (and values `v`: head_dim_v; None: q's head dim), else why not."""
         from . import sm90
         try:
             if kind == "fwd":
-                sm90.fwd_spec_for(plan, q, softcap)
+                sm90.fwd_spec_for(plan, q, softcap, v=v)
             else:
-                sm90.bwd_spec_for(plan, q, softcap)
+                sm90.bwd_spec_for(plan, q, softcap, v=v)
         except ValueError as e:
             return str(e)
         return None
@@ -277,7 +283,8 @@ class Sm90aImplementation(_CupyBase):
         (`sm90.backward`). It runs no mask_mod or score_mod (`supports_mods` refuses them)."""
         from . import sm90
         from .mods import refusal
-        why = refusal(mods, impl=self.IMPL, backward=True)
+        why = refusal(mods, impl=self.IMPL, backward=True) or sm90_backward_refusal(
+            int(q.shape[2]), int(v.shape[2]))
         if why:
             raise ValueError(f"backend {self.name!r} cannot run this backward: {why}")
         return sm90.backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
@@ -314,25 +321,25 @@ class CupyBackend(_CupyBase):
         """The user functions of the implementation every pass can fall back on (`cupy:mma`)."""
         return self.implementations[-1].supports_mods(call)
 
-    def choose(self, kind: str, plan, q, softcap: float, mods=None) -> Backend:
-        """The implementation that runs pass `kind` ("fwd" | "bwd") of a call with `plan` and
-        user functions `mods`: the first default-eligible one that has a variant for it (the
-        last one otherwise)."""
-        probe = _Probe(q, on_device=True, mods=mods, backward=kind == "bwd")
+    def choose(self, kind: str, plan, q, softcap: float, mods=None, v=None) -> Backend:
+        """The implementation that runs pass `kind` ("fwd" | "bwd") of a call with `plan`, user
+        functions `mods` and values `v` (its head dim is head_dim_v; None: q's): the first
+        default-eligible one that has a variant for it (the last one otherwise)."""
+        probe = _Probe(q, on_device=True, mods=mods, backward=kind == "bwd", v=v)
         for impl in self.implementations[:-1]:
-            if impl.default_eligible and impl.runs(kind, plan, q, softcap) is None and \
+            if impl.default_eligible and impl.runs(kind, plan, q, softcap, v) is None and \
                     impl.supports(probe) is None and impl.supports_mods(probe) is None:
                 return impl
         return self.implementations[-1]
 
     def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
-        return self.choose("fwd", plan, q, softcap, mods).forward(
+        return self.choose("fwd", plan, q, softcap, mods, v).forward(
             plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
             **({"mods": mods} if mods else {}))
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
                  deterministic=False, mods=None):
-        return self.choose("bwd", plan, q, softcap, mods).backward(
+        return self.choose("bwd", plan, q, softcap, mods, v).backward(
             plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale, softcap=softcap,
             deterministic=deterministic, **({"mods": mods} if mods else {}))
 
@@ -341,10 +348,11 @@ class _Probe:
     """What `supports` and `supports_mods` read, from a working array and the call's user
     functions (the family's choice inside a pass)."""
 
-    def __init__(self, q, *, on_device, mods=None, backward=False):
+    def __init__(self, q, *, on_device, mods=None, backward=False, v=None):
         from ..._validate import dtype_name
         self.dtype = dtype_name(q.dtype)
-        self.head_dim = self.head_dim_v = int(q.shape[2])
+        self.head_dim = int(q.shape[2])
+        self.head_dim_v = self.head_dim if v is None else int(v.shape[2])
         self.on_device = on_device
         self.mods = mods
         self.grads = () if backward else None

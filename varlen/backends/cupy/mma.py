@@ -18,8 +18,8 @@ from . import launch as L
 from .mods import (ModHooks, aux_grad_buffers, aux_grads_result, error_flag, hooks_for,
                    record_errors)
 from .traits import (BLOCKS, KINDS, MAX_WIDE_HEAD_DIM, WARP_ROWS, WARP_SIZE, DeviceInfo,
-                     KernelLaunch, Variant, blocks_for, cxx_bool, mma_dkdv_smem, mma_fwd_smem,
-                     smem_refusal, smem_stride, tile_size)
+                     KernelLaunch, Variant, blocks_for, cxx_bool, head_dim_v_refusal,
+                     mma_dkdv_smem, mma_fwd_smem, smem_refusal, smem_stride, tile_size)
 
 PREPROCESS_WARPS = 4              # kernels_cuda/bwd_preprocess.cuh
 CONVERT_THREADS = 256
@@ -30,9 +30,11 @@ PAD_ROWS_PER_THREAD = 32
 @dataclass(frozen=True)
 class KernelSpec(Variant):
     """One compiled variant of the mma.sync kernels: a kind (`"fwd"` or `"bwd"`), an element
-    type, a head dim, the plan's tiles, the softcap flag and the call's mask_mod and score_mod
-    (`mods.ModHooks`, None without: the module is compiled with their generated code); the
-    kernels' own steps come from `traits.tile_size`. Invalid combinations raise ValueError
+    type, a head dim, the plan's tiles, the softcap flag, the call's mask_mod and score_mod
+    (`mods.ModHooks`, None without: the module is compiled with their generated code) and the
+    head dim of v (`head_dim_v`, None: `head_dim`; a pair of `traits.HEAD_DIM_V_PAIRS`
+    otherwise); the kernels' own steps come from `traits.tile_size` (those of `head_dim`: V's
+    rows lie in the shared-memory rows of K's width). Invalid combinations raise ValueError
     here, before compiling."""
 
     kind: str            # "fwd" | "bwd"
@@ -42,11 +44,17 @@ class KernelSpec(Variant):
     block_n: int
     softcap: bool
     mods: ModHooks | None = None
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"KernelSpec.kind={self.kind!r}; expected one of {KINDS}")
         self.check_common()
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        why = head_dim_v_refusal(self.head_dim, self.head_dim_v, "mma")
+        if why:
+            raise ValueError(f"KernelSpec: {why}")
         if (self.block_m, self.block_n) not in BLOCKS:
             raise ValueError(f"KernelSpec blocks ({self.block_m}, {self.block_n}) are not "
                              f"supported; expected one of {BLOCKS}")
@@ -125,25 +133,31 @@ class KernelSpec(Variant):
         64-key tiles (fwd_block_n); every other spec its own."""
         if self.kind == "fwd" and self.block_n != self.fwd_block_n:
             return KernelSpec(self.kind, self.dtype, self.head_dim, self.block_m,
-                              self.fwd_block_n, self.softcap, self.mods)
+                              self.fwd_block_n, self.softcap, self.mods, self.head_dim_v)
         return self
 
+    @property
+    def _dv(self) -> str:
+        """The trailing DV template argument: none (its default, D) when head_dim_v == head_dim,
+        so those kernels keep their names."""
+        return "" if self.head_dim_v == self.head_dim else f", {self.head_dim_v}"
+
     def fwd_name(self) -> str:
-        """`varlen_fwd<T, D, BM, BN, HAS_SOFTCAP, KN, STAGES>`: the key chunk and stages of
-        `traits.tile_size`, which FwdConfig checks."""
+        """`varlen_fwd<T, D, BM, BN, HAS_SOFTCAP, KN, STAGES[, DV]>`: the key chunk and stages
+        of `traits.tile_size`, which FwdConfig checks."""
         return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.fwd_block_n}, "
-                f"{cxx_bool(self.softcap)}, {self.fwd_chunk}, {self.fwd_stages}>")
+                f"{cxx_bool(self.softcap)}, {self.fwd_chunk}, {self.fwd_stages}{self._dv}>")
 
     def dkdv_name(self, ordered_dq: bool = False) -> str:
-        """`varlen_bwd_dkdv<T, D, BN, BQ, HAS_SOFTCAP, ATOMIC_DQ, ORDERED_DQ>`, BQ the query
-        chunk of `traits.tile_size`. Both dQ modes add dQ in the kernel (ATOMIC_DQ = true);
-        ordered_dq fixes the order."""
-        ordered = ", true" if ordered_dq else ""
+        """`varlen_bwd_dkdv<T, D, BN, BQ, HAS_SOFTCAP, ATOMIC_DQ, ORDERED_DQ[, DV]>`, BQ the
+        query chunk of `traits.tile_size`. Both dQ modes add dQ in the kernel (ATOMIC_DQ =
+        true); ordered_dq fixes the order."""
+        ordered = f", {cxx_bool(ordered_dq)}" if ordered_dq or self._dv else ""
         return (f"varlen_bwd_dkdv<{self.ctype}, {self.head_dim}, {self.block_n}, "
-                f"{self.bwd_query_chunk}, {cxx_bool(self.softcap)}, true{ordered}>")
+                f"{self.bwd_query_chunk}, {cxx_bool(self.softcap)}, true{ordered}{self._dv}>")
 
     def preprocess_name(self) -> str:
-        return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}>"
+        return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}{self._dv}>"
 
     def convert_name(self) -> str:
         return f"varlen_bwd_dq_convert<{self.ctype}, {self.head_dim}>"
@@ -164,7 +178,8 @@ class KernelSpec(Variant):
 
     @property
     def label(self) -> str:
-        return (f"{self.kind}-{self.dtype}-D{self.head_dim}-BM{self.block_m}-BN{self.block_n}"
+        dv = f"-Dv{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
+        return (f"{self.kind}-{self.dtype}-D{self.head_dim}{dv}-BM{self.block_m}-BN{self.block_n}"
                 f"{'-softcap' if self.softcap else ''}"
                 f"{'-' + self.mods.label if self.mods else ''}")
 
@@ -175,12 +190,13 @@ ROLES = {"fwd": ("fwd",), "bwd": ("preprocess", "dkdv_atomic", "dq_convert"),
          "bwd-deterministic": ("preprocess", "dkdv_ordered", "dq_convert")}
 
 
-def spec_for(plan, q, *, kind: str, softcap: float, mods=None) -> KernelSpec:
-    """The compiled variant that runs `kind` ("fwd"/"bwd") for this plan and input, and the
-    call's `mods` (`varlen.mods.Mods` or None)."""
+def spec_for(plan, q, *, kind: str, softcap: float, mods=None, v=None) -> KernelSpec:
+    """The compiled variant that runs `kind` ("fwd"/"bwd") for this plan and input (`v`: its
+    head dim is head_dim_v; None: q's), and the call's `mods` (`varlen.mods.Mods` or None)."""
     from ..._validate import dtype_name
     return KernelSpec(kind, dtype_name(q.dtype), int(q.shape[2]), plan.block_m, plan.block_n,
-                      softcap > 0, hooks_for(mods, backward=kind == "bwd"))
+                      softcap > 0, hooks_for(mods, backward=kind == "bwd"),
+                      None if v is None else int(v.shape[2]))
 
 
 def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tuple):
@@ -206,10 +222,12 @@ def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tupl
 
 
 def all_specs():
-    """Every variant the implementation ships."""
-    from .traits import DTYPES, HEAD_DIMS
-    return [KernelSpec(kind, dtype, d, bm, bn, sc)
-            for kind in KINDS for dtype in DTYPES for d in HEAD_DIMS for bm, bn in blocks_for(d)
+    """Every variant the implementation ships: each head dim with head_dim_v == head_dim, then
+    the (head_dim, head_dim_v) pairs of `traits.HEAD_DIM_V_PAIRS`."""
+    from .traits import DTYPES, HEAD_DIM_V_PAIRS, HEAD_DIMS
+    dims = [(d, d) for d in HEAD_DIMS] + list(HEAD_DIM_V_PAIRS)
+    return [KernelSpec(kind, dtype, d, bm, bn, sc, None, dv)
+            for kind in KINDS for dtype in DTYPES for d, dv in dims for bm, bn in blocks_for(d)
             for sc in (False, True)]
 
 
@@ -221,7 +239,8 @@ def module(spec: KernelSpec) -> L.Module:
 
 def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: float,
             mods=None):
-    """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf).
+    """`out [Tq, Hq, Dv]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf);
+    Dv = v.shape[2], spec.head_dim_v.
 
     One launch, no fill: the forward kernel writes every row of both, its query tiles' rows
     and, in the pad blocks past the tile slots, the rows of no tile. None when Tq == 0. q, k
@@ -232,10 +251,10 @@ def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: f
     """
     import cupy
     q, k, v = L.data(q, "q"), L.data(k, "k"), L.data(v, "v")
-    Tq, Hq, D = q.shape
-    Hk = k.shape[1]
+    Tq, Hq, _ = q.shape
+    Hk, Dv = k.shape[1], v.shape[2]
     L.check_heads(Hq)
-    out = alloc(cupy, (Tq, Hq, D), q.dtype)
+    out = alloc(cupy, (Tq, Hq, Dv), q.dtype)
     lse = alloc(cupy, (Hq, Tq), np.float32)
     if Tq == 0 or Hq == 0:
         return out, lse

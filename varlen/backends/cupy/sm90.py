@@ -46,8 +46,9 @@ import numpy as np
 from ..._array import alloc
 from . import launch as L
 from .mods import ModHooks, error_flag, hooks_for, module_source, record_errors
-from .traits import (ELEM_BYTES, SM90_HEAD_DIMS, SM90_STAGES, SMEM_PAD, WG_ROWS, KernelLaunch,
-                     Variant, cxx_bool, tile_size)
+from .traits import (ELEM_BYTES, SM90_FWD_HEAD_DIM_V_PAIRS, SM90_HEAD_DIMS, SM90_STAGES,
+                     SMEM_PAD, WG_ROWS, KernelLaunch, Variant, cxx_bool, head_dim_v_refusal,
+                     sm90_backward_refusal, tile_size)
 
 ARCH = "sm_90a"
 WG_THREADS = 128              # a warpgroup
@@ -102,11 +103,14 @@ class FwdSpec(_Sm90Variant):
     """One variant of `varlen_fwd_sm90`: element type, head dim, the kernel's query rows per tile
     (the plan's query tiles when `pack` is 1, else block_m / pack positions), the plan's key
     tiles, softcap, the kernel's key chunk (None: `traits.tile_size`'s), the query heads
-    packed per position and the call's mask_mod and score_mod (`mods.ModHooks`, None without:
-    the cubin is built with their generated code)."""
+    packed per position, the call's mask_mod and score_mod (`mods.ModHooks`, None without:
+    the cubin is built with their generated code) and the head dim of v and out (`head_dim_v`,
+    None: `head_dim`; else a pair of `traits.SM90_FWD_HEAD_DIM_V_PAIRS`)."""
 
     ROLE = "fwd"
     KERNEL = FWD_KERNEL
+    # D = 192 with head_dim_v = 128 only
+    HEAD_DIMS = tuple(sorted({*SM90_HEAD_DIMS, *(d for d, _ in SM90_FWD_HEAD_DIM_V_PAIRS)}))
     dtype: str          # "float16" | "bfloat16"
     head_dim: int
     block_m: int
@@ -115,12 +119,22 @@ class FwdSpec(_Sm90Variant):
     key_chunk: int | None = None
     pack: int = 1
     mods: ModHooks | None = None
+    head_dim_v: int | None = None
 
     def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
         if self.key_chunk is None:
             object.__setattr__(self, "key_chunk", tile_size(
                 "fwd", "sm90a", self.dtype, self.head_dim, self.block_m, self.block_n).key_chunk)
         self.check_common()
+        why = head_dim_v_refusal(self.head_dim, self.head_dim_v, "sm90a")
+        if why is None and self.head_dim not in SM90_HEAD_DIMS and \
+                self.head_dim_v == self.head_dim:
+            why = (f"head_dim={self.head_dim} is compiled with (head_dim, head_dim_v) in "
+                   f"{SM90_FWD_HEAD_DIM_V_PAIRS} only")
+        if why:
+            raise ValueError(f"FwdSpec: {why}")
         if self.block_m not in (64, 128):
             raise ValueError(f"{self.block_m=}: one or two consumer warpgroups of 64 rows")
         if self.block_n not in (64, 128):
@@ -141,21 +155,27 @@ class FwdSpec(_Sm90Variant):
 
     @property
     def smem(self) -> int:
-        """Q [BM][D], STAGES x (K, V) [KN][D], the output stage [BM][D + 8], the mbarriers
-        (FwdSm90Config's layout), and 1 KiB to align the window."""
+        """Q [BM][D], STAGES x K [KN][D] and V [KN][Dv], the output stage [BM][Dv + 8], the
+        mbarriers (FwdSm90Config's layout), and 1 KiB to align the window."""
         e = ELEM_BYTES
-        data = (self.block_m + 2 * SM90_STAGES * self.key_chunk) * self.head_dim * e
-        data += self.block_m * (self.head_dim + SMEM_PAD) * e
+        data = (self.block_m + SM90_STAGES * self.key_chunk) * self.head_dim * e
+        data += SM90_STAGES * self.key_chunk * self.head_dim_v * e
+        data += self.block_m * (self.head_dim_v + SMEM_PAD) * e
         return -(-data // 8) * 8 + 8 * FWD_BARRIERS + SMEM_ALIGN
 
     @property
     def template_args(self) -> tuple:
+        """`varlen_fwd_sm90<T, D, BM, BN, HAS_SOFTCAP, KN, PACK[, DV]>`: DV (head_dim_v) only
+        where it differs from D (its default), so the other kernels keep their names."""
+        dv = (self.head_dim_v,) if self.head_dim_v != self.head_dim else ()
         return (self.ctype, self.head_dim, self.block_m, self.block_n, cxx_bool(self.softcap),
-                self.key_chunk, self.pack)
+                self.key_chunk, self.pack, *dv)
 
     @property
     def label(self) -> str:
-        return self._label("fwd", f"D{self.head_dim}", f"BM{self.block_m}", f"BN{self.block_n}",
+        dv = [f"Dv{self.head_dim_v}"] if self.head_dim_v != self.head_dim else []
+        return self._label("fwd", f"D{self.head_dim}", *dv, f"BM{self.block_m}",
+                           f"BN{self.block_n}",
                            f"KN{self.key_chunk}", f"P{self.pack}",
                            *([self.mods.label] if self.mods else []), softcap=self.softcap)
 
@@ -230,16 +250,21 @@ class BwdSpec(_Sm90Variant):
                            softcap=self.softcap, ordered=self.ordered_dq)
 
 
-def fwd_spec_for(plan, q, softcap: float, mods=None) -> FwdSpec:
+def fwd_spec_for(plan, q, softcap: float, mods=None, v=None) -> FwdSpec:
     """The unpacked forward variant for a call with `plan` (its query tiles are the kernel's
-    rows) and `mods` (`varlen.mods.Mods` or None). With user functions the key chunk is
-    `MODS_KEY_CHUNK`: their per-pair arithmetic beside S of 128 keys spilled (76 B at D = 64)."""
+    rows), `mods` (`varlen.mods.Mods` or None) and values `v` (its head dim is head_dim_v;
+    None: q's). With user functions the key chunk is `MODS_KEY_CHUNK`: their per-pair
+    arithmetic beside S of 128 keys spilled (76 B at D = 64)."""
     hooks = hooks_for(mods)
     return FwdSpec(str(q.dtype), int(q.shape[2]), int(plan.block_m), int(plan.block_n),
-                   bool(softcap > 0), key_chunk=MODS_KEY_CHUNK if hooks else None, mods=hooks)
+                   bool(softcap > 0), key_chunk=MODS_KEY_CHUNK if hooks else None, mods=hooks,
+                   head_dim_v=None if v is None else int(v.shape[2]))
 
 
-def bwd_spec_for(plan, q, softcap: float, deterministic: bool = False) -> BwdSpec:
+def bwd_spec_for(plan, q, softcap: float, deterministic: bool = False, v=None) -> BwdSpec:
+    why = None if v is None else sm90_backward_refusal(int(q.shape[2]), int(v.shape[2]))
+    if why:
+        raise ValueError(why)
     spec = BwdSpec(str(q.dtype), int(q.shape[2]), int(plan.block_n), bool(softcap > 0),
                    bool(deterministic))
     if plan.block_m % spec.query_chunk:
@@ -433,7 +458,8 @@ def dispatched_specs() -> list:
     """The sm_90a variants the backend runs with its default plan tiles on an H100/H200
     (`traits.default_blocks`: (128, 64) at D = 64, (128, 128) at D = 128, (64, 64) at
     D = 256): the forward with 1, 2, 4 and 8 heads packed per position and the dK/dV kernel in
-    both dQ modes, each dtype, with and without a softcap."""
+    both dQ modes, each dtype, with and without a softcap; the forward of the (head_dim,
+    head_dim_v) pairs of `traits.SM90_FWD_HEAD_DIM_V_PAIRS` ((64, 64) tiles at 192 / 128)."""
     from .traits import DTYPES, default_blocks
     specs = []
     for d in SM90_HEAD_DIMS:
@@ -442,6 +468,10 @@ def dispatched_specs() -> list:
             for softcap in (False, True):
                 specs += [FwdSpec(dtype, d, bm, bn, softcap, pack=p) for p in PACKS]
                 specs += [BwdSpec(dtype, d, bn, softcap, ordered) for ordered in (False, True)]
+    for d, dv in SM90_FWD_HEAD_DIM_V_PAIRS:
+        bm, bn = default_blocks(d)
+        specs += [FwdSpec(dtype, d, bm, bn, softcap, pack=p, head_dim_v=dv)
+                  for dtype in DTYPES for softcap in (False, True) for p in PACKS]
     return specs
 
 
@@ -460,21 +490,22 @@ def warm(workers: int, specs=None) -> int:
 
 def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | None = None,
             mods=None):
-    """`out [Tq, Hq, D]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf),
-    as `mma.forward`, by the sm_90a kernel: one launch of `persistent_grid` blocks over
-    num_q_tiles x Hq / pack work items, no fill (the blocks also write the rows of no tile).
+    """`out [Tq, Hq, Dv]` (q's dtype, pad rows 0; Dv = v.shape[2]) and `lse [Hq, Tq]`
+    (float32, pad rows -inf), as `mma.forward`, by the sm_90a kernel: one launch of
+    `persistent_grid` blocks over num_q_tiles x Hq / pack work items, no fill (the blocks also
+    write the rows of no tile).
     `pack`: query heads per position in a tile (`pack_for`; None: `choose_pack`). q, k and v
     are read where they lie (`launch.data` with the tensor maps' rules). `mods`: the call's
     mask_mod and score_mod, as in `mma.forward` (a packed row's score_mod sees its own head)."""
     import cupy
     q, k, v = (L.data(a, name, tma=True) for a, name in ((q, "q"), (k, "k"), (v, "v")))
-    Tq, Hq, D = q.shape
-    Hk = k.shape[1]
+    Tq, Hq, _ = q.shape
+    Hk, Dv = k.shape[1], v.shape[2]
     L.check_heads(Hq)
-    spec = fwd_spec_for(plan, q, softcap, mods)
+    spec = fwd_spec_for(plan, q, softcap, mods, v)
     pack = pack_for(plan, Tq, Hq, Hk, spec.block_m, pack)
     spec = dataclasses.replace(spec, pack=pack)
-    out = alloc(cupy, (Tq, Hq, D), q.dtype)
+    out = alloc(cupy, (Tq, Hq, Dv), q.dtype)
     lse = alloc(cupy, (Hq, Tq), np.float32)
     if Tq == 0 or Hq == 0:
         return out, lse
@@ -501,7 +532,7 @@ def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: fl
     in place of the mma.sync dK/dV kernel. q, k, v and dout are read where they lie
     (`launch.data` with the tensor maps' rules), out where the preprocessing can."""
     from . import mma
-    spec = bwd_spec_for(plan, q, softcap, deterministic)
+    spec = bwd_spec_for(plan, q, softcap, deterministic, v)
     # the preprocessing and the conversion depend on the element type and head dim only
     aux = mma.KernelSpec("bwd", spec.dtype, spec.head_dim, 64, 64, False)
     q, k, v, dout = (L.data(a, name, tma=True)

@@ -19,6 +19,12 @@ from typing import NamedTuple
 
 DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# (head_dim, head_dim_v) pairs with head_dim_v < head_dim the mma.sync kernels are compiled and
+# budget-checked for (multi-head latent attention: DeepSeek's 192 / 128): V, out, dO and dV
+# have head_dim_v columns, which lie in the shared-memory rows of K and Q, so the tiles and
+# shared memory are those of head_dim. Every head_dim of HEAD_DIMS takes head_dim_v ==
+# head_dim.
+HEAD_DIM_V_PAIRS = ((192, 128), (128, 64))
 IMPLEMENTATIONS = ("mma", "sm90a")
 KINDS = ("fwd", "bwd")
 
@@ -55,6 +61,9 @@ SMEM_PER_BLOCK_RESERVED = 1024
 # The sm_90a kernels (wgmma, TMA): D 64, 128, 256; query rows per consumer warpgroup (wgmma M)
 # and the backward's query chunk (wgmma N of S^T, M of dQ).
 SM90_HEAD_DIMS = (64, 128, 256)
+# (head_dim, head_dim_v) pairs with head_dim_v < head_dim of the sm_90a forward (its backward
+# takes head_dim_v == head_dim only): 192 / 128, key chunks of 64.
+SM90_FWD_HEAD_DIM_V_PAIRS = ((192, 128),)
 WG_ROWS = 64
 SM90_BWD_QUERY_CHUNK = 64
 SM90_STAGES = 2
@@ -78,6 +87,36 @@ class Tiles(NamedTuple):
     key_chunk: int      # keys per step of the forward
     query_chunk: int    # query rows per step of the dK/dV kernel
     stages: int         # K/V stages of the forward (Q/dO stages of the backward)
+
+
+def head_dim_v_refusal(head_dim: int, head_dim_v: int, impl: str = "mma") -> str | None:
+    """Why implementation `impl` ("mma" | "sm90a") has no kernels for `head_dim_v` beside
+    `head_dim` (None: it has; for "sm90a", its forward: `sm90_backward_refusal` says what its
+    backward takes; `head_dim` itself is checked elsewhere)."""
+    if head_dim_v == head_dim:
+        return None
+    if impl == "sm90a":
+        if (head_dim, head_dim_v) in SM90_FWD_HEAD_DIM_V_PAIRS:
+            return None
+        return (f"(head_dim, head_dim_v)=({head_dim}, {head_dim_v}) is not compiled: the sm_90a "
+                f"forward takes head_dim_v == head_dim or (head_dim, head_dim_v) in "
+                f"{SM90_FWD_HEAD_DIM_V_PAIRS}, its backward head_dim_v == head_dim (cupy:mma "
+                f"runs {HEAD_DIM_V_PAIRS})")
+    if (head_dim, head_dim_v) not in HEAD_DIM_V_PAIRS:
+        return (f"(head_dim, head_dim_v)=({head_dim}, {head_dim_v}) is not compiled: the "
+                f"mma.sync kernels take head_dim_v == head_dim or (head_dim, head_dim_v) in "
+                f"{HEAD_DIM_V_PAIRS}")
+    return None
+
+
+def sm90_backward_refusal(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the sm_90a backward has no kernel for `head_dim_v` beside `head_dim` (None: it
+    has)."""
+    if head_dim_v == head_dim:
+        return None
+    return (f"head_dim_v={head_dim_v} differs from head_dim={head_dim}: the sm_90a backward "
+            f"takes head_dim_v == head_dim (cupy:mma runs the backward of (head_dim, "
+            f"head_dim_v) in {HEAD_DIM_V_PAIRS})")
 
 
 def blocks_for(head_dim: int) -> tuple:
