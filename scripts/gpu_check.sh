@@ -119,16 +119,18 @@ json_str() {  # a JSON string of $1 (one line)
 }
 
 record() {  # name status rc seconds limit gpu(true|false) reason
-    STEPS+=("{\"step\": \"$1\", \"status\": \"$2\", \"rc\": $3, \"seconds\": $4, \"limit\": $5, \"gpu\": $6, \"reason\": $(json_str "$7")}")
+    local fields="\"step\": \"$1\", \"status\": \"$2\", \"rc\": $3, \"seconds\": $4"
+    STEPS+=("{$fields, \"limit\": $5, \"gpu\": $6, \"reason\": $(json_str "$7")}")
     write_summary true false
 }
 
 write_summary() {  # gpu(true|false) finished(true|false) [verdict]
     local joined
     joined=$(IFS=,; echo "${STEPS[*]:-}")
-    printf '{"gpu": %s, "mode": "%s", "seconds": %s, "limits_s": %s, "finished": %s, "hang": %s, "verdict": %s, "steps": [%s]}\n' \
-        "$1" "$MODE" "$(( $(date +%s) - T0 ))" "$LIMITS_SUM" "$2" "$(json_str "$HANG")" \
-        "$(json_str "${3:-}")" "$joined" >"$OUT_DIR/summary.json.tmp"
+    printf '{"gpu": %s, "mode": "%s", "seconds": %s, "limits_s": %s, "finished": %s, ' \
+        "$1" "$MODE" "$(( $(date +%s) - T0 ))" "$LIMITS_SUM" "$2" >"$OUT_DIR/summary.json.tmp"
+    printf '"hang": %s, "verdict": %s, "steps": [%s]}\n' \
+        "$(json_str "$HANG")" "$(json_str "${3:-}")" "$joined" >>"$OUT_DIR/summary.json.tmp"
     mv "$OUT_DIR/summary.json.tmp" "$OUT_DIR/summary.json"
 }
 
@@ -279,20 +281,26 @@ timing() {
 
 ncu_sol() {  # fwd|bwd: the speed-of-light sections of one launch of the mode's kernels
     local ncu kernel log rc runner=${CUPY_BACKEND#cupy:}
-    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-    [ -n "$ncu" ] || { echo "SKIP: ncu not found (PATH, /usr/local/cuda/bin, /opt/nvidia)"; return "$SKIP_RC"; }
+    local refused="ERR_NVGPUCTRPERM|LibraryNotLoaded|Failed to initialize|not supported|permission"
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
+        2>/dev/null | head -n 1)
+    if [ -z "$ncu" ]; then
+        echo "SKIP: ncu not found (PATH, /usr/local/cuda/bin, /opt/nvidia)"
+        return "$SKIP_RC"
+    fi
+    # the mode's own kernels only run in its steps: a name prefix tells them apart
     case "$1/$runner" in
         fwd/sm90a) kernel=varlen_fwd_sm90 ;;
         bwd/sm90a) kernel=varlen_bwd_dkdv_sm90 ;;
         fwd/*) kernel=varlen_fwd ;;
         bwd/*) kernel=varlen_bwd_dkdv ;;
     esac
-    log=$("$ncu" --clock-control none --section SpeedOfLight -k "regex:^$kernel" -c 1 \
+    log=$("$ncu" --clock-control none --section SpeedOfLight -k "regex:$kernel" -c 1 \
         "$PY" scripts/gpu_timing.py --launch "$1" --runners "$runner" 2>&1)
     rc=$?
     echo "$log"
-    if grep -qiE "ERR_NVGPUCTRPERM|LibraryNotLoaded|Failed to initialize the profiler|not supported|permission" <<<"$log"; then
-        echo "SKIP: ncu cannot read the counters here: $(grep -m1 -iE "ERR_NVGPUCTRPERM|LibraryNotLoaded|Failed to initialize|not supported|permission" <<<"$log" | cut -c1-120)"
+    if grep -qiE "$refused" <<<"$log"; then
+        echo "SKIP: ncu cannot read the counters here: $(grep -m1 -iE "$refused" <<<"$log" | cut -c1-120)"
         return "$SKIP_RC"
     fi
     [ "$rc" -eq 0 ] || return "$rc"

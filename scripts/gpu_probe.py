@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 from gpu_timing import Results  # noqa: E402
+from varlen._cli import ArgumentParser  # noqa: E402
 
 
 def versions() -> dict:
@@ -94,8 +95,7 @@ PROBES = (("device", device), ("dlpack_bf16", dlpack_bf16), ("tensor_map", tenso
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="append one JSON line per probe to this file")
     ap.add_argument("--require-sm90", action="store_true",
                     help="exit 2 unless the GPU has compute capability 9.0")

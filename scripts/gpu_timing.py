@@ -35,6 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+from varlen._cli import ArgumentParser, name_list, positive_int  # noqa: E402
+
 LENGTHS = (8192, 16384)
 TOKENS = 16384
 HEADS = 16
@@ -63,15 +65,6 @@ def workloads():
     """(label, lengths, causal flags) of every timed workload, in order."""
     return [(f"L{L}-{'causal' if c else 'full'}", [L] * (TOKENS // L), [c] * (TOKENS // L))
             for L in LENGTHS for c in (True, False)]
-
-
-def runner_list(text: str) -> list:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in RUNNERS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"runners {bad or text!r}: expected a comma-separated "
-                                         f"list of {', '.join(RUNNERS)}")
-    return names
 
 
 def model_tflops(runner: str, phase: str):
@@ -213,19 +206,16 @@ def table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runners", type=runner_list, default=list(RUNNERS),
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runners", type=name_list(RUNNERS), default=list(RUNNERS),
                     help=f"comma-separated, from {', '.join(RUNNERS)} (default: all)")
     ap.add_argument("--json", default=None, help="append the figures to this JSON-lines file")
-    ap.add_argument("--iters", type=int, default=10, help="timed runs per figure (median)")
+    ap.add_argument("--iters", type=positive_int, default=10, help="timed runs per figure (median)")
     ap.add_argument("--launch", choices=PHASES, default=None,
                     help="one forward or backward launch of the first runner (8k, full)")
     ap.add_argument("--table", metavar="FILE", default=None,
                     help="print the table of a results file and exit")
     args = ap.parse_args(argv)
-    if args.iters < 1:
-        ap.error(f"--iters {args.iters}: expected a positive number of timed runs")
     if args.table:
         print(table(read(args.table)))
         return 0

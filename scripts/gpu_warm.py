@@ -23,6 +23,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from varlen._cli import ArgumentParser, positive_int  # noqa: E402
+
 MMA_HEAD_DIMS_BESIDE_SM90 = (64, 128)     # parity_mma and timing in --sm90a mode
 
 
@@ -53,14 +55,12 @@ def warm_plan() -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("cupy", "sm90a"), required=True)
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
+                    help="compiling processes (default: the CPU count)")
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
     args = ap.parse_args(argv)
-    if args.jobs < 1:
-        ap.error(f"--jobs {args.jobs}: expected a positive number of processes")
     mmas, sm90s = mma_specs(args.mode), sm90_specs(args.mode)
     if args.list:
         for s in sm90s:

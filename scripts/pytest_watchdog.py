@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import sys
 import threading
 
 import pytest
