@@ -14,7 +14,8 @@ three calls most likely to fail first on a new machine, each answered in a line 
                 (64, 1, 128) and (64, 4, 32): the result and the first opaque words
 
 Exit status 0 when every probe answered, 1 when one failed (each failure is printed).
-Needs no installed varlen: the checkout is put on the path.
+Needs no installed varlen (it runs before the install step): the checkout is put on the path,
+with its top-level comm/ and kernels_cuda/ under varlen as setup.cfg maps them.
 """
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ sys.path.insert(0, HERE)
 
 from gpu_timing import Results  # noqa: E402
 from varlen._cli import ArgumentParser  # noqa: E402
+
+
+def checkout_importable() -> None:
+    """varlen.comm and varlen.kernels_cuda from this checkout's top-level folders when varlen
+    is not installed (setup.cfg's package_dir mapping, by hand)."""
+    import varlen
+    for name in ("comm", "kernels_cuda"):
+        try:
+            importlib.import_module(f"varlen.{name}")
+        except ImportError:
+            module = importlib.import_module(name)
+            sys.modules[f"varlen.{name}"] = module
+            setattr(varlen, name, module)
 
 
 def versions() -> dict:
@@ -100,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--require-sm90", action="store_true",
                     help="exit 2 unless the GPU has compute capability 9.0")
     args = ap.parse_args(argv)
+    checkout_importable()
     out = Results(args.json)
     found = versions()
     for k, v in found.items():

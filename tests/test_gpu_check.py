@@ -318,3 +318,24 @@ def test_the_warm_up_covers_what_the_steps_launch():
             for kind in ("fwd", "bwd"):
                 assert mma.KernelSpec(kind, dtype, d, *default_blocks(d), False) in specs
     assert gpu_warm.mma_specs("cupy") == mma.all_specs()
+
+
+def test_the_probe_answers_each_question_on_a_line_of_its_own(tmp_path):
+    """Without a GPU stack every probe still answers, as a failure with its reason, and the
+    versions come first; it needs no installed varlen (it runs before the install step)."""
+    pytest.importorskip("numpy")
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is importable here: the probes would run")
+    except ImportError:
+        pass
+    path = tmp_path / "results.jsonl"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_probe.py"),
+                           "--json", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["probe"] for r in lines] == ["versions", "device", "dlpack_bf16", "tensor_map"]
+    assert lines[0]["ok"] is True and "nvrtc" in lines[0] and "cupy" in lines[0]
+    assert all(r["ok"] is False and "cupy" in r["error"] for r in lines[1:])
+    for name in ("device", "dlpack_bf16", "tensor_map"):
+        assert f"probe {name}: FAILED" in proc.stdout
