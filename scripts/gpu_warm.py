@@ -7,10 +7,11 @@ launch, in parallel processes, so that no test, timing or profile compiles insid
   --mode cupy   every mma.sync variant (`mma.all_specs`: the GPU tests take every head dim and
                 tile) into CuPy's disk cache, and the plan kernels
   --mode sm90a  the sm_90a cubins the backend dispatches (`sm90.dispatched_specs`) into the
-                cubin cache, at the same time as the mma.sync modules of the steps that run
-                the mma.sync path beside it (D 64 and 128) and the auxiliary modules the
-                sm_90a backward launches (preprocessing and dQ conversion at every sm_90a head
-                dim), then the plan kernels
+                cubin cache on three quarters of the processes, at the same time as the
+                mma.sync modules of the steps that run the mma.sync path beside it (D 64 and
+                128 at the default plan tiles, with and without a softcap) and the auxiliary
+                modules the sm_90a backward launches (preprocessing and dQ conversion at every
+                sm_90a head dim), then the plan kernels
   --list        print what would be compiled and exit (no GPU, no compiler needed)
 """
 from __future__ import annotations
@@ -30,11 +31,12 @@ MMA_HEAD_DIMS_BESIDE_SM90 = (64, 128)     # parity_mma and timing in --sm90a mod
 
 def mma_specs(mode: str) -> list:
     from varlen.backends.cupy import mma
-    from varlen.backends.cupy.traits import DTYPES, SM90_HEAD_DIMS
-    every = mma.all_specs()
+    from varlen.backends.cupy.traits import DTYPES, KINDS, SM90_HEAD_DIMS, default_blocks
     if mode == "cupy":
-        return every
-    specs = [s for s in every if s.head_dim in MMA_HEAD_DIMS_BESIDE_SM90]
+        return mma.all_specs()
+    # at the default plan tiles, which the parity tests (plan=None) and the timing run with
+    specs = [mma.KernelSpec(kind, dtype, d, *default_blocks(d), softcap) for kind in KINDS
+             for dtype in DTYPES for d in MMA_HEAD_DIMS_BESIDE_SM90 for softcap in (False, True)]
     # the sm_90a backward's preprocessing and conversion (sm90.backward's `aux` spec)
     aux = [mma.KernelSpec("bwd", dtype, d, 64, 64, False) for dtype in DTYPES
            for d in SM90_HEAD_DIMS]
@@ -70,8 +72,9 @@ def main(argv=None) -> int:
         print(f"{len(sm90s)} sm_90a cubins, {len(mmas)} mma.sync modules, the plan kernels")
         return 0
     t0 = time.perf_counter()
-    # the cubins (NVRTC only) and CuPy's modules compile at the same time, the CPUs split
-    sm90_jobs = max(1, args.jobs // 2) if sm90s else 0
+    # the cubins (NVRTC only, 72 big programs) and CuPy's modules (about 20 small ones)
+    # compile at the same time, the CPUs split
+    sm90_jobs = max(1, args.jobs * 3 // 4) if sm90s else 0
     errors = []
 
     def cubins():

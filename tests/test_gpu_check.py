@@ -316,7 +316,9 @@ def test_the_warm_up_covers_what_the_steps_launch():
             assert mma.KernelSpec("bwd", dtype, d, 64, 64, False) in specs
         for d in (64, 128):
             for kind in ("fwd", "bwd"):
-                assert mma.KernelSpec(kind, dtype, d, *default_blocks(d), False) in specs
+                for softcap in (False, True):
+                    assert mma.KernelSpec(kind, dtype, d, *default_blocks(d), softcap) in specs
+    assert len(specs) == len(set(specs)) < len(mma.all_specs()) // 4
     assert gpu_warm.mma_specs("cupy") == mma.all_specs()
 
 
