@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 STEPS = {"sm90a": ["probes", "install", "warm", "kernel_tests", "parity_sm90a", "parity_mma",
                    "timing", "ncu_fwd", "ncu_bwd", "memcheck"],
          "cupy": ["probes", "install", "warm", "kernel_tests", "parity_mma", "timing",
-                  "ncu_fwd", "ncu_bwd", "memcheck"]}
-GPU_STEPS_FROM = "kernel_tests"
+                  "ncu_fwd", "ncu_bwd", "memcheck"],
+         "numba": ["install", "numba_tests", "gpu_tests", "bench_numba"]}
+GPU_STEPS_FROM = {"sm90a": "kernel_tests", "cupy": "kernel_tests", "numba": "numba_tests"}
 BUDGET_S = 390
 
 
@@ -107,7 +108,7 @@ def _run(stub, mode, **env):
     return proc, elapsed, summary, steps, results, (out / "verdict.txt").read_text()
 
 
-@pytest.mark.parametrize("mode", ["sm90a", "cupy"])
+@pytest.mark.parametrize("mode", ["sm90a", "cupy", "numba"])
 def test_the_steps_their_order_and_limits(mode, stub):
     """Every step in the order of the GPU window, each with a limit, adding up to 6.5 minutes
     at most; the GPU steps are the ones from the kernel tests on."""
@@ -117,7 +118,7 @@ def test_the_steps_their_order_and_limits(mode, stub):
     assert [s["step"] for s in summary["steps"]] == STEPS[mode]
     assert all(s["limit"] > 0 and s["status"] == "pass" for s in summary["steps"]), summary
     assert sum(s["limit"] for s in summary["steps"]) == summary["limits_s"] <= BUDGET_S
-    first_gpu = STEPS[mode].index(GPU_STEPS_FROM)
+    first_gpu = STEPS[mode].index(GPU_STEPS_FROM[mode])
     assert [s["gpu"] for s in summary["steps"]] == [i >= first_gpu for i in
                                                      range(len(STEPS[mode]))]
     assert summary["finished"] is True and summary["verdict"] == "PASS"
