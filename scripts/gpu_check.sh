@@ -41,8 +41,8 @@
 #                        kernels; default: every mma.sync module and the plan kernels). A
 #                        timeout here is not a hang: what it did not build compiles later
 #   kernel_tests  55/90  --sm90a: tests/gpu/test_sm90_gpu.py; default: tests/gpu/test_cupy_gpu.py
-#                        but its parity cases; per-test timeout $GPU_CHECK_TEST_TIMEOUT (20 s;
-#                        pytest-timeout when installed, else scripts/pytest_watchdog.py)
+#                        but its parity cases; per-test timeout $GPU_CHECK_TEST_TIMEOUT (20 s,
+#                        scripts/pytest_watchdog.py: it fires even inside a CUDA call)
 #   parity_sm90a  40/-   tests/gpu/test_cupy_gpu.py reference parity (bf16 and fp16, D 64/128),
 #                        determinism, graph capture, the caller's stream on cupy:sm90a
 #   parity_mma    30/40  its reference parity (bf16 and fp16, D 64/128) on cupy:mma
@@ -140,16 +140,14 @@ limit_of() {  # step default
     echo "${!var:-$2}"
 }
 
-# The per-test timeout of the pytest steps: pytest-timeout's thread method when it is
-# installed (it prints the stacks and ends the process), else this repository's watchdog.
-if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
-    PYTEST_TIMEOUT_ARGS="--timeout=$TEST_TIMEOUT --timeout-method=thread"
-else
-    PYTEST_TIMEOUT_ARGS="-p pytest_watchdog --watchdog-timeout=$TEST_TIMEOUT"
-    export PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# The per-test timeout of the pytest steps: scripts/pytest_watchdog.py, the interpreter's
+# faulthandler timer (a C thread: it fires even while a CUDA call holds the GIL, where
+# pytest-timeout's Python-level timer may not), which prints the stacks and ends the process.
+PYTEST_TIMEOUT_ARGS="-p pytest_watchdog --watchdog-timeout=$TEST_TIMEOUT"
+export PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
 export PYTEST_TIMEOUT_ARGS
-TEST_TIMEOUT_MARK='^\++ Timeout \++'    # what both print when a test runs past its timeout
+# what the watchdog prints when a test runs past its timeout (and pytest-timeout's mark)
+TEST_TIMEOUT_MARK='Timeout \([0-9:.]+\)!|^\++ Timeout \++'
 
 run_step() {  # name default_limit gpu(0|1) command...
     local name="$1" limit gpu="$3" override t0 rc status reason="" log="$LOGS/$1.log"
@@ -201,13 +199,6 @@ run_step() {  # name default_limit gpu(0|1) command...
     tail -n 3 "$log"
     echo "== $name: $status (rc=$rc)"
     return 0
-}
-
-step_status() {  # name: its recorded status
-    local s
-    for s in ${STEPS[@]+"${STEPS[@]}"}; do
-        case "$s" in *"\"step\": \"$1\""*) sed 's/.*"status": "\([^"]*\)".*/\1/' <<<"$s" ;; esac
-    done
 }
 
 gpu_present() {  # nvidia-smi lists a GPU, else the driver counts one

@@ -1,33 +1,25 @@
-"""A per-test timeout for the pytest steps of scripts/gpu_check.sh where pytest-timeout is not
-installed: `pytest -p pytest_watchdog --watchdog-timeout=SECONDS` (this folder on PYTHONPATH).
+"""The per-test timeout of scripts/gpu_check.sh's pytest steps:
+`pytest -p pytest_watchdog --watchdog-timeout=SECONDS` (this folder on PYTHONPATH).
 
-A test still running after SECONDS (a kernel that never returns) gets the line
-"+++++ Timeout +++++" with its node id, the stacks of every thread, and the end of the process
-with status 1, as pytest-timeout's thread method does, so the script sees the same mark."""
+A test still running after SECONDS (a kernel that never returns) ends the process with status 1
+after the line "Timeout (H:MM:SS)!" and the stacks of every thread. It is the interpreter's
+faulthandler timer, a C thread: it fires even while the test's thread waits inside a CUDA call
+that holds the GIL, where a Python-level timer (pytest-timeout's thread or signal method) may
+never run. With `-v` the log names the test before it starts."""
 from __future__ import annotations
 
 import faulthandler
 import os
-import threading
 
 import pytest
+
+# the process's stderr before pytest captures it (a test's captured output dies with it)
+_ERR = os.fdopen(os.dup(2), "w")
 
 
 def pytest_addoption(parser):
     parser.addoption("--watchdog-timeout", type=float, default=0.0,
                      help="seconds a test may run before the process is ended (0: off)")
-
-
-# the process's stderr before pytest captures it (a test's output is lost with the process)
-_ERR = os.fdopen(os.dup(2), "w")
-
-
-def _fire(nodeid: str, seconds: float) -> None:
-    _ERR.write(f"\n+++++ Timeout +++++ {nodeid} ran past {seconds:g} s\n")
-    _ERR.flush()
-    faulthandler.dump_traceback(file=_ERR, all_threads=True)
-    _ERR.flush()
-    os._exit(1)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -36,10 +28,8 @@ def pytest_runtest_protocol(item, nextitem):
     if seconds <= 0:
         yield
         return
-    timer = threading.Timer(seconds, _fire, (item.nodeid, seconds))
-    timer.daemon = True
-    timer.start()
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_ERR)
     try:
         yield
     finally:
-        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
