@@ -4,15 +4,20 @@ shared-memory bytes, tensor-pipe cycles, special-function and FP32 cycles and ba
 current kernels and for the FlashAttention-2 design point, on H100 SXM and A100 SXM; the
 ceilings and predicted TFLOP/s they give (docs/cupy_backend.md, "Performance model"). Then the
 shipped dK/dV kernel's step at plan tiles (128, 64) and (128, 128) for every head dim up to
-128, and the default tiles it implies (`preferred_blocks`).
+128, and the default tiles it implies (`preferred_blocks`). Last, the kernels as they ship
+(`shipped`: both paths, forward and dK/dV, bf16, default plan tiles of D 64 and 128, their
+tiles, chunks, stages, Q placement and warpgroups read from the variants and
+kernels_cuda/fwd.cuh), each priced by its path's rule (`evaluate`, `evaluate_sm90`);
+`path_prediction` is the figure put beside a measurement of that path.
 
     python scripts/perf_model.py                  # the table (the figures of the doc)
     python scripts/perf_model.py --json model.json
     python scripts/perf_model.py --measure [--json bench.json]
         # on a GPU: scripts/bench.py's runners (cupy, torch SDPA flash/cuDNN, varlen_attn,
         # compiled flex_attention) at 8k and 16k tokens per sequence, bf16, D=128, 16 heads,
-        # with the measured bf16 matmul peak, each figure beside the model's prediction.
-        # Without a GPU it says so and exits 0.
+        # with the measured bf16 matmul peak, each figure beside the model's prediction of
+        # the path that ran. Without a GPU it says so and exits 0. (scripts/gpu_check.sh
+        # times with scripts/gpu_timing.py instead: no torch.compile, figures as they come.)
 
 Model, per SM and per tile pair (one step of a block's main loop):
   T_tensor = mma.m16n8k16 count * 4096 FLOP / the SM's mma.sync FLOP per clock
