@@ -246,9 +246,18 @@ install_checkout() {  # varlen.comm and varlen.kernels_cuda are mapped in by set
     "$PY" -c "import varlen.comm, varlen.kernels_cuda; print('varlen importable')"
 }
 
-gpu_pytest() {  # pytest with the per-test timeout and the names of the tests it runs
+gpu_pytest() {  # pytest with the per-test timeout and the names of the tests it runs; a run
+                # in which no test passed (all skipped, none selected) fails
+    local out rc
+    out=$(mktemp "$LOGS/pytest.XXXXXX")
     # shellcheck disable=SC2086
-    "$PY" -m pytest -v -rfEs -p no:cacheprovider $PYTEST_TIMEOUT_ARGS "$@"
+    "$PY" -m pytest -v -rfEs -p no:cacheprovider $PYTEST_TIMEOUT_ARGS "$@" 2>&1 | tee "$out"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || return "$rc"
+    if ! grep -qE "[0-9]+ passed" "$out"; then
+        echo "no test passed (all skipped or none selected)"
+        return 5
+    fi
 }
 
 kernel_tests() {

@@ -57,10 +57,11 @@ def stub(tmp_path):
     _exe(bin_ / "nvidia-smi", 'if [ "${1:-}" = -L ]; then echo "GPU 0: NVIDIA H100 80GB HBM3 '
          '(UUID: GPU-stub)"; else echo "| NVIDIA-SMI 580.1  Driver Version: 580.159.04 |"; '
          'echo "|   0  NVIDIA H100 80GB HBM3 |"; fi\n')
-    _exe(bin_ / "ncu", 'echo "==ERROR== Failed to initialize the profiler: LibraryNotLoaded"\n'
-         "exit 1\n")
-    _exe(bin_ / "compute-sanitizer", 'echo "========= COMPUTE-SANITIZER"; echo "1 passed in 0.1s"\n'
-         'echo "========= ERROR SUMMARY: 0 errors"\n')
+    record = '[ -n "${STUB_CALLS:-}" ] && printf "%s\\n" "$(basename "$0") $*" >>"$STUB_CALLS"\n'
+    _exe(bin_ / "ncu", record + 'echo "==ERROR== Failed to initialize the profiler: '
+         'LibraryNotLoaded"\nexit 1\n')
+    _exe(bin_ / "compute-sanitizer", record + 'echo "========= COMPUTE-SANITIZER"\n'
+         'echo "1 passed in 0.1s"; echo "========= ERROR SUMMARY: 0 errors"\n')
     tests = tmp_path / "stub_tests"
     tests.mkdir()
     (tests / "test_ok.py").write_text("def test_ok():\n    pass\n")
@@ -140,6 +141,18 @@ def test_every_command_runs_under_a_limit():
                and not line.lstrip().startswith("#")]
     assert not outside, outside
     assert 'timeout --kill-after="$KILL_AFTER" "$limit" "$@"' in text
+
+
+def test_a_test_step_where_nothing_passed_fails(stub):
+    """A pytest step whose tests were all skipped (no GPU stack where the script thought there
+    was one) fails rather than passing on nothing."""
+    (stub["tests"] / "test_skip.py").write_text(
+        "import pytest\n\ndef test_skipped():\n    pytest.skip('no cupy')\n")
+    proc, elapsed, summary, steps, results, verdict = _run(
+        stub, "cupy", GPU_CHECK_CMD_kernel_tests=f"gpu_pytest {stub['tests'] / 'test_skip.py'}")
+    assert steps["kernel_tests"]["status"] == "fail" and steps["kernel_tests"]["rc"] == 5
+    assert "no test passed" in verdict and proc.returncode == 1
+    assert steps["timing"]["status"] == "pass"           # a failure is not a hang
 
 
 def test_a_dry_run_that_passes(stub):
@@ -352,3 +365,55 @@ def test_the_probe_answers_each_question_on_a_line_of_its_own(tmp_path):
     assert all(r["ok"] is False and "cupy" in r["error"] for r in lines[1:])
     for name in ("device", "dlpack_bf16", "tensor_map"):
         assert f"probe {name}: FAILED" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["sm90a", "cupy"])
+def test_the_default_commands(mode, stub, tmp_path):
+    """No step overridden, the interpreter a stand-in that records its arguments: each step
+    runs the scripts and options it is documented to, with the per-test timeout on every
+    pytest step and the mode's backend."""
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "fake_python"
+    _exe(fake, f'printf "%s\\n" "$*" >>{calls}\n'
+         'case "$*" in *pytest*) echo "1 passed in 0.1s" ;; esac\n')
+    env = {k: v for k, v in stub["env"].items() if not k.startswith("GPU_CHECK_CMD_")}
+    env.update(PYTHON=str(fake), GPU_CHECK_JOBS="6", STUB_CALLS=str(calls))
+    proc = subprocess.run(["bash", SCRIPT, f"--{mode}"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    summary = json.loads((stub["out"] / "summary.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == STEPS[mode], proc.stdout
+    lines = calls.read_text().splitlines()
+    out = str(stub["out"])
+    backend = "cupy:sm90a" if mode == "sm90a" else "cupy:mma"
+    expected = [
+        f"scripts/gpu_probe.py --json {out}/results.jsonl"
+        + (" --require-sm90" if mode == "sm90a" else ""),
+        "-c import varlen.comm, varlen.kernels_cuda; print('varlen importable')",
+        f"scripts/gpu_warm.py --mode {mode} --jobs 6"]
+    if mode == "sm90a":
+        expected.append("-m pytest -v -rfEs -p no:cacheprovider -p pytest_watchdog "
+                        "--watchdog-timeout=2 -m gpu tests/gpu/test_sm90_gpu.py")
+        expected.append("--cupy-backend=cupy:sm90a -k matches_reference or deterministic or "
+                        "graph_capture or callers_stream")
+    else:
+        expected.append("-p pytest_watchdog --watchdog-timeout=2 tests/gpu/test_cupy_gpu.py "
+                        "--cupy-backend=cupy:mma -k not matches_reference")
+    expected += [
+        "tests/gpu/test_cupy_gpu.py --cupy-backend=cupy:mma -k matches_reference --junitxml",
+        "scripts/gpu_timing.py --runners " + ("sm90a," if mode == "sm90a" else "")
+        + f"mma,sdpa-flash,sdpa-cudnn --json {out}/results.jsonl",
+        "ncu --clock-control none --section SpeedOfLight -k regex:varlen_fwd"
+        + ("_sm90" if mode == "sm90a" else "") + f" -c 1 {fake} scripts/gpu_timing.py --launch "
+        f"fwd --runners {backend[5:]}",
+        "ncu --clock-control none --section SpeedOfLight -k regex:varlen_bwd_dkdv"
+        + ("_sm90" if mode == "sm90a" else "") + f" -c 1 {fake} scripts/gpu_timing.py --launch "
+        f"bwd --runners {backend[5:]}",
+        f"compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 {fake} -m "
+        f"pytest -q -x -p no:cacheprovider --cupy-backend={backend} "
+        "tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel"]
+    at = 0
+    for want in expected:
+        hit = next((i for i in range(at, len(lines)) if want in lines[i]), None)
+        assert hit is not None, f"{want!r} not called (in order) among:\n" + "\n".join(lines)
+        at = hit + 1
+    assert [s["status"] for s in summary["steps"]][-3:] == ["skipped", "skipped", "pass"]
