@@ -10,8 +10,9 @@ three calls most likely to fail first on a new machine, each answered in a line 
                 9.0 prints "not an sm_90 GPU" and exits 2)
   dlpack_bf16   a torch bfloat16 tensor into CuPy through DLPack (the dtype CuPy sees)
   tensor_map    the driver's cuTensorMapEncodeTiled through cuda-bindings, by varlen's own
-                encode (`sm90.Runtime.tensor_map`), on a bf16 [T, H, 128] array with boxes
-                (64, 1, 128) and (64, 4, 32): the result and the first opaque words
+                encode (`sm90.Runtime.tensor_map`), on [T, H, 128] arrays (float16 made by
+                CuPy, bf16 from torch through DLPack) with boxes (64, 1, 128) and (64, 4, 32):
+                the first opaque words of each, or which failed and why
 
 Exit status 0 when every probe answered, 1 when one failed (each failure is printed).
 Needs no installed varlen (it runs before the install step): the checkout is put on the path,
@@ -92,16 +93,26 @@ def dlpack_bf16() -> dict:
 
 
 def tensor_map() -> dict:
+    """Both boxes on a float16 CuPy array, then on a bf16 one from torch (so that a failure of
+    the bf16 DLPack path alone still shows whether the encode itself works)."""
     import cupy
     import torch
     from varlen.backends.cupy import sm90
-    t = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16)
-    a = cupy.from_dlpack(t)
     rt = sm90.Runtime()
-    words = {}
-    for rows, heads in ((128, 1), (32, 4)):
-        m = rt.tensor_map(a, rows, heads)
-        words[f"box_64x{heads}x{rows}"] = [hex(int(w)) for w in m["opaque"][:4]]
+    words, errors = {}, []
+    arrays = (("float16", lambda: cupy.zeros((300, 8, 128), cupy.float16)),
+              ("bfloat16", lambda: cupy.from_dlpack(
+                  torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16))))
+    for dtype, make in arrays:
+        try:
+            a = make()
+            for rows, heads in ((128, 1), (32, 4)):
+                m = rt.tensor_map(a, rows, heads)
+                words[f"{dtype}_box_64x{heads}x{rows}"] = [hex(int(w)) for w in m["opaque"][:4]]
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{dtype}: {type(e).__name__}: {e}")
+    if errors:
+        raise RuntimeError("; ".join(errors) + (f" (encoded: {sorted(words)})" if words else ""))
     return words
 
 
