@@ -56,7 +56,8 @@
 #                        the same on one dK/dV launch
 #   memcheck      40/40  compute-sanitizer --tool memcheck on
 #                        tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel
-# Limits add up to 390 s in both modes (--numba: install 20, numba_tests 150, gpu_tests 60,
+# Passing --sm90a is what makes the sm_90a kernels the default on sm_90 (docs/hopper.md,
+# "Dispatch"). Limits add up to 390 s in both modes (--numba: install 20, numba_tests 150, gpu_tests 60,
 # bench_numba 50). Steps from kernel_tests on are GPU steps: after the first hang every later
 # GPU step is skipped, saying which step hung, so a hang costs its own limit only.
 #
