@@ -18,7 +18,8 @@
 #                  rewritten after every step, so a run cut short still leaves one
 #   results.jsonl  one JSON line per probe answer and per measured figure, appended (and
 #                  flushed) the moment it exists (scripts/gpu_probe.py, scripts/gpu_timing.py)
-#   logs.tar.gz    every step's log
+#   logs/          every step's log (STEP.log) and junit XML, written while the step runs, so
+#                  a run cut short from outside still leaves them
 # A step's status is pass, fail, timeout (killed at its limit), hang (a GPU step killed at its
 # limit, or a test killed by the per-test timeout), skipped (with the reason: ncu cannot read
 # counters, no compute-sanitizer, or an earlier hang) or not-run (an earlier step stopped the
@@ -85,10 +86,13 @@ esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$ROOT/gpu_check_out}"
-LOGS="$(mktemp -d "${TMPDIR:-/tmp}/varlen_gpu_check.XXXXXX")"      # packed at the end
-SITE="$LOGS/site"                                                 # carried wheels go here
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/varlen_gpu_check.XXXXXX")"      # scratch
+SITE="$WORK/site"                                                 # carried wheels go here
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+LOGS="$OUT_DIR/logs"
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
 cd "$ROOT" || exit 1
 : >"$OUT_DIR/results.jsonl"
 export PYTHONUNBUFFERED=1
@@ -104,7 +108,7 @@ TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-20}"
 KILL_AFTER="${GPU_CHECK_KILL_AFTER:-5}"
 JOBS="${GPU_CHECK_JOBS:-$(nproc 2>/dev/null || echo 8)}"
 SKIP_RC=75                          # a step's "nothing to do here" (it prints "SKIP: why")
-export PY WHEELS SITE OUT_DIR LOGS ROOT TEST_TIMEOUT JOBS SKIP_RC MODE
+export PY WHEELS SITE WORK OUT_DIR LOGS ROOT TEST_TIMEOUT JOBS SKIP_RC MODE
 T0=$(date +%s)
 
 STEPS=()           # one JSON object per step, in order
@@ -221,7 +225,6 @@ EOF
 if ! gpu_present; then
     echo "gpu_check: no usable CUDA GPU; nothing to run (the CPU suite covers the emulation)"
     write_summary false true "no GPU"
-    tar czf "$OUT_DIR/logs.tar.gz" -C "$LOGS" . 2>/dev/null
     cat "$OUT_DIR/summary.json"
     exit 0
 fi
@@ -250,7 +253,7 @@ install_checkout() {  # varlen.comm and varlen.kernels_cuda are mapped in by set
 gpu_pytest() {  # pytest with the per-test timeout and the names of the tests it runs; a run
                 # in which no test passed (all skipped, none selected) fails
     local out rc
-    out=$(mktemp "$LOGS/pytest.XXXXXX")
+    out=$(mktemp "$WORK/pytest.XXXXXX")
     # shellcheck disable=SC2086
     "$PY" -m pytest -v -rfEs -p no:cacheprovider $PYTEST_TIMEOUT_ARGS "$@" 2>&1 | tee "$out"
     rc=${PIPESTATUS[0]}
@@ -411,7 +414,6 @@ fi
     [ -s "$OUT_DIR/results.jsonl" ] && timeout 20 "$PY" scripts/gpu_timing.py \
         --table "$OUT_DIR/results.jsonl" 2>&1 | head -n 24
     echo "VERDICT: $VERDICT"
-} | tee "$OUT_DIR/verdict.txt" "$LOGS/verdict.txt"
+} | tee "$OUT_DIR/verdict.txt"
 write_summary true true "$VERDICT"
-tar czf "$OUT_DIR/logs.tar.gz" -C "$LOGS" --exclude=./site . 2>/dev/null
 [ "$VERDICT" = PASS ]
