@@ -1,49 +1,79 @@
 #!/usr/bin/env bash
-# GPU check of the CuPy backend, in under 8 minutes on one H100/H200, for a bare GPU machine
-# with this repository checked out (no network needed). One screen of verdict at the end.
+# GPU check of the CuPy backend that fits a short GPU window: at most 390 s of step limits
+# (6.5 minutes) on one H100/H200, for a bare GPU machine with this repository checked out (no
+# network needed). One screen of verdict at the end.
 #
-#   scripts/gpu_check.sh            # the CuPy check below; verdict.txt, summary.json,
-#                                   # bench.json and logs.tar.gz (every step's log) under $OUT
-#                                   # when set, else ./gpu_check_out
+#   scripts/gpu_check.sh            # the mma.sync kernels (backend "cupy:mma")
 #   scripts/gpu_check.sh --cupy     # the same (scripts/gpu_check_cupy.sh)
+#   scripts/gpu_check.sh --sm90a    # the sm_90a kernels (H100/H200 only; docs/hopper.md), and
+#                                   # the mma.sync kernels beside them for parity and timing
 #   scripts/gpu_check.sh --numba    # the Numba suite instead: tests/numba, the other `gpu`
 #                                   # tests, scripts/bench_numba.py --quick
-#   scripts/gpu_check.sh --sm90a    # the sm_90a kernels (H100/H200 only; docs/hopper.md):
-#                                   # steps sm90_* below, bench_sm90a.json
 #
-# Steps, each under its own timeout (a hang costs that step, not the run; limits add up to
-# 450 s):
-#   install     an editable install of the checkout (no download), and any wheels found in
-#               $WHEELS (default ./.whl: e.g. nvidia-cuda-sanitizer-api) into a private folder
-#   warm_cache  every kernel variant compiled for this GPU in parallel (CuPy's disk cache)
-#   sanitizer_{memcheck,racecheck,synccheck,initcheck}
-#               compute-sanitizer on one small case that runs every kernel once
-#               (tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel)
-#   gpu_tests   tests/gpu/test_cupy_gpu.py: parity, determinism, graphs, streams, a multi-wave grid,
-#               rows past 2**31 elements, large magnitudes, the tensor-core and special-function
-#               model of the host emulation against this GPU
-#   bench       scripts/perf_model.py --measure: torch SDPA (flash, cuDNN), varlen_attn and
-#               compiled flex_attention against this backend at 8k and 16k tokens per sequence
-#               (bf16, D=128, 16 heads; parity-gated), with the measured bf16 matmul peak, each
-#               figure beside the performance model's prediction (docs/cupy_backend.md)
-# --sm90a (limits add up to 490 s; every step runs the implementation backend="cupy:sm90a"):
-#   install      as above
-#   sm90_device  compute capability 9.0 (else nothing more runs, and the check fails)
-#   sm90_warm    every sm_90a variant the backend dispatches, built by NVRTC in parallel into
-#                the cubin cache (python -m varlen.backends.cupy.sm90)
-#   sm90_tests   tests/gpu/test_sm90_gpu.py: the emulated cases' batches through the cubins
-#                and the driver's tensor maps
-#   sm90_parity  tests/gpu/test_cupy_gpu.py's reference parity (GQA packing chosen as it falls),
-#                deterministic repeatability, graph capture and the callers' stream
-#   sm90_{memcheck,synccheck}
-#                compute-sanitizer on tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel
-#   sm90_bench   scripts/perf_model.py --measure: the sm_90a kernels as the cupy runner against
-#                torch SDPA, varlen_attn and compiled flex_attention (bf16, D=128, 8k and 16k)
-# Passing it is what makes the sm_90a kernels the default on sm_90 (docs/hopper.md,
-# "Dispatch").
-# summary.json lists each step's exit status and duration; verdict.txt is the screen printed
-# last. Exit status 0 only if every step passed. Without a usable GPU the script says so,
-# writes summary.json with "gpu": false and exits 0.
+# Output under $OUT when set, else ./gpu_check_out:
+#   verdict.txt    the screen printed last: each step's status, seconds, limit and last line or
+#                  reason, the timing table, the verdict
+#   summary.json   {"gpu", "mode", "seconds", "limits_s", "finished", "hang", "verdict",
+#                  "steps": [{"step", "status", "rc", "seconds", "limit", "gpu", "reason"}]},
+#                  rewritten after every step, so a run cut short still leaves one
+#   results.jsonl  one JSON line per probe answer and per measured figure, appended (and
+#                  flushed) the moment it exists (scripts/gpu_probe.py, scripts/gpu_timing.py)
+#   logs/          every step's log (STEP.log) and junit XML, written while the step runs, so
+#                  a run cut short from outside still leaves them
+# A step's status is pass, fail, timeout (killed at its limit), hang (a GPU step killed at its
+# limit, or a test killed by the per-test timeout), skipped (with the reason: ncu cannot read
+# counters, no compute-sanitizer, or an earlier hang) or not-run (an earlier step stopped the
+# run). Exit status 0 only if no step failed, timed out or hung. Without a usable GPU the
+# script says so, writes summary.json with "gpu": false and exits 0.
+#
+# Steps, in this order, each under its own limit (seconds; --sm90a / default):
+#   probes        30/30  nvidia-smi, then scripts/gpu_probe.py: the versions (python, numpy,
+#                        CuPy, torch, cuda-bindings, NVRTC, the driver), the compute capability
+#                        (--sm90a: anything but 9.0 stops the run here), a torch bf16 tensor
+#                        through DLPack into CuPy, and the driver's cuTensorMapEncodeTiled on a
+#                        bf16 [T, H, 128] array through varlen's own encode (boxes (64, 1, 128)
+#                        and (64, 4, 32))
+#   install       20/20  an editable install of the checkout (no download), and any wheels in
+#                        $WHEELS (default ./.whl) into a private folder
+#   warm          55/60  scripts/gpu_warm.py: every module a later step launches, compiled in
+#                        parallel processes before any timed GPU step (--sm90a: the sm_90a
+#                        cubins, the mma.sync modules at D 64/128 and the default tiles, the
+#                        backward's preprocessing/conversion modules at every sm_90a head dim, the plan
+#                        kernels; default: every mma.sync module and the plan kernels). A
+#                        timeout here is not a hang: what it did not build compiles later
+#   kernel_tests  55/90  --sm90a: tests/gpu/test_sm90_gpu.py; default: tests/gpu/test_cupy_gpu.py
+#                        but its parity cases; per-test timeout $GPU_CHECK_TEST_TIMEOUT (20 s,
+#                        scripts/pytest_watchdog.py: it fires even inside a CUDA call)
+#   parity_sm90a  40/-   tests/gpu/test_cupy_gpu.py reference parity (bf16 and fp16, D 64/128),
+#                        determinism, graph capture, the caller's stream on cupy:sm90a
+#   parity_mma    30/40  its reference parity (bf16 and fp16, D 64/128) on cupy:mma
+#   timing        80/70  scripts/gpu_timing.py: the bf16 matmul peak, then sm90a (--sm90a only),
+#                        mma, SDPA flash and SDPA cuDNN at 8k and 16k tokens per sequence,
+#                        causal and full (bf16, D 128, 16 heads, 16k tokens), CUDA events, no
+#                        torch.compile, each figure into results.jsonl as it is measured, every
+#                        full-size output against SDPA's; the model of each path beside it
+#   ncu_fwd       20/20  ncu --section SpeedOfLight on one forward launch (8k, full), skipped
+#   ncu_bwd       20/20  with the reason when ncu is absent or cannot read the counters; then
+#                        the same on one dK/dV launch
+#   memcheck      40/40  compute-sanitizer --tool memcheck on
+#                        tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel
+# Passing --sm90a is what makes the sm_90a kernels the default on sm_90 (docs/hopper.md,
+# "Dispatch"). Limits add up to 390 s in both modes (--numba: install 20, numba_tests 150, gpu_tests 60,
+# bench_numba 50). Steps from kernel_tests on are GPU steps: after the first hang every later
+# GPU step is skipped, saying which step hung, so a hang costs its own limit only.
+#
+# Environment (the overrides let tests/test_gpu_check.py dry-run the whole script against a
+# stub GPU in seconds; none is needed on a GPU machine):
+#   OUT                        where the results go (default ./gpu_check_out)
+#   PYTHON                     the interpreter (default python3, else python)
+#   WHEELS                     wheels to install offline (default ./.whl)
+#   GPU_CHECK_LIMIT_<step>     that step's limit in seconds, e.g. GPU_CHECK_LIMIT_timing=5
+#   GPU_CHECK_CMD_<step>       that step's command, run by bash -c in the checkout (with PY,
+#                              OUT_DIR, CUPY_BACKEND, LOGS exported), e.g.
+#                              GPU_CHECK_CMD_install=true
+#   GPU_CHECK_TEST_TIMEOUT     the per-test timeout of the pytest steps (default 20 s)
+#   GPU_CHECK_KILL_AFTER       seconds between a limit's TERM and its KILL (default 5)
+#   GPU_CHECK_JOBS             processes of the warm-up (default the CPU count)
 set -u
 
 MODE=cupy
@@ -56,50 +86,131 @@ esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$ROOT/gpu_check_out}"
-LOGS="$(mktemp -d "${TMPDIR:-/tmp}/varlen_gpu_check.XXXXXX")"      # packed at the end
-SITE="$LOGS/site"                                                 # carried wheels go here
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/varlen_gpu_check.XXXXXX")"      # scratch
+SITE="$WORK/site"                                                 # carried wheels go here
 mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+LOGS="$OUT_DIR/logs"
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
 cd "$ROOT" || exit 1
+: >"$OUT_DIR/results.jsonl"
 export PYTHONUNBUFFERED=1
-export CUPY_BACKEND="${CUPY_BACKEND:-cupy}"
+export CUPY_BACKEND=cupy:mma
+[ "$MODE" = sm90a ] && CUPY_BACKEND=cupy:sm90a
 export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/varlen_cupy_cache}"
-export CUPY_CACHE_IN_MEMORY=0       # the tests reuse the kernels warm_cache compiled
+export CUPY_CACHE_IN_MEMORY=0       # the steps reuse the modules the warm-up compiled
+export VARLEN_SM90A_CACHE="${VARLEN_SM90A_CACHE:-${TMPDIR:-/tmp}/varlen_sm90a_cache}"
 PY="${PYTHON:-python3}"
 command -v "$PY" >/dev/null || PY=python
 WHEELS="${WHEELS:-$ROOT/.whl}"
-export PY WHEELS SITE
+TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-20}"
+KILL_AFTER="${GPU_CHECK_KILL_AFTER:-5}"
+JOBS="${GPU_CHECK_JOBS:-$(nproc 2>/dev/null || echo 8)}"
+SKIP_RC=75                          # a step's "nothing to do here" (it prints "SKIP: why")
+export PY WHEELS SITE WORK OUT_DIR LOGS ROOT TEST_TIMEOUT JOBS SKIP_RC MODE
 T0=$(date +%s)
 
-STEPS=()
-record() {  # name rc seconds
-    STEPS+=("{\"step\": \"$1\", \"rc\": $2, \"seconds\": $3}")
+STEPS=()           # one JSON object per step, in order
+LIMITS_SUM=0
+HANG=""            # the first hang: later GPU steps are skipped with it as the reason
+STOP=""            # a reason that stops every later step
+
+json_str() {  # a JSON string of $1 (one line)
+    local s=${1//\\/\\\\}
+    s=${s//\"/\\\"}
+    s=${s//$'\t'/ }
+    s=${s//$'\r'/}
+    printf '"%s"' "${s//$'\n'/ }"
 }
 
-run_step() {  # name timeout_s command...
-    local name="$1" limit="$2"
-    shift 2
-    local t0 rc
-    t0=$(date +%s)
-    echo "== $name (limit ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
-    rc=$?
-    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "TIMEOUT after ${limit}s" >>"$LOGS/$name.log"
-    record "$name" "$rc" "$(( $(date +%s) - t0 ))"
-    tail -n 3 "$LOGS/$name.log"
-    echo "== $name: rc=$rc"
-    return "$rc"
+record() {  # name status rc seconds limit gpu(true|false) reason
+    local fields="\"step\": \"$1\", \"status\": \"$2\", \"rc\": $3, \"seconds\": $4"
+    STEPS+=("{$fields, \"limit\": $5, \"gpu\": $6, \"reason\": $(json_str "$7")}")
+    write_summary true false
 }
 
-write_summary() {  # gpu(true|false)
+write_summary() {  # gpu(true|false) finished(true|false) [verdict]
     local joined
     joined=$(IFS=,; echo "${STEPS[*]:-}")
-    printf '{"gpu": %s, "mode": "%s", "seconds": %s, "steps": [%s]}\n' "$1" "$MODE" \
-        "$(( $(date +%s) - T0 ))" "$joined" >"$OUT_DIR/summary.json"
-    tar czf "$OUT_DIR/logs.tar.gz" -C "$LOGS" --exclude=./site . 2>/dev/null
+    printf '{"gpu": %s, "mode": "%s", "seconds": %s, "limits_s": %s, "finished": %s, ' \
+        "$1" "$MODE" "$(( $(date +%s) - T0 ))" "$LIMITS_SUM" "$2" >"$OUT_DIR/summary.json.tmp"
+    printf '"hang": %s, "verdict": %s, "steps": [%s]}\n' \
+        "$(json_str "$HANG")" "$(json_str "${3:-}")" "$joined" >>"$OUT_DIR/summary.json.tmp"
+    mv "$OUT_DIR/summary.json.tmp" "$OUT_DIR/summary.json"
 }
 
+limit_of() {  # step default
+    local var="GPU_CHECK_LIMIT_$1"
+    echo "${!var:-$2}"
+}
 
-if ! "$PY" - <<'EOF'
+# The per-test timeout of the pytest steps: scripts/pytest_watchdog.py, the interpreter's
+# faulthandler timer (a C thread: it fires even while a CUDA call holds the GIL, where
+# pytest-timeout's Python-level timer may not), which prints the stacks and ends the process.
+PYTEST_TIMEOUT_ARGS="-p pytest_watchdog --watchdog-timeout=$TEST_TIMEOUT"
+export PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
+export PYTEST_TIMEOUT_ARGS
+# what the watchdog prints when a test runs past its timeout (and pytest-timeout's mark)
+TEST_TIMEOUT_MARK='Timeout \([0-9:.]+\)!|^\++ Timeout \++'
+
+run_step() {  # name default_limit gpu(0|1) command...
+    local name="$1" limit gpu="$3" override t0 rc status reason="" log="$LOGS/$1.log"
+    limit=$(limit_of "$1" "$2")
+    shift 3
+    LIMITS_SUM=$((LIMITS_SUM + limit))
+    local gpu_json=false
+    [ "$gpu" = 1 ] && gpu_json=true
+    if [ -n "$STOP" ]; then
+        echo "== $name: not run ($STOP)"
+        record "$name" not-run 0 0 "$limit" "$gpu_json" "$STOP"
+        return 0
+    fi
+    if [ "$gpu" = 1 ] && [ -n "$HANG" ]; then
+        echo "== $name: skipped (after the hang in $HANG)"
+        record "$name" skipped 0 0 "$limit" "$gpu_json" "skipped: $HANG hung"
+        return 0
+    fi
+    override="GPU_CHECK_CMD_$name"
+    [ -n "${!override:-}" ] && set -- bash -c "${!override}"
+    echo "== $name (limit ${limit}s): $*"
+    t0=$(date +%s)
+    timeout --kill-after="$KILL_AFTER" "$limit" "$@" >"$log" 2>&1
+    rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "TIMEOUT: killed at its limit of ${limit}s" >>"$log"
+        status=timeout
+        reason="killed at its limit of ${limit}s"
+        if [ "$gpu" = 1 ]; then
+            status=hang
+            HANG="$name (killed at its limit of ${limit}s)"
+        fi
+    elif grep -qE "$TEST_TIMEOUT_MARK" "$log"; then
+        local test
+        test=$(grep -oE '[A-Za-z0-9_./-]+\.py::[^ ]+' "$log" | tail -n 1)
+        status=hang
+        reason="a test ran past the per-test timeout of ${TEST_TIMEOUT}s: ${test:-?}"
+        HANG="$name (${test:-a test} past ${TEST_TIMEOUT}s)"
+    elif [ "$rc" -eq 0 ]; then
+        status=pass
+    elif [ "$rc" -eq "$SKIP_RC" ]; then
+        status=skipped
+        reason=$(grep -m1 '^SKIP: ' "$log" | cut -c7-)
+        reason="${reason:-no reason given}"
+    else
+        status=fail
+    fi
+    record "$name" "$status" "$rc" "$(( $(date +%s) - t0 ))" "$limit" "$gpu_json" "$reason"
+    tail -n 3 "$log"
+    echo "== $name: $status (rc=$rc)"
+    return 0
+}
+
+gpu_present() {  # nvidia-smi lists a GPU, else the driver counts one
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && return 0
+    fi
+    "$PY" - <<'EOF'
 import ctypes, sys
 try:
     lib = ctypes.CDLL("libcuda.so.1")
@@ -109,31 +220,26 @@ n = ctypes.c_int(0)
 ok = lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0
 sys.exit(0 if ok else 1)
 EOF
-then
+}
+
+if ! gpu_present; then
     echo "gpu_check: no usable CUDA GPU; nothing to run (the CPU suite covers the emulation)"
-    write_summary false
+    write_summary false true "no GPU"
     cat "$OUT_DIR/summary.json"
     exit 0
 fi
 
-# the machine's versions: only once there is a GPU (importing the frameworks takes 30-40 s)
-{
-    date -u
-    command -v nvidia-smi >/dev/null && nvidia-smi || echo "nvidia-smi: not found"
-    "$PY" - <<'EOF'
-import importlib, platform
-print("python", platform.python_version())
-for m in ("numpy", "numba", "numba_cuda", "cupy", "torch", "jax", "ml_dtypes"):
-    try:
-        print(m, getattr(importlib.import_module(m), "__version__", "?"))
-    except Exception as e:
-        print(m, "unavailable:", type(e).__name__)
-EOF
-} >"$LOGS/machine.txt" 2>&1
+# ---- the step commands ----------------------------------------------------------------------
 
-# ---- install: the checkout (varlen.comm and varlen.kernels_cuda are mapped into the package by
-# setup.cfg, so a source tree needs an editable install) and carried wheels, all offline.
-install_checkout() {
+probes() {  # the machine, the versions and the probes; exit 2: not the GPU this mode needs
+    date -u
+    nvidia-smi || echo "nvidia-smi: not found"
+    local need=()
+    [ "$MODE" = sm90a ] && need=(--require-sm90)
+    "$PY" scripts/gpu_probe.py --json "$OUT_DIR/results.jsonl" ${need[@]+"${need[@]}"}
+}
+
+install_checkout() {  # varlen.comm and varlen.kernels_cuda are mapped in by setup.cfg
     if ! "$PY" -c "import varlen.comm, varlen.kernels_cuda" >/dev/null 2>&1; then
         "$PY" -m pip install -q --no-deps --no-build-isolation -e . || return 1
     fi
@@ -143,14 +249,70 @@ install_checkout() {
     fi
     "$PY" -c "import varlen.comm, varlen.kernels_cuda; print('varlen importable')"
 }
-export -f install_checkout
-run_step install 30 bash -c install_checkout
-[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
-# compute-sanitizer: $COMPUTE_SANITIZER, the PATH, the CUDA toolkit, then the
-# nvidia-cuda-sanitizer-api wheel (nvidia/cu13/compute-sanitizer/ or, for CUDA 12,
-# nvidia/cuda_sanitizer_api/compute-sanitizer/ in site-packages or the carried wheels' folder).
-find_sanitizer() {
+gpu_pytest() {  # pytest with the per-test timeout and the names of the tests it runs; a run
+                # in which no test passed (all skipped, none selected) fails
+    local out rc
+    out=$(mktemp "$WORK/pytest.XXXXXX")
+    # shellcheck disable=SC2086
+    "$PY" -m pytest -v -rfEs -p no:cacheprovider $PYTEST_TIMEOUT_ARGS "$@" 2>&1 | tee "$out"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || return "$rc"
+    if ! grep -qE "[0-9]+ passed" "$out"; then
+        echo "no test passed (all skipped or none selected)"
+        return 5
+    fi
+}
+
+kernel_tests() {
+    if [ "$MODE" = sm90a ]; then
+        gpu_pytest -m gpu tests/gpu/test_sm90_gpu.py --junitxml="$LOGS/kernel_tests.xml"
+    else
+        gpu_pytest tests/gpu/test_cupy_gpu.py --cupy-backend=cupy:mma -k "not matches_reference" \
+            --junitxml="$LOGS/kernel_tests.xml"
+    fi
+}
+
+parity() {  # backend [-k expression]
+    gpu_pytest tests/gpu/test_cupy_gpu.py --cupy-backend="$1" -k "$2" \
+        --junitxml="$LOGS/parity_${1#cupy:}.xml"
+}
+
+timing() {
+    local runners=mma,sdpa-flash,sdpa-cudnn
+    [ "$MODE" = sm90a ] && runners=sm90a,$runners
+    "$PY" scripts/gpu_timing.py --runners "$runners" --json "$OUT_DIR/results.jsonl"
+}
+
+ncu_sol() {  # fwd|bwd: the speed-of-light sections of one launch of the mode's kernels
+    local ncu kernel log rc runner=${CUPY_BACKEND#cupy:}
+    local refused="ERR_NVGPUCTRPERM|LibraryNotLoaded|Failed to initialize|not supported|permission"
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
+        2>/dev/null | head -n 1)
+    if [ -z "$ncu" ]; then
+        echo "SKIP: ncu not found (PATH, /usr/local/cuda/bin, /opt/nvidia)"
+        return "$SKIP_RC"
+    fi
+    # the mode's own kernels only run in its steps: a name prefix tells them apart
+    case "$1/$runner" in
+        fwd/sm90a) kernel=varlen_fwd_sm90 ;;
+        bwd/sm90a) kernel=varlen_bwd_dkdv_sm90 ;;
+        fwd/*) kernel=varlen_fwd ;;
+        bwd/*) kernel=varlen_bwd_dkdv ;;
+    esac
+    log=$("$ncu" --clock-control none --section SpeedOfLight -k "regex:$kernel" -c 1 \
+        "$PY" scripts/gpu_timing.py --launch "$1" --runners "$runner" 2>&1)
+    rc=$?
+    echo "$log"
+    if grep -qiE "$refused" <<<"$log"; then
+        echo "SKIP: ncu cannot read the counters here: $(grep -m1 -iE "$refused" <<<"$log" | cut -c1-120)"
+        return "$SKIP_RC"
+    fi
+    [ "$rc" -eq 0 ] || return "$rc"
+    grep -q "SM Frequency\|Duration\|Throughput" <<<"$log" || { echo "ncu profiled nothing"; return 4; }
+}
+
+find_sanitizer() {  # $COMPUTE_SANITIZER, the PATH, the CUDA toolkit, then the wheels
     local c
     for c in "${COMPUTE_SANITIZER:-}" "$(command -v compute-sanitizer 2>/dev/null)" \
              "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" \
@@ -171,98 +333,87 @@ sys.exit(1)
 EOF
 }
 
-sanitize() {  # tool: the small case under compute-sanitizer; it must run, not skip
-              # ($CUPY_BACKEND names the implementation: cupy, or cupy:sm90a)
-    local log rc
-    log=$("$SANITIZER" --tool "$1" --error-exitcode 3 --print-limit 20 "$PY" -m pytest -q -x \
-        --cupy-backend="$CUPY_BACKEND" "tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel" 2>&1)
+memcheck() {  # the small case under compute-sanitizer; it must run, not skip
+    local san log rc
+    san=$(find_sanitizer) || { echo "SKIP: compute-sanitizer not found (PATH, CUDA_HOME, wheels)"; return "$SKIP_RC"; }
+    log=$("$san" --tool memcheck --error-exitcode 3 --print-limit 20 "$PY" -m pytest -q -x \
+        -p no:cacheprovider --cupy-backend="$CUPY_BACKEND" \
+        "tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel" 2>&1)
     rc=$?
-    echo "compute-sanitizer: $SANITIZER"
+    echo "compute-sanitizer: $san"
     echo "$log"
+    if grep -q "Device not supported" <<<"$log"; then
+        echo "SKIP: compute-sanitizer refuses this device: Device not supported"
+        return "$SKIP_RC"
+    fi
     [ "$rc" -eq 0 ] || return "$rc"
     grep -q "1 passed" <<<"$log" || { echo "the case did not run"; return 4; }
 }
-export -f sanitize
 
-sanitizer_steps() {  # prefix limit tool...: a step PREFIX_TOOL per tool, or one failed step
-                     # `sanitizer` when compute-sanitizer is nowhere to be found
-    local prefix="$1" limit="$2" tool
-    shift 2
-    SANITIZER="$(find_sanitizer)"
-    if [ -z "$SANITIZER" ]; then
-        echo "compute-sanitizer not found (PATH, CUDA_HOME, wheels)" >"$LOGS/sanitizer.log"
-        record sanitizer 1 0
-        return
-    fi
-    export SANITIZER
-    for tool in "$@"; do
-        run_step "${prefix}_$tool" "$limit" bash -c 'sanitize "$0"' "$tool"
-    done
-}
+export -f probes install_checkout gpu_pytest kernel_tests parity timing ncu_sol find_sanitizer \
+    memcheck
 
-sm90_device() {  # compute capability 9.0, or the sm_90a kernels cannot run here
-    "$PY" -c 'import cupy, sys
-cc = cupy.cuda.Device().compute_capability
-print("compute capability", cc, "(the sm_90a kernels need 90)")
-sys.exit(cc != "90")'
-}
-export -f sm90_device
+# ---- the steps ------------------------------------------------------------------------------
 
-if [ "$MODE" = sm90a ] && ! run_step sm90_device 20 bash -c sm90_device; then
-    echo "gpu_check --sm90a: not an sm_90 GPU; nothing else runs"
-elif [ "$MODE" = sm90a ]; then
-    export CUPY_BACKEND=cupy:sm90a
-    export VARLEN_SM90A_CACHE="${VARLEN_SM90A_CACHE:-${TMPDIR:-/tmp}/varlen_sm90a_cache}"
-    run_step sm90_warm 50 "$PY" -m varlen.backends.cupy.sm90 16
-    run_step sm90_tests 120 "$PY" -m pytest -q -rfEs -m gpu tests/gpu/test_sm90_gpu.py \
-        --junitxml="$LOGS/sm90_tests.xml"
-    grep -q "[0-9] passed" "$LOGS/sm90_tests.log" || record sm90_tests_ran 5 0
-    run_step sm90_parity 100 "$PY" -m pytest -q -rfEs --cupy-backend="$CUPY_BACKEND" tests/gpu/test_cupy_gpu.py \
-        -k "matches_reference or deterministic or graph_capture or callers_stream" \
-        --junitxml="$LOGS/sm90_parity.xml"
-    grep -q "[0-9] passed" "$LOGS/sm90_parity.log" || record sm90_parity_ran 5 0
-    sanitizer_steps sm90 40 memcheck synccheck
-    run_step sm90_bench 90 "$PY" scripts/perf_model.py --measure --backend "$CUPY_BACKEND" \
-        --json "$OUT_DIR/bench_sm90a.json"
-    grep -q "^predicted vs measured" "$LOGS/sm90_bench.log" || record sm90_bench_ran 5 0
-elif [ "$MODE" = numba ]; then
-    # Limits add up to 260 s.
-    run_step numba_tests 150 "$PY" -m pytest -q -rfEs tests/numba \
+if [ "$MODE" = numba ]; then
+    run_step install 20 0 bash -c install_checkout
+    [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    run_step numba_tests 150 1 "$PY" -m pytest -q -rfEs tests/numba \
         --junitxml="$LOGS/numba_tests.xml"
-    run_step gpu_tests 60 "$PY" -m pytest -q -rfEs -m gpu tests --ignore=tests/numba \
+    run_step gpu_tests 60 1 "$PY" -m pytest -q -rfEs -m gpu tests --ignore=tests/numba \
         --ignore=tests/gpu/test_cupy_gpu.py --junitxml="$LOGS/gpu_tests.xml"
-    run_step bench_numba 50 "$PY" scripts/bench_numba.py --quick --json "$LOGS/bench_numba.json"
+    run_step bench_numba 50 1 "$PY" scripts/bench_numba.py --quick --json "$LOGS/bench_numba.json"
 else
-    run_step warm_cache 60 "$PY" -m varlen.backends.cupy.mma 16
-    sanitizer_steps sanitizer 35 memcheck racecheck synccheck initcheck
-    run_step gpu_tests 120 "$PY" -m pytest -q -rfEs -s tests/gpu/test_cupy_gpu.py \
-        --junitxml="$LOGS/gpu_tests.xml"
-    grep -q "[0-9] passed" "$LOGS/gpu_tests.log" || record gpu_tests_ran 5 0
-    run_step bench 100 "$PY" scripts/perf_model.py --measure --json "$OUT_DIR/bench.json"
-    grep -q "^predicted vs measured" "$LOGS/bench.log" || record bench_ran 5 0
+    sm90=0
+    [ "$MODE" = sm90a ] && sm90=1
+    run_step probes 30 0 bash -c probes
+    if [ "$sm90" = 1 ] && grep -q "not an sm_90 GPU" "$LOGS/probes.log" 2>/dev/null; then
+        STOP="not an sm_90 GPU: the sm_90a kernels cannot run here"
+    fi
+    run_step install 20 0 bash -c install_checkout
+    [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    run_step warm $((sm90 ? 55 : 60)) 0 "$PY" scripts/gpu_warm.py --mode "$MODE" --jobs "$JOBS"
+    run_step kernel_tests $((sm90 ? 55 : 90)) 1 bash -c kernel_tests
+    if [ "$sm90" = 1 ]; then
+        run_step parity_sm90a 40 1 bash -c 'parity "$0" "$1"' cupy:sm90a \
+            "matches_reference or deterministic or graph_capture or callers_stream"
+    fi
+    run_step parity_mma $((sm90 ? 30 : 40)) 1 bash -c 'parity "$0" "$1"' cupy:mma \
+        "matches_reference"
+    run_step timing $((sm90 ? 80 : 70)) 1 bash -c timing
+    run_step ncu_fwd 20 1 bash -c 'ncu_sol fwd'
+    run_step ncu_bwd 20 1 bash -c 'ncu_sol bwd'
+    run_step memcheck 40 1 bash -c memcheck
 fi
 
-# ---- verdict: one screen
+# ---- verdict: one screen ----------------------------------------------------------------------
+bad=0
+for s in ${STEPS[@]+"${STEPS[@]}"}; do
+    case "$s" in *'"status": "fail"'*|*'"status": "timeout"'*|*'"status": "hang"'*) bad=$((bad + 1)) ;; esac
+done
+if [ -n "$STOP" ]; then
+    VERDICT="FAIL ($STOP)"
+elif [ "$bad" -eq 0 ]; then
+    VERDICT="PASS"
+else
+    VERDICT="FAIL ($bad step(s)${HANG:+; hang in $HANG})"
+fi
 {
-    echo "================ gpu_check verdict ($MODE, $(( $(date +%s) - T0 )) s) ================"
-    grep -E "NVIDIA|Driver Version" "$LOGS/machine.txt" | head -n 2
-    printf '%-22s %5s %6s  %s\n' step rc seconds "last line"
+    echo "================ gpu_check verdict ($MODE, $(( $(date +%s) - T0 )) s, limits ${LIMITS_SUM} s) ================"
+    grep -m2 -E "NVIDIA|Driver Version" "$LOGS/probes.log" 2>/dev/null | cut -c1-100
+    printf '%-13s %-8s %4s %5s  %s\n' step status s limit "reason or last line"
     for s in ${STEPS[@]+"${STEPS[@]}"}; do
-        name=$(echo "$s" | sed 's/.*"step": "\([^"]*\)".*/\1/')
-        rc=$(echo "$s" | sed 's/.*"rc": \([0-9]*\).*/\1/')
-        secs=$(echo "$s" | sed 's/.*"seconds": \([0-9]*\).*/\1/')
-        last=$(grep -v '^\s*$' "$LOGS/$name.log" 2>/dev/null | tail -n 1 | cut -c1-60)
-        printf '%-22s %5s %6s  %s\n' "$name" "$rc" "$secs" "$last"
+        name=$(sed 's/.*"step": "\([^"]*\)".*/\1/' <<<"$s")
+        st=$(sed 's/.*"status": "\([^"]*\)".*/\1/' <<<"$s")
+        secs=$(sed 's/.*"seconds": \([0-9]*\).*/\1/' <<<"$s")
+        lim=$(sed 's/.*"limit": \([0-9]*\).*/\1/' <<<"$s")
+        why=$(sed 's/.*"reason": "\(.*\)"}$/\1/' <<<"$s")
+        [ -n "$why" ] || why=$(grep -v '^\s*$' "$LOGS/$name.log" 2>/dev/null | tail -n 1)
+        printf '%-13s %-8s %4s %5s  %s\n' "$name" "$st" "$secs" "$lim" "${why:0:58}"
     done
-    for b in bench sm90_bench; do
-        [ -f "$LOGS/$b.log" ] && sed -n '/^predicted vs measured/,$p' "$LOGS/$b.log"
-    done
-    grep -ho "mma: .*\|ex2 max .*" "$LOGS/gpu_tests.log" 2>/dev/null
-    failed=0
-    for s in ${STEPS[@]+"${STEPS[@]}"}; do
-        case "$s" in *'"rc": 0,'*) ;; *) failed=$((failed + 1)) ;; esac
-    done
-    if [ "$failed" -eq 0 ]; then echo "VERDICT: PASS"; else echo "VERDICT: FAIL ($failed step(s))"; fi
-} | tee "$OUT_DIR/verdict.txt" "$LOGS/verdict.txt"
-write_summary true
-grep -q "^VERDICT: PASS" "$OUT_DIR/verdict.txt"
+    [ -s "$OUT_DIR/results.jsonl" ] && timeout 20 "$PY" scripts/gpu_timing.py \
+        --table "$OUT_DIR/results.jsonl" 2>&1 | head -n 24
+    echo "VERDICT: $VERDICT"
+} | tee "$OUT_DIR/verdict.txt"
+write_summary true true "$VERDICT"
+[ "$VERDICT" = PASS ]

@@ -4,15 +4,20 @@ shared-memory bytes, tensor-pipe cycles, special-function and FP32 cycles and ba
 current kernels and for the FlashAttention-2 design point, on H100 SXM and A100 SXM; the
 ceilings and predicted TFLOP/s they give (docs/cupy_backend.md, "Performance model"). Then the
 shipped dK/dV kernel's step at plan tiles (128, 64) and (128, 128) for every head dim up to
-128, and the default tiles it implies (`preferred_blocks`).
+128, and the default tiles it implies (`preferred_blocks`). Last, the kernels as they ship
+(`shipped`: both paths, forward and dK/dV, bf16, default plan tiles of D 64 and 128, their
+tiles, chunks, stages, Q placement and warpgroups read from the variants and
+kernels_cuda/fwd.cuh), each priced by its path's rule (`evaluate`, `evaluate_sm90`);
+`path_prediction` is the figure put beside a measurement of that path.
 
     python scripts/perf_model.py                  # the table (the figures of the doc)
     python scripts/perf_model.py --json model.json
     python scripts/perf_model.py --measure [--json bench.json]
         # on a GPU: scripts/bench.py's runners (cupy, torch SDPA flash/cuDNN, varlen_attn,
         # compiled flex_attention) at 8k and 16k tokens per sequence, bf16, D=128, 16 heads,
-        # with the measured bf16 matmul peak, each figure beside the model's prediction.
-        # Without a GPU it says so and exits 0.
+        # with the measured bf16 matmul peak, each figure beside the model's prediction of
+        # the path that ran. Without a GPU it says so and exits 0. (scripts/gpu_check.sh
+        # times with scripts/gpu_timing.py instead: no torch.compile, figures as they come.)
 
 Model, per SM and per tile pair (one step of a block's main loop):
   T_tensor = mma.m16n8k16 count * 4096 FLOP / the SM's mma.sync FLOP per clock
@@ -287,6 +292,195 @@ def format_tiles(rows) -> str:
     return "\n".join(lines)
 
 
+# ---- the kernels as they ship ------------------------------------------------------------------
+
+# The tensor pipe's share of the datasheet rate that a bf16 wgmma GEMM reaches: an 8192^3
+# torch.matmul ran at 798 TFLOP/s on an H100 SXM of 989 (0.81); the sm_90a rows price their
+# GEMMs at it. The mma.sync rows keep `Gpu.mma_flop_per_clk`.
+WGMMA_FLOP_PER_CLK = {"H100": 4096}
+WGMMA_EFFICIENCY = 0.8
+SHIPPED_HEAD_DIMS = (64, 128)
+FWD_CUH = os.path.join(ROOT, "kernels_cuda", "fwd.cuh")
+
+
+def fwd_traits() -> dict:
+    """FwdConfig's placement rule of the mma.sync forward (kernels_cuda/fwd.cuh), read from the
+    header: warps, the register budget of Q in registers per arch, and the blocks per SM its
+    registers must allow (MIN_BLOCKS)."""
+    import re
+    with open(FWD_CUH) as f:
+        text = f.read()
+    warps = int(re.search(r"NUM_WARPS = (\d+);", text)[1])
+    budgets = [int(x) for x in re.findall(r"Q_BUDGET = (\d+);", text)]
+    m = re.search(r"MIN_BLOCKS = MT == 1 && D <= (\d+) \? (\d+) : (\d+);", text)
+    if len(budgets) != 2 or m is None:
+        raise RuntimeError(f"{FWD_CUH}: FwdConfig's Q_BUDGET / MIN_BLOCKS no longer read as "
+                           "this model expects; update perf_model.fwd_traits")
+    return {"warps": warps, "q_budget": {"sm_90": budgets[0], "sm_80": budgets[1]},
+            "min_blocks": (int(m[1]), int(m[2]), int(m[3]))}
+
+
+def _entry_registers(threads: int, blocks: int) -> int:
+    """Registers per thread ptxas may use at `blocks` CTAs of `threads` per SM (multiples of 8,
+    at most 255)."""
+    return min(255, 65536 // (threads * blocks) // 8 * 8)
+
+
+class Shipped(NamedTuple):
+    """One kernel as it ships, at the default plan tiles, read from its variant (KernelSpec,
+    sm90.FwdSpec, sm90.BwdSpec): what the model prices and what compile_kernels.py builds."""
+
+    path: str               # "mma" | "sm90a"
+    kind: str               # "fwd" | "bwd" (the dK/dV kernel)
+    head_dim: int
+    kernel: str             # the compiled kernel's name
+    block_m: int
+    block_n: int
+    chunk: int              # keys per step (fwd) or query rows per step (bwd)
+    stages: int
+    q_in: str               # "registers" | "shared" (fwd; "-" for the dK/dV kernels)
+    warpgroups: int         # consumer warpgroups (sm90a), 0 for mma.sync
+    threads: int
+    smem: int               # dynamic shared memory, bytes
+    design: Design
+
+
+def shipped_mma(kind: str, head_dim: int, arch: str = "sm_90") -> Shipped:
+    from varlen.backends.cupy.mma import KernelSpec
+    from varlen.backends.cupy.traits import default_blocks
+    bm, bn = default_blocks(head_dim)
+    d = head_dim
+    if kind == "bwd":
+        spec = KernelSpec("bwd", "bfloat16", d, bm, bn, False)
+        design = dkdv_design(d, bn, arch) if (d, bn) in DKDV_REGISTERS else None
+        k = spec.kernels()["dkdv_atomic"]
+        return Shipped("mma", "bwd", d, k.name, bm, bn, spec.bwd_query_chunk, 2, "-", 0,
+                       k.threads, k.smem, design)
+    spec = KernelSpec("fwd", "bfloat16", d, bm, bn, False).compiled()
+    t = fwd_traits()
+    kn, stages, warps = spec.fwd_chunk, spec.fwd_stages, t["warps"]
+    mt = bm // (warps * 16)
+    q_regs = d <= 192 and mt * d // 4 + mt * (d + kn) // 2 <= t["q_budget"][arch]
+    small_d, few, many = t["min_blocks"]
+    blocks = few if mt == 1 and d <= small_d else many
+    k = spec.kernels()["fwd"]
+    # per step of kn keys: each warp reads K and V of the chunk by ldmatrix, and its own Q rows
+    # when Q is not in registers; K and V arrive by cp.async, waited for apart (2 barriers)
+    per_warp = 2 * kn * d + (0 if q_regs else bm // warps * d)
+    design = Design(f"mma-fwd-D{d}", f"{warps} warps x {bm // warps} rows, KN={kn}, "
+                    f"Q in {'registers' if q_regs else 'shared memory'}", (bm, kn), 2,
+                    ldsm_bytes=warps * per_warp * E, smem_write_bytes=2 * kn * d * E,
+                    exps=bm * kn, fp32_ops=bm * kn * 5 + bm * d, barriers=2,
+                    threads=k.threads, registers=_entry_registers(k.threads, blocks),
+                    smem=k.smem, head_dim=d)
+    return Shipped("mma", "fwd", d, k.name, bm, bn, kn, stages,
+                   "registers" if q_regs else "shared", 0, k.threads, k.smem, design)
+
+
+def shipped_sm90(kind: str, head_dim: int) -> Shipped:
+    from varlen.backends.cupy import sm90
+    from varlen.backends.cupy.traits import SM90_STAGES, WG_ROWS, default_blocks
+    bm, bn = default_blocks(head_dim)
+    d = head_dim
+    if kind == "fwd":
+        spec = sm90.FwdSpec("bfloat16", d, bm, bn, False)
+        wgs, kn = spec.block_m // WG_ROWS, spec.key_chunk
+        # per step of kn keys, per consumer warpgroup: Q [64, D] and K [kn, D] for S = Q K^T
+        # (both from shared memory), V [kn, D] for O += P V (P from registers); K and V land
+        # by TMA. Two consumers ping-pong: one's softmax runs under the other's GEMMs.
+        design = Design(f"sm90a-fwd-D{d}", f"{wgs} consumer warpgroups x 64 rows, KN={kn}",
+                        (bm, kn), 2, ldsm_bytes=wgs * (WG_ROWS * d + 2 * kn * d) * E,
+                        smem_write_bytes=2 * kn * d * E, exps=bm * kn,
+                        fp32_ops=bm * kn * 4 + bm * d, barriers=0, threads=spec.threads,
+                        registers=_entry_registers(spec.threads, sm90.CTAS_PER_SM),
+                        smem=spec.smem, head_dim=d)
+        return Shipped("sm90a", "fwd", d, spec.name, bm, bn, kn, SM90_STAGES, "shared", wgs,
+                       spec.threads, spec.smem, design)
+    spec = sm90.BwdSpec("bfloat16", d, bn, False)
+    wgs, bq = spec.consumers, spec.query_chunk
+    cols = d // (2 if d >= sm90.SPLIT_HEAD_DIM else 1)
+    rows = bn // wgs if d < sm90.SPLIT_HEAD_DIM else bn
+    # per query chunk, per consumer: S^T = K Q^T and dP^T = V dO^T (K, V rows, Q, dO from
+    # shared memory), dV += P^T dO and dK += dS^T Q (dO, Q), dQ += dS K (dS, its K slice)
+    per_wg = (2 * rows * d + 2 * bq * d + 2 * bq * cols + bq * rows + rows * cols)
+    design = Design(f"sm90a-bwd-D{d}", f"{wgs} consumer warpgroups, BN={bn}, BQ={bq}",
+                    (bq, bn), 5, ldsm_bytes=wgs * per_wg * E,
+                    smem_write_bytes=(2 * bq * d + bq * bn) * E + 2 * bq * 4,
+                    exps=bq * bn, fp32_ops=bq * bn * 6, barriers=3, threads=spec.threads,
+                    registers=_entry_registers(spec.threads, sm90.CTAS_PER_SM),
+                    smem=spec.smem, head_dim=d)
+    return Shipped("sm90a", "bwd", d, spec.name, bm, bn, bq, SM90_STAGES, "-", wgs,
+                   spec.threads, spec.smem, design)
+
+
+def shipped():
+    """Every shipped kernel the model prices: both paths, forward and dK/dV, bf16, at the
+    default plan tiles of D = 64 and 128."""
+    return [f(kind, d) for d in SHIPPED_HEAD_DIMS for f in (shipped_mma, shipped_sm90)
+            for kind in ("fwd", "bwd")]
+
+
+def evaluate_sm90(design: Design, gpu: Gpu) -> dict:
+    """An sm_90a step on `gpu`: the GEMMs at WGMMA_EFFICIENCY of the wgmma rate; the softmax
+    half hidden by the ping-pong of two consumer warpgroups (fully exposed with one); a
+    barrier drain per named-barrier sync (one CTA per SM: nothing fills it)."""
+    r = evaluate(design, gpu)
+    c = r["clocks"]
+    tensor = design.mma * MMA_FLOP / (WGMMA_FLOP_PER_CLK[gpu.name] * WGMMA_EFFICIENCY)
+    wgs = max(1, design.threads // 128 - 1)
+    soft = max(design.exps / SFU_PER_CLK, design.fp32_ops / gpu.fp32_lanes)
+    clk = max(tensor, c["smem"]) + soft * (0.5 if wgs >= 2 else 1.0) + c["barriers"]
+    scale = gpu.sms * gpu.clock_ghz * 1e9 / 1e12
+    c["tensor"] = round(tensor)
+    r.update(bound="tensor" if tensor >= c["smem"] else "smem",
+             ceiling_tflops=design.flop / max(tensor, c["smem"], soft) * scale,
+             predicted_tflops=design.flop / clk * scale)
+    return r
+
+
+def shipped_rows(gpu_name: str = "H100"):
+    """The model of each shipped kernel on `gpu_name` (the sm_90a rows on H100 only)."""
+    gpu = next(g for g in GPUS if g.name == gpu_name)
+    rows = []
+    for s in shipped():
+        if s.design is None or (s.path == "sm90a" and gpu_name not in WGMMA_FLOP_PER_CLK):
+            continue
+        r = (evaluate_sm90 if s.path == "sm90a" else evaluate)(s.design, gpu)
+        r.update({k: v for k, v in s._asdict().items() if k != "design"})
+        rows.append(r)
+    return rows
+
+
+def path_prediction(path: str, phase: str, head_dim: int = D, gpu_name: str = "H100") -> float:
+    """The predicted TFLOP/s of the shipped `path` ("mma" | "sm90a") `phase` ("fwd" | "bwd")
+    at `head_dim` on `gpu_name`."""
+    for r in shipped_rows(gpu_name):
+        if r["path"] == path and r["kind"] == phase and r["head_dim"] == head_dim:
+            return r["predicted_tflops"]
+    raise ValueError(f"path={path!r} phase={phase!r} head_dim={head_dim}: the model has "
+                     f"rows for paths mma, sm90a, phases fwd, bwd, head dims "
+                     f"{SHIPPED_HEAD_DIMS}")
+
+
+def format_shipped(rows) -> str:
+    head = (f"{'kernel':15} {'BM':>3} {'BN':>3} {'chunk':>5} {'st':>2} {'Q in':>9} {'WG':>2} "
+            f"{'thr':>3} {'smem KB':>7} {'CTA':>3} {'tensor':>6} {'smem':>5} {'bound':>6} "
+            f"{'ceiling':>7} {'predict':>7}")
+    lines = ["the kernels as they ship (bf16, default plan tiles, H100): clocks per step per SM, "
+             "TFLOP/s", head, "-" * len(head)]
+    for r in rows:
+        c = r["clocks"]
+        lines.append(
+            f"{r['path'] + '-' + r['kind'] + '-D' + str(r['head_dim']):15} {r['block_m']:3d} "
+            f"{r['block_n']:3d} {r['chunk']:5d} {r['stages']:2d} {r['q_in']:>9} "
+            f"{r['warpgroups']:2d} {r['threads']:3d} {r['smem'] / 1024:7.1f} "
+            f"{r['ctas_per_sm']:3d} {c['tensor']:6d} {c['smem']:5d} {r['bound']:>6} "
+            f"{r['ceiling_tflops']:7.0f} {r['predicted_tflops']:7.0f}")
+    lines.append(f"sm90a: wgmma at {WGMMA_EFFICIENCY:.0%} of 4096 FLOP/clk, softmax half hidden "
+                 "by two consumer warpgroups; mma-bwd: the dK/dV table's row (BQ: chunk)")
+    return "\n".join(lines)
+
+
 # ---- against a measurement ----------------------------------------------------------------
 
 MEASURE_LENGTHS = (8192, 16384)
@@ -298,11 +492,13 @@ def comparison(report: dict, rows) -> str:
     """Measured TFLOP/s of every runner beside the H100 model's predictions for the current
     kernels (the cupy column) and for the FlashAttention-2 design point (torch's sdpa-flash
     runs FlashAttention-2), and the targets. Causal workloads add partial tiles and a tail."""
-    model = {r["design"]: r["predicted_tflops"] for r in rows if r["gpu"] == "H100"}
+    fa2 = {r["design"]: r["predicted_tflops"] for r in rows if r["gpu"] == "H100"}
     peak = report.get("bf16_matmul_peak_tflops") or 0.0
     targets = measured_targets(report.get("cupy_backend", "cupy"))
-    kernels = ("the sm_90a kernels (model: mma.sync)" if targets is SM90A_TARGETS
-               else "the mma.sync kernels")
+    path = "sm90a" if targets is SM90A_TARGETS else "mma"
+    model = {phase: path_prediction(path, phase) for phase in ("fwd", "bwd")}
+    kernels = ("the sm_90a kernels (model: sm90a rows)" if path == "sm90a"
+               else "the mma.sync kernels (model: mma rows)")
     lines = [f"predicted vs measured (TFLOP/s over visible pairs; bf16 matmul peak measured: "
              f"{peak:.0f}; model at 1.83 GHz; cupy runs {kernels})",
              f"{'workload':28} {'':4} {'model':>6} {'FA2 mdl':>7} {'target':>6} "
@@ -313,8 +509,8 @@ def comparison(report: dict, rows) -> str:
             for r in MEASURE_RUNNERS:
                 v = w["runners"].get(r, {}).get(phase, {}).get("tflops")
                 cells.append(f"{v:10.0f}" if v else f"{'-':>10}")
-            lines.append(f"{w['workload']:28} {phase:4} {model[phase + '-current']:6.0f} "
-                         f"{model[phase + '-FA2']:7.0f} {targets[phase]:6.0f} " + " ".join(cells))
+            lines.append(f"{w['workload']:28} {phase:4} {model[phase]:6.0f} "
+                         f"{fa2[phase + '-FA2']:7.0f} {targets[phase]:6.0f} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -358,6 +554,7 @@ def main(argv=None) -> int:
     print(format_table(rows))
     print(format_wide(wide_table()))
     print(format_tiles(tile_rows()))
+    print(format_shipped(shipped_rows()))
     if args.measure:
         return measure(args.json or os.path.join(ROOT, "out", "bench", "perf_model.json"),
                        args.iters, args.backend)
@@ -366,6 +563,7 @@ def main(argv=None) -> int:
             json.dump({"gpus": [g._asdict() for g in GPUS], "targets": TARGETS,
                        "designs": [d._asdict() for d in DESIGNS], "rows": rows,
                        "wide_head_dims": wide_table(), "dkdv_tiles": tile_rows(),
+                       "shipped": shipped_rows(),
                        "preferred_blocks": {str(d): b for d, b in
                                             preferred_blocks(tile_rows()).items()}},
                       f, indent=1)

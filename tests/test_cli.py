@@ -47,6 +47,9 @@ HELP = {
     "bench_numba": ([script("bench_numba.py"), "--help"], "Method:"),
     "compile_kernels": ([script("compile_kernels.py"), "--help"], "--only"),
     "cp_balance": ([script("cp_balance.py"), "--help"], "--out"),
+    "gpu_timing": ([script("gpu_timing.py"), "--help"], "--runners"),
+    "gpu_warm": ([script("gpu_warm.py"), "--help"], "--mode"),
+    "gpu_probe": ([script("gpu_probe.py"), "--help"], "--require-sm90"),
 }
 
 
@@ -72,6 +75,9 @@ BAD = {
     "bench_numba-unknown": ([script("bench_numba.py"), "--bogus"], "--bogus"),
     "compile-jobs-0": ([script("compile_kernels.py"), "--jobs", "0"], "--jobs"),
     "compile-only-nothing": ([script("compile_kernels.py"), "--only", "nope"], "nope"),
+    "gpu_timing-runner-bogus": ([script("gpu_timing.py"), "--runners", "mma,flex"], "flex"),
+    "gpu_timing-iters-0": ([script("gpu_timing.py"), "--iters", "0"], "--iters"),
+    "gpu_warm-jobs-0": ([script("gpu_warm.py"), "--mode", "cupy", "--jobs", "0"], "--jobs"),
     "cp_balance-cp-0": ([script("cp_balance.py"), "--cp", "2", "0"], "--cp"),
     "cp_balance-mask": ([script("cp_balance.py"), "--mask", "sliding:x"], "sliding:x"),
     "cp_balance-heads": ([script("cp_balance.py"), "--heads", "6", "4"], "--heads"),
