@@ -248,11 +248,13 @@ def _tile_seconds(b: Batch, heads: float, tflops: float, backward: bool) -> floa
 
 
 def _ring_time(step_tiles, step_bytes, tile_s, bw, lat) -> float:
-    """Steps of a ring: each takes the longer of its kernels and the next step's transfer."""
+    """Steps of a ring: each takes the longer of its kernels and the next step's transfer.
+    `bw`, `lat`: one link for every step, or per step (lists)."""
     t = 0.0
     for s, tiles in enumerate(step_tiles):
         moved = step_bytes[s] if s + 1 < len(step_tiles) else 0
-        t += max(tiles * tile_s, moved / bw + lat if moved else 0.0)   # nothing posted: free
+        b, l = (bw[s], lat[s]) if isinstance(bw, list) else (bw, lat)
+        t += max(tiles * tile_s, moved / b + l if moved else 0.0)   # nothing posted: free
     return t
 
 
@@ -262,13 +264,9 @@ def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | N
     cu = np.concatenate([[0], np.cumsum(b.lengths)]).astype(np.int32)
     key = (cp, scheme)
     if key not in work_cache:
-        kw = {}
-        if scheme.startswith("document"):       # "document/n": documents over T / (n cp) split
-            n = int(scheme.split("/")[1])
-            kw = dict(max_doc_len=max(1, int(np.ceil(sum(b.lengths) / cp / n))))
-        if part is None:
-            part = make_partition(cu, cp, scheme.split("/")[0], **kw)
-        ranks = list(range(cp)) if cp <= 16 else sorted(set(np.linspace(0, cp - 1, 8)
+        if part is None:                # the document scheme splits as its default says
+            part = make_partition(cu, cp, scheme, mask=b.mask_obj())
+        ranks = list(range(cp)) if cp <= 64 else sorted(set(np.linspace(0, cp - 1, 16)
                                                               .astype(int).tolist()))
         work_cache[key] = (part, ranks, {})
     part, ranks, works = work_cache[key]
@@ -291,12 +289,18 @@ def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | N
                 tile_s = _tile_seconds(b, b.heads_q, tflops, backward)
                 bw, lat = _link(cl, cp)
                 if method == "ring":
-                    if scheme.startswith("document"):
-                        steps = [part.ring_count(r, (r + s) % cp) if s else 0
-                                 for s in range(1, cp + 1)]
+                    if scheme == "document":
+                        # step s + 1's rows, to rank r + s + 1 and from r - s - 1: on this
+                        # node's links when both peers share it, else between nodes
+                        steps = [part.ring_count(r, (r + s) % cp) for s in range(1, cp + 1)]
                         row = b.heads_k * (b.head_dim + b.head_dim_v)
                         step_bytes = [n * row * (isz + (acc if backward else 0))
                                       for n in steps]
+                        node, gpn = r // cl.gpus_per_node, cl.gpus_per_node
+                        links = [_link(cl, 1 if ((r + s) % cp) // gpn == node ==
+                                       ((r - s) % cp) // gpn else cp + 1)
+                                 for s in range(1, cp + 1)]
+                        bw, lat = [x[0] for x in links], [x[1] for x in links]
                     else:
                         kv = part.local_rows * b.heads_k * (b.head_dim + b.head_dim_v)
                         step_bytes = [kv * (isz + (acc if backward else 0))] * cp
@@ -306,6 +310,9 @@ def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | N
                     sec = moved / bw + (cp - 1) * lat + wk.sum() * tile_s
                 inter_moved = moved if cp > cl.gpus_per_node and (
                     method == "allgather" or (r + 1) % cl.gpus_per_node == 0) else 0
+                if method == "ring" and scheme == "document":
+                    inter_moved = sum(n for n, (x, _) in zip(step_bytes, links)
+                                      if x < cl.intra_gbps * 1e9)
             elif method == "ulysses":
                 if "all" not in works:
                     works["all"] = _work(part, [0], mask, owners_group=cp)[0]
@@ -362,9 +369,7 @@ def candidates(cl: Cluster, b: Batch, cp: int) -> list:
     return out
 
 
-# The document scheme with documents longer than T / (n cp) split, for n of 2, 4, 8: fewer
-# splits exchange less, more splits balance the ranks better.
-SCHEMES = ("zigzag", "document/2", "document/4", "document/8")
+SCHEMES = ("zigzag", "document")
 
 
 def model(cl: Cluster, b: Batch, cps, schemes=SCHEMES) -> dict:
