@@ -258,6 +258,15 @@ def _ring_time(step_tiles, step_bytes, tile_s, bw, lat) -> float:
     return t
 
 
+def _doc_ring_time(step_tiles, kv_t, dkv_t, tile_s) -> float:
+    """The document ring: every step's K/V posted before step 0, so they overlap its kernels;
+    each step's dK/dV go back under the next step's kernels."""
+    t = max(step_tiles[0] * tile_s, sum(kv_t))
+    for s in range(1, len(step_tiles)):
+        t += max(step_tiles[s] * tile_s, dkv_t[s - 1])
+    return t + (dkv_t[-1] if dkv_t else 0.0)
+
+
 def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | None,
             work_cache: dict, part=None) -> dict:
     """Forward and backward seconds per layer (the busiest sampled rank) and its bytes."""
@@ -289,30 +298,33 @@ def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | N
                 tile_s = _tile_seconds(b, b.heads_q, tflops, backward)
                 bw, lat = _link(cl, cp)
                 if method == "ring":
+                    tiles = [wk[(r - s) % cp] for s in range(cp)]
                     if scheme == "document":
-                        # step s + 1's rows, to rank r + s + 1 and from r - s - 1: on this
-                        # node's links when both peers share it, else between nodes
-                        steps = [part.ring_count(r, (r + s) % cp) for s in range(1, cp + 1)]
+                        # step s's rows, to rank r + s and from r - s: on this node's links
+                        # when both peers share it, else between nodes
+                        rows_s = [part.ring_count(r, (r + s) % cp) for s in range(cp)]
                         row = b.heads_k * (b.head_dim + b.head_dim_v)
-                        step_bytes = [n * row * (isz + (acc if backward else 0))
-                                      for n in steps]
                         node, gpn = r // cl.gpus_per_node, cl.gpus_per_node
                         links = [_link(cl, 1 if ((r + s) % cp) // gpn == node ==
-                                       ((r - s) % cp) // gpn else cp + 1)
-                                 for s in range(1, cp + 1)]
-                        bw, lat = [x[0] for x in links], [x[1] for x in links]
+                                       ((r - s) % cp) // gpn else cp + 1) for s in range(cp)]
+                        kv_t = [n * row * isz / x[0] + x[1] if n and s else 0.0
+                                for s, (n, x) in enumerate(zip(rows_s, links))]
+                        dkv_t = [n * row * acc / x[0] + x[1] if n and s and backward else 0.0
+                                 for s, (n, x) in enumerate(zip(rows_s, links))]
+                        sec = _doc_ring_time(tiles, kv_t, dkv_t, tile_s)
+                        step_bytes = [n * row * (isz + (acc if backward else 0))
+                                      for n in rows_s]
                     else:
                         kv = part.local_rows * b.heads_k * (b.head_dim + b.head_dim_v)
                         step_bytes = [kv * (isz + (acc if backward else 0))] * cp
-                    tiles = [wk[(r - s) % cp] for s in range(cp)]
-                    sec = _ring_time(tiles, step_bytes, tile_s, bw, lat)
+                        sec = _ring_time(tiles, step_bytes, tile_s, bw, lat)
                 else:
                     sec = moved / bw + (cp - 1) * lat + wk.sum() * tile_s
                 inter_moved = moved if cp > cl.gpus_per_node and (
                     method == "allgather" or (r + 1) % cl.gpus_per_node == 0) else 0
                 if method == "ring" and scheme == "document":
-                    inter_moved = sum(n for n, (x, _) in zip(step_bytes, links)
-                                      if x < cl.intra_gbps * 1e9)
+                    inter_moved = sum(n for s, (n, (x, _)) in enumerate(zip(step_bytes, links))
+                                      if s and x < cl.intra_gbps * 1e9)
             elif method == "ulysses":
                 if "all" not in works:
                     works["all"] = _work(part, [0], mask, owners_group=cp)[0]
