@@ -185,20 +185,13 @@ class Batch:
 # Compute: tiles of the plans
 # --------------------------------------------------------------------------------------------
 
-def _tiles_by_owner(plan, rows_per_owner: int, owners: int) -> np.ndarray:
-    """Tiles `plan` visits, split by which block of `rows_per_owner` key rows (an owner: a
-    rank or a group) holds each key tile's first row."""
-    s = np.asarray(plan.q_sched).reshape(-1, 4)
-    begin, end = s[:, 0].astype(np.int64), s[:, 3].astype(np.int64)
-    keep = end > begin
-    begin, end = begin[keep], end[keep]
-    bn = plan.block_n
-    counts = np.zeros(owners, np.int64)
-    for o in range(owners):            # tiles whose first row lies in owner o's rows
-        lo = -(-(o * rows_per_owner) // bn)
-        hi = -(-((o + 1) * rows_per_owner) // bn)
-        counts[o] = np.clip(np.minimum(end, hi) - np.maximum(begin, lo), 0, None).sum()
-    return counts
+def _tiles_by_owner(plan, owners: int) -> np.ndarray:
+    """Tiles `plan` visits, per owner of its key segments: the plan's key segments are the
+    owners' (ranks' or groups') segments in owner order, the same number each, and
+    `q_sched[:, j]` holds each query tile's range of tiles of key segment `j`."""
+    s = np.asarray(plan.q_sched).astype(np.int64)
+    spans = np.clip(s[..., 3] - s[..., 0], 0, None).sum(axis=0)        # [key segments]
+    return spans.reshape(owners, -1).sum(axis=1)
 
 
 def _work(part, ranks, mask, owners_group: int = 1) -> dict:
@@ -212,7 +205,7 @@ def _work(part, ranks, mask, owners_group: int = 1) -> dict:
         g = r // u
         q = part.gathered_segments(range(g * u, g * u + u))
         plan = build_plan(q, keys, mask, block_m=bm, block_n=bn)
-        out[r] = _tiles_by_owner(plan, u * part.local_rows, part.cp_size // u)
+        out[r] = _tiles_by_owner(plan, part.cp_size // u)
     return out
 
 
