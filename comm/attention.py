@@ -11,9 +11,10 @@ outputs and gradients.
   runs. Partial outputs merge through their LSE (`merge_partial`). Backward: dQ accumulates
   locally, and the dK/dV accumulators (float32, float64 for float64) travel the ring one hop
   behind K/V and arrive at their owners after the last step.
-  On a `"document"` partition step i instead exchanges compact buffers: only the rows of
-  documents split between rank r and rank `(r - i) % cp` (host-known sizes), nothing for a
-  step with no shared document; each step's dK/dV go straight back to their owner.
+  On a `"document"` partition step i instead works on compact buffers: only the rows of
+  documents split between rank r and rank `(r - i) % cp` (host-known sizes), all of them
+  posted before step 0, nothing between ranks that share no document; each step's dK/dV go
+  straight back to their owner.
 * `allgather`: K/V all-gathered once (cheap for GQA, whose K/V are small), one kernel call over
   the gathered segments; dK/dV reduce-scattered back.
 * `ulysses`: all-to-all from sequence shards to head shards, one kernel call over the whole
@@ -401,11 +402,12 @@ def _ring_backward(rc: _RankCall, steps: StepPlans):
 # Ring over a document partition: only split documents' rows travel, only between sharers
 # --------------------------------------------------------------------------------------------
 #
-# At step i rank r receives, from rank (r - i) % cp, the compact buffer of that rank's K/V rows
-# of the documents both hold (`part.ring_rows(src, r)`, host-known size), and sends its own to
-# (r + i) % cp. A document that lives whole on one rank is in no buffer; a step whose buffers are
-# both empty posts nothing. Backward sends each step's dK/dV of the received rows straight back
-# to their owner, which adds them into its own rows.
+# At step i rank r works on the compact buffer of rank (r - i) % cp's K/V rows of the documents
+# both hold (`part.ring_rows(src, r)`, host-known size), and rank (r + i) % cp on its own. Every
+# step's exchange is posted at once before step 0 (the rank's own documents, most of its work),
+# so all of them overlap it; a document that lives whole on one rank is in no buffer, and a
+# rank that shares none posts nothing. Backward sends each step's dK/dV of the received rows
+# straight back to their owner, which adds them into its own rows.
 
 def _doc_post(ch, sends, recvs):
     """Post the non-empty `(array, peer)` sends and `(buffer, peer)` receives; commit if any.
@@ -424,16 +426,23 @@ def _doc_post(ch, sends, recvs):
     return posted
 
 
-def _doc_kv_exchange(rc, ch, part, step, k, v):
-    """Post step `step`'s K/V exchange; returns `(received k, received v, in flight)`."""
+def _doc_kv_prefetch(rc, ch, part, k, v):
+    """Every step's K/V exchange of the document ring, posted at once before step 0's kernels
+    (the buffers are compact and their sizes host-known: the transfers of all steps overlap
+    the rank's own documents, which hold most of its work). Returns `({step: (k, v)}, in
+    flight)`; step 0 is this rank's own K/V."""
     xp, cp, rank = rc.xp, rc.cp, rc.rank
-    dst, src = (rank + step) % cp, (rank - step) % cp
-    idx = part.ring_rows(rank, dst)
-    n_in = part.ring_count(src, rank)
-    k_in = xp.empty((n_in,) + k.shape[1:], dtype=k.dtype)
-    v_in = xp.empty((n_in,) + v.shape[1:], dtype=v.dtype)
-    sends = ((xp.ascontiguousarray(k[idx]), dst), (xp.ascontiguousarray(v[idx]), dst))
-    return k_in, v_in, _doc_post(ch, sends, ((k_in, src), (v_in, src)))
+    got, sends, recvs = {0: (k, v)}, [], []
+    for step in range(1, cp):
+        dst, src = (rank + step) % cp, (rank - step) % cp
+        idx = part.ring_rows(rank, dst)
+        n_in = part.ring_count(src, rank)
+        k_in = xp.empty((n_in,) + k.shape[1:], dtype=k.dtype)
+        v_in = xp.empty((n_in,) + v.shape[1:], dtype=v.dtype)
+        sends += [(xp.ascontiguousarray(k[idx]), dst), (xp.ascontiguousarray(v[idx]), dst)]
+        recvs += [(k_in, src), (v_in, src)]
+        got[step] = (k_in, v_in)
+    return got, _doc_post(ch, sends, recvs)
 
 
 def _doc_ring_forward(rc: _RankCall, steps: StepPlans):
@@ -442,19 +451,16 @@ def _doc_ring_forward(rc: _RankCall, steps: StepPlans):
     ch = rc.group.p2p(_TAG_KV)
     k, v = rc.xp.ascontiguousarray(c.k), rc.xp.ascontiguousarray(c.v)
     out = lse = None
-    kv = (k, v, False)
+    kv, flying = _doc_kv_prefetch(rc, ch, part, k, v)
     for step in range(cp):
-        nxt = _doc_kv_exchange(rc, ch, part, step + 1, k, v) if step + 1 < cp else None
+        if step == 1 and flying:
+            ch.wait()
         if steps.busy[step]:
-            o, l = rc.forward(steps.plans[step], c.q, kv[0], kv[1])
+            o, l = rc.forward(steps.plans[step], c.q, *kv[step])
             if out is None:
                 out, lse = o.astype(rc.acc), l.astype(rc.acc)
             else:
                 out, lse = merge_partial(out, lse, o, l)
-        if nxt is not None:
-            if nxt[2]:
-                ch.wait()
-            kv = nxt
     return _finish_forward(rc, out, lse)
 
 
@@ -466,10 +472,12 @@ def _doc_ring_backward(rc: _RankCall, steps: StepPlans):
     k, v = xp.ascontiguousarray(c.k), xp.ascontiguousarray(c.v)
     dq = xp.zeros(c.q.shape, dtype=rc.acc)
     dk, dv = xp.zeros(k.shape, dtype=rc.acc), xp.zeros(v.shape, dtype=rc.acc)
-    kv = (k, v, False)
+    kvs, kv_flying = _doc_kv_prefetch(rc, kv_ch, part, k, v)
     back = None                  # (rows of mine, dk in, dv in, in flight) of the last step
     for step in range(cp):
-        nxt = _doc_kv_exchange(rc, kv_ch, part, step + 1, k, v) if step + 1 < cp else None
+        if step == 1 and kv_flying:
+            kv_ch.wait()
+        kv = kvs[step]
         dst, src = (rank + step) % cp, (rank - step) % cp
         dk_s = xp.zeros(kv[0].shape, dtype=rc.acc)
         dv_s = xp.zeros(kv[1].shape, dtype=rc.acc)
@@ -494,10 +502,6 @@ def _doc_ring_backward(rc: _RankCall, steps: StepPlans):
             flying = _doc_post(dkv_ch, ((dk_s, src), (dv_s, src)),
                                ((dk_in, dst), (dv_in, dst)))
             back = (idx, dk_in, dv_in, flying)
-        if nxt is not None:
-            if nxt[2]:
-                kv_ch.wait()
-            kv = nxt
     if back is not None:
         _doc_settle(dkv_ch, back, dk, dv)
     return dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype)

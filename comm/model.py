@@ -185,20 +185,13 @@ class Batch:
 # Compute: tiles of the plans
 # --------------------------------------------------------------------------------------------
 
-def _tiles_by_owner(plan, rows_per_owner: int, owners: int) -> np.ndarray:
-    """Tiles `plan` visits, split by which block of `rows_per_owner` key rows (an owner: a
-    rank or a group) holds each key tile's first row."""
-    s = np.asarray(plan.q_sched).reshape(-1, 4)
-    begin, end = s[:, 0].astype(np.int64), s[:, 3].astype(np.int64)
-    keep = end > begin
-    begin, end = begin[keep], end[keep]
-    bn = plan.block_n
-    counts = np.zeros(owners, np.int64)
-    for o in range(owners):            # tiles whose first row lies in owner o's rows
-        lo = -(-(o * rows_per_owner) // bn)
-        hi = -(-((o + 1) * rows_per_owner) // bn)
-        counts[o] = np.clip(np.minimum(end, hi) - np.maximum(begin, lo), 0, None).sum()
-    return counts
+def _tiles_by_owner(plan, owners: int) -> np.ndarray:
+    """Tiles `plan` visits, per owner of its key segments: the plan's key segments are the
+    owners' (ranks' or groups') segments in owner order, the same number each, and
+    `q_sched[:, j]` holds each query tile's range of tiles of key segment `j`."""
+    s = np.asarray(plan.q_sched).astype(np.int64)
+    spans = np.clip(s[..., 3] - s[..., 0], 0, None).sum(axis=0)        # [key segments]
+    return spans.reshape(owners, -1).sum(axis=1)
 
 
 def _work(part, ranks, mask, owners_group: int = 1) -> dict:
@@ -212,7 +205,7 @@ def _work(part, ranks, mask, owners_group: int = 1) -> dict:
         g = r // u
         q = part.gathered_segments(range(g * u, g * u + u))
         plan = build_plan(q, keys, mask, block_m=bm, block_n=bn)
-        out[r] = _tiles_by_owner(plan, u * part.local_rows, part.cp_size // u)
+        out[r] = _tiles_by_owner(plan, part.cp_size // u)
     return out
 
 
@@ -248,12 +241,23 @@ def _tile_seconds(b: Batch, heads: float, tflops: float, backward: bool) -> floa
 
 
 def _ring_time(step_tiles, step_bytes, tile_s, bw, lat) -> float:
-    """Steps of a ring: each takes the longer of its kernels and the next step's transfer."""
+    """Steps of a ring: each takes the longer of its kernels and the next step's transfer.
+    `bw`, `lat`: one link for every step, or per step (lists)."""
     t = 0.0
     for s, tiles in enumerate(step_tiles):
         moved = step_bytes[s] if s + 1 < len(step_tiles) else 0
-        t += max(tiles * tile_s, moved / bw + lat if moved else 0.0)   # nothing posted: free
+        b, l = (bw[s], lat[s]) if isinstance(bw, list) else (bw, lat)
+        t += max(tiles * tile_s, moved / b + l if moved else 0.0)   # nothing posted: free
     return t
+
+
+def _doc_ring_time(step_tiles, kv_t, dkv_t, tile_s) -> float:
+    """The document ring: every step's K/V posted before step 0, so they overlap its kernels;
+    each step's dK/dV go back under the next step's kernels."""
+    t = max(step_tiles[0] * tile_s, sum(kv_t))
+    for s in range(1, len(step_tiles)):
+        t += max(step_tiles[s] * tile_s, dkv_t[s - 1])
+    return t + (dkv_t[-1] if dkv_t else 0.0)
 
 
 def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | None,
@@ -262,13 +266,9 @@ def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | N
     cu = np.concatenate([[0], np.cumsum(b.lengths)]).astype(np.int32)
     key = (cp, scheme)
     if key not in work_cache:
-        kw = {}
-        if scheme.startswith("document"):       # "document/n": documents over T / (n cp) split
-            n = int(scheme.split("/")[1])
-            kw = dict(max_doc_len=max(1, int(np.ceil(sum(b.lengths) / cp / n))))
-        if part is None:
-            part = make_partition(cu, cp, scheme.split("/")[0], **kw)
-        ranks = list(range(cp)) if cp <= 16 else sorted(set(np.linspace(0, cp - 1, 8)
+        if part is None:                # the document scheme splits as its default says
+            part = make_partition(cu, cp, scheme, mask=b.mask_obj())
+        ranks = list(range(cp)) if cp <= 64 else sorted(set(np.linspace(0, cp - 1, 16)
                                                               .astype(int).tolist()))
         work_cache[key] = (part, ranks, {})
     part, ranks, works = work_cache[key]
@@ -291,21 +291,33 @@ def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | N
                 tile_s = _tile_seconds(b, b.heads_q, tflops, backward)
                 bw, lat = _link(cl, cp)
                 if method == "ring":
-                    if scheme.startswith("document"):
-                        steps = [part.ring_count(r, (r + s) % cp) if s else 0
-                                 for s in range(1, cp + 1)]
+                    tiles = [wk[(r - s) % cp] for s in range(cp)]
+                    if scheme == "document":
+                        # step s's rows, to rank r + s and from r - s: on this node's links
+                        # when both peers share it, else between nodes
+                        rows_s = [part.ring_count(r, (r + s) % cp) for s in range(cp)]
                         row = b.heads_k * (b.head_dim + b.head_dim_v)
+                        node, gpn = r // cl.gpus_per_node, cl.gpus_per_node
+                        links = [_link(cl, 1 if ((r + s) % cp) // gpn == node ==
+                                       ((r - s) % cp) // gpn else cp + 1) for s in range(cp)]
+                        kv_t = [n * row * isz / x[0] + x[1] if n and s else 0.0
+                                for s, (n, x) in enumerate(zip(rows_s, links))]
+                        dkv_t = [n * row * acc / x[0] + x[1] if n and s and backward else 0.0
+                                 for s, (n, x) in enumerate(zip(rows_s, links))]
+                        sec = _doc_ring_time(tiles, kv_t, dkv_t, tile_s)
                         step_bytes = [n * row * (isz + (acc if backward else 0))
-                                      for n in steps]
+                                      for n in rows_s]
                     else:
                         kv = part.local_rows * b.heads_k * (b.head_dim + b.head_dim_v)
                         step_bytes = [kv * (isz + (acc if backward else 0))] * cp
-                    tiles = [wk[(r - s) % cp] for s in range(cp)]
-                    sec = _ring_time(tiles, step_bytes, tile_s, bw, lat)
+                        sec = _ring_time(tiles, step_bytes, tile_s, bw, lat)
                 else:
                     sec = moved / bw + (cp - 1) * lat + wk.sum() * tile_s
                 inter_moved = moved if cp > cl.gpus_per_node and (
                     method == "allgather" or (r + 1) % cl.gpus_per_node == 0) else 0
+                if method == "ring" and scheme == "document":
+                    inter_moved = sum(n for s, (n, (x, _)) in enumerate(zip(step_bytes, links))
+                                      if s and x < cl.intra_gbps * 1e9)
             elif method == "ulysses":
                 if "all" not in works:
                     works["all"] = _work(part, [0], mask, owners_group=cp)[0]
@@ -362,9 +374,7 @@ def candidates(cl: Cluster, b: Batch, cp: int) -> list:
     return out
 
 
-# The document scheme with documents longer than T / (n cp) split, for n of 2, 4, 8: fewer
-# splits exchange less, more splits balance the ranks better.
-SCHEMES = ("zigzag", "document/2", "document/4", "document/8")
+SCHEMES = ("zigzag", "document")
 
 
 def model(cl: Cluster, b: Batch, cps, schemes=SCHEMES) -> dict:

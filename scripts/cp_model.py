@@ -8,8 +8,8 @@
 
 For each cp it predicts one layer's forward and backward time per rank for ring, allgather,
 ulysses (when Hq divides by cp) and usp(u) (u a divisor of the GPUs per node and of Hq), each
-with the zigzag partition and the document partition (documents longer than T / (n cp) split,
-n = 2, 4, 8: "document/n"), and prints the best. The terms:
+with the zigzag and the document partition (its default split threshold, which balances the
+ranks' work), and prints the best. The terms:
 
 * bytes: exactly what the rank's group counts (`varlen.comm.model.call_traffic`; equal to the
   counted bytes at cp <= 8, tests/test_comm_model.py and the usp worker under mpiexec), split
@@ -24,8 +24,8 @@ n = 2, 4, 8: "document/n"), and prints the best. The terms:
   before the kernels run, as `varlen.comm` does); all-gathers and all-to-alls are not
   overlapped; every message pays the link's latency.
 
-The busiest of the sampled ranks (all up to cp = 16, else 8 spread over the ranks, the document
-scheme's heaviest included) sets the layer's time. The compute lower bound is the batch's
+The busiest of the sampled ranks (all up to cp = 64, else 16 spread over the ranks) sets the
+layer's time. The compute lower bound is the batch's
 tiles over cp ranks with no communication. Presets (per GPU; assumptions, not measurements):
 H100/H200 SXM nodes of 8 GPUs, NVLink 450 GB/s and 3 us, InfiniBand NDR 400 Gb/s (50 GB/s)
 and 8 us, attention 500 TFLOP/s forward and 400 backward (FlashAttention 3 class, bf16,

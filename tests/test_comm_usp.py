@@ -1,8 +1,8 @@
 """Two-level context parallelism (`method="usp"`: Ulysses inside groups of `ulysses_size`
 ranks, the ring across them) on in-process ranks: the cases of `comm_workers/usp_cp.py`
-(sampled; every u dividing 4, 6 and 8 under mpiexec and torchrun in
-tests/multiprocess/test_cp_usp.py) against the float64 reference; the subgroups split once
-and kept; the bytes each call moves, per level; the arguments it refuses."""
+(sampled; every u dividing 4, 6 and 8 under mpiexec, torchrun and JAX's shard_map over a 2-D
+mesh in tests/multiprocess/test_cp_usp.py) against the float64 reference; the subgroups split
+once and kept; the bytes each call moves, per level; the arguments it refuses."""
 import numpy as np
 import pytest
 
@@ -85,11 +85,12 @@ def test_bad_arguments_are_named():
         vc.local_group(8).run(heads)
 
 
-def test_jax_says_usp_is_not_there_yet():
+def test_jax_usp_needs_two_mesh_axes():
     jax = pytest.importorskip("jax")
     import varlen.jax as vj
     part = vc.partition(np.array([0, 8], np.int32), 2)
     q = jax.numpy.zeros((part.local_rows, 4, 8))
-    with pytest.raises(NotImplementedError, match="method='usp' is not implemented in varlen.jax"):
-        vj.context_parallel_attention(q, q, q, part, axis_name="cp", method="usp",
-                                      ulysses_size=2)
+    with pytest.raises(ValueError, match=r"method='usp' needs axis_name=\(ring axis, Ulysses"):
+        vj.context_parallel_attention(q, q, q, part, axis_name="cp", method="usp")
+    with pytest.raises(ValueError, match="ulysses_size=2 is for method='usp'"):
+        vj.context_parallel_attention(q, q, q, part, axis_name="cp", ulysses_size=2)

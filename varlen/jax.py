@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -41,7 +41,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ._api import attention_backward, attention_forward
-from ._setup import static_scalars
+from ._setup import check_ulysses_size, static_scalars
 from ._sinks import add_sinks, sink_grads
 from ._validate import (as_index_array, as_policy_array, check_qkv, check_specs,
                         check_together, scale_and_softcap)
@@ -562,6 +562,16 @@ class _CPStatic:
     score_mod: object = None    # a varlen.ScoreMod (its aux arrays travel as operands)
     has_mods: bool = False      # a mask_mod (in the step plans) or a score_mod
     valid: object = None        # with sinks: bool [cp, Tq_local], each rank's rows with a token
+    # usp: (ring axis, Ulysses axis, u): the global rank is ring index * u + Ulysses index;
+    # the node and ring parts are this static with `axis_name` and `cp` of their level
+    levels: tuple | None = None
+
+    @property
+    def mesh_axes(self) -> frozenset:
+        """Every mesh axis the call's shards vary over."""
+        if self.levels is not None:
+            return frozenset(self.levels[:2])
+        return frozenset({self.axis_name})
 
 
 class _Aux:
@@ -625,7 +635,7 @@ def _kernel(static: _CPStatic, ax: _Aux, index: int, backward: bool, *args):
             results = static.backend.forward(plan, *arrays, **kw)
         return tuple(_rows_to(np.asarray(r, s.dtype), s) for r, s in zip(results, every))
     results = _host_call(fn, every)(*args, *ax.values, rank)
-    results = tuple(_vary(r, {static.axis_name}) for r in results)
+    results = tuple(_vary(r, static.mesh_axes) for r in results)
     if grad_shapes:
         ax.add(results[3:])
     return results[:3] if backward else results
@@ -637,7 +647,8 @@ def _kernel_mods(static, steps, q, aux, rank, aux_grads) -> Mods:
     heads `[rank * h, (rank + 1) * h)` of q's `h` local ones)."""
     score = None if static.score_mod is None else static.score_mod.with_aux(
         [np.ascontiguousarray(a) for a in aux])
-    first = rank * q.shape[1] if static.method == "ulysses" else 0
+    first = rank * q.shape[1] if static.method == "ulysses" else \
+        (rank % static.levels[2]) * q.shape[1] if static.method == "usp" else 0
     return Mods(mask=steps.mask_mod, score=score, aux_grads=aux_grads).for_heads(first)
 
 
@@ -663,6 +674,10 @@ def _merge(out_a, lse_a, out_b, lse_b):
 
 
 def _rank(static):
+    """This rank's number in the partition (under usp: ring index * u + Ulysses index)."""
+    if static.levels is not None:
+        ring, node, u = static.levels
+        return (jax.lax.axis_index(ring) * u + jax.lax.axis_index(node)).astype(jnp.int32)
     return jax.lax.axis_index(static.axis_name).astype(jnp.int32)
 
 
@@ -827,10 +842,35 @@ def _ulysses_backward(static, ax, dout, q, k, v, out, lse):
     return dq, dk.reshape(T, Hk, f, -1).sum(axis=2), dv.reshape(T, Hk, f, -1).sum(axis=2)
 
 
+def _usp_levels(static):
+    """`(node, ring)`: the static of the all-to-alls over the Ulysses axis (u ranks) and of the
+    ring over the ring axis (cp / u groups)."""
+    ring_axis, node_axis, u = static.levels
+    return (replace(static, axis_name=node_axis, cp=u),
+            replace(static, axis_name=ring_axis, cp=static.cp // u))
+
+
+def _usp_forward(static, ax, q, k, v):
+    node, ring = _usp_levels(static)
+    qh, kh, vh, _ = _ulysses_inputs(node, q, k, v)
+    out, lse = _ring_forward(ring, ax, qh, kh, vh)
+    return _to_sequence(node, out), _to_sequence(node, lse, axis=0)
+
+
+def _usp_backward(static, ax, dout, q, k, v, out, lse):
+    T, Hk = k.shape[:2]
+    node, ring = _usp_levels(static)
+    qh, kh, vh, f = _ulysses_inputs(node, q, k, v)
+    grads = _ring_backward(ring, ax, _to_heads(node, dout), qh, kh, vh, _to_heads(node, out),
+                           _to_heads(node, lse, axis=0))
+    dq, dk, dv = (_to_sequence(node, g.astype(_acc(q.dtype))) for g in grads)
+    return dq, dk.reshape(T, Hk, f, -1).sum(axis=2), dv.reshape(T, Hk, f, -1).sum(axis=2)
+
+
 _CP_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward,
-               "ulysses": _ulysses_forward}
+               "ulysses": _ulysses_forward, "usp": _usp_forward}
 _CP_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward,
-                "ulysses": _ulysses_backward}
+                "ulysses": _ulysses_backward, "usp": _usp_backward}
 
 
 def _cp_forward(static, q, k, v, aux, sinks):
@@ -872,8 +912,9 @@ def _aux_cotangents(static, aux, ax: _Aux) -> tuple:
             continue
         g = next(grads).astype(a.dtype)
         axes = _varying_axes(a)
-        if static.axis_name not in axes:
-            g = jax.lax.psum(g, static.axis_name)
+        missing = tuple(sorted(static.mesh_axes - axes))
+        if missing:
+            g = jax.lax.psum(g, missing)
         out.append(_vary(g, axes))
     return tuple(out)
 
@@ -890,13 +931,28 @@ def _cp_attention_bwd(static, residuals, cotangents):
         dsinks = sink_grads(dout, out, lse, sinks.astype(_acc(q.dtype)), _valid_rows(static),
                             jnp).astype(sinks.dtype)
         axes = _varying_axes(sinks)
-        if static.axis_name not in axes:
-            dsinks = jax.lax.psum(dsinks, static.axis_name)
+        missing = tuple(sorted(static.mesh_axes - axes))
+        if missing:
+            dsinks = jax.lax.psum(dsinks, missing)
         dsinks = _vary(dsinks, axes)
     return grads + (_aux_cotangents(static, aux, ax), dsinks)
 
 
 _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
+
+
+def _mesh_levels(method, axis_name, ulysses_size):
+    """usp's `(ring axis, Ulysses axis)` from `axis_name`, a pair of mesh axis names (None
+    for the other methods, which take one)."""
+    if method != "usp":
+        if ulysses_size is not None:
+            raise ValueError(f"ulysses_size={ulysses_size!r} is for method='usp'; method="
+                             f"{method!r} takes none")
+        return None
+    if not (isinstance(axis_name, (tuple, list)) and len(axis_name) == 2):
+        raise ValueError(f"method='usp' needs axis_name=(ring axis, Ulysses axis): two mesh "
+                         f"axis names, the Ulysses one the ranks of a node; got {axis_name!r}")
+    return tuple(axis_name)
 
 
 def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax_scale=None,
@@ -944,11 +1000,14 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
             that share them, and their dK/dV go straight back),
             `"allgather"` (K/V `all_gather`ed once, dK/dV `psum_scatter`ed back) or
             `"ulysses"` (`all_to_all` from sequence to head shards and back; `Hq % cp_size
-            == 0`, KV heads replicated when `Hk` does not divide by cp).
+            == 0`, KV heads replicated when `Hk` does not divide by cp), or
+            `"usp"` over a 2-D mesh, `axis_name=(ring_axis, ulysses_axis)`: `all_to_all` over
+            heads along `ulysses_axis` (a node's devices), the ring along `ring_axis`; rank
+            `g * u + i` of the partition is device `(g, i)`: shard q, k, v's rows with
+            `P((ring_axis, ulysses_axis))`; `Hq` divides by the Ulysses axis' size u.
         deterministic: bitwise-repeatable backward.
         return_lse: return `(out, lse)` instead of `out`.
-        ulysses_size: for `method="usp"`, which `varlen.jax` does not run yet
-            (`NotImplementedError`; `varlen.comm` and `varlen.torch` do).
+        ulysses_size: with `method="usp"`, optional: the size of the Ulysses axis (checked).
 
     Returns:
         out: `[Tq_local, Hq, Dv]` in q's dtype, typed varying over `axis_name`; lse (with
@@ -966,12 +1025,10 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
 
     from . import backends
 
-    if method == "usp" or ulysses_size is not None:
-        raise NotImplementedError("method='usp' is not implemented in varlen.jax yet (a 2-D "
-                                  "mesh, one axis per level); use 'ring', 'allgather' or "
-                                  "'ulysses' here, or varlen.comm / varlen.torch for 'usp'")
-    if method not in vc.METHODS:
-        raise ValueError(f"method must be one of {', '.join(vc.METHODS)}, got {method!r}")
+    if method not in vc.METHODS + vc.TWO_LEVEL_METHODS:
+        raise ValueError(f"method must be one of {', '.join(vc.METHODS + vc.TWO_LEVEL_METHODS)}"
+                         f", got {method!r}")
+    levels = _mesh_levels(method, axis_name, ulysses_size)
     if not isinstance(part, vc.Partition):
         raise TypeError(f"part must be a varlen.comm.Partition, got {type(part).__name__}")
     if part.xp is not np:
@@ -995,11 +1052,18 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
         mask_mod.base = base
     mask = base if mask_mod is None else mask_mod
     # the mesh first: shards of a mesh of another size have other row counts
-    size = jax.lax.axis_size(axis_name)
+    size = math.prod(jax.lax.axis_size(a) for a in (levels[:2] if levels else (axis_name,)))
     if size != part.cp_size:
         raise ValueError(f"mesh axis {axis_name!r} has size {size} but "
                          f"part.cp_size={part.cp_size}; shard over a mesh axis of the "
                          f"partition's size")
+    if levels is not None:
+        u = jax.lax.axis_size(levels[1])
+        if ulysses_size is not None and ulysses_size != u:
+            raise ValueError(f"ulysses_size={ulysses_size} but the Ulysses axis "
+                             f"{levels[1]!r} has size {u}")
+        check_ulysses_size("usp", u, part.cp_size, int(q.shape[1]))
+        levels = (levels[0], levels[1], u)
     rows = part.local_rows
     if q.shape[0] != rows or k.shape[0] != rows or v.shape[0] != rows:
         raise ValueError(f"{q.shape=}, {k.shape=} and {v.shape=}: shards must have "
@@ -1012,7 +1076,8 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     aux = () if score_mod is None else tuple(jnp.asarray(a) for a in score_mod.aux)
     steps = tuple(vc.plan(part, r, dtype=dtype, head_dim=D, head_dim_v=Dv, mask=mask,
                           method=method, on_device=False, score_mod=score_mod,
-                          aux_grads=any(map(_is_float, aux)))
+                          aux_grads=any(map(_is_float, aux)),
+                          ulysses_size=None if levels is None else levels[2])
                   for r in range(part.cp_size))
     scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
     routes = _routes(part) if method == "ring" and part.scheme == "document" else ()
@@ -1021,7 +1086,8 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
                        None if score_mod is None else score_mod.with_aux(()),
                        has_mods=mask_mod is not None or score_mod is not None,
                        valid=None if sinks is None else np.stack(
-                           [np.asarray(part.valid(r)) for r in range(part.cp_size)]))
+                           [np.asarray(part.valid(r)) for r in range(part.cp_size)]),
+                       levels=levels)
     out, lse = _cp_attention(static, q, k, v, aux, _sinks_operand(q, sinks))
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out

@@ -8,6 +8,7 @@ bytes come in the levels the layout implies. As a script, one rank of a job:
 
     mpiexec -n N python -m mpi4py tests/comm_workers/usp_cp.py mpi   # every u dividing N
     torchrun --nproc-per-node 4 tests/comm_workers/usp_cp.py torch   # varlen.torch, gloo
+    python tests/comm_workers/usp_cp.py jax      # varlen.jax, shard_map on a 2-D host mesh
 """
 from __future__ import annotations
 
@@ -172,6 +173,65 @@ def check_torch(case: UspCase, u: int, scheme: str) -> None:
         _assert_close(f"{label} dsinks", total, ref_grads[3], TOL)
 
 
+# --------------------------------------------------------------------------------------------
+# JAX: varlen.jax.context_parallel_attention inside shard_map over a 2-D mesh
+# --------------------------------------------------------------------------------------------
+
+def check_jax(case: UspCase, cp: int, u: int, scheme: str) -> None:
+    """Outputs and gradients (q, k, v, and the sinks and the score function's weights,
+    replicated) of the concatenated shards against the reference, under
+    `jax.jit(jax.grad(...))`, on a mesh ("ring", "node") of (cp / u, u) devices."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    import varlen.jax as vj
+
+    g = global_batch(case)
+    score, sinks = case.functions()
+    part = partition(g["cu"], cp, scheme)
+    mesh = Mesh(np.array(jax.devices()[:cp]).reshape(cp // u, u), ("ring", "node"))
+    rows = P(("ring", "node"))
+
+    def sharded(x):
+        return jnp.concatenate([part.shard(x, r) for r in range(cp)])
+
+    def loss(q, k, v, w, s):
+        def body(q, k, v, w, s):
+            mod = None if w is None else varlen.ScoreMod(score.fn, w)
+            return vj.context_parallel_attention(q, k, v, part, axis_name=("ring", "node"),
+                                                 mask=case.mask(), score_mod=mod, sinks=s,
+                                                 method="usp")
+        f = jax.shard_map(body, mesh=mesh, in_specs=(rows,) * 3 + (P(), P()), out_specs=rows)
+        out = f(q, k, v, w, s)
+        return jnp.sum(out * sharded(g["dout"])), out
+
+    w = None if score is None else jnp.asarray(score.aux[0])
+    s = None if sinks is None else jnp.asarray(sinks)
+    argnums = (0, 1, 2) + ((3, 4) if score is not None else ())
+    grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(
+        *(sharded(g[x]) for x in "qkv"), w, s)
+    ref_out, _, ref_grads = reference_results(case, g)
+    label = f"jax {case.id} cp={cp} u={u} {scheme}"
+    _assert_close(f"{label} out", out, sharded(ref_out), TOL)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _assert_close(f"{label} {name}", got, sharded(want), TOL)
+    if sinks is not None:
+        _assert_close(f"{label} dsinks", grads[4], ref_grads[3], TOL)
+
+
+def _jax_main():
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    varlen.set_nan_fill(True)
+    n = 0
+    for cp, u, case, scheme in ((4, 2, USP_CASES[0], "zigzag"), (8, 4, USP_CASES[1], "document"),
+                                (6, 3, USP_CASES[1], "zigzag"), (8, 2, USP_CASES[0], "document")):
+        check_jax(case, cp, u, scheme)
+        n += 1
+    print(f"OK jax checks={n}", flush=True)
+
+
 def _torch_main():
     import torch
     import torch.distributed as dist
@@ -203,4 +263,4 @@ def _mpi_main():
 
 
 if __name__ == "__main__":
-    {"mpi": _mpi_main, "torch": _torch_main}[sys.argv[1]]()
+    {"mpi": _mpi_main, "torch": _torch_main, "jax": _jax_main}[sys.argv[1]]()
