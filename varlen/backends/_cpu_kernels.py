@@ -851,70 +851,84 @@ def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c
 # Dropout: the Philox 4x32-10 keep bits of `varlen.dropout`, drawn inside the products
 # --------------------------------------------------------------------------------------------
 
+@njit(inline="always")
+def _philox_round(c0, c1, c2, c3, k0, k1):
+    """One Philox 4x32 round on uint32 words: two 32 x 32 -> 64-bit products (hi, lo)."""
+    p0 = np.uint64(c0) * np.uint64(0xD2511F53)             # PHILOX_M0
+    p1 = np.uint64(c2) * np.uint64(0xCD9E8D57)             # PHILOX_M1
+    return (np.uint32(p1 >> np.uint64(32)) ^ c1 ^ k0, np.uint32(p1),
+            np.uint32(p0 >> np.uint64(32)) ^ c3 ^ k1, np.uint32(p0))
+
+
 @kernel
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Philox 4x32-10 of counter `(c0, c1, c2, c3)` and key `(k0, k1)`: uint64 values that
-    hold 32 bits each, in and out (`varlen.dropout.philox4x32_10`, bit for bit)."""
-    lo32 = np.uint64(0xFFFFFFFF)
-    s32 = np.uint64(32)
-    for _ in range(10):
-        p0 = c0 * np.uint64(0xD2511F53)                # PHILOX_M0: 32 x 32 -> 64 bits, exact
-        p1 = c2 * np.uint64(0xCD9E8D57)                # PHILOX_M1
-        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & lo32, (p0 >> s32) ^ c3 ^ k1, p0 & lo32
-        k0 = (k0 + np.uint64(0x9E3779B9)) & lo32       # PHILOX_W0 (a bump after the last
-        k1 = (k1 + np.uint64(0xBB67AE85)) & lo32       # round is never used)
-    return c0, c1, c2, c3
+def philox_keys(k0, k1):
+    """The ten round keys `(ks0, ks1)` (uint32 `[10]`) of key `(k0, k1)`: round r's is the key
+    bumped r times by `(PHILOX_W0, PHILOX_W1)`."""
+    ks0, ks1 = np.empty(10, np.uint32), np.empty(10, np.uint32)
+    a, b = np.uint32(k0), np.uint32(k1)
+    for r in range(10):
+        ks0[r], ks1[r] = a, b
+        a = a + np.uint32(0x9E3779B9)                       # PHILOX_W0
+        b = b + np.uint32(0xBB67AE85)                       # PHILOX_W1
+    return ks0, ks1
+
+
+@kernel
+def philox_words(W, c0, c1, c2, c3, ks0, ks1):
+    """`W [4, R]` (uint32) <- Philox 4x32-10 of counters `(c0, c1[i], c2[i], c3)`, round keys
+    `philox_keys(...)`: `varlen.dropout.philox4x32_10`, bit for bit. A plain loop over i
+    that vectorises (the products are 32 x 32 -> 64 bits of zero-extended words)."""
+    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
+    for i in range(c1.size):
+        w0, w1, w2, w3 = c0, c1[i], c2[i], c3
+        for r in range(10):
+            w0, w1, w2, w3 = _philox_round(w0, w1, w2, w3, ks0[r], ks1[r])
+        W0[i], W1[i], W2[i], W3[i] = w0, w1, w2, w3
+
+
+@kernel(fastmath=FASTMATH)
+def _drop_row(x, w, thr, sw, zero):
+    for i in range(x.size):
+        x[i] = x[i] * sw if w[i] >= thr else zero
+
+
+@kernel(fastmath=FASTMATH)
+def _drop_row_bits(x, w, thr, sw, zero, bits):
+    for i in range(x.size):
+        keep = w[i] >= thr
+        bits[i] = keep
+        x[i] = x[i] * sw if keep else zero
 
 
 @kernel(fastmath=FASTMATH)
 def dropout_rows(X, n, R, dp, G, kh, b, qpos, kpos, bits):
     """`X [n, R]` (keys x stacked rows, row `i` = query `qpos + i // G` of head
     `kh * G + i % G`; key `j` at position `kpos + j`) times `scale` where the pair is kept and
-    0 where it is dropped (`varlen.dropout`'s rule); the keep bits also go to `bits [n, R]`
-    unless it is empty. `dp = (threshold, seed lo, seed hi, offset, scale)`, uint64 words."""
-    thr, k0, seed_hi, off, scale = dp
-    sw = like(X, scale)
-    zero = like(X, 0.0)
+    0 where it is dropped (`varlen.dropout`'s rule: one Philox draw per four keys of a row);
+    the keep bits also go to `bits [n, R]` unless it is empty. `dp = (threshold, seed lo,
+    seed hi, offset, scale)`: four uint64 words, a float."""
+    thr_, k0, seed_hi, off_, scale = dp
+    thr, off = np.uint32(thr_), np.uint32(off_)
+    sw, zero = like(X, scale), like(X, 0.0)
     k1 = seed_hi ^ ((np.uint64(b) * np.uint64(0x85EBCA6B)) & np.uint64(0xFFFFFFFF))  # SEQ_MIX
-    store = bits.size > 0
-    c1 = np.empty(R, np.uint64)                        # query position of each stacked row
-    c2 = np.empty(R, np.uint64)                        # its query head
+    ks0, ks1 = philox_keys(k0, k1)
+    c1 = np.empty(R, np.uint32)                        # query position of each stacked row
+    c2 = np.empty(R, np.uint32)                        # its query head
     for i in range(R):
         t = i // G
-        c1[i] = np.uint64(qpos + t)
-        c2[i] = np.uint64(kh * G + i - t * G)
-    g_end = (kpos + n + 3) >> 2
-    for g in range(kpos >> 2, g_end):
-        j0 = g * 4 - kpos                               # the key of lane 0
-        cg = np.uint64(g)
-        if j0 >= 0 and j0 + 4 <= n and not store:       # four keys of the product
-            x0, x1, x2, x3 = X[j0], X[j0 + 1], X[j0 + 2], X[j0 + 3]
-            for i in range(R):
-                w0, w1, w2, w3 = philox4x32_10(cg, c1[i], c2[i], off, k0, k1)
-                x0[i] = x0[i] * sw if w0 >= thr else zero
-                x1[i] = x1[i] * sw if w1 >= thr else zero
-                x2[i] = x2[i] * sw if w2 >= thr else zero
-                x3[i] = x3[i] * sw if w3 >= thr else zero
-        elif j0 >= 0 and j0 + 4 <= n:                   # the same, keeping the bits
-            x0, x1, x2, x3 = X[j0], X[j0 + 1], X[j0 + 2], X[j0 + 3]
-            b0, b1, b2, b3 = bits[j0], bits[j0 + 1], bits[j0 + 2], bits[j0 + 3]
-            for i in range(R):
-                w0, w1, w2, w3 = philox4x32_10(cg, c1[i], c2[i], off, k0, k1)
-                b0[i], b1[i], b2[i], b3[i] = w0 >= thr, w1 >= thr, w2 >= thr, w3 >= thr
-                x0[i] = x0[i] * sw if b0[i] else zero
-                x1[i] = x1[i] * sw if b1[i] else zero
-                x2[i] = x2[i] * sw if b2[i] else zero
-                x3[i] = x3[i] * sw if b3[i] else zero
-        else:                                           # the ragged first or last group
-            for i in range(R):
-                w = philox4x32_10(cg, c1[i], c2[i], off, k0, k1)
-                for lane in range(4):
-                    j = j0 + lane
-                    if 0 <= j < n:
-                        keep = w[lane] >= thr
-                        X[j, i] = X[j, i] * sw if keep else zero
-                        if store:
-                            bits[j, i] = keep
+        c1[i] = np.uint32(qpos + t)
+        c2[i] = np.uint32(kh * G + i - t * G)
+    W = np.empty((4, R), np.uint32)
+    store = bits.size > 0
+    for g in range(kpos >> 2, (kpos + n + 3) >> 2):
+        philox_words(W, np.uint32(g), c1, c2, off, ks0, ks1)
+        for lane in range(4):
+            j = g * 4 + lane - kpos
+            if 0 <= j < n:
+                if store:
+                    _drop_row_bits(X[j], W[lane], thr, sw, zero, bits[j])
+                else:
+                    _drop_row(X[j], W[lane], thr, sw, zero)
 
 
 @kernel(fastmath=FASTMATH)
