@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Dropout", "make_dropout", "philox4x32_10", "keep_bits", "PHILOX_M0", "PHILOX_M1",
+__all__ = ["Dropout", "make_dropout", "check_dropout", "philox4x32_10", "keep_bits", "PHILOX_M0", "PHILOX_M1",
            "PHILOX_W0", "PHILOX_W1", "SEQ_MIX", "ROUNDS"]
 
 # Philox 4x32 constants (Random123's PHILOX_M4x32_0/1 and PHILOX_W32_0/1).
@@ -137,14 +137,19 @@ def check_offset(offset) -> int:
     return o
 
 
+def check_dropout(dropout_p=0.0, seed=None, offset=0) -> tuple:
+    """`(p, seed, offset)` checked (TypeError / ValueError naming the argument); a None seed
+    stays None."""
+    p = _check_p(dropout_p)
+    offset = check_offset(offset)
+    return p, (None if seed is None else check_seed(seed)), offset
+
+
 def make_dropout(dropout_p=0.0, seed=None, offset=0) -> Dropout | None:
     """The checked `Dropout` of a call's `dropout_p`, `seed` and `offset`; None when
     `dropout_p == 0` (the path without dropout, bit for bit). A `dropout_p > 0` needs a seed:
     the keep set is a function of it, so forward and backward (and every backend) agree."""
-    p = _check_p(dropout_p)
-    offset = check_offset(offset)
-    if seed is not None:
-        seed = check_seed(seed)
+    p, seed, offset = check_dropout(dropout_p, seed, offset)
     if p == 0.0:
         return None
     if seed is None:

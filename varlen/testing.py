@@ -142,14 +142,15 @@ def covered_rows(batch: Batch, side="q"):
 
 
 def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None,
-                     score_mod=None):
+                     score_mod=None, dropout_p=0.0, seed=None, offset=0):
     """Dense attention with every intermediate rounded to the batch dtype (fp32 accumulation):
     the error a straightforward same-dtype implementation makes.
 
     `mask` (default `batch.mask`): anything `varlen.Mask` accepts, a `MaskMod` or
     `Mask & MaskMod` included. `score_mod`: a `ScoreMod` applied to the (softcapped) scores,
     evaluated (`varlen.mods.evaluate`) in the working dtype (float32, float64 for a float64
-    batch) and rounded to the batch dtype; a pair it sends to -inf is hidden.
+    batch) and rounded to the batch dtype; a pair it sends to -inf is hidden. `dropout_p`,
+    `seed`, `offset`: dropout as `varlen.attention_forward` has it (the reference's keep set).
     """
     dt = np_dtype(batch.dtype)
     f64 = batch.dtype == "float64"
@@ -163,6 +164,8 @@ def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None
     masks = reference.sequence_masks(batch.cu_q, batch.cu_k, batch.mask if mask is None else mask)
     sq = batch.cu_q[:-1] if batch.off_q is None else batch.off_q[:-1]
     sk = batch.cu_k[:-1] if batch.off_k is None else batch.off_k[:-1]
+    keep = (reference.dropout_keep(batch.cu_q, batch.cu_k, Hq, dropout_p, seed, offset)
+            if dropout_p else None)
     for b, ok in enumerate(masks):
         rq = slice(sq[b], sq[b] + ok.shape[0])
         rk = slice(sk[b], sk[b] + ok.shape[1])
@@ -183,7 +186,10 @@ def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None
         mx = np.where(seen.any(2), s.max(2, initial=-np.inf), 0)[:, :, None]
         p = rnd(np.where(seen, np.exp(s - mx), 0))
         z = p.sum(2, keepdims=True)
-        out[rq] = rnd(np.einsum("hij,jhd->ihd", rnd(p / np.where(z > 0, z, 1)), vx[rk]))
+        p = rnd(p / np.where(z > 0, z, 1))
+        if keep is not None:
+            p = rnd(p * keep[b] * (1.0 / (1.0 - dropout_p)))
+        out[rq] = rnd(np.einsum("hij,jhd->ihd", p, vx[rk]))
     return out
 
 
@@ -238,7 +244,8 @@ def assert_lse(label, got, want, *, dtype):
 
 
 def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale=None,
-                            softcap=0.0, score_mod=None, label=""):
+                            softcap=0.0, score_mod=None, label="", dropout_p=0.0, seed=None,
+                            offset=0):
     """Assert that a backend's forward (and gradients) agree with the float64 reference.
 
     Args:
@@ -248,12 +255,15 @@ def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale
         grads: `(dq, dk, dv)` for `batch.dout`, or None to check the forward only; with a
             fourth entry, the aux gradients of `score_mod` (one float32 array or None each).
         softmax_scale, softcap, score_mod: what the backend used (default scale `1/sqrt(D)`).
+        dropout_p, seed, offset: the backend's dropout (the reference draws the same pairs).
         label: prefix of the assertion messages.
 
     Raises AssertionError naming the quantity, the error and the bound. Padding rows must be
     written as the reference has them (output and gradients 0).
     """
     kw = dict(softmax_scale=softmax_scale, softcap=softcap, score_mod=score_mod)
+    if dropout_p:
+        kw.update(dropout_p=dropout_p, seed=seed, offset=offset)
     ref_out, ref_lse = batch.ref_forward(**kw)
     naive = 0.0
     if batch.dtype != "float64":
