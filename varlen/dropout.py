@@ -17,7 +17,6 @@ A kept probability is multiplied by `1 / (1 - p)` (FlashAttention 2).
 """
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -112,7 +111,7 @@ def _check_p(dropout_p) -> float:
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     p = float(dropout_p)
-    if math.isnan(p) or not 0.0 <= p < 1.0:
+    if not 0.0 <= p < 1.0:                  # NaN too (no math.isnan: torch.compile traces this)
         raise ValueError(f"dropout_p must be in [0, 1) (the probability of dropping a pair), "
                          f"got {dropout_p!r}")
     return p
