@@ -851,7 +851,7 @@ def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c
 # Dropout: the Philox 4x32-10 keep bits of `varlen.dropout`, drawn inside the products
 # --------------------------------------------------------------------------------------------
 
-@njit(inline="always")
+@kernel(inline="always")
 def _philox_round(c0, c1, c2, c3, k0, k1):
     """One Philox 4x32 round on uint32 words: two 32 x 32 -> 64-bit products (hi, lo)."""
     p0 = np.uint64(c0) * np.uint64(0xD2511F53)             # PHILOX_M0
