@@ -117,6 +117,31 @@ def test_padded_flash_attn_func_with_dropout():
     assert torch.equal(out.reshape(18, 2, 8), want)
 
 
+def test_opcheck_with_dropout():
+    """Schema, fake and real implementations agree with dropout on (the seed above 2**63 as
+    the op's signed int)."""
+    from varlen._torch_ops import _META_NAMES, _seed_arg
+    rng = np.random.default_rng(8)
+    bt = make_batch(rng, [5, 0, 9], Hq=4, Hk=2, D=8, dtype="float32")
+    meta = dict(cu_seqlens_q=_torch(bt.cu_q), cu_seqlens_k=_torch(bt.cu_k), seq_offsets_q=None,
+                seq_offsets_k=None, window_left=None, window_right=None, bottom_right=None,
+                window_left_int=-1, window_right_int=0, bottom_right_int=0,
+                softmax_scale=None, softcap=0.0, max_seqlen_q=None, max_seqlen_k=None,
+                backend=None, deterministic=False, plan=0, mask_mod=None, mask_aux=None,
+                score_mod=None, score_aux=None, dropout_p=0.25, seed=_seed_arg(SEED), offset=4)
+    meta = [meta[name] for name in _META_NAMES]
+    x = [_torch(a, True) for a in (bt.q, bt.k, bt.v)]
+    result = torch.library.opcheck(torch.ops.varlen.attention_forward.default, (*x, *meta))
+    assert all(r == "SUCCESS" for r in result.values()), ("forward", result)
+    out, lse = torch.ops.varlen.attention_forward(*x, *meta)
+    want, _ = varlen.attention_forward(bt.q, bt.k, bt.v, bt.cu_q, bt.cu_k, mask="causal",
+                                       dropout_p=0.25, seed=SEED, offset=4)
+    assert np.array_equal(out.detach().numpy(), want)
+    args = (_torch(bt.dout), *(a.detach() for a in x), out.detach(), lse.detach(), *meta)
+    result = torch.library.opcheck(torch.ops.varlen.attention_backward.default, args)
+    assert all(r == "SUCCESS" for r in result.values()), ("backward", result)
+
+
 BAD = [
     (dict(dropout_p=1.5), ValueError, "dropout_p"),
     (dict(dropout_p=float("nan")), ValueError, "dropout_p"),
