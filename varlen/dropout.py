@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Dropout", "make_dropout", "check_dropout", "philox4x32_10", "keep_bits", "PHILOX_M0", "PHILOX_M1",
-           "PHILOX_W0", "PHILOX_W1", "SEQ_MIX", "ROUNDS"]
+__all__ = ["Dropout", "make_dropout", "check_dropout", "check_seed", "check_offset",
+           "philox4x32_10", "keep_bits", "threshold_of", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0",
+           "PHILOX_W1", "SEQ_MIX", "ROUNDS"]
 
 # Philox 4x32 constants (Random123's PHILOX_M4x32_0/1 and PHILOX_W32_0/1).
 PHILOX_M0 = 0xD2511F53
