@@ -241,14 +241,15 @@ def test_returns_out_alone_and_lse_without_gradient():
 
 
 @pytest.mark.parametrize("fn", ["varlen", "padded"])
-def test_dropout_is_not_implemented(fn):
+def test_dropout_with_attn_probs_is_not_implemented(fn):
     q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(NotImplementedError, match="dropout_p=0.17"):
+    with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p=0.17"):
         if fn == "padded":
-            vt.flash_attn_func(q, q, q, dropout_p=0.17)
+            vt.flash_attn_func(q, q, q, dropout_p=0.17, return_attn_probs=True)
         else:
             cu = torch.tensor([0, 4], dtype=torch.int32)
-            vt.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, dropout_p=0.17)
+            vt.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, dropout_p=0.17,
+                                      return_attn_probs=True)
 
 
 @pytest.mark.parametrize("window", [(1,), 3, (1.5, 0), None])

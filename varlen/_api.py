@@ -40,7 +40,7 @@ def plan(cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None, seq_offsets_k=None, 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                       seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                       max_seqlen_q=None, max_seqlen_k=None, backend=None, plan=None,
-                      score_mod=None, sinks=None):
+                      score_mod=None, sinks=None, dropout_p=0.0, seed=None, offset=0):
     """Attention over a packed variable-length batch. Returns `(out, lse)`.
 
     Args:
@@ -82,6 +82,16 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
             call: `"cpu"` for host float16/bfloat16/float32 data when its BLAS tile products are
             usable, else `"numpy"`; docs/api.md).
         plan: a `varlen.plan(...)` for this layout and mask, reused across calls and layers.
+        dropout_p: float in [0, 1): attention dropout as in FlashAttention 2: each visible
+            pair's probability is dropped with probability `dropout_p` and the kept ones are
+            scaled by `1 / (1 - dropout_p)`; `lse` is that of the softmax without dropout.
+            0.0 is exactly the path without dropout. Host backends (`numpy`, `cpu`) only.
+        seed: int in [0, 2**64), required when `dropout_p > 0`: with `offset` it fixes which
+            pairs are dropped (a Philox 4x32-10 draw per sequence, query head, query and key
+            position; `varlen.reference.dropout_keep`, docs/semantics.md "Dropout"). The same
+            seed gives bitwise the same result on every backend that runs dropout.
+        offset: int in [0, 2**32): a second stream index beside `seed` (advance it per call
+            to draw new pairs under one seed).
 
     Returns:
         out: `[Tq, Hq, Dv]` in q's dtype, in the caller's framework and device.
@@ -93,10 +103,11 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
         call = setup(q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q=seq_offsets_q,
                      seq_offsets_k=seq_offsets_k, mask=mask, softmax_scale=softmax_scale,
                      softcap=softcap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                     backend=backend, plan=plan, score_mod=score_mod, sinks=sinks)
+                     backend=backend, plan=plan, score_mod=score_mod, sinks=sinks,
+                     dropout_p=dropout_p, seed=seed, offset=offset)
         out, lse = call.backend.forward(call.plan, call.q, call.k, call.v,
                                         softmax_scale=call.softmax_scale, softcap=call.softcap,
-                                        **call.backend_mods)
+                                        **call.backend_mods, **call.backend_dropout)
         if call.sinks is not None:
             out, lse = call.with_sinks(out, lse, call.plan.q.covered())
         return call.origin.wrap(out), call.origin.wrap(lse)
@@ -106,7 +117,7 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                        seq_offsets_q=None, seq_offsets_k=None, mask="full", softmax_scale=None,
                        softcap=0.0, max_seqlen_q=None, max_seqlen_k=None, backend=None,
                        plan=None, deterministic=False, score_mod=None, aux_grads=False,
-                       sinks=None):
+                       sinks=None, dropout_p=0.0, seed=None, offset=0):
     """Gradients of `sum(out * dout)` with respect to q, k, v. Returns `(dq, dk, dv)`, then
     with `sinks` their gradient `dsinks` (`[Hq]`, float32; float64 for float64 inputs), then
     with `aux_grads` the aux gradients.
@@ -119,6 +130,8 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
         aux_grads: also return the gradients of `score_mod`'s float aux arrays: a last
             result, a tuple with one float32 array (the aux's shape) or None per aux array.
         sinks: the forward's sinks; `out` and `lse` must be the forward's with them.
+        dropout_p, seed, offset: the forward's: the backward draws the same keep set again
+            (nothing of size rows x keys is stored).
         The other arguments are those of `attention_forward`, with the same values.
 
     Padding rows get zero gradients; so do queries with no visible key, and keys no query sees.
@@ -129,11 +142,12 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                      softcap=softcap, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                      backend=backend, plan=plan, deterministic=deterministic,
                      grads=(dout, out, lse), score_mod=score_mod, aux_grads=aux_grads,
-                     sinks=sinks)
+                     sinks=sinks, dropout_p=dropout_p, seed=seed, offset=offset)
         grads = call.backend.backward(call.plan, *call.grads[:1], call.q, call.k, call.v,
                                       *call.grads[1:], softmax_scale=call.softmax_scale,
                                       softcap=call.softcap, deterministic=call.deterministic,
-                                      **call.backend_mods, **call.sinks_flag(call.backend))
+                                      **call.backend_mods, **call.backend_dropout,
+                                      **call.sinks_flag(call.backend))
         dsinks = None if call.sinks is None else call.sink_grads(call.plan.q.covered())
         return call.backward_results(grads, aux_grads, dsinks)
 

@@ -19,6 +19,7 @@ from ._array import Origin, array_module, common_origin, digest, host_copy, to_w
 from ._validate import (as_index_array, as_policy_array, check_backward_inputs, check_bound,
                         check_layout_specs, check_layout_values, check_qkv, check_together,
                         dtype_name, scale_and_softcap, validation_enabled)
+from .dropout import Dropout, make_dropout
 from .masks import MASK_FIELDS, Mask, as_mask
 from .mods import NO_MODS, Mods, split_mask
 from ._sinks import add_sinks, sink_grads, working_sinks
@@ -75,6 +76,7 @@ class Call:
     mods: Mods = NO_MODS       # mask_mod / score_mod, their aux arrays as working arrays
     sinks: object = None       # float [Hq] working array (`sinks=`), float32 or float64
     ulysses_size: int | None = None   # method "usp": ranks per all-to-all group (u of u x r)
+    dropout: Dropout | None = None  # dropout_p > 0: its p, seed and offset (varlen.dropout)
 
     @property
     def rows_q(self) -> int:
@@ -135,6 +137,11 @@ class Call:
         backends that would otherwise take a one-key row's P as 1 (`one_key_shortcut`)."""
         return {"lse_has_sinks": True} if (self.sinks is not None
                                            and backend.one_key_shortcut) else {}
+    @property
+    def backend_dropout(self) -> dict:
+        """The keyword a backend's forward/backward gets for the call's dropout: none without
+        dropout, so backends that run none never see it."""
+        return {} if self.dropout is None else {"dropout": self.dropout}
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,15 +338,21 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
           seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0, max_seqlen_q=None,
           max_seqlen_k=None, backend=None, plan=None, deterministic=False, grads=None,
           part=None, method=None, grads_rows="Tq", group_size=None, score_mod=None,
-          aux_grads=False, sinks=None, ulysses_size=None) -> Call:
+          aux_grads=False, sinks=None, ulysses_size=None, dropout_p=0.0, seed=None,
+          offset=0) -> Call:
     """Check and normalise one call's arguments; returns its `Call` record.
 
     Single process: `cu_seqlens_*` (and optional offsets, bounds, `plan`). Context
     parallelism: `part`, a pair `(query partition, key partition)`, `method` and `group_size`,
     checked here (`check_context_parallel`). `grads = (dout, out, lse)` for a backward call.
     A `MaskMod` in `mask` and a `score_mod` become `Call.mods` (`working_mods`); `sinks`
-    `Call.sinks` (`_sinks.working_sinks`).
+    `Call.sinks` (`_sinks.working_sinks`); `dropout_p`, `seed` and `offset` `Call.dropout`
+    (`varlen.dropout.make_dropout`).
     """
+    dropout = make_dropout(dropout_p, seed, offset)
+    if dropout is not None and part is not None:
+        raise NotImplementedError("dropout_p > 0 is not implemented under context parallelism "
+                                  "yet; pass dropout_p=0.0")
     origin, qw, kw, vw, gw = _tensors(q, k, v, grads)
     xp = array_module(qw)
     on_device = xp is not np
@@ -353,7 +366,8 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
                 softmax_scale=softmax_scale, softcap=softcap, deterministic=_flag(deterministic),
                 backend=None, plan=None, grads=gw, part=part, method=method)
     base, mods = working_mods(mask, score_mod, xp, q, aux_grads=aux_grads and gw is not None)
-    call = replace(call, mods=mods, sinks=working_sinks(sinks, q, call.heads_q, xp))
+    call = replace(call, mods=mods, sinks=working_sinks(sinks, q, call.heads_q, xp),
+                   dropout=dropout)
     call = replace(call, backend=backends.select(backend, call))
     if part is not None:
         call = replace(call, part=check_context_parallel(part, method, xp, group_size=group_size,

@@ -23,7 +23,8 @@ __all__ = ["varlen_attention", "context_parallel_attention"]
 # (a tensor where given, else the int), the scalars of `_setup.static_scalars`, the key of the
 # call's plan in `_PLANS` (0: none), then the user functions: each MaskMod / ScoreMod as the
 # text of its graph (`varlen.mods.text`: self-contained, so a compiled graph holds no Python
-# object) and its aux tensors (None: no such function); last the sinks (None: none).
+# object) and its aux tensors (None: no such function); then the sinks (None: none); then
+# dropout (`varlen.dropout`): p, the seed as a signed 64-bit int (`_seed_arg`), the offset.
 _META = (("cu_seqlens_q", "Tensor"), ("cu_seqlens_k", "Tensor"),
          ("seq_offsets_q", "Tensor?"), ("seq_offsets_k", "Tensor?"),
          *((name, "Tensor?") for name in MASK_FIELDS),
@@ -32,10 +33,13 @@ _META = (("cu_seqlens_q", "Tensor"), ("cu_seqlens_k", "Tensor"),
          ("max_seqlen_k", "int?"), ("backend", "str?"), ("deterministic", "bool"),
          ("plan", "int"), ("mask_mod", "str?", "None"), ("mask_aux", "Tensor[]?", "None"),
          ("score_mod", "str?", "None"), ("score_aux", "Tensor[]?", "None"),
-         ("sinks", "Tensor?", "None"))
+         ("sinks", "Tensor?", "None"),
+         ("dropout_p", "float", "0.0"), ("seed", "int?", "None"), ("offset", "int", "0"))
 _META_SCHEMA = ", ".join(f"{kind} {name}" + (f"={d[0]}" if d else "")
                          for name, kind, *d in _META)
 _META_NAMES = tuple(name for name, *_ in _META)
+# What PyTorch leaves out of trailing arguments that hold their default.
+_META_DEFAULTS = tuple({"0.0": 0.0, "0": 0}.get(d[0]) if d else None for _, _, *d in _META)
 _NUM_META = len(_META)
 # Where the score_mod's aux tensors and the sinks sit among the op's inputs (after q, k, v).
 _SCORE_AUX = 3 + _META_NAMES.index("score_aux")
@@ -92,8 +96,18 @@ def _plan_of(key: int):
 
 def _padded(meta) -> list:
     """The metadata arguments with the trailing ones PyTorch leaves out when they hold their
-    default (None) put back."""
-    return list(meta) + [None] * (_NUM_META - len(meta))
+    default put back."""
+    return list(meta) + list(_META_DEFAULTS[len(meta):])
+
+
+def _seed_arg(seed):
+    """A seed in [0, 2**64) as the op's signed 64-bit `int?` (None stays None)."""
+    return None if seed is None else (seed - (1 << 64) if seed >= 1 << 63 else seed)
+
+
+def _seed_of(arg):
+    """`_seed_arg`'s inverse."""
+    return None if arg is None else arg % (1 << 64)
 
 
 def _keywords(meta) -> dict:
@@ -108,6 +122,7 @@ def _keywords(meta) -> dict:
     kw["mask"] = base if mask_mod is None else mask_mod
     kw["score_mod"] = _mod_of(ScoreMod, kw.pop("score_mod"), kw.pop("score_aux"))
     kw["plan"] = _plan_of(kw["plan"])
+    kw["seed"] = _seed_of(kw["seed"])
     return kw
 
 
@@ -365,7 +380,8 @@ def _sinks_operand(q, sinks):
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
-                     plan=None, return_lse=False, score_mod=None, sinks=None):
+                     plan=None, return_lse=False, score_mod=None, sinks=None, dropout_p=0.0,
+                     seed=None, offset=0):
     """Attention over a packed variable-length batch, differentiable in q, k and v, in the
     float aux tensors of a `score_mod` that require grad, and in `sinks`.
 
@@ -407,6 +423,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         sinks: optional float `[Hq]` tensor on q's device: attention sinks (gpt-oss), one
             logit per query head in every row's softmax with no value (not scaled, not
             soft-capped); its gradient is accumulated in float32 and cast to its dtype.
+        dropout_p: float in [0, 1): attention dropout as in FlashAttention 2 (each visible
+            pair's probability dropped with probability `dropout_p`, the kept ones scaled by
+            `1 / (1 - dropout_p)`; lse without dropout). Runs on the host backends (CPU
+            tensors); the backward draws the same pairs again.
+        seed: int in [0, 2**64) fixing the dropped pairs (with `offset`), the same on every
+            backend. None: drawn from torch's default CPU generator (`torch.manual_seed` makes
+            it repeatable); with `deterministic=True` a seed is required, and under
+            torch.compile too (pass it as an argument of the compiled function).
+        offset: int in [0, 2**32), a stream index beside the seed.
 
     Returns:
         out: `[Tq, Hq, Dv]` in q's dtype, on q's device.
@@ -431,6 +456,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     if not torch.compiler.is_compiling() and _under_func_transform(q, k, v):
         raise NotImplementedError(_NO_FUNC_TRANSFORMS)
     q, k, v = _autocast(q, k, v)
+    dropout = _dropout_args(dropout_p, seed, offset, deterministic)
     base, mask_mod = split_mask(mask)
     # The op dispatches on all its tensors: one on the meta device would run the fake
     # implementation on real data, so every metadata device is checked first.
@@ -442,8 +468,31 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     scalars = static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k, backend,
                              deterministic)
     out, lse = _forward_op(q, k, v, *meta, *map(_as_tensor, arrays), *ints, *scalars,
-                           _plan_key(plan), *mods)
+                           _plan_key(plan), *mods, *dropout)
     return (out, lse) if return_lse else out
+
+
+def draw_seed() -> int:
+    """A dropout seed in [0, 2**63) from torch's default CPU generator (no device sync)."""
+    return int(torch.empty((), dtype=torch.int64).random_())
+
+
+def _dropout_args(dropout_p, seed, offset, deterministic) -> tuple:
+    """`(dropout_p, seed, offset)` as the op takes them, checked (`varlen.dropout`); a seed
+    drawn (`draw_seed`) when dropout is on and none is given."""
+    from .dropout import check_dropout
+    p, seed, offset = check_dropout(dropout_p, seed, offset)
+    if p > 0 and seed is None:
+        if deterministic:
+            raise ValueError(f"seed is required with dropout_p={dropout_p!r} and "
+                             f"deterministic=True: pass an int in [0, 2**64) (or "
+                             f"varlen.torch.draw_seed()) so that the dropped pairs repeat")
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"dropout_p={dropout_p!r} under torch.compile needs seed=: an int argument of "
+                f"the compiled function (drawing one would fix it in the graph)")
+        seed = draw_seed()
+    return p, _seed_arg(seed), offset
 
 
 # --------------------------------------------------------------------------------------------

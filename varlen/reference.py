@@ -15,11 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from ._nonfinite import reached, split_finite
+from .dropout import make_dropout
 from .masks import visible
 from .mods import evaluate, split_mask
 from .mods.evaluate import scatter_aux_grads
 
-__all__ = ["attention_dense", "attention_dense_backward", "sequence_masks"]
+__all__ = ["attention_dense", "attention_dense_backward", "sequence_masks", "dropout_keep"]
 
 
 def _per_seq(field, B):
@@ -55,6 +56,41 @@ def sequence_masks(cu_seqlens_q, cu_seqlens_k, mask="full"):
             ok = ok & evaluate(mod.graph, {"b": np.int64(b), "q_idx": i, "k_idx": j}, aux)
         out.append(ok)
     return out
+
+
+def dropout_keep(cu_seqlens_q, cu_seqlens_k, heads, dropout_p, seed, offset=0):
+    """For each sequence `b`, the bool `[heads, Lq, Lk]` keep set of dropout (a Python loop).
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k: `[B+1]` cumulative lengths.
+        heads: `Hq`, the number of query heads.
+        dropout_p: the drop probability in [0, 1); seed: int in [0, 2**64) (may be None when
+            `dropout_p == 0`); offset: int in [0, 2**32). As for `varlen.attention_forward`.
+
+    Entry `[h, i, j]` is True where pair (query i, key j) of query head h is kept, whether or
+    not the mask shows it: every backend drops exactly these (docs/semantics.md, "Dropout").
+    """
+    d = make_dropout(dropout_p, seed, offset)
+    B, lq, lk, _, _ = _layout(cu_seqlens_q, cu_seqlens_k, None, None)
+    out = []
+    for b in range(B):
+        shape = (heads, int(lq[b]), int(lk[b]))
+        if d is None:
+            out.append(np.ones(shape, bool))
+            continue
+        out.append(d.keep(b, np.arange(heads)[:, None, None], np.arange(lq[b])[None, :, None],
+                          np.arange(lk[b])[None, None, :]))
+    return out
+
+
+def _dropout_factor(cu_q, cu_k, Hq, dropout_p, seed, offset):
+    """Per sequence the float64 `[Hq, Lq, Lk]` factor of the probabilities: `keep / (1 - p)`
+    (None per sequence without dropout)."""
+    d = make_dropout(dropout_p, seed, offset)
+    B = len(np.asarray(cu_q)) - 1
+    if d is None:
+        return [None] * B
+    return [k * d.scale for k in dropout_keep(cu_q, cu_k, Hq, dropout_p, seed, offset)]
 
 
 def _host(a):
@@ -104,8 +140,12 @@ def _expand_kv(x, Hq):
 
 def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                     seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
-                    score_mod=None, sinks=None):
+                    score_mod=None, sinks=None, dropout_p=0.0, seed=None, offset=0):
     """Forward in float64: returns `(out [Tq, Hq, Dv], lse [Hq, Tq])`, both float64.
+
+    With `dropout_p > 0` (and a `seed`, `offset` as in `varlen.attention_forward`) the
+    output is FlashAttention 2's `(P * keep / (1 - p)) @ V` with the keep set of
+    `dropout_keep`; `lse` is that of the softmax without dropout.
 
     Non-finite inputs follow `docs/semantics.md`: NaN out and lse for the rows they reach.
     `mask` may be a `MaskMod` (or `Mask & MaskMod`); `score_mod` a `ScoreMod`, applied after
@@ -120,6 +160,7 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     kx, vx, kv_bad = _expand_kv(k, Hq), _expand_kv(v, Hq), _expand_kv(k_bad | v_bad, Hq)
     out = np.zeros((Tq, Hq, v.shape[2]))
     lse = np.full((Hq, Tq), -np.inf)
+    drop = _dropout_factor(cu_seqlens_q, cu_seqlens_k, Hq, dropout_p, seed, offset)
     for b, rq, rk, ok in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
                                     seq_offsets_k, mask):
         s = np.einsum("ihd,jhd->hij", q[rq], kx[rk]) * scale
@@ -132,7 +173,8 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         s = np.where(seen, s, -np.inf)
         p, z, mx = _softmax_terms(s, seen, sinks)
         z1 = np.where(z > 0, z, 1.0)
-        out[rq] = np.einsum("hij,jhd->ihd", p / z1, vx[rk])
+        pd = p / z1 if drop[b] is None else p / z1 * drop[b]
+        out[rq] = np.einsum("hij,jhd->ihd", pd, vx[rk])
         lse[:, rq] = np.where(z > 0, mx + np.log(z1), -np.inf)[:, :, 0]
         bad = reached(seen, q_bad[rq].T, kv_bad[rk].T)               # [Hq, Lq]
         if score_mod is not None:                   # NaN or +inf at a visible pair
@@ -145,12 +187,13 @@ def attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
 def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                              seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                              out=None, lse=None, score_mod=None, aux_grads=False,
-                             sinks=None):
+                             sinks=None, dropout_p=0.0, seed=None, offset=0):
     """Gradients in float64 of `sum(out * dout)`: returns `(dq, dk, dv)`, then with `sinks`
     their gradient `dsinks [Hq]`, then with `aux_grads` per aux array of `score_mod` its
     gradient (float64, the aux's shape) if it is a float array, else None.
 
-    Recomputes the forward itself; the analytic softmax backward, with the softcap chain rule.
+    Recomputes the forward itself; the analytic softmax backward, with the softcap chain rule;
+    with dropout (`dropout_p`, `seed`, `offset` of the forward) through the same keep set.
     `out` and `lse` (what a backend's backward is given) are optional: their values are not
     used, but their non-finite entries reach the gradients as the rules of
     `docs/semantics.md` say, as those of `dout`, `q`, `k` and `v` do.
@@ -176,6 +219,7 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
     daux = [None if score_mod is None or kind != "float" else np.zeros(np.shape(a))
             for (kind, _, _), a in zip(() if score_mod is None else score_mod.graph.aux,
                                        () if score_mod is None else score_mod.aux)]
+    drop = _dropout_factor(cu_seqlens_q, cu_seqlens_k, Hq, dropout_p, seed, offset)
     for b, rq, rk, ok in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
                                     seq_offsets_k, mask):
         raw = np.einsum("ihd,jhd->hij", q[rq], kx[rk]) * scale
@@ -190,8 +234,12 @@ def attention_dense_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_o
         z1 = np.where(z > 0, z, 1.0)
         p = p / z1
         do = dout[rq]
-        dvx[rk] += np.einsum("hij,ihd->jhd", p, do)
         dp = np.einsum("ihd,jhd->hij", do, vx[rk])
+        if drop[b] is not None:                 # out = (P * factor) V
+            dvx[rk] += np.einsum("hij,ihd->jhd", p * drop[b], do)
+            dp = dp * drop[b]
+        else:
+            dvx[rk] += np.einsum("hij,ihd->jhd", p, do)
         d_row = (p * dp).sum(axis=2, keepdims=True)                 # rowsum(dout * out)
         ds = p * (dp - d_row)
         if sinks is not None:               # the sink's probability times (0 - D)

@@ -142,7 +142,7 @@ def covered_rows(batch: Batch, side="q"):
 
 
 def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None,
-                     score_mod=None, sinks=None):
+                     score_mod=None, sinks=None, dropout_p=0.0, seed=None, offset=0):
     """Dense attention with every intermediate rounded to the batch dtype (fp32 accumulation):
     the error a straightforward same-dtype implementation makes.
 
@@ -150,7 +150,8 @@ def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None
     `Mask & MaskMod` included. `score_mod`: a `ScoreMod` applied to the (softcapped) scores,
     evaluated (`varlen.mods.evaluate`) in the working dtype (float32, float64 for a float64
     batch) and rounded to the batch dtype; a pair it sends to -inf is hidden. `sinks`: one
-    more logit per query head in each row's softmax.
+    more logit per query head in each row's softmax. `dropout_p`, `seed`, `offset`: dropout
+    as `varlen.attention_forward` has it (the reference's keep set).
     """
     dt = np_dtype(batch.dtype)
     f64 = batch.dtype == "float64"
@@ -164,6 +165,8 @@ def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None
     masks = reference.sequence_masks(batch.cu_q, batch.cu_k, batch.mask if mask is None else mask)
     sq = batch.cu_q[:-1] if batch.off_q is None else batch.off_q[:-1]
     sk = batch.cu_k[:-1] if batch.off_k is None else batch.off_k[:-1]
+    keep = (reference.dropout_keep(batch.cu_q, batch.cu_k, Hq, dropout_p, seed, offset)
+            if dropout_p else None)
     for b, ok in enumerate(masks):
         rq = slice(sq[b], sq[b] + ok.shape[0])
         rk = slice(sk[b], sk[b] + ok.shape[1])
@@ -185,7 +188,10 @@ def naive_same_dtype(batch: Batch, softmax_scale=None, softcap=0.0, *, mask=None
         sink_term = z - p.sum(2, keepdims=True)          # exp(sinks[h] - m); 0 without sinks
         p = rnd(p)
         z = p.sum(2, keepdims=True) + sink_term
-        out[rq] = rnd(np.einsum("hij,jhd->ihd", rnd(p / np.where(z > 0, z, 1)), vx[rk]))
+        p = rnd(p / np.where(z > 0, z, 1))
+        if keep is not None:
+            p = rnd(p * keep[b] * (1.0 / (1.0 - dropout_p)))
+        out[rq] = rnd(np.einsum("hij,jhd->ihd", p, vx[rk]))
     return out
 
 
@@ -240,7 +246,8 @@ def assert_lse(label, got, want, *, dtype):
 
 
 def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale=None,
-                            softcap=0.0, score_mod=None, sinks=None, label=""):
+                            softcap=0.0, score_mod=None, sinks=None, label="", dropout_p=0.0,
+                            seed=None, offset=0):
     """Assert that a backend's forward (and gradients) agree with the float64 reference.
 
     Args:
@@ -252,6 +259,7 @@ def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale
             float32 array or None each).
         softmax_scale, softcap, score_mod, sinks: what the backend used (default scale
             `1/sqrt(D)`).
+        dropout_p, seed, offset: the backend's dropout (the reference draws the same pairs).
         label: prefix of the assertion messages.
 
     Raises AssertionError naming the quantity, the error and the bound. Padding rows must be
@@ -260,6 +268,8 @@ def check_against_reference(batch: Batch, out, lse, grads=None, *, softmax_scale
     kw = dict(softmax_scale=softmax_scale, softcap=softcap, score_mod=score_mod)
     if sinks is not None:
         kw["sinks"] = np.asarray(sinks, dtype=np.float64)
+    if dropout_p:
+        kw.update(dropout_p=dropout_p, seed=seed, offset=offset)
     ref_out, ref_lse = batch.ref_forward(**kw)
     naive = 0.0
     if batch.dtype != "float64":

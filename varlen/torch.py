@@ -22,7 +22,7 @@ synchronises the host. See `docs/frameworks.md`.
 """
 from __future__ import annotations
 
-from ._torch_ops import context_parallel_attention, varlen_attention
+from ._torch_ops import context_parallel_attention, draw_seed, varlen_attention
 # Drop-in names: FlashAttention 2's functions and padding helpers, the transformers backend
 # (varlen/integrations/, docs/dropin.md).
 from .integrations import register_transformers
@@ -31,4 +31,4 @@ from .integrations.padding import cu_seqlens_from_position_ids, pad_input, unpad
 
 __all__ = ["varlen_attention", "context_parallel_attention", "flash_attn_varlen_func",
            "flash_attn_func", "unpad_input", "pad_input", "cu_seqlens_from_position_ids",
-           "register_transformers"]
+           "register_transformers", "draw_seed"]

@@ -87,8 +87,10 @@ def _order(call):
 
 
 def _cannot(backend: Backend, call) -> str | None:
-    """Why `backend` cannot run `call` at all (its arrays, dtype, sizes, user functions)."""
-    return backend.supports(call) or backend.supports_mods(call)
+    """Why `backend` cannot run `call` at all (its arrays, dtype, sizes, user functions,
+    dropout)."""
+    return (backend.supports(call) or backend.supports_mods(call) or
+            backend.supports_dropout(call))
 
 
 def _reason(backend: Backend, call, order, family: Backend | None = None) -> str | None:

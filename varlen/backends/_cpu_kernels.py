@@ -650,12 +650,13 @@ def trim(lo, hi, n):
 
 @kernel(fastmath=FASTMATH)
 def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap, blas_min, M,
-                     use_m, md, G, kh, b, qpos, kpos, row_flag):
+                     use_m, md, G, kh, b, qpos, kpos, row_flag, dp):
     """One product of the online softmax (FlashAttention-2, Alg. 1, lines 6-10), in the log2
     domain: the rows of `Qb [R, D]` against keys `Kb [n, D]` whose visible rows are
     `[lo[j], hi[j])`; updates `O [R, Dv]`, the running max `m` and the float64 sum `l`
     (`lp`: scratch for the partial sums of L_BLOCK keys, zero on entry and on exit; `T_buf`:
-    `mm_nt`'s). `M` ... `row_flag`: the user functions' part (`_scores`)."""
+    `mm_nt`'s). `M` ... `row_flag`: the user functions' part (`_scores`); `dp`: the call's
+    dropout (`dropout_rows`) or None."""
     n, R = Kb.shape[0], Qb.shape[0]
     S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major scores
     mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)
@@ -663,6 +664,9 @@ def _forward_product(Qb, Kb, Vb, O, m, l, lp, tmax, lo, hi, S_buf, T_buf, c, cap
     scaled = _scores(S, n, lo, hi, M, use_m, md, c, cap, tmax, G, kh, b, qpos, kpos, row_flag)
     cw = like(S, 1.0) if scaled else like(S, c)
     _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min, cw)
+    if dp is not None:              # FlashAttention 2: l sums P, O sums (P * keep / (1-p)) V
+        dropout_rows(S, n, R, dp, G, kh, b, qpos, kpos, np.zeros((0, R), np.bool_))
+    mm_tn(S, Vb, O, 1.0, blas_min)
 
 
 @kernel(fastmath=FASTMATH)
@@ -670,7 +674,7 @@ def _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min, cw):
     """The online softmax update of one product from its log2-domain scores `S [n, R]` times
     `cw` (1, or `c` where the score pass kept the raw products) and their row maxima `tmax`
     (FlashAttention-2, Alg. 1, lines 8-10): rescale `O`, `l` by the new running max `m`,
-    `S <- P`, `l += rowsum(P)` (in L_BLOCK partial sums), `O += P^T V`."""
+    `S <- P`, `l += rowsum(P)` (in L_BLOCK partial sums); the caller adds `P^T V` to `O`."""
     zero = like(O, 0.0)
     for i in range(R):
         mn = max(m[i], tmax[i])
@@ -695,7 +699,6 @@ def _online_softmax(S, n, R, Vb, O, m, l, lp, tmax, blas_min, cw):
                 p = exp2(row[i] * cw - tmax[i])
                 row[i] = p
                 lp[i] += p
-    mm_tn(S, Vb, O, 1.0, blas_min)
 
 
 @kernel
@@ -750,7 +753,7 @@ def _write_rows(out, lse, O, m, l, q_flag, row_flag, kh, t0, rows, G):
 
 @kernel(cache=True, fastmath=FASTMATH)
 def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min, out, lse,
-                 ws, M_buf, md):
+                 ws, M_buf, md, dp):
     """Query tiles `chunks[item // Hk]` (first slot, count: consecutive tiles of one segment)
     of key head `item % Hk`: writes their rows of `out [Tq, Hq, Dv]` and `lse [Hq, Tq]`.
 
@@ -759,7 +762,8 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
     its own, cut to the keys and the rows that hold a visible pair (`trim`).
     `c`, `cap`: see `_scores_pass`. `ws` is the worker's scratch (`forward_scratch`); `md` the
     call's user functions or None, `M_buf` the scratch of their visibility ("User functions":
-    with them, the tiles' classes come from the plan's and EMPTY ones are skipped).
+    with them, the tiles' classes come from the plan's and EMPTY ones are skipped). `dp`: the
+    call's dropout or None (`dropout_rows`).
     """
     S_buf, O_buf, m, l, lp, tmax, row_flag, lo, hi, T_buf = ws
     Hk = Kw.shape[0]
@@ -810,7 +814,7 @@ def forward_tile(pv, item, chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap, bla
             _forward_product(Qb[ra:rz], Kw[kh, j0:j0 + jn], Vw[kh, j0:j0 + jn], O[ra:rz],
                              m[ra:rz], l[ra:rz], lp[ra:rz], tmax[ra:rz], lo, hi, S_buf, T_buf,
                              c, cap, blas_min, M, use_m, md, G, kh, b, qpos, kpos,
-                             row_flag[ra:rz])
+                             row_flag[ra:rz], dp)
             _flag_keys(row_flag[ra:rz], k_cum[kh], j0, jn, lo, hi, M, use_m)
     _write_rows(out, lse, O, m, l, q_flag[kh], row_flag, kh, t0, rows, G)
 
@@ -828,9 +832,10 @@ def forward_scratch(dtype_probe, rows_max, keys_max, Dv):
 
 @kernel(parallel=True, cache=True)
 def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap, blas_min,
-            out, lse, md):
+            out, lse, md, dp):
     """Every item of `order` (longest first) on `nw` workers: see `forward_tile`;
-    `rows_max` bounds a chunk's stacked rows; `md`: the call's user functions, or None."""
+    `rows_max` bounds a chunk's stacked rows; `md`: the call's user functions, or None; `dp`:
+    the call's dropout, or None."""
     counter = np.zeros(1, np.int64)
     for _ in prange(nw):
         ws = forward_scratch(Qw, rows_max, kstep * pv.block_n, Vw.shape[2])
@@ -838,8 +843,112 @@ def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c
         t = fetch_add(counter, 0, 1)
         while t < order.size:
             forward_tile(pv, order[t], chunks, kstep, Qw, Kw, Vw, q_flag, k_cum, c, cap,
-                         blas_min, out, lse, ws, M_buf, md)
+                         blas_min, out, lse, ws, M_buf, md, dp)
             t = fetch_add(counter, 0, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout: the Philox 4x32-10 keep bits of `varlen.dropout`, drawn inside the products
+# --------------------------------------------------------------------------------------------
+
+@kernel(inline="always")
+def _philox_round(c0, c1, c2, c3, k0, k1):
+    """One Philox 4x32 round on uint32 words: two 32 x 32 -> 64-bit products (hi, lo)."""
+    p0 = np.uint64(c0) * np.uint64(0xD2511F53)             # PHILOX_M0
+    p1 = np.uint64(c2) * np.uint64(0xCD9E8D57)             # PHILOX_M1
+    return (np.uint32(p1 >> np.uint64(32)) ^ c1 ^ k0, np.uint32(p1),
+            np.uint32(p0 >> np.uint64(32)) ^ c3 ^ k1, np.uint32(p0))
+
+
+@kernel
+def philox_keys(k0, k1):
+    """The ten round keys `(ks0, ks1)` (uint32 `[10]`) of key `(k0, k1)`: round r's is the key
+    bumped r times by `(PHILOX_W0, PHILOX_W1)`."""
+    ks0, ks1 = np.empty(10, np.uint32), np.empty(10, np.uint32)
+    a, b = np.uint32(k0), np.uint32(k1)
+    for r in range(10):
+        ks0[r], ks1[r] = a, b
+        a = a + np.uint32(0x9E3779B9)                       # PHILOX_W0
+        b = b + np.uint32(0xBB67AE85)                       # PHILOX_W1
+    return ks0, ks1
+
+
+@kernel
+def philox_words(W, c0, c1, c2, c3, ks0, ks1):
+    """`W [4, R]` (uint32) <- Philox 4x32-10 of counters `(c0, c1[i], c2[i], c3)`, round keys
+    `philox_keys(...)`: `varlen.dropout.philox4x32_10`, bit for bit. A plain loop over i
+    that vectorises (the products are 32 x 32 -> 64 bits of zero-extended words)."""
+    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
+    for i in range(c1.size):
+        w0, w1, w2, w3 = c0, c1[i], c2[i], c3
+        for r in range(10):
+            w0, w1, w2, w3 = _philox_round(w0, w1, w2, w3, ks0[r], ks1[r])
+        W0[i], W1[i], W2[i], W3[i] = w0, w1, w2, w3
+
+
+@kernel(fastmath=FASTMATH)
+def _drop_row(x, w, thr, sw, zero):
+    for i in range(x.size):
+        x[i] = x[i] * sw if w[i] >= thr else zero
+
+
+@kernel(fastmath=FASTMATH)
+def _drop_row_bits(x, w, thr, sw, zero, bits):
+    for i in range(x.size):
+        keep = w[i] >= thr
+        bits[i] = keep
+        x[i] = x[i] * sw if keep else zero
+
+
+@kernel(fastmath=FASTMATH)
+def dropout_rows(X, n, R, dp, G, kh, b, qpos, kpos, bits):
+    """`X [n, R]` (keys x stacked rows, row `i` = query `qpos + i // G` of head
+    `kh * G + i % G`; key `j` at position `kpos + j`) times `scale` where the pair is kept and
+    0 where it is dropped (`varlen.dropout`'s rule: one Philox draw per four keys of a row);
+    the keep bits also go to `bits [n, R]` unless it is empty. `dp = (threshold, seed lo,
+    seed hi, offset, scale)`: four uint64 words, a float."""
+    thr_, k0, seed_hi, off_, scale = dp
+    thr, off = np.uint32(thr_), np.uint32(off_)
+    sw, zero = like(X, scale), like(X, 0.0)
+    k1 = seed_hi ^ ((np.uint64(b) * np.uint64(0x85EBCA6B)) & np.uint64(0xFFFFFFFF))  # SEQ_MIX
+    ks0, ks1 = philox_keys(k0, k1)
+    c1 = np.empty(R, np.uint32)                        # query position of each stacked row
+    c2 = np.empty(R, np.uint32)                        # its query head
+    for i in range(R):
+        t = i // G
+        c1[i] = np.uint32(qpos + t)
+        c2[i] = np.uint32(kh * G + i - t * G)
+    W = np.empty((4, R), np.uint32)
+    store = bits.size > 0
+    for g in range(kpos >> 2, (kpos + n + 3) >> 2):
+        philox_words(W, np.uint32(g), c1, c2, off, ks0, ks1)
+        for lane in range(4):
+            j = g * 4 + lane - kpos
+            if 0 <= j < n:
+                if store:
+                    _drop_row_bits(X[j], W[lane], thr, sw, zero, bits[j])
+                else:
+                    _drop_row(X[j], W[lane], thr, sw, zero)
+
+
+@kernel(fastmath=FASTMATH)
+def apply_bits(X, n, bits, scale):
+    """`X [n, R]` times `scale` where `bits` keeps the pair, 0 elsewhere (`dropout_rows`'
+    bits of the same product)."""
+    sw = like(X, scale)
+    zero = like(X, 0.0)
+    for j in range(n):
+        xr, br = X[j], bits[j]
+        for i in range(xr.size):
+            xr[i] = xr[i] * sw if br[i] else zero
+
+
+@kernel
+def dropout_bits(dp, size):
+    """A product's keep-bit scratch (`size` pairs): empty for a call without dropout."""
+    if dp is None:
+        return np.zeros(0, np.bool_)
+    return np.zeros(size, np.bool_)
 
 
 # --------------------------------------------------------------------------------------------
@@ -890,18 +999,26 @@ def _grad_pass(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale):
 @kernel(fastmath=FASTMATH)
 def _backward_product(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one_cum, dQ, dK, dV, lo, hi, S_buf,
                       P_buf, T_buf, c, cap, scale, blas_min, M, use_m, md, G, kh, b, qpos, kpos,
-                      gaux):
+                      gaux, dp, D_buf):
     """One pass over a (key tile, query rows) pair (FlashAttention-2, Alg. 2, lines 8-15):
     the rows of `Qb [R, D]`, `dOb [R, Dv]` against keys `Kb [n, D]`, `Vb [n, Dv]` with visible
     rows `[lo[j], hi[j])`; adds the pair's share to `dQ [R, D]`, `dK [n, D]`, `dV [n, Dv]`.
-    `M` ... `gaux`: the user functions' part (`_grads`)."""
+    `M` ... `gaux`: the user functions' part (`_grads`). With dropout (`dp`, else None;
+    `D_buf` the keep bits' scratch) out = (P * keep / (1-p)) V: dP takes the factor before
+    dS is formed, dV the dropped P (FlashAttention 2's backward; delta = rowsum(dO * out)
+    is rowsum(P * dP) still)."""
     n, R = Kb.shape[0], Qb.shape[0]
     S = S_buf[:n * R].reshape(n, R)                         # [keys, R] key-major
     dP = P_buf[:n * R].reshape(n, R)
     mm_nt(Kb, Qb, S, 0.0, blas_min, T_buf)                  # the forward's scores, bitwise
     mm_nt(Vb, dOb, dP, 0.0, blas_min, T_buf)
+    if dp is not None:
+        bits = D_buf[:n * R].reshape(n, R)
+        dropout_rows(dP, n, R, dp, G, kh, b, qpos, kpos, bits)
     _grads(S, dP, n, lo, hi, lse2, lse2_lo, delta, one_cum, c, cap, scale, M, use_m, md, G, kh,
            b, qpos, kpos, gaux)
+    if dp is not None:
+        apply_bits(S, n, bits, dp[4])
     mm_nn(S, dOb, dV, 1.0, blas_min)                        # dV += P dO
     mm_nn(dP, Qb, dK, 1.0, blas_min)                        # dK += dS Q
     mm_tn(dP, Kb, dQ, 1.0, blas_min)                        # dQ += dS^T K
@@ -910,7 +1027,7 @@ def _backward_product(Qb, dOb, Kb, Vb, lse2, lse2_lo, delta, one_cum, dQ, dK, dV
 @kernel(cache=True, fastmath=FASTMATH)
 def backward_item(pv, item, slot, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum,
                   q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV,
-                  dq_nan, dk_nan, ws, M_buf, md, gaux):
+                  dq_nan, dk_nan, ws, M_buf, md, gaux, dp, D_buf):
     """Part `item // Hk` (`parts` row: sequence, key tile slots `[s0, s1)`, partial, shift,
     stacked rows `[r0, r1)`), key head `item % Hk`: for each of its key tiles and the query
     tiles of its transposed schedule, `qstep` at a time, cut to the keys and rows that hold a
@@ -918,7 +1035,8 @@ def backward_item(pv, item, slot, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, ls
     in place in a fixed order: the part owns its dK/dV rows, and its dQ rows too (in dQ, or
     for a partial part in `dq_part` at `row + shift`, zeroed here first). `md`: the call's
     user functions or None, `M_buf` the scratch of their visibility ("User functions"); the
-    aux gradients of the item go to row `slot` of `gaux`."""
+    aux gradients of the item go to row `slot` of `gaux`. `dp`: the call's dropout or None,
+    `D_buf` the scratch of its keep bits."""
     S_buf, P_buf, lo, hi, T_buf = ws
     Hk = Kw.shape[0]
     G = dQ.shape[1] // max(pv.rows_q, 1)
@@ -969,7 +1087,8 @@ def backward_item(pv, item, slot, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, ls
                                   lse2[kh, i0:i1], lse2_lo[kh, i0:i1], delta[kh, i0:i1],
                                   one_cum[i0:i1 + 1], acc[i0 + shift:i1 + shift], dK[kh, k0:k1],
                                   dV[kh, k0:k1], lo, hi, S_buf, P_buf, T_buf, c, cap, scale,
-                                  blas_min, M, use_m, md, G, kh, b, qpos, kpos, g_row)
+                                  blas_min, M, use_m, md, G, kh, b, qpos, kpos, g_row, dp,
+                                  D_buf)
                 if k_cum[kh, k1] != k_cum[kh, k0] or q_cum[kh, i1] != q_cum[kh, i0]:
                     for j in range(k1 - k0):
                         for i in range(lo[j], hi[j]):
@@ -982,21 +1101,22 @@ def backward_item(pv, item, slot, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, ls
 @kernel(parallel=True, cache=True)
 def backward(pv, order, nw, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag,
              k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ, dq_part, dK, dV, dq_nan, dk_nan,
-             md, gaux):
+             md, gaux, dp):
     """Every item of `order` (longest first) on `nw` workers: see `backward_item` (the
     launcher then adds the dQ partials, `reduce_partials`); `md`: the call's user functions,
     or None; item `order[t]` adds its aux gradients into `gaux[t]` (the launcher sums the rows
-    in a fixed order)."""
+    in a fixed order); `dp`: the call's dropout, or None."""
     counter = np.zeros(1, np.int64)
     rows_max = qstep * pv.block_m * (dQ.shape[1] // max(pv.rows_q, 1))
     for _ in prange(nw):
         ws = backward_scratch(Qw, rows_max, pv.block_n)
         M_buf = visibility_scratch(md, pv.block_n * rows_max)
+        D_buf = dropout_bits(dp, pv.block_n * rows_max)
         t = fetch_add(counter, 0, 1)
         while t < order.size:
             backward_item(pv, order[t], t, qstep, parts, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
                           one_cum, q_flag, k_flag, q_cum, k_cum, c, cap, scale, blas_min, dQ,
-                          dq_part, dK, dV, dq_nan, dk_nan, ws, M_buf, md, gaux)
+                          dq_part, dK, dV, dq_nan, dk_nan, ws, M_buf, md, gaux, dp, D_buf)
             t = fetch_add(counter, 0, 1)
 
 

@@ -42,14 +42,18 @@ class HostBackend(Backend):
             return "its arrays live on a device; build it from host cu_seqlens for host data"
         return None
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None, dropout=None):
         extra = {"mods": mods} if mods else {}
+        if dropout is not None:
+            extra["dropout"] = dropout
         return type(self).run_forward(plan, q, k, v, softmax_scale=softmax_scale,
                                       softcap=softcap, **extra)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False, mods=None):
+                 deterministic=False, mods=None, dropout=None):
         extra = {"mods": mods} if mods else {}
+        if dropout is not None:
+            extra["dropout"] = dropout
         return type(self).run_backward(plan, dout, q, k, v, out, lse,
                                        softmax_scale=softmax_scale, softcap=softcap,
                                        deterministic=deterministic, **extra)

@@ -26,6 +26,7 @@ class Problem:
     head_dim_v: int       # Dv of v
     on_device: bool       # the arrays live on a CUDA device
     mods: object = None   # varlen.mods.Mods: the call's mask_mod / score_mod, if any
+    dropout: object = None  # varlen.dropout.Dropout: the call's dropout, if any
 
 
 class Backend(abc.ABC):
@@ -48,6 +49,9 @@ class Backend(abc.ABC):
     # Whether its backward takes a row that sees one key to have P = 1 exactly; such a backend
     # gets `lse_has_sinks=True` with a call's sinks (its lse then holds more than the keys).
     one_key_shortcut: bool = False
+    # Whether it runs attention dropout (`varlen.dropout`); `forward`/`backward` get
+    # `dropout=` only when the call has some.
+    runs_dropout: bool = False
 
     @abc.abstractmethod
     def supports(self, call) -> str | None:
@@ -68,6 +72,13 @@ class Backend(abc.ABC):
                     "aux_grads": "gradients of a score_mod's aux arrays"}
             return f"it does not run {' or '.join(what[n] for n in missing)}"
         return None
+
+    def supports_dropout(self, call) -> str | None:
+        """None when this backend runs the call's dropout (`call.dropout`), else why not."""
+        if getattr(call, "dropout", None) is None or self.runs_dropout:
+            return None
+        return ("it does not run attention dropout yet (dropout_p > 0 runs on the host "
+                "backends 'numpy' and 'cpu')")
 
     def default_blocks(self, dtype: str, head_dim: int) -> tuple[int, int]:
         """`(block_m, block_n)` of the plans this backend builds for a call."""

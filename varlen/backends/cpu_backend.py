@@ -344,8 +344,19 @@ def backward_items(plan: Plan, Hk: int, G: int):
             np.ascontiguousarray(parts, dtype=np.int64))
 
 
-def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=None):
+def _dropout_data(dropout):
+    """The kernels' record of a call's dropout (`_cpu_kernels.dropout_rows`), None without:
+    `(threshold, seed lo, seed hi, offset)` as uint64 words, then the float scale."""
+    if dropout is None:
+        return None
+    return (np.uint64(dropout.threshold), np.uint64(dropout.key0), np.uint64(dropout.key1),
+            np.uint64(dropout.offset), float(dropout.scale))
+
+
+def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=None,
+             dropout=None):
     K, th = _kernels(), _threads()
+    drop = {} if dropout is None else {"dropout": dropout}
     Hq, Hk, Dv = q.shape[1], k.shape[1], v.shape[2]
     G = Hq // Hk
     wdt = _working_dtype(q.dtype)
@@ -368,12 +379,13 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=
             md = None
             if mods:
                 md, errors = _mods_data(plan, mods, wdt, "q", softmax_scale, softcap)
-            K.forward(*args, md)
+            K.forward(*args, md, _dropout_data(dropout))
     if not fits:
         if mods:
             return _wider(_forward, q, (q, k, v), plan, softmax_scale=softmax_scale,
-                          softcap=softcap, mods=mods)
-        return _numpy().forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap)
+                          softcap=softcap, mods=mods, **drop)
+        return _numpy().forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
+                                **drop)
     if mods:
         _raise_index_errors(errors, plan, Hq)
     _done_compile("forward", wdt)
@@ -381,11 +393,13 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=
 
 
 def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
-              deterministic: bool = False, mods=None, lse_has_sinks: bool = False):
+              deterministic: bool = False, mods=None, lse_has_sinks: bool = False,
+              dropout=None):
     """`(dq, dk, dv)` in the input dtypes (and, when `mods.aux_grads`, the aux gradients:
     `_backward_run`); always deterministic (`deterministic` changes nothing). With
     `lse_has_sinks` no row is taken to have P = 1 because it sees one key."""
     K, th = _kernels(), _threads()
+    drop = {} if dropout is None else {"dropout": dropout}
     Tq, Hq, D = q.shape
     Tk, Hk, Dv = k.shape[0], k.shape[1], v.shape[2]
     G = Hq // Hk
@@ -416,14 +430,14 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
                     Tq * G * ado):
             grads = _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta,
                                   lse2, lse2_lo, q_flag, k_flag, c, cap, softmax_scale,
-                                  softcap, q, k, v, mods, lse_has_sinks)
+                                  softcap, q, k, v, mods, lse_has_sinks, dropout)
     if grads is None:
         if mods or lse_has_sinks:
             return _wider(_backward, q, (dout, q, k, v, out, lse), plan,
                           softmax_scale=softmax_scale, softcap=softcap, mods=mods,
-                          lse_has_sinks=lse_has_sinks)
+                          lse_has_sinks=lse_has_sinks, **drop)
         return _numpy().backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                                 softcap=softcap)
+                                 softcap=softcap, **drop)
     _done_compile("backward", wdt)
     return grads
 
@@ -443,7 +457,7 @@ def _empty_rows_are_not_flagged(q_flag, dout, out, lse, G: int):
 
 def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2, lse2_lo,
                   q_flag, k_flag, c, cap, softmax_scale, softcap, q, k, v, mods,
-                  lse_has_sinks=False):
+                  lse_has_sinks=False, dropout=None):
     """The backward kernels on packed operands: `(dq, dk, dv)`, and `daux` (a tuple: float32
     per float aux of the score_mod, None per other) when `mods.aux_grads`."""
     K = _kernels()
@@ -471,12 +485,13 @@ def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2
             float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dq_part, dK, dV,
             dq_nan, dk_nan)
     daux = None
+    dp = _dropout_data(dropout)
     if mods:
         md, errors = _mods_data(plan, mods, wdt, "k", softmax_scale, softcap, backward=True)
-        daux = _backward_mods(view, order, nw, qstep, parts, args, md, mods)
+        daux = _backward_mods(view, order, nw, qstep, parts, args, md, mods, dp)
         _raise_index_errors(errors, plan, Hq)
     else:
-        K.backward(view, order, nw, qstep, parts, *args, None, _NO_AUX_GRADS)
+        K.backward(view, order, nw, qstep, parts, *args, None, _NO_AUX_GRADS, dp)
     K.reduce_partials(parts, dQ, dq_part)
     grads = (_unpack(dQ, dq_nan, q.shape, q.dtype), _unpack(dK, dk_nan, k.shape, k.dtype),
              _unpack(dV, dk_nan, v.shape, v.dtype))
@@ -543,12 +558,12 @@ def _raise_index_errors(errors, plan: Plan, heads: int):
             raise _mods().find_index_error(mod, plan, heads)
 
 
-def _backward_mods(view, order, nw, qstep, parts, args, md, mods):
+def _backward_mods(view, order, nw, qstep, parts, args, md, mods, dp=None):
     """`backward` with user functions over the work items; the aux gradients (None unless
     `aux_grads`)."""
     K = _kernels()
     if not mods.aux_grads:
-        K.backward(view, order, nw, qstep, parts, *args, md, _NO_AUX_GRADS)
+        K.backward(view, order, nw, qstep, parts, *args, md, _NO_AUX_GRADS, dp)
         return None
     score = mods.score
     n = _mods().pack_aux(score).num_floats
@@ -557,7 +572,7 @@ def _backward_mods(view, order, nw, qstep, parts, args, md, mods):
     for s in range(0, max(order.size, 1), per):
         part = np.ascontiguousarray(order[s:s + per])
         gaux = np.zeros((max(part.size, 1), max(n, 1)))
-        K.backward(view, part, min(nw, max(part.size, 1)), qstep, parts, *args, md, gaux)
+        K.backward(view, part, min(nw, max(part.size, 1)), qstep, parts, *args, md, gaux, dp)
         total += gaux.sum(axis=0)
     daux = [None] * len(score.aux)
     for i, off in _mods().float_offsets(score.graph, score.aux):
@@ -599,18 +614,19 @@ class CpuBackend(HostBackend):
     run_forward = staticmethod(_forward)
     run_backward = staticmethod(_backward)
     runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
+    runs_dropout = True
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None, dropout=None):
         return _forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
-                        mods=mods or None)
+                        mods=mods or None, dropout=dropout)
 
     one_key_shortcut = True
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False, mods=None, lse_has_sinks=False):
+                 deterministic=False, mods=None, lse_has_sinks=False, dropout=None):
         return _backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                          softcap=softcap, deterministic=deterministic, mods=mods or None,
-                         lse_has_sinks=lse_has_sinks)
+                         lse_has_sinks=lse_has_sinks, dropout=dropout)
 
     @property
     def default_eligible(self) -> bool:

@@ -184,6 +184,14 @@ def _positions(bt: _Batch, side: str, Hk: int, G: int):
             "q_idx": qpos[:, None, None, :, None], "k_idx": kpos[:, None, None, None, :]}
 
 
+def _dropout_factor(dropout, bt: _Batch, side: str, Hk: int, G: int):
+    """Float64 `[n, Hk, G, I, J]`: `1 / (1 - p)` where the pair is kept, 0 where dropped
+    (`varlen.dropout`: the bits depend on positions only, never on the tiling)."""
+    at = _positions(bt, side, Hk, G)
+    keep = dropout.keep(at["b"], at["h"], at["q_idx"], at["k_idx"])
+    return np.where(keep, dropout.scale, 0.0)
+
+
 def _modified(s, allowed, score_mod, leaves):
     """`(score_mod(s) with hidden pairs at -inf, the pairs still visible)` (float64)."""
     s = evaluate(score_mod.graph, {**leaves, "score": s}, score_mod.aux)
@@ -235,7 +243,7 @@ def _to_rows(x):
 # Forward and backward
 # --------------------------------------------------------------------------------------------
 
-def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None):
+def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None, dropout=None):
     """`(o [n, Hk, G, I, Dv], row_lse [n, Hk, G, I])` of one batch of query tiles."""
     (qg, q_bad), (kg, k_bad), (vg, v_bad) = (
         _take(x, rows, ok) for x, rows, ok in ((q, bt.own, bt.own_ok), (k, bt.partner,
@@ -250,7 +258,10 @@ def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None):
     with np.errstate(invalid="ignore"):                               # a score_mod's +inf
         p = np.exp(s - np.where(dead, 0.0, mx))
     denom = np.where(dead, 1.0, p.sum(axis=-1, keepdims=True))
-    o = (p / denom) @ _k_heads(vg)                                    # [n, Hk, G, I, Dv]
+    p = p / denom
+    if dropout is not None:                       # FlashAttention 2: (P * keep / (1-p)) V
+        p = p * _dropout_factor(dropout, bt, "q", Hk, G)
+    o = p @ _k_heads(vg)                                              # [n, Hk, G, I, Dv]
     row_lse = np.where(dead, -np.inf, mx + np.log(denom))[..., 0]     # [n, Hk, G, I]
     if q_bad.any() or k_bad.any() or v_bad.any():
         bad = reached(seen, _flags_q(q_bad, Hk, G), _flags_k(k_bad | v_bad))
@@ -259,7 +270,8 @@ def _forward_batch(plan, bt, q, k, v, Hk, G, scale, softcap, score_mod=None):
     return o, row_lse
 
 
-def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=None):
+def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=None,
+             dropout=None):
     """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` (float64 for float64, else float32)."""
     score_mod = None if mods is None else mods.score
     Hq, Hk, Dv = q.shape[1], k.shape[1], v.shape[2]
@@ -268,7 +280,7 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=
     for bt in _batches(plan, "q", Hq):
         n, I = bt.own.shape
         o, row_lse = _forward_batch(plan, bt, q, k, v, Hk, Hq // Hk, softmax_scale, softcap,
-                                    score_mod)
+                                    score_mod, dropout)
         rows = bt.own[bt.own_ok]
         out[rows] = _to_rows(o)[bt.own_ok].astype(q.dtype)
         # an lse past float32's range rounds to +inf (docs/semantics.md, "Overflow")
@@ -288,7 +300,8 @@ class _Grads:
     `[n, Hk, G, I, J]` (I query rows x J key rows per tile), and the non-finite flags of the
     query side (q, dout, out, lse) `[n, Hk, G, I]` and key side (k, v) `[n, Hk, 1, J]`."""
 
-    def __init__(self, plan, bt, side, arrays, scale, softcap, mods=None, daux=None):
+    def __init__(self, plan, bt, side, arrays, scale, softcap, mods=None, daux=None,
+                 dropout=None):
         dout, q, k, v, delta, lse = arrays
         Hk, G = delta.shape[1:]
         if side == "q":
@@ -313,7 +326,15 @@ class _Grads:
         lse_q = np.where(lse_bad[..., None] | ~q_ok[..., None, None, None], -np.inf, row_lse)
         with np.errstate(invalid="ignore"):
             self.p = _probs(s, lse_q.transpose(0, 2, 3, 1, 4))
-        ds = self.p * (self.dot @ vt.swapaxes(-1, -2) - row_delta.transpose(0, 2, 3, 1, 4))
+        dp = self.dot @ vt.swapaxes(-1, -2)
+        # With dropout, out = (P * factor) V: dV takes P * factor, dP the factor; delta =
+        # rowsum(dO * out) is still rowsum(P * dP) (FlashAttention 2's backward).
+        self.pv = self.p
+        if dropout is not None:
+            factor = _dropout_factor(dropout, bt, side, Hk, G)
+            self.pv = self.p * factor
+            dp = dp * factor
+        ds = self.p * (dp - row_delta.transpose(0, 2, 3, 1, 4))
         if score_mod is not None:
             if daux is not None:
                 scatter_aux_grads(score_mod, leaves, ds, seen, daux)
@@ -332,7 +353,7 @@ class _Grads:
 
 
 def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
-              deterministic: bool = False, mods=None):
+              deterministic: bool = False, mods=None, dropout=None):
     """`(dq, dk, dv)` in the input dtypes, as the kernels do it (FlashAttention-2, Alg. 2).
 
     dQ walks the query tiles (`q_sched`); dK and dV walk the key tiles (`k_sched`), so each
@@ -355,7 +376,7 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
                 for (kind, _, _), a in zip(mods.score.graph.aux, mods.score.aux)]
     for bt in _batches(plan, "q", Hq):
         # the query pass meets every visible pair once: the aux gradients are summed here
-        g = _Grads(plan, bt, "q", arrays, softmax_scale, softcap, mods, daux)
+        g = _Grads(plan, bt, "q", arrays, softmax_scale, softcap, mods, daux, dropout)
         dq_t = g.ds @ g.kt                                            # [n, Hk, G, I, D]
         if g.any_bad():
             dq_t[reached(g.seen, g.q_bad, g.k_bad)] = np.nan
@@ -366,10 +387,10 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     dk[kpad] = 0
     dv[kpad] = 0
     for bt in _batches(plan, "k", Hq):
-        g = _Grads(plan, bt, "k", arrays, softmax_scale, softcap, mods)
+        g = _Grads(plan, bt, "k", arrays, softmax_scale, softcap, mods, dropout=dropout)
         # GQA: a key head's gradient sums its group of query heads (axis 2)
         dk_t = (g.ds.swapaxes(-1, -2) @ g.qt).sum(axis=2)              # [n, Hk, J, D]
-        dv_t = (g.p.swapaxes(-1, -2) @ g.dot).sum(axis=2)
+        dv_t = (g.pv.swapaxes(-1, -2) @ g.dot).sum(axis=2)
         if g.any_bad():
             # the transposed visibility: key j (rows) against the group's query rows
             bad = reached(g.seen.swapaxes(-1, -2), g.k_bad[..., 0, :][:, :, None],
@@ -389,6 +410,7 @@ class NumpyBackend(HostBackend):
 
     name = "numpy"
     runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
+    runs_dropout = True
     run_forward = staticmethod(_forward)
     run_backward = staticmethod(_backward)
 

@@ -12,8 +12,10 @@ corner, `window_size=(left, right)` counts keys around that diagonal, K/V may ha
 (GQA/MQA), `softmax_lse` is `[H, total_q]` (varlen) or `[B, H, S]` (padded) float32. The
 difference: a query that sees no key gets lse `-inf` (FlashAttention 3's value; FlashAttention 2
 writes `+inf`); its output is 0 in both. `alibi_slopes` runs as a ScoreMod
-(`varlen.mods.alibi`) with FlashAttention 2's bias; attention dropout is not implemented and
-raises `NotImplementedError`. Besides float16/bfloat16 (FlashAttention's dtypes), float32 works
+(`varlen.mods.alibi`) with FlashAttention 2's bias; `dropout_p` drops pairs as FlashAttention 2
+does (kept probabilities scaled by `1 / (1 - dropout_p)`) with varlen's own Philox stream (so
+not FlashAttention's pattern), on the host backends; `return_attn_probs=True` with dropout raises
+`NotImplementedError`. Besides float16/bfloat16 (FlashAttention's dtypes), float32 works
 everywhere and float64 on the CPU. See `docs/dropin.md`.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from ..masks import Mask
 from ..mods import alibi
+from .._torch_ops import draw_seed as _draw_seed
 from .._torch_ops import varlen_attention as _varlen_attention
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_func", "fa_mask"]
@@ -49,11 +52,20 @@ def fa_mask(causal=False, window_size=(-1, -1)) -> Mask:
     return Mask(window_left=left, window_right=0 if causal else right, bottom_right=True)
 
 
-def _unsupported(dropout_p) -> None:
-    if dropout_p != 0:
+def _dropout(dropout_p, seed, return_attn_probs) -> dict:
+    """The `varlen_attention` keywords of FlashAttention's `dropout_p` (and varlen's `seed`):
+    a seed drawn from torch's default CPU generator when none is given, as FlashAttention
+    draws its Philox state from torch's generator, `deterministic=True` or not."""
+    from ..dropout import check_dropout
+    p, seed, _ = check_dropout(dropout_p, seed)
+    if p > 0 and return_attn_probs:
         raise NotImplementedError(
-            f"dropout_p={dropout_p}: varlen has no attention dropout; pass dropout_p=0.0 "
-            f"(FlashAttention's value for evaluation) or apply dropout outside attention")
+            f"return_attn_probs=True with dropout_p={dropout_p!r}: varlen does not return "
+            f"FlashAttention's dropout pattern (varlen.reference.dropout_keep gives varlen's); "
+            f"pass return_attn_probs=False, or dropout_p=0.0")
+    if p > 0 and seed is None:
+        seed = _draw_seed()
+    return {"dropout_p": p, "seed": seed}
 
 
 # ALiBi's functions traced once (slopes [H] or [B, H] float32, shifts int32): a call puts its
@@ -92,7 +104,8 @@ def _bound(max_seqlen):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, sinks=None):
+                           deterministic=False, return_attn_probs=False, sinks=None,
+                           seed=None):
     """FlashAttention 2's `flash_attn_varlen_func`, differentiable in q, k and v (and `sinks`).
 
     If `causal=True`, the causal mask is aligned to the bottom-right corner of each sequence's
@@ -116,7 +129,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             starting at 0.
         max_seqlen_q, max_seqlen_k: int, the longest sequence (any upper bound works). A
             tensor is accepted and ignored (reading it would synchronise).
-        dropout_p: must be 0.0 (dropout is not implemented: `NotImplementedError`).
+        dropout_p: float in [0, 1): attention dropout (FlashAttention 2's: each visible pair's
+            probability dropped with probability `dropout_p`, kept ones scaled by
+            `1 / (1 - dropout_p)`); set it to 0.0 for evaluation. The pairs come from varlen's
+            Philox stream (`varlen.reference.dropout_keep`), not FlashAttention's. Host
+            (CPU) tensors only for now.
         softmax_scale: float, scale of `q @ k^T`; default `1/sqrt(D)`.
         causal: bool, bottom-right aligned causal mask.
         window_size: `(left, right)` ints; `(-1, -1)` is no window.
@@ -129,17 +146,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             `varlen.ScoreMod` learns them).
         deterministic: bool, bitwise-repeatable backward.
         return_attn_probs: also return `softmax_lse` and, in the place of FlashAttention's
-            dropout pattern, None.
+            dropout pattern, None (with `dropout_p > 0`: NotImplementedError).
         sinks: optional float `[Hq]` tensor on q's device, learnable: attention sinks as in
             gpt-oss (one logit per query head in every row's softmax, with no value; not
             scaled, not soft-capped). A row that sees no key then has lse `sinks[h]`.
+        seed: varlen's addition: the dropout seed, an int in [0, 2**64); None draws one from
+            torch's default CPU generator (`torch.manual_seed` makes a run repeatable).
 
     Returns:
         out: `[total_q, Hq, Dv]` in q's dtype; or, with `return_attn_probs=True`,
         `(out, softmax_lse, None)` with `softmax_lse` `[Hq, total_q]` float32 (float64 for
         float64 inputs), natural log, no gradient.
     """
-    _unsupported(dropout_p)
+    drop = _dropout(dropout_p, seed, return_attn_probs)
     score_mod = None
     if alibi_slopes is not None:
         cu_q, cu_k = (torch.as_tensor(x, device=q.device) for x in (cu_seqlens_q, cu_seqlens_k))
@@ -149,7 +168,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v, cu_seqlens_q, cu_seqlens_k, mask=fa_mask(causal, window_size),
         softmax_scale=softmax_scale, softcap=softcap, max_seqlen_q=_bound(max_seqlen_q),
         max_seqlen_k=_bound(max_seqlen_k), deterministic=deterministic, return_lse=True,
-        score_mod=score_mod, sinks=sinks)
+        score_mod=score_mod, sinks=sinks, **drop)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -160,19 +179,19 @@ def _batch_cu(batch: int, seqlen: int, device) -> torch.Tensor:
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, sinks=None):
+                    return_attn_probs=False, sinks=None, seed=None):
     """FlashAttention 2's `flash_attn_func`: a batch of equal-length sequences.
 
     Args:
         q: `[B, Sq, Hq, D]`; k: `[B, Sk, Hk, D]`; v: `[B, Sk, Hk, Dv]`; one dtype and device.
         Every other argument as in `flash_attn_varlen_func` (causal aligned bottom-right when
-        `Sq != Sk`).
+        `Sq != Sk`); dropout positions are those of each batch entry.
 
     Returns:
         out: `[B, Sq, Hq, Dv]`; or `(out, softmax_lse, None)` with `softmax_lse` `[B, Hq, Sq]`
         float32, when `return_attn_probs=True`.
     """
-    _unsupported(dropout_p)
+    drop = _dropout(dropout_p, seed, return_attn_probs)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (FlashAttention's contract), got "
@@ -192,7 +211,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         v.reshape(B * Sk, *v.shape[2:]), _batch_cu(B, Sq, q.device), _batch_cu(B, Sk, q.device),
         mask=fa_mask(causal, window_size), softmax_scale=softmax_scale, softcap=softcap,
         max_seqlen_q=Sq, max_seqlen_k=Sk, deterministic=deterministic, return_lse=True,
-        score_mod=score_mod, sinks=sinks)
+        score_mod=score_mod, sinks=sinks, **drop)
     out = out.view(B, Sq, Hq, out.shape[-1])
     if not return_attn_probs:
         return out
