@@ -128,7 +128,8 @@ def test_opcheck_with_dropout():
                 window_left_int=-1, window_right_int=0, bottom_right_int=0,
                 softmax_scale=None, softcap=0.0, max_seqlen_q=None, max_seqlen_k=None,
                 backend=None, deterministic=False, plan=0, mask_mod=None, mask_aux=None,
-                score_mod=None, score_aux=None, dropout_p=0.25, seed=_seed_arg(SEED), offset=4)
+                score_mod=None, score_aux=None, sinks=None, dropout_p=0.25,
+                seed=_seed_arg(SEED), offset=4)
     meta = [meta[name] for name in _META_NAMES]
     x = [_torch(a, True) for a in (bt.q, bt.k, bt.v)]
     result = torch.library.opcheck(torch.ops.varlen.attention_forward.default, (*x, *meta))

@@ -241,3 +241,18 @@ def test_flash_attn_drop_in():
     assert s.grad is not None and s.grad.shape == (HQ,)
     out4 = flash_attn_func(*map(torch.tensor, (q, k, v)), causal=True, sinks=torch.tensor(sinks))
     np.testing.assert_allclose(out4.reshape(B * S, HQ, D).numpy(), want, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend, dtype", [("numpy", "float64"), ("cpu", "float32")])
+def test_sinks_with_dropout(backend, dtype):
+    """Dropout scales the kept probabilities, the sink renormalises the row: both at once,
+    forward and backward (dsinks included), against the reference drawing the same pairs."""
+    b, rng = _batch("windows", dtype, seed=5)
+    sinks = _sinks(rng)
+    drop = dict(dropout_p=0.2, seed=1234, offset=3)
+    out, lse = varlen.attention_forward(b.q, b.k, b.v, b.cu_q, b.cu_k, **b.layout,
+                                        backend=backend, sinks=sinks, **drop)
+    grads = varlen.attention_backward(b.dout, b.q, b.k, b.v, out, lse, b.cu_q, b.cu_k,
+                                      **b.layout, backend=backend, sinks=sinks, **drop)
+    check_against_reference(b, out, lse, grads, sinks=sinks, label=f"{backend} dropout",
+                            **drop)

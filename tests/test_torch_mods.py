@@ -233,7 +233,7 @@ def test_opcheck_with_mods_and_aux_gradients():
                 backend=None, deterministic=False, plan=0,
                 mask_mod=graph_text(mask.graph), mask_aux=list(mask.aux),
                 score_mod=graph_text(t5.graph), score_aux=list(t5.aux),
-                dropout_p=0.0, seed=None, offset=0)
+                sinks=None, dropout_p=0.0, seed=None, offset=0)
     meta = [meta[name] for name in _META_NAMES]
     x = [_t(a, True) for a in (q, k, v)]
     result = torch.library.opcheck(torch.ops.varlen.attention_forward.default, (*x, *meta))
