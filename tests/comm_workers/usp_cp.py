@@ -212,10 +212,48 @@ def check_jax(case: UspCase, cp: int, u: int, scheme: str) -> None:
         _assert_close(f"{label} dsinks", grads[4], ref_grads[3], TOL)
 
 
+def check_jax_stats(cp: int, method: str, u: int | None) -> None:
+    """`stats=` of the JAX entry point: what each rank's forward and backward traces move,
+    equal to the model's count (`call_traffic`, which equals `varlen.comm`'s counters) on the
+    zigzag layout."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    import varlen.jax as vj
+
+    case = USP_CASES[0]
+    g = global_batch(case)
+    part = partition(g["cu"], cp, "zigzag")
+    if method == "usp":
+        mesh = Mesh(np.array(jax.devices()[:cp]).reshape(cp // u, u), ("ring", "node"))
+        spec, axis = P(("ring", "node")), ("ring", "node")
+    else:
+        mesh, spec, axis = Mesh(np.array(jax.devices()[:cp]), ("cp",)), P("cp"), "cp"
+    stats = []
+
+    def loss(q, k, v):
+        f = jax.shard_map(lambda q, k, v: vj.context_parallel_attention(
+            q, k, v, part, axis_name=axis, mask=case.mask(), method=method, stats=stats),
+            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return f(q, k, v).sum()
+    jax.grad(loss, argnums=(0, 1, 2))(*(jnp.concatenate([part.shard(g[x], r)
+                                                          for r in range(cp)]) for x in "qkv"))
+    for call in ("forward", "backward"):
+        got = [x for x in stats if x["call"] == call][0]["ranks"]
+        for r in range(cp):
+            want = call_traffic(part, r, method, heads_q=case.Hq, heads_k=case.Hk,
+                                head_dim=case.D, dtype="float64", ulysses_size=u,
+                                backward=call == "backward")
+            assert got[r] == want, f"jax {method} {call} rank {r}: {got[r]} != {want}"
+
+
 def _jax_main():
     jax_main([partial(check_jax, case, cp, u, scheme) for cp, u, case, scheme in (
         (4, 2, USP_CASES[0], "zigzag"), (8, 4, USP_CASES[1], "document"),
-        (6, 3, USP_CASES[1], "zigzag"), (8, 2, USP_CASES[0], "document"))], devices=8)
+        (6, 3, USP_CASES[1], "zigzag"), (8, 2, USP_CASES[0], "document"))] +
+             [partial(check_jax_stats, cp, method, u) for cp, method, u in (
+                 (4, "ring", None), (4, "allgather", None), (4, "ulysses", None),
+                 (8, "usp", 2))], devices=8)
 
 
 def _torch_main():
