@@ -3,8 +3,8 @@
 `check_sinks(group, case, method, scheme)` builds the same global batch on every rank, shards
 it, runs `varlen.comm.attention_forward/backward` with the case's sinks (and mask, and score
 function), and compares this rank's shards of out, lse, dq, dk, dv with the float64
-reference's (1e-12), and `dsinks` (summed over the group, and each rank's share added up)
-with the reference's. As a script, one rank of a job:
+reference's (1e-12), `dsinks` (summed over the group, and each rank's share added up) with
+the reference's, and the bytes each call moved with the traffic model's. As a script, one rank of a job:
 
     mpiexec -n N python -m mpi4py tests/comm_workers/sinks_cp.py mpi    # every case, MPI group
     torchrun --nproc-per-node 2 tests/comm_workers/sinks_cp.py torch    # varlen.torch, gloo
@@ -29,6 +29,7 @@ from varlen import reference  # noqa: E402
 import mods_cases as gallery  # noqa: E402
 from cases import _assert_close  # noqa: E402
 from launch import global_batch, jax_main, mpi_main, torch_main  # noqa: E402
+from varlen.comm.model import call_traffic  # noqa: E402
 
 TOL = 1e-12                  # float64 data: out, lse, dq, dk, dv, dsinks
 SCHEMES = ("zigzag", "document")
@@ -99,8 +100,15 @@ def check_sinks(group, case: SinksCase, method: str, scheme: str) -> None:
     part = partition(g["cu"], cp, scheme)
     kw = dict(mask=mask, score_mod=score, method=method, sinks=sinks)
     q, k, v, dout = (part.shard(g[x], r) for x in ("q", "k", "v", "dout"))
-    out, lse = vc.attention_forward(q, k, v, part, group, **kw)
-    dq, dk, dv, dsinks = vc.attention_backward(dout, q, k, v, out, lse, part, group, **kw)
+    out, lse, fwd_bytes = vc.attention_forward(q, k, v, part, group, return_stats=True, **kw)
+    dq, dk, dv, dsinks, bwd_bytes = vc.attention_backward(dout, q, k, v, out, lse, part, group,
+                                                          return_stats=True, **kw)
+    # the bytes exactly what the traffic model predicts
+    for what, moved in (("forward", fwd_bytes), ("backward", bwd_bytes)):
+        want = call_traffic(part, r, method, heads_q=case.Hq, heads_k=case.Hk,
+                            head_dim=case.D, dtype="float64", backward=what == "backward",
+                            sinks=True)
+        assert moved == want, f"{case.id} {method} {what} rank {r}: {moved} != model {want}"
     share = vc.attention_backward(dout, q, k, v, out, lse, part, group, sinks_grad="rank",
                                   **kw)[3]
     ref_out, ref_lse, ref_grads = reference_results(case, g)
