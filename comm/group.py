@@ -218,9 +218,16 @@ class Group:
         if key in cache:
             return cache[key]
         flat = sorted(r for g in key[0] for r in g)
-        if flat != list(range(self.size)) or any(not g for g in key[0]):
+        bad = flat != list(range(self.size)) or any(not g for g in key[0])
+        # every rank must split alike: one host exchange says whether they do, on every rank
+        seen = self.allgather_object((key, bad))
+        if bad:
             raise ValueError(f"groups must split ranks 0..{self.size - 1} into non-empty "
                              f"disjoint tuples, got {groups!r}")
+        if any(k != key or b for k, b in seen):
+            other = next(r for r, (k, b) in enumerate(seen) if k != key or b)
+            raise ValueError(f"ranks split the group differently: rank {self.rank} asked for "
+                             f"{key}, rank {other} for {seen[other][0]}")
         mine = next(i for i, g in enumerate(key[0]) if self.rank in g)
         sub = self._subgroup(key[0], mine)
         sub.level = level

@@ -7,16 +7,9 @@ the zigzag, contiguous and document schemes (the document scheme balancing the w
 * visible query-key pairs per rank (the attention FLOPs are 4 * D * pairs per head), max and
   mean over ranks; max / mean is the load imbalance the slowest rank sets;
 * pad rows added by the partition;
-* bytes each rank sends per layer (forward + backward) with each method:
-    ring       K/V: (cp-1) hops forward, (cp-1) again in backward; dK/dV accumulators in
-               float32: cp hops; document scheme: only the rows of split documents, to each
-               rank sharing them, forward and backward, and the float32 dK/dV of the rows
-               received back to their owners (the busiest rank);
-    allgather  K/V all-gathered forward and backward ((cp-1) blocks each); dK/dV in float32
-               reduce-scattered ((cp-1) blocks);
-    ulysses    all-to-all of (cp-1)/cp of q, k, v (KV heads replicated up to a multiple of
-               cp), out and lse forward; q, k, v, out, dout, lse in and dq, dk, dv back in
-               backward; "-" when Hq is not divisible by cp.
+* bytes the busiest rank sends per layer (forward + backward) with ring, allgather and
+  ulysses ("-" when Hq is not divisible by cp): what its group counts, from
+  `varlen.comm.model.call_traffic` (the document ring moves only split documents' rows);
 and writes, into the folder `--out` (default `out/cp_balance/` in the repository), one PNG of
 per-rank work per cp size (`cp_balance-cp<N>.png`, matplotlib, Agg backend) and the numbers as
 JSON (`cp_balance.json`, or where `--json` says).
@@ -29,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -39,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import varlen.comm as vc  # noqa: E402
+from varlen.comm.model import call_traffic  # noqa: E402
 from varlen._cli import ArgumentParser, positive_int  # noqa: E402
 
 DISTS = ("uniform", "long-tail", "one-long")
 SCHEMES = ("zigzag", "contiguous", "document")
-FLOAT32 = 4
 
 
 def document_lengths(dist: str, tokens: int, mean: int, rng) -> np.ndarray:
@@ -95,38 +87,24 @@ def visible_pairs(part, rank: int, window) -> int:
     return int(np.maximum(hi - lo + 1, 0).sum())
 
 
-def bytes_per_rank(local_rows, cp, Hq, Hk, D, Dv, elem) -> dict:
-    """Bytes one rank sends per layer, forward + backward, for each method."""
-    if cp == 1:
-        return {"ring": 0, "allgather": 0, "ulysses": 0}
-    kv = local_rows * Hk * (D + Dv)                       # elements of this rank's K and V
-    out = {"ring": 2 * (cp - 1) * kv * elem + cp * kv * FLOAT32,
-           "allgather": 2 * (cp - 1) * kv * elem + (cp - 1) * kv * FLOAT32}
-    if Hq % cp:
-        out["ulysses"] = None
-    else:
-        hk = Hk * (cp // math.gcd(Hk, cp))                 # KV heads after replication
-        frac = (cp - 1) / cp
-        q, o, lse = local_rows * Hq * D, local_rows * Hq * Dv, local_rows * Hq
-        kv_r = local_rows * hk * (D + Dv)
-        fwd = (q + kv_r + o) * elem + lse * FLOAT32
-        bwd = (q + kv_r + 2 * o + q + kv_r) * elem + lse * FLOAT32
-        out["ulysses"] = int(frac * (fwd + bwd))
+_DTYPE_OF = {2: "bfloat16", 4: "float32", 8: "float64"}
+
+
+def bytes_per_rank(part, Hq, Hk, D, Dv, elem) -> dict:
+    """Bytes the busiest rank sends per layer, forward + backward, for each method: what its
+    group counts (`varlen.comm.model.call_traffic`), on zigzag and document partitions alike
+    (the document ring moves only split documents' rows)."""
+    out = {}
+    for method in ("ring", "allgather", "ulysses"):
+        if method == "ulysses" and Hq % part.cp_size:
+            out[method] = None
+            continue
+        out[method] = max(
+            sum(t["sent"] for backward in (False, True) for t in call_traffic(
+                part, r, method, heads_q=Hq, heads_k=Hk, head_dim=D, head_dim_v=Dv,
+                dtype=_DTYPE_OF[elem], backward=backward).values())
+            for r in range(part.cp_size))
     return out
-
-
-def document_ring_bytes(part, Hk, D, Dv, elem) -> int:
-    """Bytes the busiest rank sends per layer on the ring of a document partition: its rows of
-    split documents to each rank sharing them, forward and again in backward, plus the float32
-    dK/dV of the rows it received, sent back to their owners."""
-    kv = Hk * (D + Dv)
-    cp = part.cp_size
-    most = 0
-    for r in range(cp):
-        sent = sum(part.ring_count(r, d) for d in range(cp))
-        got = sum(part.ring_count(s, r) for s in range(cp))
-        most = max(most, 2 * sent * kv * elem + got * kv * FLOAT32)
-    return most
 
 
 def analyse(lengths, cp, scheme, window, heads) -> dict:
@@ -134,9 +112,7 @@ def analyse(lengths, cp, scheme, window, heads) -> dict:
     part = vc.partition(cu, cp, scheme, mask=window_mask(window))
     work = np.array([visible_pairs(part, r, window) for r in range(cp)], dtype=np.int64)
     Hq, Hk, D, Dv, elem = heads
-    sent = bytes_per_rank(part.local_rows, cp, Hq, Hk, D, Dv, elem)
-    if scheme == "document":
-        sent["ring"] = document_ring_bytes(part, Hk, D, Dv, elem)
+    sent = bytes_per_rank(part, Hq, Hk, D, Dv, elem)
     return {"cp": cp, "scheme": scheme, "tokens": int(cu[-1]), "documents": len(lengths),
             "local_rows": part.local_rows,
             "pad_rows": int(cp * part.local_rows - cu[-1]),
@@ -200,8 +176,8 @@ def parse_args(argv):
     ap.add_argument("--heads", type=positive_int, nargs=2, default=[32, 8],
                     metavar=("HQ", "HK"), help="query and key/value heads (32 8)")
     ap.add_argument("--head-dim", type=positive_int, default=128, help="D = Dv (128)")
-    ap.add_argument("--elem-bytes", type=positive_int, default=2,
-                    help="bytes per element (2: bf16)")
+    ap.add_argument("--elem-bytes", type=int, choices=sorted(_DTYPE_OF), default=2,
+                    help="bytes per element (2: bf16, 4: float32, 8: float64)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the lengths (0)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "cp_balance",
                     help="folder for the plots and the JSON, created if missing "

@@ -41,6 +41,24 @@ def test_subgroups_are_split_once():
         assert (n, size, sub_rank, cached) == (2, 2, r % 2, True)
 
 
+def test_ranks_that_split_differently_or_disagree_on_ulysses_size_all_raise():
+    def split(group):
+        groups = [(0, 1), (2, 3)] if group.rank else [(0, 2), (1, 3)]
+        group.split(groups, level="intra")
+    with pytest.raises(ValueError, match="ranks split the group differently"):
+        vc.local_group(4).run(split)
+    case = USP_CASES[0]
+    g = global_batch(case)
+    part = partition(g["cu"], 4, "zigzag")
+
+    def body(group):
+        q, k, v = (part.shard(g[x], group.rank) for x in "qkv")
+        vc.attention_forward(q, k, v, part, group, method="usp",
+                             ulysses_size=2 if group.rank else 4)
+    with pytest.raises(ValueError, match="disagree on ulysses_size"):
+        vc.local_group(4).run(body)
+
+
 def test_traffic_counts_what_each_collective_moves():
     def body(group):
         x = np.ones((3, 4), np.float32)                      # 48 bytes

@@ -565,6 +565,14 @@ class _CPStatic:
     # usp: (ring axis, Ulysses axis, u): the global rank is ring index * u + Ulysses index;
     # the node and ring parts are this static with `axis_name` and `cp` of their level
     levels: tuple | None = None
+    traffic: list | None = None     # `stats=`: what the traces move, appended per call
+
+    @property
+    def level(self) -> str:
+        """The name `varlen.comm`'s counters give this static's axis."""
+        if self.levels is None:
+            return "flat"
+        return "inter" if self.axis_name == self.levels[0] else "intra"
 
     @property
     def mesh_axes(self) -> frozenset:
@@ -681,8 +689,34 @@ def _rank(static):
     return jax.lax.axis_index(static.axis_name).astype(jnp.int32)
 
 
+def _nbytes(x) -> int:
+    return int(math.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def _count(static, sent, received=None) -> None:
+    """Add to the current trace's record (`stats=`) what each rank sends and receives on
+    `static`'s axis: ints (every rank alike) or per-rank lists of the cp of that axis, spread
+    over the ranks of the whole partition (usp: each level's ranks)."""
+    if static.traffic is None or not static.traffic:
+        return
+    record = static.traffic[-1]["ranks"]
+    received = sent if received is None else received
+    n = len(record)
+    for r in range(n):
+        i = r if static.levels is None else (r // static.levels[2] if static.level == "inter"
+                                               else r % static.levels[2])
+        s_ = sent[i] if isinstance(sent, list) else sent
+        g_ = received[i] if isinstance(received, list) else received
+        if s_ or g_:
+            d = record[r].setdefault(static.level, {"sent": 0, "received": 0})
+            d["sent"] += int(s_)
+            d["received"] += int(g_)
+
+
 def _hop(static, *xs):
     """Every array one hop along the ring: rank r sends to r+1, receives from r-1."""
+    if static.cp > 1:
+        _count(static, sum(_nbytes(x) for x in xs))
     perm = [(i, (i + 1) % static.cp) for i in range(static.cp)]
     return tuple(jax.lax.ppermute(x, static.axis_name, perm) for x in xs)
 
@@ -748,6 +782,7 @@ def _doc_send(static, step, *xs):
     """Step `step`'s compact buffers: my shared rows gathered, sent to rank + step; returns
     what rank - step sent me (zeros where it sent nothing)."""
     rows, pairs = _my_rows(static, step), list(static.routes[step].pairs)
+    _pair_count(static, pairs, sum(_nbytes(x) // x.shape[0] for x in xs) * rows.shape[0])
     return tuple(jax.lax.ppermute(jnp.take(x, rows, axis=0, mode="fill", fill_value=0),
                                   static.axis_name, pairs) for x in xs)
 
@@ -778,13 +813,30 @@ def _doc_ring_backward(static, ax, dout, q, k, v, out, lse):
         dq = dq + dq_s.astype(acc)
         back = [(b, a) for a, b in pairs]            # the reverse route, to the rows' owner
         rows = _my_rows(static, step)
+        _pair_count(static, back, _nbytes(dk_s.astype(acc)) + _nbytes(dv_s.astype(acc)))
         dk, dv = (d.at[rows].add(jax.lax.ppermute(g.astype(acc), static.axis_name, back),
                                  mode="drop") for d, g in ((dk, dk_s), (dv, dv_s)))
     return dq, dk, dv
 
 
+def _pair_count(static, pairs, nbytes) -> None:
+    """`_count` of a `ppermute` over `pairs` moving `nbytes` per sender."""
+    sent = [0] * static.cp
+    got = [0] * static.cp
+    for a, b in pairs:
+        sent[a] += nbytes
+        got[b] += nbytes
+    _count(static, sent, got)
+
+
+def _a2a_count(static, x) -> None:
+    """`_count` of an all-to-all (or reduce-scatter) of `x`: all but this rank's share."""
+    _count(static, (static.cp - 1) * (_nbytes(x) // static.cp))
+
+
 def _gather(static, x):
     """`[cp * T, ...]`: every rank's rows, rank-major (the gathered segments' layout)."""
+    _count(static, (static.cp - 1) * _nbytes(x))
     return jax.lax.all_gather(x, static.axis_name, tiled=True)
 
 
@@ -797,6 +849,8 @@ def _allgather_backward(static, ax, dout, q, k, v, out, lse):
     dq, dk, dv = _kernel(static, ax, 0, True, dout, q, _gather(static, k), _gather(static, v),
                          out, lse, _rank(static))
     acc = _acc(q.dtype)
+    for g in (dk, dv):
+        _a2a_count(static, g.astype(acc))
     dk, dv = (jax.lax.psum_scatter(g.astype(acc), static.axis_name, tiled=True)
               for g in (dk, dv))
     return dq, dk, dv
@@ -805,12 +859,14 @@ def _allgather_backward(static, ax, dout, q, k, v, out, lse):
 def _to_heads(static, x, axis=1):
     """Sequence shard -> head shard: `[T, H, d]` -> `[cp * T, H / cp, d]` (`axis=1`), or lse
     `[H, T]` -> `[H / cp, cp * T]` (`axis=0`)."""
+    _a2a_count(static, x)
     return jax.lax.all_to_all(x, static.axis_name, split_axis=axis, concat_axis=1 - axis,
                               tiled=True)
 
 
 def _to_sequence(static, x, axis=1):
     """The inverse of `_to_heads`."""
+    _a2a_count(static, x)
     return jax.lax.all_to_all(x, static.axis_name, split_axis=1 - axis, concat_axis=axis,
                               tiled=True)
 
@@ -873,7 +929,14 @@ _CP_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward,
                 "ulysses": _ulysses_backward, "usp": _usp_backward}
 
 
+def _record(static, call: str) -> None:
+    """Open the `stats=` record of one traced call (forward or backward)."""
+    if static.traffic is not None:
+        static.traffic.append({"call": call, "ranks": [{} for _ in range(static.cp)]})
+
+
 def _cp_forward(static, q, k, v, aux, sinks):
+    _record(static, "forward")
     forward = _doc_ring_forward if static.routes else _CP_FORWARD[static.method]
     out, lse = forward(static, _Aux(aux), q, k, v)
     out = out.astype(q.dtype)
@@ -920,6 +983,7 @@ def _aux_cotangents(static, aux, ax: _Aux) -> tuple:
 
 
 def _cp_attention_bwd(static, residuals, cotangents):
+    _record(static, "backward")
     q, k, v, out, lse, aux, sinks = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
     backward = _doc_ring_backward if static.routes else _CP_BACKWARD[static.method]
@@ -958,7 +1022,7 @@ def _mesh_levels(method, axis_name, ulysses_size):
 def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
                                return_lse=False, score_mod=None, sinks=None,
-                               ulysses_size=None):
+                               ulysses_size=None, stats=None):
     """Context-parallel attention inside `jax.shard_map`, differentiable in this device's shards
     (and in `sinks` and a score_mod's float aux arrays).
 
@@ -1008,6 +1072,12 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
         deterministic: bitwise-repeatable backward.
         return_lse: return `(out, lse)` instead of `out`.
         ulysses_size: with `method="usp"`, optional: the size of the Ulysses axis (checked).
+        stats: a list to which each trace of the call appends what it moves:
+            `{"call": "forward" | "backward", "ranks": [per rank {level: {"sent": bytes,
+            "received": bytes}}]}`, counted as `varlen.comm`'s groups count (levels `"flat"`,
+            `"intra"`, `"inter"`); the shapes are static, so every run of a trace moves what
+            its record says. The gradient `psum`s of replicated sinks or aux arrays are not
+            counted. A document ring's buffers have the step's largest size on every rank.
 
     Returns:
         out: `[Tq_local, Hq, Dv]` in q's dtype, typed varying over `axis_name`; lse (with
@@ -1087,7 +1157,7 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
                        has_mods=mask_mod is not None or score_mod is not None,
                        valid=None if sinks is None else np.stack(
                            [np.asarray(part.valid(r)) for r in range(part.cp_size)]),
-                       levels=levels)
+                       levels=levels, traffic=stats)
     out, lse = _cp_attention(static, q, k, v, aux, _sinks_operand(q, sinks))
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out

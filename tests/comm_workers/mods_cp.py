@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]           # the tests' helpers and gallery
@@ -28,6 +29,7 @@ from varlen import reference  # noqa: E402
 
 import mods_cases as gallery  # noqa: E402
 from cases import _assert_close  # noqa: E402
+from launch import global_batch, jax_main, mpi_main, torch_main  # noqa: E402
 
 TOL = 1e-12                  # float64 data: out, lse, dq, dk, dv
 AUX_TOL = 2e-6               # aux gradients come back in float32 (relative to max |ref|)
@@ -79,15 +81,6 @@ def partition(case: ModsCase, cu, cp, scheme, mask):
         # balanced by the mask_mod's work; long documents split so that rings exchange
         return vc.partition(cu, cp, "document", mask=mask, max_doc_len=DOC_SPLIT)
     return vc.partition(cu, cp, scheme)
-
-
-def global_batch(case: ModsCase) -> dict:
-    rng = np.random.default_rng(case.seed)
-    cu = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
-    T = int(cu[-1])
-    q, dout = (rng.standard_normal((T, case.Hq, case.D)) for _ in range(2))
-    k, v = (rng.standard_normal((T, case.Hk, case.D)) for _ in range(2))
-    return dict(cu=cu, q=q, k=k, v=v, dout=dout)
 
 
 def reference_results(case: ModsCase, g: dict):
@@ -236,48 +229,18 @@ def check_jax(case: ModsCase, cp: int, method: str, scheme: str) -> None:
 
 
 def _jax_main():
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    import jax
-    jax.config.update("jax_enable_x64", True)
-    varlen.set_nan_fill(True)
-    n = 0
-    for cp, case, method, scheme in ((2, MODS_CASES[0], "ring", "document"),
-                                     (4, MODS_CASES[0], "ulysses", "zigzag"),
-                                     (4, MODS_CASES[1], "ring", "zigzag"),
-                                     (2, MODS_CASES[1], "allgather", "document"),
-                                     (4, MODS_CASES[3], "ring", "document")):
-        check_jax(case, cp, method, scheme)
-        n += 1
-    print(f"OK jax checks={n}", flush=True)
+    jax_main([partial(check_jax, case, cp, method, scheme) for cp, case, method, scheme in (
+        (2, MODS_CASES[0], "ring", "document"), (4, MODS_CASES[0], "ulysses", "zigzag"),
+        (4, MODS_CASES[1], "ring", "zigzag"), (2, MODS_CASES[1], "allgather", "document"),
+        (4, MODS_CASES[3], "ring", "document"))])
 
 
 def _torch_main():
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    varlen.set_nan_fill(True)
-    try:
-        for method, scheme in (("ring", "document"), ("ulysses", "zigzag")):
-            check_torch(None, MODS_CASES[0], method, scheme)
-            check_torch(None, MODS_CASES[1], method, scheme)
-        dist.barrier()
-        print(f"rank {dist.get_rank()} ok", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def _mpi_main():
-    from mpi4py import MPI
-    varlen.set_nan_fill(True)
-    group = vc.init(MPI.COMM_WORLD, backend="mpi")
-    n = 0
-    for case, method, scheme in combos(group.size):
-        check_mods(group, case, method, scheme)
-        n += 1
-    if group.rank == 0:
-        print(f"OK mods size={group.size} checks={n}", flush=True)
+    torch_main([partial(check_torch, None, case, method, scheme)
+                for method, scheme in (("ring", "document"), ("ulysses", "zigzag"))
+                for case in MODS_CASES[:2]])
 
 
 if __name__ == "__main__":
-    {"mpi": _mpi_main, "torch": _torch_main, "jax": _jax_main}[sys.argv[1]]()
+    {"mpi": partial(mpi_main, "mods", combos, check_mods), "torch": _torch_main,
+     "jax": _jax_main}[sys.argv[1]]()

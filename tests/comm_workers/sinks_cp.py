@@ -3,8 +3,8 @@
 `check_sinks(group, case, method, scheme)` builds the same global batch on every rank, shards
 it, runs `varlen.comm.attention_forward/backward` with the case's sinks (and mask, and score
 function), and compares this rank's shards of out, lse, dq, dk, dv with the float64
-reference's (1e-12), and `dsinks` (summed over the group, and each rank's share added up)
-with the reference's. As a script, one rank of a job:
+reference's (1e-12), `dsinks` (summed over the group, and each rank's share added up) with
+the reference's, and the bytes each call moved with the traffic model's. As a script, one rank of a job:
 
     mpiexec -n N python -m mpi4py tests/comm_workers/sinks_cp.py mpi    # every case, MPI group
     torchrun --nproc-per-node 2 tests/comm_workers/sinks_cp.py torch    # varlen.torch, gloo
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]           # the tests' helpers and gallery
@@ -27,6 +28,8 @@ from varlen import reference  # noqa: E402
 
 import mods_cases as gallery  # noqa: E402
 from cases import _assert_close  # noqa: E402
+from launch import global_batch, jax_main, mpi_main, torch_main  # noqa: E402
+from varlen.comm.model import call_traffic  # noqa: E402
 
 TOL = 1e-12                  # float64 data: out, lse, dq, dk, dv, dsinks
 SCHEMES = ("zigzag", "document")
@@ -80,15 +83,6 @@ def partition(cu, cp, scheme):
     return vc.partition(cu, cp, scheme)
 
 
-def global_batch(case: SinksCase) -> dict:
-    rng = np.random.default_rng(case.seed)
-    cu = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
-    T = int(cu[-1])
-    q, dout = (rng.standard_normal((T, case.Hq, case.D)) for _ in range(2))
-    k, v = (rng.standard_normal((T, case.Hk, case.D)) for _ in range(2))
-    return dict(cu=cu, q=q, k=k, v=v, dout=dout)
-
-
 def reference_results(case: SinksCase, g: dict):
     mask, score, sinks = case.functions()
     kw = dict(mask=mask, score_mod=score, sinks=sinks)
@@ -106,8 +100,15 @@ def check_sinks(group, case: SinksCase, method: str, scheme: str) -> None:
     part = partition(g["cu"], cp, scheme)
     kw = dict(mask=mask, score_mod=score, method=method, sinks=sinks)
     q, k, v, dout = (part.shard(g[x], r) for x in ("q", "k", "v", "dout"))
-    out, lse = vc.attention_forward(q, k, v, part, group, **kw)
-    dq, dk, dv, dsinks = vc.attention_backward(dout, q, k, v, out, lse, part, group, **kw)
+    out, lse, fwd_bytes = vc.attention_forward(q, k, v, part, group, return_stats=True, **kw)
+    dq, dk, dv, dsinks, bwd_bytes = vc.attention_backward(dout, q, k, v, out, lse, part, group,
+                                                          return_stats=True, **kw)
+    # the bytes exactly what the traffic model predicts
+    for what, moved in (("forward", fwd_bytes), ("backward", bwd_bytes)):
+        want = call_traffic(part, r, method, heads_q=case.Hq, heads_k=case.Hk,
+                            head_dim=case.D, dtype="float64", backward=what == "backward",
+                            sinks=True)
+        assert moved == want, f"{case.id} {method} {what} rank {r}: {moved} != model {want}"
     share = vc.attention_backward(dout, q, k, v, out, lse, part, group, sinks_grad="rank",
                                   **kw)[3]
     ref_out, ref_lse, ref_grads = reference_results(case, g)
@@ -206,47 +207,17 @@ def check_jax(case: SinksCase, cp: int, method: str, scheme: str) -> None:
 
 
 def _jax_main():
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    import jax
-    jax.config.update("jax_enable_x64", True)
-    varlen.set_nan_fill(True)
-    n = 0
-    for cp, case, method, scheme in ((2, SINKS_CASES[0], "ring", "document"),
-                                     (4, SINKS_CASES[0], "ulysses", "zigzag"),
-                                     (4, SINKS_CASES[1], "ring", "zigzag"),
-                                     (2, SINKS_CASES[1], "allgather", "document")):
-        check_jax(case, cp, method, scheme)
-        n += 1
-    print(f"OK jax checks={n}", flush=True)
+    jax_main([partial(check_jax, case, cp, method, scheme) for cp, case, method, scheme in (
+        (2, SINKS_CASES[0], "ring", "document"), (4, SINKS_CASES[0], "ulysses", "zigzag"),
+        (4, SINKS_CASES[1], "ring", "zigzag"), (2, SINKS_CASES[1], "allgather", "document"))])
 
 
 def _torch_main():
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    varlen.set_nan_fill(True)
-    try:
-        for method, scheme in (("ring", "document"), ("ulysses", "zigzag")):
-            for case in SINKS_CASES:
-                check_torch(None, case, method, scheme)
-        dist.barrier()
-        print(f"rank {dist.get_rank()} ok", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def _mpi_main():
-    from mpi4py import MPI
-    varlen.set_nan_fill(True)
-    group = vc.init(MPI.COMM_WORLD, backend="mpi")
-    n = 0
-    for case, method, scheme in combos(group.size):
-        check_sinks(group, case, method, scheme)
-        n += 1
-    if group.rank == 0:
-        print(f"OK sinks size={group.size} checks={n}", flush=True)
+    torch_main([partial(check_torch, None, case, method, scheme)
+                for method, scheme in (("ring", "document"), ("ulysses", "zigzag"))
+                for case in SINKS_CASES])
 
 
 if __name__ == "__main__":
-    {"mpi": _mpi_main, "torch": _torch_main, "jax": _jax_main}[sys.argv[1]]()
+    {"mpi": partial(mpi_main, "sinks", combos, check_sinks), "torch": _torch_main,
+     "jax": _jax_main}[sys.argv[1]]()

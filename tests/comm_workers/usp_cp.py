@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]           # the tests' helpers
@@ -26,6 +27,7 @@ import varlen.comm as vc  # noqa: E402
 from varlen import reference  # noqa: E402
 
 from cases import _assert_close  # noqa: E402
+from launch import global_batch, jax_main, mpi_main, torch_main  # noqa: E402
 from varlen.comm.model import call_traffic  # noqa: E402
 
 TOL = 1e-12
@@ -82,15 +84,6 @@ def partition(cu, cp, scheme):
     if scheme == "document":
         return vc.partition(cu, cp, "document", max_doc_len=8)
     return vc.partition(cu, cp, scheme)
-
-
-def global_batch(case: UspCase) -> dict:
-    rng = np.random.default_rng(case.seed)
-    cu = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
-    T = int(cu[-1])
-    q, dout = (rng.standard_normal((T, case.Hq, case.D)) for _ in range(2))
-    k, v = (rng.standard_normal((T, case.Hk, case.D)) for _ in range(2))
-    return dict(cu=cu, q=q, k=k, v=v, dout=dout)
 
 
 def reference_results(case: UspCase, g: dict):
@@ -219,48 +212,55 @@ def check_jax(case: UspCase, cp: int, u: int, scheme: str) -> None:
         _assert_close(f"{label} dsinks", grads[4], ref_grads[3], TOL)
 
 
-def _jax_main():
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+def check_jax_stats(cp: int, method: str, u: int | None) -> None:
+    """`stats=` of the JAX entry point: what each rank's forward and backward traces move,
+    equal to the model's count (`call_traffic`, which equals `varlen.comm`'s counters) on the
+    zigzag layout."""
     import jax
-    jax.config.update("jax_enable_x64", True)
-    varlen.set_nan_fill(True)
-    n = 0
-    for cp, u, case, scheme in ((4, 2, USP_CASES[0], "zigzag"), (8, 4, USP_CASES[1], "document"),
-                                (6, 3, USP_CASES[1], "zigzag"), (8, 2, USP_CASES[0], "document")):
-        check_jax(case, cp, u, scheme)
-        n += 1
-    print(f"OK jax checks={n}", flush=True)
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    import varlen.jax as vj
+
+    case = USP_CASES[0]
+    g = global_batch(case)
+    part = partition(g["cu"], cp, "zigzag")
+    if method == "usp":
+        mesh = Mesh(np.array(jax.devices()[:cp]).reshape(cp // u, u), ("ring", "node"))
+        spec, axis = P(("ring", "node")), ("ring", "node")
+    else:
+        mesh, spec, axis = Mesh(np.array(jax.devices()[:cp]), ("cp",)), P("cp"), "cp"
+    stats = []
+
+    def loss(q, k, v):
+        f = jax.shard_map(lambda q, k, v: vj.context_parallel_attention(
+            q, k, v, part, axis_name=axis, mask=case.mask(), method=method, stats=stats),
+            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return f(q, k, v).sum()
+    jax.grad(loss, argnums=(0, 1, 2))(*(jnp.concatenate([part.shard(g[x], r)
+                                                          for r in range(cp)]) for x in "qkv"))
+    for call in ("forward", "backward"):
+        got = [x for x in stats if x["call"] == call][0]["ranks"]
+        for r in range(cp):
+            want = call_traffic(part, r, method, heads_q=case.Hq, heads_k=case.Hk,
+                                head_dim=case.D, dtype="float64", ulysses_size=u,
+                                backward=call == "backward")
+            assert got[r] == want, f"jax {method} {call} rank {r}: {got[r]} != {want}"
+
+
+def _jax_main():
+    jax_main([partial(check_jax, case, cp, u, scheme) for cp, u, case, scheme in (
+        (4, 2, USP_CASES[0], "zigzag"), (8, 4, USP_CASES[1], "document"),
+        (6, 3, USP_CASES[1], "zigzag"), (8, 2, USP_CASES[0], "document"))] +
+             [partial(check_jax_stats, cp, method, u) for cp, method, u in (
+                 (4, "ring", None), (4, "allgather", None), (4, "ulysses", None),
+                 (8, "usp", 2))], devices=8)
 
 
 def _torch_main():
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    varlen.set_nan_fill(True)
-    try:
-        n = 0
-        for case in USP_CASES:
-            for u, scheme in ((2, "zigzag"), (2, "document")):
-                check_torch(case, u, scheme)
-                n += 1
-        dist.barrier()
-        print(f"rank {dist.get_rank()} ok checks={n}", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def _mpi_main():
-    from mpi4py import MPI
-    varlen.set_nan_fill(True)
-    group = vc.init(MPI.COMM_WORLD, backend="mpi")
-    n = 0
-    for case, u, scheme in combos(group.size):
-        check_usp(group, case, u, scheme)
-        n += 1
-    if group.rank == 0:
-        print(f"OK usp size={group.size} checks={n}", flush=True)
+    torch_main([partial(check_torch, case, u, scheme) for case in USP_CASES
+                for u, scheme in ((2, "zigzag"), (2, "document"))])
 
 
 if __name__ == "__main__":
-    {"mpi": _mpi_main, "torch": _torch_main, "jax": _jax_main}[sys.argv[1]]()
+    {"mpi": partial(mpi_main, "usp", combos, check_usp), "torch": _torch_main,
+     "jax": _jax_main}[sys.argv[1]]()

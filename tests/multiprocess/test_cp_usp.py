@@ -4,7 +4,8 @@ and 3x2 among them), `-n 8` (u = 1, 2, 4: 2x4 and 4x2), oversubscribed on a CPU,
 split into node and ring groups, NumPy backend, float64; and
 `varlen.torch.context_parallel_attention` under torchrun with 4 gloo ranks (2x2), and
 `varlen.jax.context_parallel_attention` inside shard_map over 2-D meshes of host devices (2x2,
-2x4, 2x3, 4x2). Each rank's shards match the single-process float64 reference."""
+2x4, 2x3, 4x2), its `stats=` equal to the traffic model. Each rank's shards match the
+single-process float64 reference."""
 import sys
 
 import pytest
@@ -42,4 +43,4 @@ def test_usp_jax_two_dimensional_mesh():
     pytest.importorskip("jax")
     run = _run([sys.executable, str(WORKER), "jax"], timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert "OK jax checks=4" in run.stdout, run.stdout
+    assert "OK jax checks=8" in run.stdout, run.stdout
