@@ -1040,6 +1040,21 @@ def _same(outputs: dict, ref: dict, label: str) -> dict:
         raise AssertionError(f"{label}: {e}") from None
 
 
+def _write(args, suffix: str, report: dict) -> str:
+    """`report` as JSON beside `--json` (`<name>_<suffix>.json`); returns the path."""
+    path = os.path.splitext(args.json)[0] + f"_{suffix}.json"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    return path
+
+
+def _print_rows(rows) -> None:
+    print("| case | phase | ms (1 thread) |\n| --- | --- | --- |")
+    for name, ph, v in rows:
+        print(f"| {name} | {ph} | {v:.0f} |")
+
+
 def mods_bench(args) -> int:
     """The issue's targets for user functions, one thread, side by side in one run."""
     from varlen import MaskMod
@@ -1135,13 +1150,8 @@ def mods_bench(args) -> int:
                   visible_pairs_per_head={"16k causal": pairs16, "32k chunked": pairs32,
                                           "documents": visible_pairs(dd.lengths, None)},
                   forward_64k_estimate_s=fwd64)
-    path = os.path.splitext(args.json)[0] + "_mods.json"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=float)
-    print("| case | phase | ms (1 thread) |\n| --- | --- | --- |")
-    for name, ph, v in rows:
-        print(f"| {name} | {ph} | {v:.0f} |")
+    path = _write(args, "mods", report)
+    _print_rows(rows)
     if "flex_error" in report:
         print(f"flex_attention did not run: {report['flex_error']}")
     print("\ntargets:")
@@ -1193,13 +1203,8 @@ def features_bench(args) -> int:
     report["machine"]["load_average_end"] = list(os.getloadavg())
     report.update(rows=rows, parity=parities,
                   targets={k: {"value": v, "met": met[k]} for k, v in targets_.items()})
-    path = os.path.splitext(args.json)[0] + "_features.json"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=float)
-    print("| case | phase | ms (1 thread) |\n| --- | --- | --- |")
-    for name, ph, v in rows:
-        print(f"| {name} | {ph} | {v:.0f} |")
+    path = _write(args, "features", report)
+    _print_rows(rows)
     print("\ntargets:")
     for k, v in targets_.items():
         print(f"  {'MET' if met[k] else 'NOT MET'}: {k}: {100 * v:+.1f} % "
@@ -1252,10 +1257,7 @@ def dropout_bench(args) -> int:
                   targets={target: {"value": ratio["fwd+bwd"],
                                     "met": ratio["fwd+bwd"] <= 1.3}})
     report["machine"]["load_average_end"] = list(os.getloadavg())
-    path = os.path.splitext(args.json)[0] + "_dropout.json"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=float)
+    path = _write(args, "dropout", report)
     print(f"{len(d.lengths)} documents, {d.T} tokens, Hq8/Hk2 D64 causal, float32, 1 thread")
     print("| case | phase | ms (wall) | ms (CPU time) |\n| --- | --- | --- | --- |")
     for name, ph, w, c in rows:
