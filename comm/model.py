@@ -5,9 +5,10 @@ no data), exactly what `Group.traffic` counts for one `attention_forward` or
 `attention_backward` of `varlen.comm` on one rank (tests/test_comm_model.py compares them on
 in-process ranks and under mpiexec). It follows the methods step by step:
 
-* ring: `cp - 1` hops of the rank's K and V shards (forward, and again in the backward, which
-  adds `cp` hops of the dK/dV accumulators: float32, float64 for float64 data). On a document partition only the rows of
-  documents two ranks share travel (`part.ring_count`), and each step's dK/dV of them go back.
+* ring: `cp - 1` hops of the rank's K and V shards (forward, and again in the backward,
+  which adds `cp` hops of the dK/dV accumulators: float32, float64 for float64 data). On a
+  document partition only the rows of documents two ranks share travel (`part.ring_count`),
+  and each step's dK/dV of them go back.
 * allgather: K and V all-gathered (`(cp - 1)` copies each way), in the backward too, which
   reduce-scatters dK/dV in the accumulation dtype.
 * ulysses: all-to-alls of q, k, v (KV heads replicated to `lcm(Hk, cp)`), of the output and

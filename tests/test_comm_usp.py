@@ -6,7 +6,6 @@ once and kept; the bytes each call moves, per level; the arguments it refuses.""
 import numpy as np
 import pytest
 
-import varlen
 import varlen.comm as vc
 
 from comm_workers.usp_cp import SCHEMES, USP_CASES, check_usp, global_batch, partition

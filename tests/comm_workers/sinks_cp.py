@@ -4,7 +4,8 @@
 it, runs `varlen.comm.attention_forward/backward` with the case's sinks (and mask, and score
 function), and compares this rank's shards of out, lse, dq, dk, dv with the float64
 reference's (1e-12), `dsinks` (summed over the group, and each rank's share added up) with
-the reference's, and the bytes each call moved with the traffic model's. As a script, one rank of a job:
+the reference's, and the bytes each call moved with the traffic model's. As a script, one
+rank of a job:
 
     mpiexec -n N python -m mpi4py tests/comm_workers/sinks_cp.py mpi    # every case, MPI group
     torchrun --nproc-per-node 2 tests/comm_workers/sinks_cp.py torch    # varlen.torch, gloo
