@@ -1166,7 +1166,7 @@ def mods_bench(args) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def features_bench(args) -> int:
-    """Issue targets for sinks, one thread: one causal document of 16384 tokens, Hq8/Hk2 D64,
+    """The sinks target, one thread: one causal document of 16384 tokens, Hq8/Hk2 D64,
     forward + backward with and without sinks, side by side (checked first on 2048 tokens
     against the float64 reference)."""
     from varlen import reference as ref
@@ -1222,7 +1222,7 @@ DROPOUT_SEED = 0x5EED_0F_D20F
 
 
 def dropout_bench(args) -> int:
-    """The issue's dropout target: forward + backward at p = 0.1 within 1.3x of no dropout,
+    """The dropout target: forward + backward at p = 0.1 within 1.3x of no dropout,
     one thread, side by side in one run. Parity first: ours with dropout against the numpy
     backend (float64 inside) with the same seed, which draws the same pairs."""
     import varlen
