@@ -33,7 +33,7 @@ from varlen.plan import build_plan
 
 from .partition import partition as make_partition
 
-__all__ = ["call_traffic", "ITEMSIZE", "Cluster", "PRESETS", "Batch", "predict", "model",
+__all__ = ["call_traffic", "ring_kv_elements", "ITEMSIZE", "Cluster", "PRESETS", "Batch", "predict", "model",
            "lower_bound", "candidates", "choose"]
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -85,6 +85,15 @@ def _ulysses(d, level, n, T, Hq, Hk, D, Dv, isz, lse_isz, backward):
     _add(d, level, moved)
 
 
+def ring_kv_elements(rows: int, heads_k: int, head_dim: int, head_dim_v: int,
+                     ulysses_size: int | None = None) -> int:
+    """Elements of the K and V one ring hop carries: a rank's `rows` (under usp, its group's
+    `u * rows`, the `lcm(Hk, u) / u` KV heads of its slice after Ulysses' replication)."""
+    u = ulysses_size or 1
+    heads = heads_k * (u // math.gcd(heads_k, u)) // u
+    return u * rows * heads * (head_dim + head_dim_v)
+
+
 def call_traffic(parts, rank: int, method: str, *, heads_q: int, heads_k: int, head_dim: int,
                  head_dim_v: int | None = None, dtype="bfloat16", backward: bool = False,
                  ulysses_size: int | None = None, sinks: bool = False) -> dict:
@@ -114,11 +123,13 @@ def call_traffic(parts, rank: int, method: str, *, heads_q: int, heads_k: int, h
     if method == "ring" and pk.scheme == "document":
         _doc_ring(d, "flat", pk, rank, Hk * (D + Dv) * isz, Hk * (D + Dv) * acc, backward)
     elif method == "ring":
-        _ring(d, "flat", cp, Tk * Hk * (D + Dv) * isz, Tk * Hk * (D + Dv) * acc, backward)
+        kv = ring_kv_elements(Tk, Hk, D, Dv)
+        _ring(d, "flat", cp, kv * isz, kv * acc, backward)
     elif method == "allgather":
-        _add(d, "flat", (cp - 1) * Tk * Hk * (D + Dv) * isz)
+        kv = ring_kv_elements(Tk, Hk, D, Dv)
+        _add(d, "flat", (cp - 1) * kv * isz)
         if backward:
-            _add(d, "flat", (cp - 1) * Tk * Hk * (D + Dv) * acc)
+            _add(d, "flat", (cp - 1) * kv * acc)
     elif method == "ulysses":
         if Tq != Tk:
             raise ValueError("ulysses moves queries and keys alike: Tq_local == Tk_local")
@@ -128,10 +139,8 @@ def call_traffic(parts, rank: int, method: str, *, heads_q: int, heads_k: int, h
         r = cp // u
         if u > 1:
             _ulysses(d, "intra", u, Tq, Hq, Hk, D, Dv, isz, acc, backward)
-        f = u // math.gcd(Hk, u)
-        rows, heads = u * Tk, Hk * f // u                  # a group's rows, a slice's heads
-        _ring(d, "inter", r, rows * heads * (D + Dv) * isz, rows * heads * (D + Dv) * acc,
-              backward)
+        kv = ring_kv_elements(Tk, Hk, D, Dv, u)      # a group's rows, a head slice's KV heads
+        _ring(d, "inter", r, kv * isz, kv * acc, backward)
     else:
         raise ValueError(f"unknown method {method!r}")
     if sinks and backward and cp > 1:
@@ -309,7 +318,8 @@ def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | N
                         step_bytes = [n * row * (isz + (acc if backward else 0))
                                       for n in rows_s]
                     else:
-                        kv = part.local_rows * b.heads_k * (b.head_dim + b.head_dim_v)
+                        kv = ring_kv_elements(part.local_rows, b.heads_k, b.head_dim,
+                                              b.head_dim_v)
                         step_bytes = [kv * (isz + (acc if backward else 0))] * cp
                         sec = _ring_time(tiles, step_bytes, tile_s, bw, lat)
                 else:
@@ -338,9 +348,8 @@ def predict(cl: Cluster, b: Batch, cp: int, method: str, scheme: str, u: int | N
                 bw, lat = _link(cl, cp) if r_groups > 1 else (1.0, 0.0)
                 hop = inter / max(r_groups - 1, 1) if not backward else 0
                 if backward:        # K/V hops (r - 1) and dK/dV hops (r): per step
-                    heads = b.heads_k * (u // math.gcd(b.heads_k, u)) // u
-                    kvb = u * part.local_rows * heads * (b.head_dim + b.head_dim_v)
-                    hop = kvb * (isz + acc)
+                    hop = ring_kv_elements(part.local_rows, b.heads_k, b.head_dim,
+                                           b.head_dim_v, u) * (isz + acc)
                 g = r // u
                 tiles = [wk[(g - s) % r_groups] for s in range(r_groups)]
                 sec = _a2a_time(cl, u, intra) + _ring_time(tiles, [hop] * r_groups, tile_s,
