@@ -99,23 +99,37 @@ class _RankCall:
         return accumulate_dtype(self.call.q.dtype)
 
     @property
+    def first_head(self) -> int:
+        """The global query head of the kernels' local head 0: under Ulysses a rank computes
+        query heads `[rank * Hq / cp, (rank + 1) * Hq / cp)` (usp: its place in its node);
+        0 where the kernels see every head."""
+        if self.head_first is not None:
+            return self.head_first
+        if self.call.method == "ulysses":
+            return self.rank * self.call.heads_q // self.cp
+        return 0
+
+    @property
     def mods(self) -> dict:
-        """The kernels' `mods=` keyword (none without user functions). Under Ulysses a rank
-        computes query heads `[rank * Hq / cp, (rank + 1) * Hq / cp)`: the score function's
+        """The kernels' `mods=` keyword (none without user functions); the score function's
         `h` is made global by a rewrite of its graph (`Mods.for_heads`)."""
         c = self.call
         if not c.mods:
             return {}
-        if self.head_first is not None:
-            return {"mods": c.mods.for_heads(self.head_first)}
-        if c.method == "ulysses":
-            return {"mods": c.mods.for_heads(self.rank * c.heads_q // self.cp)}
-        return {"mods": c.mods}
+        return {"mods": c.mods.for_heads(self.first_head)}
+
+    @property
+    def dropout(self) -> dict:
+        """The kernels' `dropout=` keyword (none without dropout): the call's, its keep bits
+        drawn at the global query head (`Dropout.for_heads`); sequences and positions are
+        the batch's in every step plan, so each pair keeps the bit it has at CP=1."""
+        d = self.call.dropout
+        return {} if d is None else {"dropout": d.for_heads(self.first_head)}
 
     def forward(self, plan, q, k, v):
         c = self.call
         return c.backend.forward(plan, q, k, v, softmax_scale=c.softmax_scale,
-                                 softcap=c.softcap, **self.mods)
+                                 softcap=c.softcap, **self.mods, **self.dropout)
 
     def backward(self, plan, dout, q, k, v, out, lse):
         """`(dq, dk, dv)` of one kernel call; with aux gradients, the call's aux gradients
@@ -123,7 +137,7 @@ class _RankCall:
         c = self.call
         grads = c.backend.backward(plan, dout, q, k, v, out, lse, softmax_scale=c.softmax_scale,
                                    softcap=c.softcap, deterministic=c.deterministic,
-                                   **self.mods, **c.sinks_flag(c.backend))
+                                   **self.mods, **c.sinks_flag(c.backend), **self.dropout)
         if c.mods.aux_grads:
             if not self.daux:
                 self.daux.extend(None if g is None else self.xp.zeros(g.shape, np.float64)
@@ -203,7 +217,8 @@ def _checked_call(q, k, v, part, group, plan, **kw) -> tuple[Call, StepPlans]:
 # What every rank must agree on: host-known facts (always compared) ...
 _FACTS = ("method", "validation", "dtypes", "shapes", "query partition sizes",
           "key partition sizes", "mask", "softmax_scale", "softcap", "backend",
-          "mask_mod and score_mod functions", "aux_grads", "sinks", "ulysses_size")
+          "mask_mod and score_mod functions", "aux_grads", "sinks", "ulysses_size",
+          "dropout (dropout_p, seed, offset)")
 # ... and the values behind them (host reads: compared when validation is on).
 _VALUES = ("query partition", "key partition", "mask values", "mask_mod and score_mod aux "
            "values", "sinks values")
@@ -234,7 +249,8 @@ def _signature(call: Call) -> tuple:
              tuple(tuple(a.shape) for a in arrays), _sizes(pq), _sizes(pk),
              mask_key(call.mask, pq.batch), call.softmax_scale, call.softcap, call.backend.name,
              _mods_keys(call, values=False), call.mods.aux_grads, call.sinks is not None,
-             call.ulysses_size)
+             call.ulysses_size, None if call.dropout is None else (
+                 call.dropout.p, call.dropout.seed, call.dropout.offset))
     values = None
     if call.validate:
         values = (pq.fingerprint(), pk.fingerprint(),
@@ -683,7 +699,8 @@ _BACKWARD = {"ring": _ring_backward_any, "allgather": _allgather_backward,
 
 def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, softcap=0.0,
                       method="ring", backend=None, plan=None, score_mod=None, sinks=None,
-                      ulysses_size=None, return_stats=False, cluster=None):
+                      ulysses_size=None, return_stats=False, cluster=None, dropout_p=0.0,
+                      seed=None, offset=0):
     """Context-parallel attention forward on one rank. Returns this rank's `(out, lse)`.
 
     Call it on every rank of `group` with the same partition, mask and method.
@@ -707,6 +724,12 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
         sinks: optional float `[Hq]`, as in `varlen.attention_forward` (every rank passes the
             same values): each row's sink enters once, after the last merge of its partial
             results, whatever the method.
+        dropout_p, seed, offset: attention dropout as in `varlen.attention_forward` (`seed`
+            required with `dropout_p > 0`; every rank passes the same three values, which are
+            compared). Every kernel call draws each pair's keep bit at its single-process
+            coordinates (the batch's sequence, whole-document positions, the global query
+            head), so any cp size, method and partition drops the pairs the single-process
+            call drops.
         method: `"ring"` (K/V travel the ring, overlapped with compute), `"allgather"` (K/V
             gathered once), `"ulysses"` (all-to-all over heads; `Hq % cp_size == 0`) or
             `"usp"` (all-to-all over heads inside each group of `ulysses_size` consecutive
@@ -747,7 +770,8 @@ def attention_forward(q, k, v, part, group, *, mask="full", softmax_scale=None, 
         how, u, chosen["auto"] = _auto(method, ulysses_size, q, k, v, part, group, mask, cluster)
         return _checked_call(q, k, v, part, group, plan, mask=mask, softmax_scale=softmax_scale,
                              softcap=softcap, method=how, backend=backend,
-                             score_mod=score_mod, sinks=sinks, ulysses_size=u)
+                             score_mod=score_mod, sinks=sinks, ulysses_size=u,
+                             dropout_p=dropout_p, seed=seed, offset=offset)
 
     def compute(rc, steps):
         out, lse = _FORWARD[rc.call.method](rc, steps)
@@ -764,7 +788,7 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
                        softmax_scale=None, softcap=0.0, method="ring", backend=None,
                        deterministic=False, plan=None, score_mod=None, aux_grads=False,
                        sinks=None, sinks_grad="group", ulysses_size=None, return_stats=False,
-                       cluster=None):
+                       cluster=None, dropout_p=0.0, seed=None, offset=0):
     """Gradients of `sum(out * dout)` on one rank. Returns this rank's `(dq, dk, dv)`, then
     with `sinks` their gradient, then with `aux_grads` the aux gradients.
 
@@ -784,6 +808,8 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
         sinks_grad: `"group"`: `dsinks` (float32, float64 for float64) summed over the group,
             the single-process gradient on every rank; `"rank"`: this rank's share (its
             rows'), which the shares of the other ranks add up to.
+        dropout_p, seed, offset: the forward's: the keep bits are drawn again (nothing of
+            size `[rows, keys]` was kept or travels).
         return_stats: also return the call's bytes per level, last (as in the forward).
         The other arguments as in `attention_forward`, with the same values; any method may
         differentiate any other's output.
@@ -798,7 +824,7 @@ def attention_backward(dout, q, k, v, out, lse, part, group, *, mask="full",
                              softcap=softcap, method=how, backend=backend,
                              deterministic=deterministic, grads=(dout, out, lse),
                              score_mod=score_mod, aux_grads=bool(aux_grads), sinks=sinks,
-                             ulysses_size=u)
+                             ulysses_size=u, dropout_p=dropout_p, seed=seed, offset=offset)
 
     if aux_grads not in (False, True, "rank"):
         raise ValueError(f"aux_grads must be True, False or 'rank', got {aux_grads!r}")

@@ -33,8 +33,8 @@ from varlen.plan import build_plan
 
 from .partition import partition as make_partition
 
-__all__ = ["call_traffic", "ring_kv_elements", "ITEMSIZE", "Cluster", "PRESETS", "Batch", "predict", "model",
-           "lower_bound", "candidates", "choose"]
+__all__ = ["call_traffic", "ring_kv_elements", "ITEMSIZE", "Cluster", "PRESETS", "Batch",
+           "predict", "model", "lower_bound", "candidates", "choose"]
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 

@@ -14,6 +14,7 @@ from varlen import backends
 from varlen._array import array_module, digest, host_copy, to_working
 from varlen._setup import check_context_parallel, working_mask
 from varlen._validate import FLOAT_DTYPES, dtype_name
+from varlen.dropout import Dropout, check_dropout
 from varlen.mods import EMPTY, Mods, ScoreMod, split_mask
 
 from .chunked import Partition, _int_arg
@@ -203,7 +204,7 @@ def check_step_plans(steps, *, parts, rank, method, backend, blocks, mask, valid
 
 def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=None,
          head_dim_v=None, on_device=None, score_mod=None, aux_grads=False,
-         ulysses_size=None) -> StepPlans:
+         ulysses_size=None, dropout_p=0.0) -> StepPlans:
     """Build (or fetch from `part`'s cache) rank `rank`'s step plans, to pass as `plan=`.
 
     A training step builds them once per batch and passes them to every layer's
@@ -219,8 +220,9 @@ def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=Non
         mask, method, backend: as the calls will pass them (`mask` may hold a
             `varlen.MaskMod`: its aux arrays are moved to where the plans live);
             ulysses_size: with `method="usp"`, as the calls pass it.
-        score_mod, aux_grads: as the calls will pass them; they pick the backend (one that
-            runs them) and are not part of the plans.
+        score_mod, aux_grads, dropout_p: as the calls will pass them; they pick the backend
+            (one that runs them) and are not part of the plans (nor are dropout's seed and
+            offset: the keep bits are drawn in the kernels).
         on_device: build device plans (True) or host plans (False); default: where `part`'s
             metadata lives. Device plans are built without a host read.
 
@@ -245,8 +247,10 @@ def plan(part, rank, *, dtype, head_dim, mask="full", method="ring", backend=Non
     mods = Mods(mask=mask_mod, score=score_mod,
                 aux_grads=bool(aux_grads) and score_mod is not None and
                 any(score_mod.float_aux()))
-    chosen = backends.select(backend, backends.Problem(name, head_dim, head_dim_v,
-                                                       xp is not np, mods))
+    p = check_dropout(dropout_p)[0]
+    chosen = backends.select(backend, backends.Problem(
+        name, head_dim, head_dim_v, xp is not np, mods,
+        dropout=Dropout(p, 0, 0) if p > 0 else None))
     return step_plans(pq, pk, rank, method, chosen, chosen.default_blocks(name, head_dim),
                       working_mask(base, pq.batch, xp), mask_mod,
                       None if ulysses_size is None else int(ulysses_size))

@@ -60,7 +60,7 @@ import numpy as np
 from varlen._array import set_nan_fill
 from varlen.backends.cupy import launch as cupy_launch
 from varlen.backends.cupy import traits
-from varlen.backends.cupy.compile import ENTRY_FILE
+from varlen.backends.cupy.compile import ENTRY_FILE, POLL_LIMIT_ENV, poll_limit
 from varlen.kernels_cuda import SOURCE_DIR
 
 # The emulation's own headers (host_emulation*.cuh) and entry points: never part of the product.
@@ -126,12 +126,14 @@ def _compile_command(source, out, flags, source_dir, defines=()):
             f"-I{EMULATION_DIR}", *defines, source, "-o", out]
 
 
-def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None, prelude="", DV=None):
+def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None, prelude="", DV=None,
+           DROP=False):
     """The library of variant (T, D, BM, BN, BQ, SC): every kernel's entry point, with the
     tiles the launchers pass as template arguments (None: `traits.tile_size`'s): `KN` and
     `STAGES` of the mma.sync forward, `KN90` of the sm_90a forward. `prelude`: what a module's
     source puts ahead of the kernels (a call's generated mask_mod and score_mod,
-    `varlen.backends.cupy.mods`), included first. `DV`: head_dim_v (None: D)."""
+    `varlen.backends.cupy.mods`), included first. `DV`: head_dim_v (None: D). `DROP`: the
+    mma.sync kernels with dropout (their DROPOUT template argument)."""
     race, schedule, seed, strict_banks, source_dir = _mode()
     mma = traits.tile_size("fwd", "mma", "float16", D, BM, BN)
     KN = mma.key_chunk if KN is None else KN
@@ -139,7 +141,8 @@ def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None, prelude="", DV
     KN90 = traits.tile_size("fwd", "sm90a", "float16", D, BM, BN).key_chunk if KN90 is None \
         else KN90
     DV = D if DV is None else DV
-    key = (T, D, BM, BN, BQ, SC, KN, STAGES, KN90, prelude, race, source_dir, DV)
+    limit = poll_limit()
+    key = (T, D, BM, BN, BQ, SC, KN, STAGES, KN90, prelude, race, source_dir, DV, limit, DROP)
     if key not in _libs:
         if race and not tsan_loaded():
             raise RuntimeError("VARLEN_EMULATION_RACE=1 needs the ThreadSanitizer runtime "
@@ -147,13 +150,16 @@ def _build(T, D, BM, BN, BQ, SC, KN=None, STAGES=None, KN90=None, prelude="", DV
         os.makedirs(BUILD_DIR, exist_ok=True)
         flags = TSAN_FLAGS if race else ()
         dv_tag = "" if DV == D else f"DV{DV}"       # the D == DV libraries keep their tags
+        dv_tag += f"poll{limit}" if limit else ""
+        dv_tag += "DROP" if DROP else ""
         tag = hashlib.sha256(f"{key[:10]}{flags}{_sources_hash(source_dir)}{dv_tag}".encode())
         path = os.path.join(BUILD_DIR, f"varlen_emu_{tag.hexdigest()[:16]}.so")
         if not os.path.exists(path):
             tmp = f"{path}.{os.getpid()}.tmp"
             defines = (f"-DEMU_T={T}", f"-DEMU_D={D}", f"-DEMU_BM={BM}", f"-DEMU_BN={BN}",
                        f"-DEMU_BQ={BQ}", f"-DEMU_SC={SC}", f"-DEMU_KN={KN}",
-                       f"-DEMU_STAGES={STAGES}", f"-DEMU_KN90={KN90}", f"-DEMU_DV={DV}")
+                       f"-DEMU_STAGES={STAGES}", f"-DEMU_KN90={KN90}", f"-DEMU_DV={DV}",
+                       f"-D{POLL_LIMIT_ENV}={limit}", f"-DEMU_DROP={int(DROP)}")
             if prelude:
                 header = f"{path[:-3]}_prelude.cuh"
                 with open(header, "w") as f:
@@ -183,6 +189,15 @@ def bank_counts():
     return [int(x) for x in total]
 
 
+def user_mask_calls():
+    """Summed over the kernels run so far: the pairs a mask_mod was evaluated on."""
+    total = 0
+    for lib in _libs.values():
+        lib.emu_user_mask_calls.restype = ctypes.c_ulonglong
+        total += int(lib.emu_user_mask_calls())
+    return total
+
+
 class _Kernel:
     """Stands for a CuPy RawKernel: same call signature; runs the emulated kernel.
 
@@ -196,7 +211,7 @@ class _Kernel:
     MAX_PARAMS = 32
 
     def __init__(self, name: str, block_m: int, block_n: int = 64, prelude: str = "",
-                 dv: int | None = None):
+                 dv: int | None = None, drop: bool = False):
         self.name = name
         self.prelude = prelude
         self.max_dynamic_shared_size_bytes = 0
@@ -214,11 +229,13 @@ class _Kernel:
             D, BM, BN, SC = int(a[1]), int(a[2]), int(a[3]), a[4]
             tiles = dict(KN=int(a[5]), STAGES=int(a[6]))
             dv = int(a[7]) if a[7:] else None
+            drop = a[8:9] == ["true"]
         elif kind == "varlen_bwd_dkdv":
             D, BN, SC = int(a[1]), int(a[2]), a[4]
             # ordered dQ (a 7th argument, true) is atomic dQ in a fixed order
             kind += "_ordered" if a[6:7] == ["true"] else "_atomic" if a[5] == "true" else ""
             dv = int(a[7]) if a[7:] else None
+            drop = a[8:9] == ["true"]
         elif kind == "varlen_bwd_preprocess":
             D = int(a[1])
             dv = int(a[2]) if a[2:] else None
@@ -229,7 +246,9 @@ class _Kernel:
         # the dK/dV kernel's query chunk everywhere, so that one library serves the variant
         bq = (int(a[3]) if kind.startswith("varlen_bwd_dkdv")
               else traits.tile_size("bwd", "mma", "float16", D, 64, BN).query_chunk)
-        self._bind(kind, T, D, BM, BN, bq, SC, DV=dv, **tiles)
+        # the preprocessing and dQ conversion (no dropout of their own) run in the library of
+        # their module's kernels (`drop`)
+        self._bind(kind, T, D, BM, BN, bq, SC, DV=dv, DROP=drop, **tiles)
 
     def _bind(self, kind, T, D, BM, BN, bq, SC, **tiles):
         """The entry point `kind` of the library of variant (T, D, BM, BN, bq, SC) (`tiles`:
@@ -255,8 +274,9 @@ class _Kernel:
                   for i, (a, size) in enumerate(zip(args, self.param_sizes))]
         params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
         grid = tuple(grid) + (1,) * (2 - len(grid))
-        self.lib.emu_launch(self.key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-                            ctypes.c_uint(block[0]), ctypes.c_size_t(shared_mem), params)
+        rc = self.lib.emu_launch(self.key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
+                                 ctypes.c_uint(block[0]), ctypes.c_size_t(shared_mem), params)
+        check_launch(self.name, rc)
 
     def _bytes_of(self, i, a, size):
         """Argument i as the bytes CuPy would pass, in a buffer aligned for any parameter."""
@@ -272,7 +292,7 @@ class _Kernel:
             assert a.flags.c_contiguous, f"{self.name}: argument {i} is not contiguous"
             value, what = ctypes.c_void_p(a.ctypes.data), "a pointer"
             got = ctypes.sizeof(value)
-        elif isinstance(a, (np.int32, np.float32, np.int64, np.uint64)):
+        elif isinstance(a, (np.int32, np.uint32, np.float32, np.int64, np.uint64)):
             value = np.ctypeslib.as_ctypes_type(a.dtype)(a.item())
             what = f"a {a.dtype} scalar"
             got = ctypes.sizeof(value)
@@ -283,6 +303,19 @@ class _Kernel:
             raise TypeError(f"{self.name}: argument {i} is {what} ({got} B) but the kernel's "
                             f"parameter has {size} B")
         return value
+
+
+class LaunchError(RuntimeError):
+    """An emulated launch that failed as a GPU launch fails: a thread trapped (`__trap`, after
+    the kernel's printf), and the launch stopped (CUDA_ERROR_LAUNCH_FAILED on a GPU)."""
+
+
+def check_launch(name: str, rc: int) -> None:
+    """Raise for an emulated launch's return code (emu_launch: 0 done, 1 trapped, -1 unknown)."""
+    if rc == 1:
+        raise LaunchError(f"{name}: the launch failed: a thread trapped (its message is on "
+                          "stdout and stderr above)")
+    assert rc == 0, f"{name}: no such entry point in the emulation"
 
 
 def _counted(name: str, kind: str):
@@ -368,7 +401,7 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
     """Replace `cupy` by NumPy plus an emulating RawModule (this process only), for plans of
     tiles (block_m, block_n)."""
     fake = types.ModuleType("cupy")
-    for n in ("int32", "float32", "int64", "uint64", "uint16", "ndarray"):
+    for n in ("int32", "float32", "float64", "int64", "uint64", "uint16", "ndarray", "where"):
         setattr(fake, n, getattr(np, n))
 
     # Counted as CuPy runs them: zeros, and full with 0, are a cudaMemsetAsync; full with any
@@ -396,7 +429,8 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
 
         def get_function(self, name):
             assert name in self.names, f"{name} is not among the name expressions"
-            return _Kernel(name, block_m, block_n, self.prelude, _module_dv(self.names))
+            return _Kernel(name, block_m, block_n, self.prelude, _module_dv(self.names),
+                           _module_drop(self.names))
 
     fake.RawModule = RawModule
     fake.logical_or = np.logical_or                  # varlen._device_errors.record
@@ -420,6 +454,16 @@ def _module_dv(names) -> int | None:
         if m:
             return int(m.group(1))
     return None
+
+
+def _module_drop(names) -> bool:
+    """Whether a module's kernels run dropout (a last template argument `true` of its forward
+    or dK/dV kernel: `mma.KernelSpec.dropout`)."""
+    for name in names:
+        m = re.fullmatch(r"varlen_(?:fwd|bwd_dkdv)<(.*)>", name)
+        if m and [x.strip() for x in m.group(1).split(",")][8:9] == ["true"]:
+            return True
+    return False
 
 
 def module_prelude(code: str) -> str:

@@ -2,6 +2,7 @@
 kernels in turn and check that the emulation catches the removal.
 
     python emulation/mutations.py [--sites SUBSTRING ...] [--list] [--timeout S]
+    python emulation/mutations.py --keep-bit      # dropout's keep-bit mutations (below)
 
 Each call site of `__syncthreads()`, `__syncwarp()` and `cp_async_wait<N>()` in the kernel
 sources (`kernels_cuda/*.cuh`, the emulation's own headers excepted) is removed from a copy of
@@ -22,6 +23,11 @@ instead (300 sequences over the shipped scan and tile blocks, several warps each
 thread has partial sums to publish), compared with the NumPy plan: with warps one at a time in a
 seeded order, then under ThreadSanitizer.
 
+Dropout's keep bit (`KEEP_BIT_MUTATIONS`, `--keep-bit`): each mutation of kernels_cuda/dropout.cuh
+(a lane taking the word of another key, j & 3 off) runs its exact keep-set case of
+tests/emulation/test_cupy_dropout.py, which must fail (tests/emulation/test_cupy_dropout.py runs
+them too).
+
 A mutation no run catches is a gap of the emulation (exit status 1). The strict cases reach three
 partner chunks per block, so the barrier that ends a loop step is exercised (it only matters
 from the third). Prints one line per mutation: the site, caught or not, by what, and the time.
@@ -32,7 +38,9 @@ The sm_90a kernels (`fwd_sm90.cuh`, `bwd_sm90.cuh`) have sites of their own: eve
 emulation/sm90_cases.py (`SM90_CASES`): the forward's, the pipeline's case (two consumer
 warpgroups in ping-pong, 1 to 6 key chunks per query tile, partial chunks whose boxes hold NaN
 rows, a NaN in a present key; the persistent loop's 16 work items over 3 blocks, so Q's
-handshake and the ring's phases run across items); the backward's, four cases (two consumer
+handshake and the ring's phases run across items) and a sliding window's (items with a partial
+chunk at both ends: the forward walks partial chunks first, so only there does a partial chunk
+come after the first, whose `ready` the loop's wait covers); the backward's, four cases (two consumer
 warpgroups, four query chunks per key tile: the ring wraps twice; a partial query chunk and a
 ragged key tile, NaN in the pad rows; D = 256; then the deterministic mode, whose consumers'
 barrier orders the dQ additions), with the threads free-running:
@@ -80,7 +88,8 @@ RUNS = (("schedule", [*EMULATION, "--schedule", "random", "--seeds", "0,1"], {})
         ("schedule, NaN case", EDGE_CASE, {"VARLEN_EMULATION_SCHEDULE": "random"}),
         ("race, NaN case", EDGE_CASE, {"VARLEN_EMULATION_RACE": "1", "LD_PRELOAD": "tsan"}))
 # The cases of emulation/sm90_cases.py each sm_90a kernel source's sites run.
-SM90_CASES = {"fwd_sm90.cuh": ("B7-bf16-D64-BM128-chunks-1-2-3-6",),
+SM90_CASES = {"fwd_sm90.cuh": ("B7-bf16-D64-BM128-chunks-1-2-3-6",
+                                "B2-fp16-D64-BM128-window-masked-chunks"),
               "bwd_sm90.cuh": ("B2-bf16-D128-BN128-full-gqa", "B3-fp16-D64-BN128-deterministic-gqa",
                                "B3-bf16-D256-softcap-gqa-nan",
                                "B3-bf16-D128-BN128-deterministic-softcap-nan")}
@@ -110,8 +119,20 @@ def sm90_runs(name):
 # So the ready wait alone orders the copy's bytes and the sanitising stores before the
 # consumers' reads (release and acquire chain through the producer threads): the first two
 # waits are defensive. (Each was removed in the sweep: no run failed.)
-REDUNDANT = (("bwd_sm90.cuh", "sm90::mbar_wait(sm.kv_full(), 0)", "mbar_wait(sm.kv_ready(), 0)"),
-             ("bwd_sm90.cuh", "sm90::mbar_wait(sm.kv_ready(), 0)", "for (int i = 0;; ++i)"))
+REDUNDANT = (("bwd_sm90.cuh", 'sm90::mbar_wait(sm.kv_full(), 0, "kv_full")',
+              "mbar_wait(sm.kv_ready(), 0"),
+             ("bwd_sm90.cuh", 'sm90::mbar_wait(sm.kv_ready(), 0, "kv_ready")',
+              "for (int i = 0;; ++i)"))
+
+# Mutations of dropout's keep bit (kernels_cuda/dropout.cuh), each caught by a case of
+# tests/emulation/test_cupy_dropout.py (its keep set checked exactly against the rule):
+# (file, text, replacement, what it breaks, the case that catches it).
+KEEP_BIT_MUTATIONS = (
+    ("dropout.cuh", "mine, half ^ p) >> (2 * p);", "mine, half ^ p) >> (2 - 2 * p);",
+     "the forward takes the other lane pair's words (key j & 3 off by 2)", "keep-set"),
+    ("dropout.cuh", "mine, 4 * (c ^ s)) >> s;", "mine, 4 * (c ^ s)) >> (s ^ 1);",
+     "the dK/dV kernel takes a neighbour key's word (j & 3 ^ 1)", "keep-set"),
+)
 
 
 def sites(source_dir=SOURCE_DIR):
@@ -212,7 +233,11 @@ def main(argv=None):
                    "(labels: " + ", ".join(r[0] for r in RUNS + sm90_runs(SM90_FILES[0])
                                            + PLAN_RUNS) + ")")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--keep-bit", action="store_true",
+                   help="run dropout's keep-bit mutations (KEEP_BIT_MUTATIONS) instead")
     args = p.parse_args(argv)
+    if args.keep_bit:
+        return keep_bit_main(args.timeout)
     todo = [s for s in sites()
             if not args.sites or any(x in site_id(s) for x in args.sites)]
     if args.list:
@@ -226,6 +251,32 @@ def main(argv=None):
         print(f"{'caught' if by else 'MISSED'}  {site_id(site)}: {by or 'no run failed'} "
               f"({seconds:.0f} s)", flush=True)
     print(f"{len(todo) - missed} of {len(todo)} removals caught")
+    return 1 if missed else 0
+
+
+def keep_bit_main(timeout=900):
+    """Each of KEEP_BIT_MUTATIONS on a copy of the sources, its case run: caught or not."""
+    case_file = os.path.join(TESTS, "emulation", "test_cupy_dropout.py")
+    missed = 0
+    for name, old, new, what, case in KEEP_BIT_MUTATIONS:
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix="varlen_mutant_") as tmp:
+            for f in os.listdir(SOURCE_DIR):
+                if f.endswith((".cu", ".cuh")):
+                    shutil.copy(os.path.join(SOURCE_DIR, f), tmp)
+            path = os.path.join(tmp, name)
+            with open(path) as f:
+                text = f.read()
+            assert text.count(old) == 1, f"{old!r} is not in {name} once"
+            with open(path, "w") as f:
+                f.write(text.replace(old, new))
+            proc = subprocess.run([sys.executable, case_file, case], cwd=ROOT,
+                                  env=_env(tmp, {}), capture_output=True, text=True,
+                                  timeout=timeout)
+        caught = proc.returncode != 0 and "keep bits differ" in proc.stdout + proc.stderr
+        missed += not caught
+        print(f"{'caught' if caught else 'MISSED'}  {name}: {what} ({case}, "
+              f"{time.time() - t0:.0f} s)", flush=True)
     return 1 if missed else 0
 
 

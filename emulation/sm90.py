@@ -11,10 +11,31 @@ import numpy as np
 
 from varlen.backends.cupy import sm90
 
-from .cupy import LANDING, OPTIN_SMEM, _build, _Kernel, _mode, module_prelude
+from .cupy import LANDING, OPTIN_SMEM, _build, _Kernel, _mode, check_launch, module_prelude
 
 # The SMs of the stand-in device: few, so that its blocks loop over several work items each.
 EMULATED_SM_COUNT = 3
+
+
+def kernel_params(name: str, args, sizes) -> tuple:
+    """The kernelParams of a launch of kernel `name` whose parameters have `sizes` bytes: an
+    array of pointers, one to each argument's bytes (`_Kernel._bytes_of`: size-checked), the
+    tensor maps copied to 64-byte aligned buffers (the parameter type is alignas(64)); and the
+    buffers to keep alive until the launch returns."""
+    assert len(args) == len(sizes), f"{name}: {len(args)} arguments for {len(sizes)} parameters"
+    fake = _Kernel.__new__(_Kernel)
+    fake.name = name
+    values = [fake._bytes_of(i, a, size) for i, (a, size) in enumerate(zip(args, sizes))]
+    addresses, keep = [], list(values)
+    for v in values:
+        addr, size = ctypes.addressof(v), ctypes.sizeof(v)
+        if size == sm90.TENSOR_MAP_DTYPE.itemsize:
+            buf = (ctypes.c_char * (size + 64))()
+            keep.append(buf)
+            addr = -(-ctypes.addressof(buf) // 64) * 64
+            ctypes.memmove(addr, ctypes.addressof(v), size)
+        addresses.append(addr)
+    return (ctypes.c_void_p * len(addresses))(*addresses), keep
 
 
 class EmulatedRuntime:
@@ -82,25 +103,24 @@ class EmulatedRuntime:
         n = lib.emu_sm90_param_sizes(key, sizes)
         assert n == len(args), f"{spec.name}: {len(args)} arguments for {n} parameters"
         assert spec.smem <= OPTIN_SMEM, f"{spec.name}: {spec.smem} B of shared memory"
-        # _Kernel._bytes_of: each argument as the bytes a GPU launch passes, size-checked
-        # (tensor maps copied to 64-byte aligned buffers: the parameter type is alignas(64))
-        fake = _Kernel.__new__(_Kernel)
-        fake.name = spec.name
-        values = [fake._bytes_of(i, a, size) for i, (a, size) in enumerate(zip(args, sizes))]
-        addresses, keep = [], []
-        for v in values:
-            addr, size = ctypes.addressof(v), ctypes.sizeof(v)
-            if size == sm90.TENSOR_MAP_DTYPE.itemsize:
-                buf = (ctypes.c_char * (size + 64))()
-                keep.append(buf)
-                addr = -(-ctypes.addressof(buf) // 64) * 64
-                ctypes.memmove(addr, ctypes.addressof(v), size)
-            addresses.append(addr)
-        params = (ctypes.c_void_p * n)(*addresses)
+        params, keep = kernel_params(spec.name, args, sizes[:n])
         self.grids.append(tuple(grid))
+        self._last_lib = lib
+        self.last_spec = spec                 # the variant of the last launch
+        lib.emu_sm90_tma_trace_clear()
         rc = lib.emu_sm90_launch(key, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
                                  ctypes.c_uint(spec.threads), ctypes.c_size_t(spec.smem), params)
-        assert rc == 0, f"{spec.name}: no such entry point in the emulation"
+        check_launch(spec.name, rc)
+
+
+    def tma_trace(self) -> np.ndarray:
+        """The TMA loads of the last launch, in issue order: int64 rows (block x, block y,
+        the map's global address, c0, c1, c2)."""
+        lib = self._last_lib
+        n = lib.emu_sm90_tma_trace(None, ctypes.c_size_t(0))
+        out = np.zeros((n, 6), np.int64)
+        lib.emu_sm90_tma_trace(ctypes.c_void_p(out.ctypes.data), ctypes.c_size_t(n))
+        return out
 
 
 def install(sm_count: int = EMULATED_SM_COUNT) -> EmulatedRuntime:

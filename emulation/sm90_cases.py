@@ -11,7 +11,8 @@ block here), block after block. The forward is persistent: the emulation's stand
 slot, head) work items; the runner checks that the launch had that many blocks.
 
 A case's fields: the batch (`make_batch`'s lengths, heads, dtype, mask,
-gaps; `mask` a name or ("mixed",) / ("window",), `_mask`), `softcap`, the plan's `block_m` and
+gaps; `mask` a name or ("mixed",) / ("window",), or ("mod", name): a mask_mod, alone or
+ANDed with a built-in mask; `_mask`), `softcap`, the plan's `block_m` and
 `block_n` (64 when absent), `nan_in_pad` (every row outside a sequence holds NaN), `nan`
 ({tensor: (sequence, row inside it)}: a NaN in k, v or dout before the call, in q after the
 reference forward, so that out and lse of its row stay finite; row -1 is the sequence's last),
@@ -191,6 +192,29 @@ BACKWARD = {
         nan={"k": (1, 8), "q": (0, 40), "dout": (0, 50)}, deterministic=True),
 }
 
+# The backward with a mask_mod (varlen.MaskMod: every kept chunk tested pair by pair, the
+# band AND the mask_mod, kernels_cuda/bwd_sm90.cuh's user_bits)
+BACKWARD_MASK_MOD = {
+    # prefix-LM (a per-sequence aux array: prefixes 0, 1, 9, 0, 40), zero-length sequences
+    # (the first and the last), length 1, lengths off the chunk, pad gaps with NaN, GQA 4:2, one
+    # consumer warpgroup; NaN in a key of sequence 2 past its prefix (only the queries at and
+    # after it see it) and in a dout row of sequence 4
+    "B5-fp16-D64-BN64-prefix-lm-gqa-nan": dict(
+        lengths_q=[0, 1, 70, 33, 0], lengths_k=[0, 1, 70, 33, 0], Hq=4, Hk=2, D=64,
+        dtype="float16", mask=("mod", "prefix-lm"), gaps=True, softcap=0.0, block_m=64,
+        block_n=64, nan_in_pad=True, nan={"k": (2, 50), "dout": (3, 20)}),
+    # chunked causal (chunks of 16) ANDed with a bottom-right causal Mask: rows of sequence 0
+    # that the pair hides from every key (lse -inf: dq 0, no NaN), query chunks that see no
+    # key of a kept key tile (P^T = dS^T = 0 throughout), two consumer warpgroups at D = 128
+    # (dQ by columns), ordered dQ (three key tiles meet the last query tile), GQA 2:1, a
+    # softcap
+    "B3-bf16-D128-BN128-chunked-and-causal-ordered": dict(
+        lengths_q=[40, 0, 260], lengths_k=[30, 5, 260], Hq=2, Hk=1, D=128, dtype="bfloat16",
+        mask=("mod", "chunked&causal"), gaps=True, softcap=5.0, block_m=128, block_n=128,
+        nan_in_pad=True, deterministic=True),
+}
+BACKWARD.update(BACKWARD_MASK_MOD)
+
 # label -> case, with the kernels (`kinds`) that run it
 CASES = {**{k: dict(c, kinds=("fwd", "bwd")) for k, c in BOTH.items()},
          **{k: dict(c, kinds=("fwd",)) for k, c in FORWARD.items()},
@@ -206,18 +230,40 @@ PIPELINE = "B7-bf16-D64-BM128-chunks-1-2-3-6"
 PERSISTENT = "P6-bf16-D64-BM128-2ctas-gqa-mixed"
 PACKED = "G6-fp16-D64-BM128-pack4-decode-nan-key"
 # the first case, both kinds (the sanitizer's, the smoke run's), and the quick run's: those, the
-# persistent loop and GQA packing
+# persistent loop, GQA packing and the backward's mask_mod
 FIRST = "B4-fp16-D64-BM64-causal-gaps-nan"
 HEAD_DIM_V = "G3-bf16-D192-Dv128-BM64-pack2-softcap-mixed"
-QUICK = [(FIRST, "fwd"), (FIRST, "bwd"), (PERSISTENT, "fwd"), (PACKED, "fwd"), (HEAD_DIM_V, "fwd")]
+MASK_MOD = "B5-fp16-D64-BN64-prefix-lm-gqa-nan"
+QUICK = [(FIRST, "fwd"), (FIRST, "bwd"), (PERSISTENT, "fwd"), (PACKED, "fwd"), (HEAD_DIM_V, "fwd"),
+         (MASK_MOD, "bwd")]
 # the column of a row's NaN (`nan`), by tensor
 NAN_COLUMN = {"q": 11, "k": 3, "v": 3, "dout": 7}
+
+def prefix_lm(b, q_idx, k_idx, prefix):
+    return (k_idx <= q_idx) | (k_idx < prefix[b])
+
+
+def chunked(b, q_idx, k_idx, chunk):
+    return q_idx // chunk[0] == k_idx // chunk[0]
+
+
+def _mask_mod(name: str, B: int):
+    """The mask of mask_mod case `name` for B sequences: "prefix-lm" (prefixes 0, 1, 9, 0, 40
+    in turn), "chunked&causal" (chunks of 16 ANDed with a bottom-right causal Mask)."""
+    import varlen
+    if name == "prefix-lm":
+        return varlen.MaskMod(prefix_lm, np.array([0, 1, 9, 0, 40] * B, np.int32)[:B])
+    assert name == "chunked&causal", name
+    return varlen.MaskMod(chunked, np.array([16], np.int32)) & "causal_bottom_right"
+
 
 def _mask(spec, B):
     """A case's mask: a name, or per sequence: ("mixed",) full, causal and a bottom-right
     window of 7 keys in turn; ("window",) windows of 20 keys (top-left) and 200 keys
-    (bottom-right) in turn."""
+    (bottom-right) in turn; ("mod", name): `_mask_mod(name, B)`."""
     import varlen
+    if spec[0] == "mod":
+        return _mask_mod(spec[1], B)
     if spec == ("window",):
         return varlen.Mask(window_left=np.array([20, 200] * B, np.int32)[:B],
                            window_right=np.zeros(B, np.int32),
@@ -290,7 +336,60 @@ def _forward(label, c, plan, args, runtime):
         items = kplan.num_q_tiles * (c["Hq"] // pack)
         assert runtime.grids == [(max(1, min(items, runtime.sm_count())), 1)], (
             label, runtime.grids, items)
+        # the plan of the variant launched (the forward packs heads where it chooses to)
+        spec = runtime.last_spec
+        walked, reordered = check_chunk_order(label, sm90.packed_plan(plan, spec.pack), args[1],
+                                              args[2], runtime.tma_trace(), spec.key_chunk)
+        print(f"chunk order {label}: {walked} work items, {reordered} reordered", flush=True)
     return out_lse
+
+
+def chunk_order(row_sched, kn: int) -> list:
+    """The key chunks of one query tile (its row schedule, [segments, 5]) in the order the
+    sm_90a forward walks them (PartialsFirstCursor): (first row, full) of each chunk of `kn`
+    rows, the partial ones first, then the full ones, each in the schedule's order."""
+    chunks = []
+    for begin, full_begin, full_end, end, _ in np.asarray(row_sched).tolist():
+        chunks += [(r, full_begin <= r <= full_end - kn) for r in range(begin, end, kn)]
+    return [x for x in chunks if not x[1]] + [x for x in chunks if x[1]]
+
+
+def check_chunk_order(label, kplan, q, k, trace, kn: int) -> tuple:
+    """The K loads of an emulated forward (`trace`: EmulatedRuntime.tma_trace) against
+    `chunk_order`, per work item (the loads of a block after each Q load, its item's tile found
+    by the box's first row). Returns (work items checked, items whose order differs from the
+    schedule's)."""
+    q_addr, k_addr = q.ctypes.data, k.ctypes.data
+    tiles = np.asarray(kplan.q_tiles)
+    row_sched = np.asarray(kplan.q_row_sched)
+    items = {}                                   # (block, item number) -> [q box row, k rows]
+    count = {}
+    for bx, by, addr, c0, c1, c2 in trace.tolist():
+        if addr == q_addr and c0 == 0:
+            count[bx] = count.get(bx, -1) + 1
+            items[(bx, count[bx])] = [c2, []]
+        elif addr == k_addr and c0 == 0:
+            items[(bx, count[bx])][1].append(c2)
+    # the blocks take items in descending order of work (sm90.work_ordered_plan): the n-th
+    # item of block b is item b + n G of the grid's G blocks
+    sched = np.asarray(kplan.q_sched)
+    work = (sched[:, :, 3] - sched[:, :, 0]).sum(axis=1)
+    grid = len(count)
+    by_item = {}
+    for (bx, n), (row, _) in items.items():
+        slot = int(np.flatnonzero((tiles[:, 0] >= 0) & (tiles[:, 2] == row))[0])
+        by_item[bx + n * grid] = int(work[slot])
+    seq = [by_item[i] for i in sorted(by_item)]
+    assert seq == sorted(seq, reverse=True), f"{label}: the items' work in item order: {seq}"
+    reordered = 0
+    for (bx, n), (row, got) in items.items():
+        slot = int(np.flatnonzero((tiles[:, 0] >= 0) & (tiles[:, 2] == row))[0])
+        want = chunk_order(row_sched[slot], kn)
+        assert got == [r for r, _ in want], (
+            f"{label}: block {bx}, item {n} (tile {slot}) loads key chunks at rows {got}, "
+            f"expected the partial ones first: {want}")
+        reordered += [r for r, _ in want] != sorted(r for r, _ in want)
+    return len(items), reordered
 
 
 def run_case(label: str, kind: str, device: bool = False) -> float:
@@ -335,7 +434,9 @@ def run_case(label: str, kind: str, device: bool = False) -> float:
     if kind == "fwd":
         got = _forward(label, c, plan, args, runtime)
     else:
-        got = sm90.backward(plan, *args, deterministic=c.get("deterministic", False), **kw)
+        mods = _mask_mods(b.mask)
+        got = sm90.backward(plan, *args, deterministic=c.get("deterministic", False),
+                            **({"mods": mods} if mods else {}), **kw)
     if device:
         cupy.cuda.Device().synchronize()
         got = tuple(cupy.asnumpy(g) for g in got)
@@ -363,6 +464,13 @@ def run_case(label: str, kind: str, device: bool = False) -> float:
                      naive_err=rel * max(float(np.max(np.abs(want), initial=0.0)), 1e-30),
                      factor=3.0, floor=16.0, magnitude=magnitude)
     return seconds
+
+
+def _mask_mods(mask):
+    """The `varlen.mods.Mods` of a case's mask (None without a mask_mod)."""
+    from varlen.mods import Mods, split_mask
+    mask_mod = split_mask(mask)[1]
+    return None if mask_mod is None else Mods(mask=mask_mod)
 
 
 def _ranks(plan):

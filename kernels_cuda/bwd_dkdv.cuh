@@ -15,9 +15,14 @@
 //     dQ  += dS K  (ATOMIC_DQ: dS^T goes through shared memory, then fp32 atomics; with
 //                  ORDERED_DQ each query chunk's additions come in key-slot order,
 //                  bwd_dq_ordered.cuh: bitwise repeatable)
-// With a mask_mod every query chunk the schedule lists is computed: a block vote between
-// chunks (block_sees_any, as the forward skips key chunks) spilled 12-48 B in kernels at 255
-// registers (docs/cupy_backend.md, "User functions").
+// With DROPOUT, P^T in dV and dP^T are first multiplied by the pair's keep factor, 1 / (1 - p)
+// or 0 (dropout.cuh, drawn again per subtile).
+// With a mask_mod its class of each query chunk against the key tile (UserMaskChunks, mask.cuh)
+// decides before the chunk is loaded: empty, skipped (nothing loaded, computed or added; with
+// ordered dQ the first pass still walks it, to take the block's turn at the chunk's dQ counter:
+// OrderedDq::pass, the same chunks on every run); full,
+// computed as the built-in schedule says; partial, the mask_mod tested pair by pair. A
+// score_mod is applied to every visible pair.
 // Above D = 128 the dK, dV accumulators of a warp (D registers per lane) do not fit: the block
 // walks its query chunks D_PARTS = 2 times, each pass accumulating half of dK's and dV's columns
 // from the full S^T and dP^T (recomputed per pass, about 1.4 times the work at D = 256); dQ
@@ -35,6 +40,7 @@
 
 #include "bwd_dq_ordered.cuh"
 #include "common.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "pipeline.cuh"
@@ -269,11 +275,13 @@ __device__ __forceinline__ void add_dq_atomic(const float (&ds_t)[Cfg::BQ_REG / 
 using namespace varlen;
 
 // DV: head_dim_v, the columns of V, dO and dV (DV < D: multi-head latent attention).
+// DROPOUT: attention dropout (dropout.cuh; params.dropout): each subtile draws its keep bits
+// again, and P (for dV) and dP take 1 / (1 - p) or 0 (softmax_backward).
 template <typename T, int D, int BN, int BQ, bool HAS_SOFTCAP, bool ATOMIC_DQ,
-          bool ORDERED_DQ = false, int DV = D>
+          bool ORDERED_DQ = false, int DV = D, bool DROPOUT = false>
 __global__ void __launch_bounds__(DkdvConfig<D, BN, BQ, ATOMIC_DQ, DV>::NUM_THREADS,
                                   DkdvConfig<D, BN, BQ, ATOMIC_DQ, DV>::MIN_BLOCKS)
-varlen_bwd_dkdv(const BwdParams params) {
+varlen_bwd_dkdv(const __grid_constant__ BwdParams params) {
     using Cfg = DkdvConfig<D, BN, BQ, ATOMIC_DQ, DV>;
     static_assert(ATOMIC_DQ || !ORDERED_DQ, "ordered dQ is atomic dQ in a fixed order");
     const PlanView& plan = params.plan;
@@ -284,8 +292,10 @@ varlen_bwd_dkdv(const BwdParams params) {
     // warps (BN = 128) the unordered kernel without a softcap reads dS per slice (holding it
     // spilled 108 B on sm_90; reading it per slice at D = 64, 32 B), every other kernel holds
     // it. (Unrolling the tiles with dS per slice was the sm_80 ordered kernel's choice while
-    // the cursor walked the tile schedule.)
-    constexpr bool DS_HELD = !(Cfg::NUM_WARPS > 4 && D > 96 && !ORDERED_DQ && !HAS_SOFTCAP);
+    // the cursor walked the tile schedule.) With dropout above D = 128 (two passes) dS is read
+    // per slice too: holding it spilled 16 B on sm_90 at D = 192, Dv = 128 with a softcap.
+    constexpr bool DS_HELD = !(Cfg::NUM_WARPS > 4 && D > 96 && !ORDERED_DQ && !HAS_SOFTCAP) &&
+                             !(DROPOUT && Cfg::D_PARTS > 1);
     const TileBlock<true> b(plan, call);
     if (b.tile.seq < 0) return;
     const WarpSlot& w = b.w;
@@ -311,8 +321,9 @@ varlen_bwd_dkdv(const BwdParams params) {
         float acc_dv[DVC / 8][4];
         zero_acc(acc_dk);
         zero_acc(acc_dv);
-        for_each_chunk(queries, [&](const Chunk& c, int stage) { qs.load(c, stage); },
-                       [&](const Chunk& c, int stage) {
+        for_each_chunk(queries, [&](const Chunk& c, int stage) {
+            if (!c.mod_empty) qs.load(c, stage);
+        }, [&](const Chunk& c, int stage) {
             if constexpr (ATOMIC_DQ) {
                 if (first) {
                     first = false;
@@ -330,12 +341,20 @@ varlen_bwd_dkdv(const BwdParams params) {
                     });
                 }
             }
-            if (!c.full) {
+            if (c.mod_empty) {
+                // a chunk the mask_mod's class empties, kept by the ordered dQ's first pass
+                // only: nothing loaded, computed or added; the block's turn at its dQ taken
+                // and handed on by the leader (OrderedDq::pass)
+                if constexpr (ORDERED_DQ) {
+                    OrderedDq{params.dq_order, plan, call, b.tile, qs.head0}.pass(c);
+                }
+            } else if (!c.full) {
                 // Every thread's lse2/delta copies of the chunk have landed before any flag.
                 __syncthreads();
                 qs.zero_nonfinite(c, stage);
             }
         }, [&](const Chunk& c, int stage) {
+            if (c.mod_empty) return;     // its dQ turn was taken in `own`
             // [16, BQ_REG] S^T, then P^T, and dP^T, then dS^T, of this warp's key rows, for
             // query columns col .. col + BQ_REG - 1 of the chunk
             constexpr int BQ_REG = Cfg::BQ_REG;
@@ -354,8 +373,18 @@ varlen_bwd_dkdv(const BwdParams params) {
                 TileMask<true> mask = key_rows_mask<BN>(pol, b.tile, w, cols, &params.mods,
                                                         qs.head0 + c.head);
                 mask.aux_grads = part == 0;     // once per pair, whatever D_PARTS
-                recompute_p_ds<HAS_SOFTCAP, T, D, DV>(acc_s, acc_dp, smem.k, smem.v, s_q, s_do,
-                                                  mask, stats, call, w);
+                if constexpr (DROPOUT) {
+                    const DropoutDraw d = dropout_draw(params.dropout, b.tile.seq,
+                                                       qs.head0 + c.head);
+                    const TileDropout<BQ_REG / 8> drop{
+                        keep_key_rows<BQ_REG / 8>(d, mask.row_pos, mask.col_pos0, w.lane),
+                        params.dropout.scale};
+                    recompute_p_ds<HAS_SOFTCAP, T, D, DV>(acc_s, acc_dp, smem.k, smem.v, s_q,
+                                                          s_do, mask, stats, call, w, drop);
+                } else {
+                    recompute_p_ds<HAS_SOFTCAP, T, D, DV>(acc_s, acc_dp, smem.k, smem.v, s_q,
+                                                          s_do, mask, stats, call, w);
+                }
                 gemm_pb<T, DVC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dv, acc_s, s_do + vcol0, w.lane);
                 gemm_pb<T, DC / 8, BQ_REG / 8, Cfg::STRIDE>(acc_dk, acc_dp, s_q + col0, w.lane);
                 if constexpr (ATOMIC_DQ && Cfg::SUBTILES > 1) {
@@ -382,7 +411,8 @@ varlen_bwd_dkdv(const BwdParams params) {
                     }
                 }
             }
-        });
+        }, UserMaskChunks<true, !(ORDERED_DQ && DROPOUT)>{params.mods, b.tile,
+                                                          ORDERED_DQ && part == 0});
         HeadRows<T> dk_rows = head_rows(static_cast<T*>(params.dk), params.dk_strides, b.i_head);
         HeadRows<T> dv_rows = head_rows(static_cast<T*>(params.dv), params.dv_strides, b.i_head);
         dk_rows.p += col0;

@@ -35,11 +35,23 @@ __device__ __forceinline__ int load_acquire_gpu(const int* p) {
     return v;
 }
 
-// Waits until *counter == value (acquire). `what` and `index` name the counter in the
-// emulation's message.
-__device__ __forceinline__ void spin_wait_equal(const int* counter, int value, const char*,
-                                                int64_t) {
-    while (load_acquire_gpu(counter) != value) {
+// Waits until *counter == value (acquire). `what` and `index` name the counter, the call site
+// (file, line, function) the wait, in the messages of the emulation and of a build with
+// VARLEN_POLL_LIMIT (common.cuh), which traps after that many polls.
+__device__ __forceinline__ void spin_wait_equal(const int* counter, int value, const char* what,
+                                                int64_t index, const char* file, int line,
+                                                const char* function) {
+    if constexpr (VARLEN_POLL_LIMIT > 0) {
+        int seen;
+        for (int polls = 1; (seen = load_acquire_gpu(counter)) != value; ++polls) {
+            if (polls == VARLEN_POLL_LIMIT) {
+                poll_limit_reached(file, line, function, "counter", what, index, value, true,
+                                   seen);
+            }
+        }
+    } else {
+        while (load_acquire_gpu(counter) != value) {
+        }
     }
 }
 
@@ -52,6 +64,12 @@ __device__ __forceinline__ void release_increment_gpu(int* p, int /*fenced_by*/)
 
 __device__ __forceinline__ void store_release_gpu(int* p, int value, int /*fenced_by*/) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(value) : "memory");
+}
+
+// Adds 1 to a counter with release semantics for a block that added nothing there
+// (OrderedDq::pass): no fence to check.
+__device__ __forceinline__ void pass_increment_gpu(int* p) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" :: "l"(p) : "memory");
 }
 #endif
 
@@ -94,12 +112,16 @@ struct OrderedDq {
     // The leader waits for the block's turn at chunk c and returns its rank; every thread
     // that adds must pass a barrier after it before adding (in the mma.sync kernel, the one
     // that publishes dS^T).
-    __device__ __forceinline__ int acquire(const Chunk& c,
-                                           bool leader = threadIdx.x == 0) const {
+    // The call site names the wait in a message (spin_wait_equal).
+    __device__ __forceinline__ int acquire(const Chunk& c, bool leader = threadIdx.x == 0,
+                                           const char* file = __builtin_FILE(),
+                                           int line = __builtin_LINE(),
+                                           const char* function = __builtin_FUNCTION()) const {
         int turn = 0;
         if (leader) {
             turn = rank(c);
-            spin_wait_equal(dq_order + counter(c), turn, "dq_order", counter(c));
+            spin_wait_equal(dq_order + counter(c), turn, "dq_order", counter(c), file, line,
+                            function);
         }
         return turn;
     }
@@ -130,6 +152,18 @@ struct OrderedDq {
         release<CARRY_RANK>(c, turn, threadIdx.x == 0, static_cast<int>(blockDim.x), [] {
             __syncthreads();
         });
+    }
+
+    // The block's turn at chunk c, where it adds nothing (the mask_mod's class of the chunk is
+    // empty: dK/dV skip it), taken and handed on by the leader alone: no fence, no barrier
+    // (the additions its release orders are the earlier blocks', which its acquire saw). The
+    // same chunks on every run, so the order of the additions does not change; the key tiles
+    // ranked after it need not know.
+    __device__ __forceinline__ void pass(const Chunk& c, bool leader = threadIdx.x == 0) const {
+        if (leader) {
+            acquire(c, true);
+            pass_increment_gpu(dq_order + counter(c));
+        }
     }
 };
 

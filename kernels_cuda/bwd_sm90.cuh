@@ -54,7 +54,8 @@
 namespace varlen {
 
 // The query chunk a stage holds, as the producer's cursor gave it (the consumers walk no cursor
-// of their own: its state would take registers from the accumulators); `valid` 0 ends the walk.
+// of their own: its state would take registers from the accumulators); `valid` 0 ends the walk,
+// else it is 1 + the mask_mod's class of the chunk against the key tile (`chunk_class`).
 struct StagedChunk {
     Chunk chunk;
     int valid;
@@ -79,8 +80,10 @@ struct BwdSm90Config {
     static constexpr int DC = D / COL_PARTS;             // dK, dV, dQ columns per consumer
     static constexpr int NUM_CONSUMERS = KEY_GROUPS * COL_PARTS;
     // Query subtiles per chunk: at D = 256 two of 32 queries, so that S^T and dP^T take 32
-    // registers each beside dK and dV's 128 (wgmma N = 32)
-    static constexpr int SUBTILES = COL_PARTS;
+    // registers each beside dK and dV's 128 (wgmma N = 32); the same with a mask_mod
+    // (mods.cuh), whose answers for 64 queries (user_bits) and their arithmetic spilled
+    // (8-28 B at D = 128, BN = 128)
+    static constexpr int SUBTILES = COL_PARTS == 2 || HAS_MASK_MOD ? 2 : 1;
     static constexpr int BQS = BQ / SUBTILES;
     static constexpr int NUM_THREADS = WG_THREADS * (1 + NUM_CONSUMERS);
     static constexpr int STAGES = 2;
@@ -126,7 +129,12 @@ struct BwdSm90Config {
     // ENTRY_REGS per thread (64 K over the block's threads, in units of 8, at most 255).
     static constexpr int ENTRY_REGS = (65536 / NUM_THREADS > 255 ? 255 : 65536 / NUM_THREADS)
                                       / 8 * 8;
-    static constexpr int PRODUCER_REGS = 40;
+    // The producer classifies each query chunk by the mask_mod (chunk_class) up to D = 128:
+    // with one consumer in 56 registers (40 spilled 32 B for a tree mask_mod's class); at
+    // D = 256 not at all (its two consumers leave it 40, where a sliding + global-tokens
+    // mask_mod's class spilled 4 B): every chunk there is tested pair by pair
+    static constexpr bool CLASSIFIES = HAS_MASK_MOD && D <= 128;
+    static constexpr int PRODUCER_REGS = CLASSIFIES && NUM_CONSUMERS == 1 ? 56 : 40;
     static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 240 : 232;
 
     static_assert(BN == 64 || BN == 128, "one or two consumer warpgroups of 64 key rows");
@@ -235,16 +243,32 @@ __device__ __forceinline__ void sanitize_query_chunk(T* s_q, T* s_do, float* s_d
     if (bad_q || bad_do) s_delta[t] = nan_f();
 }
 
+// The mask_mod's class (mods.cuh: user_mask_class) of the queries of chunk c against the keys
+// of the tile where the configuration classifies (BwdSm90Config::CLASSIFIES); TILE_FULL
+// without a mask_mod, TILE_PARTIAL with one where it does not classify.
+template <typename Cfg>
+__device__ __forceinline__ int chunk_class(const ModParams& mods, const Chunk& c,
+                                           const TileInfo& tile) {
+    if constexpr (Cfg::CLASSIFIES) {
+        return user_mask_class<false>(mods, tile.seq, c.pos, c.pos + c.rows - 1, tile.pos,
+                               tile.pos + tile.rows - 1);
+    } else {
+        return HAS_MASK_MOD ? TILE_PARTIAL : TILE_FULL;
+    }
+}
+
 // The producer warpgroup: thread 0 loads K and V once and Q and dO of every query chunk of the
-// tile's schedule (all G query heads of the key head) into the stage ring; thread t < BQ loads
+// tile's schedule (all G query heads of the key head) into the stage ring, and stages the chunk
+// with the mask_mod's class (`chunk_class`: within the producer's registers, where the
+// consumers' dK and dV leave no room for its interval arithmetic); thread t < BQ loads
 // lse2 and delta of the chunk's row t (lse2 = +inf, delta = 0 past the chunk); on the key tile
 // and on a partial chunk the warpgroup sanitises the landed rows before handing them on.
 template <typename T, typename Cfg>
 __device__ __forceinline__ void bwd_sm90_producer(
     const sm90::TensorMap* map_q, const sm90::TensorMap* map_k, const sm90::TensorMap* map_v,
     const sm90::TensorMap* map_do, const float* lse2, const float* delta,
-    const BwdSm90Smem<T, Cfg>& sm, const PlanView& plan, const TileInfo& tile, int i_tile,
-    int i_khead, int group) {
+    const BwdSm90Smem<T, Cfg>& sm, const PlanView& plan, const ModParams& mods,
+    const TileInfo& tile, int i_tile, int i_khead, int group) {
     constexpr int STAGES = Cfg::STAGES, BQ = Cfg::BQ;
     const int t = threadIdx.x;
     if (t == 0) {
@@ -252,7 +276,7 @@ __device__ __forceinline__ void bwd_sm90_producer(
         load_rows<Cfg, Cfg::BN>(sm.k(), map_k, sm.kv_full(), i_khead, tile.row);
         load_rows<Cfg, Cfg::BN>(sm.v(), map_v, sm.kv_full(), i_khead, tile.row);
     }
-    sm90::mbar_wait(sm.kv_full(), 0);
+    sm90::mbar_wait(sm.kv_full(), 0, "kv_full");
     sanitize_key_tile<T, Cfg>(sm.k(), sm.v(), tile.rows, t);
     sm90::fence_proxy_async();
     sm90::mbar_arrive(sm.kv_ready());
@@ -262,7 +286,7 @@ __device__ __forceinline__ void bwd_sm90_producer(
         const int s = i % STAGES;
         const uint32_t parity = round_parity<STAGES>(i);
         // every producer thread waits, so that none writes the stage or arrives a round early
-        sm90::mbar_wait(sm.empty(s), parity ^ 1u);
+        sm90::mbar_wait(sm.empty(s), parity ^ 1u, "empty");
         if (!queries.valid()) {
             // the end of the walk, through the stage the consumers look at next
             if (t == 0) sm.chunk(s)->valid = 0;
@@ -272,17 +296,18 @@ __device__ __forceinline__ void bwd_sm90_producer(
         const Chunk c = queries.chunk();
         const int head = i_khead * group + c.head;
         if (t == 0) {
-            *sm.chunk(s) = StagedChunk{c, 1};
             sm90::mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::QD_BYTES);
             load_rows<Cfg, BQ>(sm.q(s), map_q, sm.q_full(s), head, c.row);
             load_rows<Cfg, BQ>(sm.dout(s), map_do, sm.q_full(s), head, c.row);
+            // the class while the chunk lands
+            *sm.chunk(s) = StagedChunk{c, 1 + chunk_class<Cfg>(mods, c, tile)};
         }
         if (t < BQ) {
             load_row_stats(sm.lse2(s)[t], sm.delta(s)[t], lse2, delta, plan.rows_q, head,
                            c.row + t, t < c.rows);
         }
         if (!c.full) {
-            sm90::mbar_wait(sm.q_full(s), parity);
+            sm90::mbar_wait(sm.q_full(s), parity, "q_full");
             sanitize_query_chunk<T, Cfg>(sm.q(s), sm.dout(s), sm.delta(s), c.rows, t);
             // generic-proxy stores that the consumers' wgmma (async proxy) reads next
             sm90::fence_proxy_async();
@@ -311,6 +336,54 @@ __device__ __forceinline__ void store_fragment_rows(const float (&acc)[NB][4],
     }
 }
 
+// A key-rows TileMask whose mask_mod answers come from bits computed before S^T and dP^T hold
+// registers (`user_bits`): the mask_mod's per-pair arithmetic and aux loads then run beside
+// dK and dV only. Bit 2 NB half + 2 nb + e holds the pair of row g + 8 half and column
+// nb 8 + 2 (lane % 4) + e, as for_each_element walks them.
+template <int NB>
+struct KeyRowsUserBits : TileMask<true> {
+    uint32_t bits = 0;
+    int lane_col = 0;       // 2 (lane % 4): the lane's first column of each 8
+
+    __device__ __forceinline__ bool user_visible(bool visible, int half, int col) const {
+        const int c = col - lane_col;         // 8 nb + e
+        return visible && ((bits >> (2 * NB * half + (c >> 2) + (c & 1))) & 1u);
+    }
+};
+
+template <int NB>
+struct UserBits<KeyRowsUserBits<NB>> {
+    static constexpr bool ON = true;
+};
+
+// `mask` with the mask_mod's answer for each pair this lane holds of a [16, 8 NB] tile, each
+// tested as a partial chunk's TileMask::user_visible tests it (the band first: pairs it hides,
+// rows and columns past the tile never reach the mask_mod); in a tile the mask_mod shows whole
+// (`full`: its class TILE_FULL) the band's answer alone.
+template <int NB>
+__device__ __forceinline__ KeyRowsUserBits<NB> user_bits(const TileMask<true>& mask, int lane,
+                                                         bool full) {
+    static_assert(4 * NB <= 32, "one bit per element of the lane's fragment");
+    KeyRowsUserBits<NB> m{mask};
+    m.lane_col = 2 * (lane % 4);
+    if constexpr (HAS_MASK_MOD) {
+        // for_each_element's walk, four pairs at a time: unrolled, the compiler hoists every
+        // pair's aux loads together beside dK and dV, and one at a time spilled at D = 256
+        #pragma unroll 4
+        for (int n = 0; n < 4 * NB; ++n) {
+            const int half = n / (2 * NB), col = n % (2 * NB) / 2 * 8 + m.lane_col + n % 2;
+            const bool visible = mask.visible(mask.band(half), col);
+            // the class is `full`'s (the producer stages no chunk marks); band(half) already
+            // hides rows past the key tile
+            if (visible && (full || user_mask(*mask.mods, mask.seq, mask.q_idx(half, col),
+                                              mask.k_idx(half, col)))) {
+                m.bits |= 1u << n;
+            }
+        }
+    }
+    return m;
+}
+
 // The dS/dP step of one subtile of BQS queries of the chunk in stage s (FlashAttention-2,
 // Alg. 2, lines 11-16, transposed), for one consumer warpgroup: S^T = K Q^T and dP^T = V dO^T,
 // P^T and dS^T (softmax_backward), dS^T into the warpgroup's dS buffer for the dQ step (the
@@ -322,12 +395,24 @@ __device__ __forceinline__ void bwd_sm90_dsdp_subtile(
     float (&dk_frag)[Cfg::DC / 2], float (&dv_frag)[Cfg::DC / 2], const BwdSm90Smem<T, Cfg>& sm,
     int s, int sub, sm90::u64 desc_k, sm90::u64 desc_v, sm90::u64 desc_q, sm90::u64 desc_do,
     sm90::u64 desc_q_mn, sm90::u64 desc_do_mn, unsigned char* p_ds_row, uint32_t ds_bar,
-    const SeqPolicy& pol, const TileInfo& tile, const CallParams& call, const WarpSlot& w) {
+    const SeqPolicy& pol, const TileInfo& tile, const CallParams& call, const ModParams& mods,
+    int head0, int cls, const WarpSlot& w) {
     constexpr int BQS = Cfg::BQS, D = Cfg::D, DC = Cfg::DC;
     constexpr uint32_t ROW = Cfg::BOX_ROW_BYTES;
     constexpr uint32_t BOX_KV = Cfg::BN * ROW;  // bytes per box of 64 columns
     constexpr uint32_t BOX_Q = Cfg::BQ * ROW;
     const int col = sub * BQS;               // the subtile's first query of the chunk
+    // the subtile's queries as a chunk of their own (none left: all masked, P^T =
+    // dS^T = 0), as in the mma.sync kernel
+    const auto rows_mask = [&] {
+        const Chunk cols = sm.chunk(s)->load().from(col);
+        return key_rows_mask<Cfg::BN>(pol, tile, w, cols, &mods, head0 + cols.head);
+    };
+    // With a mask_mod every pair is tested, the band AND the mask_mod (in a chunk of class
+    // `cls` TILE_FULL the band alone), the answers taken here, before S^T and dP^T hold
+    // registers.
+    KeyRowsUserBits<BQS / 8> bits{};
+    if constexpr (HAS_MASK_MOD) bits = user_bits<BQS / 8>(rows_mask(), w.lane, cls == TILE_FULL);
     // [64, BQS] S^T = K Q^T, then P^T, and dP^T = V dO^T, then dS^T
     float acc_s[BQS / 8][4];
     float acc_dp[BQS / 8][4];
@@ -354,11 +439,12 @@ __device__ __forceinline__ void bwd_sm90_dsdp_subtile(
     sm90::wgmma_fence_operand(s_frag);
     sm90::wgmma_fence_operand(dp_frag);
 
-    // the subtile's queries as a chunk of their own (none left: all masked, P^T =
-    // dS^T = 0), as in the mma.sync kernel
-    const Chunk cols = sm.chunk(s)->load().from(col);
-    softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp, key_rows_mask<Cfg::BN>(pol, tile, w, cols),
-                                  ColStats{sm.lse2(s) + col, sm.delta(s) + col}, call, w.lane);
+    const ColStats stats = ColStats{sm.lse2(s) + col, sm.delta(s) + col};
+    if constexpr (HAS_MASK_MOD) {
+        softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp, bits, stats, call, w.lane);
+    } else {
+        softmax_backward<HAS_SOFTCAP>(acc_s, acc_dp, rows_mask(), stats, call, w.lane);
+    }
     // P^T and dS^T as BQS / 16 A fragments (k = queries), all written before the
     // wgmma.fence
     uint32_t p_frag[BQS / 16][4];
@@ -415,11 +501,14 @@ __device__ __forceinline__ void bwd_sm90_dsdp_subtile(
 // adds each slice after the first where both add to the same columns, and after the last
 // slice the turn is handed on (bwd_dq_ordered.cuh). A function of its own: the ordering
 // protocol in one place, apart from the products that make dS.
+// `adds` false (a chunk the mask_mod hides whole): no product and no addition, the ordered
+// turn taken and handed on all the same.
 template <typename T, typename Cfg, bool ORDERED_DQ>
 __device__ __forceinline__ void bwd_sm90_add_dq(const Chunk& c, const BwdParams& params,
                                                 const TileInfo& tile, int head0,
                                                 sm90::u64 desc_dq_a, sm90::u64 desc_dq_b,
-                                                int col_box0, int c_wg, const WarpSlot& w) {
+                                                int col_box0, int c_wg, const WarpSlot& w,
+                                                bool adds) {
     constexpr uint32_t BOX_KV = Cfg::BN * Cfg::BOX_ROW_BYTES;
     constexpr uint32_t KSTEP_MN = 16 * Cfg::BOX_ROW_BYTES;  // a k16 step of an MN-major B
     constexpr int ADDERS = Cfg::ADDERS;
@@ -448,7 +537,7 @@ __device__ __forceinline__ void bwd_sm90_add_dq(const Chunk& c, const BwdParams&
         sm90::named_bar_sync(Cfg::CONSUMERS_BAR, ADDERS);   // every adder after the wait
     }
     #pragma unroll
-    for (int n = 0; n < Cfg::DQ_WIDTH / Cfg::DQ_COLS; ++n) {
+    for (int n = 0; n < Cfg::DQ_WIDTH / Cfg::DQ_COLS && adds; ++n) {
         float acc_dq[Cfg::DQ_COLS / 8][4];
         auto& dq_frag = reinterpret_cast<float (&)[Cfg::DQ_COLS / 2]>(acc_dq);
         sm90::wgmma_fence();
@@ -532,14 +621,20 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
     auto& dk_frag = reinterpret_cast<float (&)[DC / 2]>(acc_dk);
     auto& dv_frag = reinterpret_cast<float (&)[DC / 2]>(acc_dv);
 
-    sm90::mbar_wait(sm.kv_full(), 0);
-    sm90::mbar_wait(sm.kv_ready(), 0);
+    sm90::mbar_wait(sm.kv_full(), 0, "kv_full");
+    sm90::mbar_wait(sm.kv_ready(), 0, "kv_ready");
     for (int i = 0;; ++i) {
         const int s = i % STAGES;
         const uint32_t parity = round_parity<STAGES>(i);
-        sm90::mbar_wait(sm.ready(s), parity);
-        if (!sm.chunk(s)->valid) break;
-        sm90::mbar_wait(sm.q_full(s), parity);
+        sm90::mbar_wait(sm.ready(s), parity, "ready");
+        // The mask_mod's class of the chunk's queries against the tile's keys, which the
+        // producer staged with it: TILE_EMPTY skips the chunk's products and dQ additions (its
+        // P^T = dS^T = 0; the stage is released and the ordered turn passed as for any other),
+        // TILE_FULL the mask_mod's evaluation. (The chunk is loaded all the same.)
+        const int staged = sm.chunk(s)->valid;
+        if (!staged) break;
+        const int cls = staged - 1;
+        sm90::mbar_wait(sm.q_full(s), parity, "q_full");
         // Q and dO as K-major B (N = the chunk's queries) and as MN-major B (N = this
         // warpgroup's columns of the head dim)
         const sm90::u64 desc_q = sm90::smem_desc(sm.q(s), 0, Cfg::ATOM_BYTES, sm90::Swizzle::B128);
@@ -553,17 +648,18 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         // Per subtile of BQS queries (the whole chunk but at D = 256, where two halves keep S^T
         // and dP^T to 32 registers each beside dK and dV):
         #pragma unroll
-        for (int sub = 0; sub < Cfg::SUBTILES; ++sub) {
+        for (int sub = 0; sub < Cfg::SUBTILES && cls != TILE_EMPTY; ++sub) {
             bwd_sm90_dsdp_subtile<T, Cfg, HAS_SOFTCAP>(dk_frag, dv_frag, sm, s, sub, desc_k,
                                                        desc_v, desc_q, desc_do, desc_q_mn,
                                                        desc_do_mn, p_ds_row, ds_bar, pol, tile,
-                                                       params.call, w);
+                                                       params.call, params.mods,
+                                                       i_khead * group, cls, w);
         }
         // the stage's Q, dO, lse2, delta and chunk are no longer read
         const Chunk c = sm.chunk(s)->load();
         sm90::mbar_arrive(sm.empty(s));
         bwd_sm90_add_dq<T, Cfg, ORDERED_DQ>(c, params, tile, i_khead * group, desc_dq_a,
-                                            desc_dq_b, col_box0, c_wg, w);
+                                            desc_dq_b, col_box0, c_wg, w, cls != TILE_EMPTY);
     }
     HeadRows<T> dk_rows = head_rows(static_cast<T*>(params.dk), params.dk_strides, i_khead);
     HeadRows<T> dv_rows = head_rows(static_cast<T*>(params.dv), params.dv_strides, i_khead);
@@ -589,8 +685,11 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
                      const __grid_constant__ sm90::TensorMap map_do,   // dout [Tq, Hq, D]
                      const BwdParams params) {
     using Cfg = BwdSm90Config<D, BN, BQ>;
-    static_assert(!(HAS_MODS && D > 0), "the sm_90a backward runs no mask_mod or score_mod (the backend "
-                  "refuses them: varlen/backends/cupy/__init__.py, Sm90aImplementation)");
+    // (dependent on T, so that only an instantiation fails: a module with a score_mod still
+    // compiles its other kernels)
+    static_assert(sizeof(T) > 0 && !HAS_SCORE_MOD, "the sm_90a backward runs no score_mod (the "
+                  "backend refuses it: varlen/backends/cupy/mods.py, refusal): its per-pair "
+                  "arithmetic beside S^T, dP^T, dK and dV spills");
     const PlanView& plan = params.plan;
     const int i_tile = blockIdx.x, i_khead = blockIdx.y;
     const TileInfo tile = load_tile(plan.k_tiles, i_tile);
@@ -616,7 +715,7 @@ varlen_bwd_dkdv_sm90(const __grid_constant__ sm90::TensorMap map_q,    // q [Tq,
     if (threadIdx.x < Cfg::WG_THREADS) {
         sm90::setmaxnreg<Cfg::PRODUCER_REGS, false>();
         bwd_sm90_producer<T, Cfg>(&map_q, &map_k, &map_v, &map_do, params.lse2, params.delta,
-                                  sm, plan, tile, i_tile, i_khead, group);
+                                  sm, plan, params.mods, tile, i_tile, i_khead, group);
     } else {
         sm90::setmaxnreg<Cfg::CONSUMER_REGS, true>();
         const int t = threadIdx.x - Cfg::WG_THREADS;

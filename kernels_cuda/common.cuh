@@ -4,6 +4,17 @@
 
 #include "params.cuh"
 
+// Every wait on another thread (an mbarrier phase, the ordered-dQ counter) gives up after
+// VARLEN_POLL_LIMIT polls when it is nonzero: the thread prints where it waited and traps, so a
+// deadlock ends the launch with a diagnosis instead of a hang (docs/hopper.md, "Hangs"). 0, the
+// default: the waits poll without a count (the shipped SASS). A build option
+// (`compile.compile_options`), so the two kinds of module never share a cache entry.
+#ifndef VARLEN_POLL_LIMIT
+#define VARLEN_POLL_LIMIT 0
+#endif
+static_assert(VARLEN_POLL_LIMIT >= 0 && VARLEN_POLL_LIMIT < 2147483647,
+              "VARLEN_POLL_LIMIT: 0 (off) or a poll count below 2^31");
+
 #ifdef VARLEN_HOST_EMULATION
 #include "host_emulation.cuh"
 #else
@@ -14,6 +25,35 @@
 static_assert(sizeof(int64_t) == 8 && sizeof(uint32_t) == 4, "fixed-width integer types");
 
 namespace varlen {
+
+// A wait that reached VARLEN_POLL_LIMIT polls: prints the kernel's source file and line, the
+// function that waited, the block and thread, what it waited on (`kind` `name` at `where`: an
+// mbarrier's shared address, a counter's index) and for what (`expected`: an mbarrier's phase
+// parity, a counter's value; `seen`: what the counter held, when `has_seen`), then traps: the
+// launch ends with an error. Not inlined, and declared not to return, so that the wait loops
+// keep no register live across it (no spills around the call).
+[[noreturn]] __device__ __noinline__ void poll_limit_reached(const char* file, int line, const char* function,
+                                                const char* kind, const char* name,
+                                                long long where, long long expected,
+                                                bool has_seen, long long seen) {
+    const char* base = file;
+    for (const char* c = file; *c; ++c) {
+        if (*c == '/') base = c + 1;
+    }
+    if (has_seen) {
+        printf("varlen: poll limit: %s:%d (%s), block (%u, %u), thread %u: %s %s %lld still "
+               "holds %lld, waiting for %lld, after %d polls; trap\n", base, line, function,
+               blockIdx.x, blockIdx.y, threadIdx.x, kind, name, where, seen, expected,
+               VARLEN_POLL_LIMIT);
+    } else {
+        printf("varlen: poll limit: %s:%d (%s), block (%u, %u), thread %u: %s %s at shared "
+               "0x%llx: phase of parity %lld not completed after %d polls; trap\n", base, line,
+               function, blockIdx.x, blockIdx.y, threadIdx.x, kind, name, where, expected,
+               VARLEN_POLL_LIMIT);
+    }
+    __trap();
+    __builtin_unreachable();
+}
 
 // exp(x) = exp2(x * LOG2E): the softmax runs in base 2 (one ex2.approx per element).
 constexpr float LOG2E = 1.4426950408889634f;   // 1/ln(2)

@@ -11,8 +11,11 @@
 // on its key tile: a tile of BN = 128 keys is 2 or 4 chunks); K and V wait separately
 // (KvPipeline), so Q K^T starts while V is in flight.
 // Mask arithmetic runs only on partial key chunks (and on a ragged last chunk, for its missing
-// rows). With a mask_mod every chunk is partial, and one where no pair of the tile is visible
-// is skipped before it is loaded (block_sees_any, a block vote). A row that sees a NaN or
+// rows). With a mask_mod its class of each chunk against the tile (UserMaskChunks, mask.cuh:
+// generated interval arithmetic, O(1) per chunk, the same on every thread) decides before the
+// chunk is loaded: empty, skipped (not loaded, no MMA); full, computed as the built-in
+// schedule says; partial, the mask_mod tested pair by pair. A score_mod is applied to every
+// visible pair, of full chunks too. A row that sees a NaN or
 // inf (in q, or in k or v of a key it sees) writes NaN to out and lse; hidden keys never reach
 // it (mask_scores, KvStages::zero_nonfinite).
 // Every row of out and lse is written: a query tile's rows by its block (0 and -inf for a row
@@ -20,6 +23,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "pipeline.cuh"
@@ -160,16 +164,18 @@ __device__ __forceinline__ TileOutput<T, D, PACK> tile_output(const FwdParams& p
 
 // O / l of this warp's rows, through its rows of the Q buffer, and their natural-log lse (one
 // lane per quad writes it), both NaN for a row that saw a NaN or inf; rows past the tile are
-// not written.
+// not written. `scale` multiplies O / l (dropout's 1 / (1 - p)), not the lse.
 template <typename T, int D, int STRIDE, int MT, int PACK>
 __device__ __forceinline__ void store_output(const float (&acc_o)[MT][D / 8][4],
                                              const OnlineSoftmax (&softmax)[MT], T* s_stage,
                                              const TileOutput<T, D, PACK>& dst,
-                                             const WarpSlot& w) {
+                                             const WarpSlot& w, float scale = 1.f) {
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         float inv_l[2], row_lse[2];
         softmax[mt].finish(acc_o[mt], inv_l, row_lse);
+        inv_l[0] *= scale;
+        inv_l[1] *= scale;
         const int row0 = w.row0 + WARP_ROWS * mt;
         store_rows<T, D / 8, STRIDE>(acc_o[mt], inv_l, s_stage, row0, dst, 0, dst.rows, w.lane);
         const int r = row0 + w.lane / 4;
@@ -204,10 +210,13 @@ __device__ __forceinline__ void write_forward_pad_rows(const FwdParams& params, 
 }
 
 // DV: head_dim_v, the columns of V and out (DV < D: multi-head latent attention's 192 / 128).
-template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int STAGES, int DV = D>
+// DROPOUT: attention dropout (dropout.cuh; params.dropout): each chunk's probabilities, once
+// their row sums have them, lose the dropped pairs before P V; O / l is scaled by 1 / (1 - p).
+template <typename T, int D, int BM, int BN, bool HAS_SOFTCAP, int KN, int STAGES, int DV = D,
+          bool DROPOUT = false>
 __global__ void __launch_bounds__(FwdConfig<D, BM, BN, KN, STAGES, DV>::NUM_THREADS,
                                   FwdConfig<D, BM, BN, KN, STAGES, DV>::MIN_BLOCKS)
-varlen_fwd(const FwdParams params) {
+varlen_fwd(const __grid_constant__ FwdParams params) {
     using Cfg = FwdConfig<D, BM, BN, KN, STAGES, DV>;
     constexpr int MT = Cfg::MT;
     const PlanView& plan = params.plan;
@@ -233,11 +242,9 @@ varlen_fwd(const FwdParams params) {
     cp_async_commit();
     PartnerCursor<KN> keys = key_cursor<KN>(plan, b.i_tile);
     const SeqPolicy pol = SeqPolicy::load(plan, b.tile.seq);
-    // With a mask_mod, a key chunk where no pair of the tile is visible is not loaded
-    const auto keep = [&](const Chunk& c) {
-        return block_sees_any<Cfg::NUM_THREADS>(pol, params.mods, b.tile.seq, b.tile.pos,
-                                                b.tile.rows, c.pos, c.rows);
-    };
+    // With a mask_mod, a key chunk its class empties is not loaded, and only the chunks it
+    // leaves partial evaluate it
+    const UserMaskChunks<false> keep{params.mods, b.tile};
     using Pipeline = KvPipeline<STAGES, KN>;
     Pipeline pipe;
     pipe.start(keys, kv, keep);
@@ -274,6 +281,13 @@ varlen_fwd(const FwdParams params) {
                                                                 params.mods, b.i_head),
                                      call, w.lane);
             softmax[mt].update(acc_s[mt], acc_o[mt]);
+            if constexpr (DROPOUT) {
+                const TileMask<false> m = query_rows_mask(pol, b.tile, w, c, mt, params.mods,
+                                                          b.i_head);
+                drop_probs(acc_s[mt], keep_query_rows<KN / 8>(
+                    dropout_draw(params.dropout, b.tile.seq, b.i_head), m.row_pos, m.col_pos0,
+                    w.lane));
+            }
         }
     }, [&](const Chunk&, int stage) {
         gemm_mt<T, MT, DV / 8, KN / 16, Cfg::STRIDE, false>(acc_o, [&](uint32_t (&a)[4], int mt,
@@ -282,5 +296,6 @@ varlen_fwd(const FwdParams params) {
         }, kv.v_at(stage), 0, w.lane);
     }, keep);
     store_output<T, DV, Cfg::STRIDE>(acc_o, softmax, s_q,
-                                     tile_output<T, DV>(params, b.tile, b.i_head), w);
+                                     tile_output<T, DV>(params, b.tile, b.i_head), w,
+                                     DROPOUT ? params.dropout.scale : 1.f);
 }

@@ -210,6 +210,8 @@ __device__ __forceinline__ uint32_t round_parity(int i) {
 // chunks; when KN is two tiles, a chunk is two consecutive tiles of one partner segment (full
 // when both are), and the last tile of a segment's range, alone, makes a partial chunk: its
 // rows past the tile are masked and their V rows zeroed like those past a sequence's end.
+// With a mask_mod every chunk is partial (UserMaskUnclassified, mask.cuh): sanitised, its pairs
+// tested; the chunks are not classified here (the mma.sync kernels do it).
 
 // FlashAttention-3's ping-pong (section 3.1) of the two consumer warpgroups of BM = 128: each
 // issues a block of GEMMs only on its turn and then hands the turn over, so that one's softmax
@@ -296,15 +298,15 @@ __device__ __forceinline__ void produce_v(const sm90::TensorMap* map_v, const Sm
     const int s = i % Cfg::STAGES;
     const uint32_t parity = round_parity<Cfg::STAGES>(i);
     // every producer thread waits, so that none arrives on `ready` a round early
-    sm90::mbar_wait(sm.v_empty(s), parity ^ 1u);
+    sm90::mbar_wait(sm.v_empty(s), parity ^ 1u, "v_empty");
     if (t == 0) {
         sm90::mbar_arrive_expect_tx(sm.v_full(s), Cfg::V_BYTES);
         load_rows<Cfg, Cfg::KN, Cfg::DV_BOXES>(sm.v(s), map_v, sm.v_full(s), i_khead + c.head,
                                                c.row);
     }
     if (!c.full) {
-        sm90::mbar_wait(sm.k_full(s), parity);
-        sm90::mbar_wait(sm.v_full(s), parity);
+        sm90::mbar_wait(sm.k_full(s), parity, "k_full");
+        sm90::mbar_wait(sm.v_full(s), parity, "v_full");
         sanitize_partial_chunk<T, Cfg>(sm.k(s), sm.v(s), c.rows, t);
         // generic-proxy stores that the consumers' wgmma (async proxy) reads next
         sm90::fence_proxy_async();
@@ -334,18 +336,18 @@ __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
         const int i_head = work.head(plan, call), i_khead = i_head / (call.Hq / call.Hk);
         if (t == 0) {
             // every consumer's last S of the previous item has retired (the first item passes)
-            sm90::mbar_wait(sm.q_empty(), ring.q_parity() ^ 1u);
+            sm90::mbar_wait(sm.q_empty(), ring.q_parity() ^ 1u, "q_empty");
             sm90::mbar_arrive_expect_tx(sm.q_full(), Cfg::Q_BYTES);
             load_rows<Cfg, Cfg::BM>(sm.q(), map_q, sm.q_full(), i_head, tile.row);
         }
-        PartnerCursor<Cfg::KN> keys = key_cursor<Cfg::KN>(plan, i_tile);
+        auto keys = key_cursor_partials_first<Cfg::KN>(plan, i_tile, UserMaskUnclassified{});
         Chunk prev{};       // rows 0: none yet (a chunk has rows)
         for (; keys.valid(); keys.advance(), ++ring.chunk) {
             const Chunk c = keys.chunk();
             const int i = ring.chunk;
             const int s = i % STAGES;
             // the consumers' S of this stage's previous round has retired (the first round passes)
-            sm90::mbar_wait(sm.k_empty(s), round_parity<STAGES>(i) ^ 1u);
+            sm90::mbar_wait(sm.k_empty(s), round_parity<STAGES>(i) ^ 1u, "k_empty");
             if (t == 0) {
                 sm90::mbar_arrive_expect_tx(sm.k_full(s), Cfg::KV_BYTES);
                 load_rows<Cfg, Cfg::KN>(sm.k(s), map_k, sm.k_full(s), i_khead + c.head, c.row);
@@ -464,8 +466,8 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
         return query_rows_mask<Cfg::PACK>(pol, tile, w, c, 0, params.mods, i_head);
     };
 
-    sm90::mbar_wait(sm.q_full(), ring.q_parity());
-    PartnerCursor<Cfg::KN> keys = key_cursor<Cfg::KN>(plan, i_tile);
+    sm90::mbar_wait(sm.q_full(), ring.q_parity(), "q_full");
+    auto keys = key_cursor_partials_first<Cfg::KN>(plan, i_tile, UserMaskUnclassified{});
     // Mask and softmax of the retired S of the cursor's chunk, its O rescaling deferred to
     // `corr`; moves the cursor on. After the item's last S it releases Q: the producer loads
     // the next item's under this softmax, the last P V and the epilogue.
@@ -480,8 +482,8 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
     if (keys.valid()) {
         turn.start();
         // prologue: S_0
-        sm90::mbar_wait(sm.ready(i % STAGES), round_parity<STAGES>(i));
-        sm90::mbar_wait(sm.k_full(i % STAGES), round_parity<STAGES>(i));
+        sm90::mbar_wait(sm.ready(i % STAGES), round_parity<STAGES>(i), "ready");
+        sm90::mbar_wait(sm.k_full(i % STAGES), round_parity<STAGES>(i), "k_full");
         turn.wait();
         sm90::wgmma_fence_operand(s_frag);
         sm90::wgmma_fence();
@@ -496,8 +498,8 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
         for (; keys.valid(); ++i) {
             const int n = i + 1;
             const uint32_t parity_n = round_parity<STAGES>(n);
-            sm90::mbar_wait(sm.ready(n % STAGES), parity_n);
-            sm90::mbar_wait(sm.k_full(n % STAGES), parity_n);
+            sm90::mbar_wait(sm.ready(n % STAGES), parity_n, "ready");
+            sm90::mbar_wait(sm.k_full(n % STAGES), parity_n, "k_full");
             turn.wait();
             // P was packed after the last wait: read by the wgmmas below (the ISA orders
             // register writes before an async read only through the wgmma.fence)
@@ -508,7 +510,7 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
             // (FlashAttention-3's place for it), then fenced for P_i V_i
             sm90::wgmma_fence_operand(o_frag);
             rescale(acc_o, corr);
-            sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i));
+            sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i), "v_full");
             sm90::wgmma_fence_operand(o_frag);
             sm90::wgmma_fence();
             issue_pv<T, Cfg>(o_frag, p_frag, sm, i);
@@ -527,7 +529,7 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
         // epilogue: P V of the last chunk (Q was released after its S)
         sm90::wgmma_fence_operand(o_frag);
         rescale(acc_o, corr);
-        sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i));
+        sm90::mbar_wait(sm.v_full(i % STAGES), round_parity<STAGES>(i), "v_full");
         turn.wait();
         sm90::wgmma_fence_operand(o_frag);
         sm90::wgmma_fence();

@@ -55,32 +55,63 @@ __device__ __forceinline__ Band query_band(const SeqPolicy& pol, int j, int q_lo
     return Band{max(lo, q_lo), min(hi, q_hi)};
 }
 
-// Whether the block's pairs of queries [q_pos, q_pos + q_rows) and keys [k_pos, k_pos +
-// k_rows) of sequence `seq` hold one the built-in mask and the mask_mod both show (without a
-// mask_mod: true, nothing evaluated). Each of the NUM_THREADS threads tests its share of the
-// pairs (consecutive threads, consecutive keys of a query), then the block votes: a barrier,
-// so the whole block calls it alike. The pairs it evaluates the mask_mod on are those a
-// partial tile's mask would (the band's, in rows present), so a skipped tile flags an aux index
-// out of range as a computed one would.
-template <int NUM_THREADS>
-__device__ __forceinline__ bool block_sees_any(const SeqPolicy& pol, const ModParams& mods,
-                                               int seq, int q_pos, int q_rows, int k_pos,
-                                               int k_rows) {
+// The mask_mod's class (user_mask_class, mods.cuh) of the pairs of the block's tile and a
+// partner chunk c: the box of the tile's present rows by the chunk's, in positions inside the
+// sequence (under context parallelism, the document's: TileInfo::pos, Chunk::pos), whatever the
+// built-in band shows of it. KEY_TILE: the tile's rows are keys (dK/dV), else queries. O(1) per
+// chunk, no table, no barrier: every thread computes it from the same values, so the block
+// agrees on it. TILE_FULL without a mask_mod.
+template <bool KEY_TILE>
+__device__ __forceinline__ int chunk_class(const ModParams& mods, const TileInfo& tile,
+                                           const Chunk& c) {
     if constexpr (!HAS_MASK_MOD) {
-        return true;
+        return TILE_FULL;
     } else {
-        bool any = false;
-        const int pairs = q_rows * k_rows;
-        #pragma unroll 1
-        for (int i = threadIdx.x; i < pairs && !any; i += NUM_THREADS) {
-            const int r = i / k_rows;
-            const int q = q_pos + r;
-            const int k = k_pos + (i - r * k_rows);
-            any = key_band(pol, q, k, k).contains(k) && user_mask(mods, seq, q, k);
-        }
-        return __syncthreads_or(any) != 0;
+        const int t1 = tile.pos + tile.rows - 1, c1 = c.pos + c.rows - 1;
+        return KEY_TILE ? user_mask_class(mods, tile.seq, c.pos, c1, tile.pos, t1)
+                        : user_mask_class(mods, tile.seq, tile.pos, t1, c.pos, c1);
     }
 }
+
+// The `keep` of the chunk walks (pipeline.cuh) in kernels with a mask_mod: a chunk the
+// mask_mod's class shows no pair of is dropped (never loaded or computed; with `keep_empty`
+// kept, marked `mod_empty`, for a walk that must still pass it), one it shows every pair of
+// keeps the built-in schedule's flags (no mask_mod evaluated), a partial one is marked
+// `mod_partial` and not `full` (each pair tested; its operands sanitised as on any partial
+// chunk). Without a mask_mod every chunk is kept unchanged (ALL). HOLD_NEXT: how
+// for_each_chunk keeps the next chunk (pipeline.cuh), fitted to ptxas: the ordered dK/dV
+// kernel with dropout reads it again (holding it spilled 12 B at D = 128 on sm_80), the others
+// hold it (reading it again spilled 4-16 B at D = 64 with prefix-LM and a soft clip).
+template <bool KEY_TILE, bool HOLD_NEXT_ = true>
+struct UserMaskChunks {
+    static constexpr bool ALL = !HAS_MASK_MOD;
+    static constexpr bool HOLD_NEXT = HOLD_NEXT_;
+    const ModParams& mods;
+    const TileInfo& tile;
+    bool keep_empty = false;
+
+    __device__ __forceinline__ bool operator()(Chunk& c) const {
+        const int cls = chunk_class<KEY_TILE>(mods, tile, c);
+        c.mod_partial = cls == TILE_PARTIAL;
+        c.mod_empty = keep_empty && cls == TILE_EMPTY;
+        c.full = c.full && cls == TILE_FULL;
+        return cls != TILE_EMPTY || keep_empty;
+    }
+};
+
+// The sm_90a forward's `keep` with a mask_mod: every chunk kept and partial (each pair tested,
+// operands sanitised): its warp-specialised walk does not classify chunks (the class code,
+// inlined into the 40-register producer, spilled 348 B; called, it leaves setmaxnreg's
+// register split unallocatable). Without a mask_mod every chunk is kept unchanged (ALL).
+struct UserMaskUnclassified {
+    static constexpr bool ALL = !HAS_MASK_MOD;
+
+    __device__ __forceinline__ bool operator()(Chunk& c) const {
+        c.mod_partial = true;
+        c.full = false;
+        return true;
+    }
+};
 
 // The mask of a warp's [16, N] tile in C-fragment layout, whose columns are one partner chunk:
 // rows are queries and columns keys (forward, dQ), or, transposed, rows are keys and columns
@@ -88,9 +119,11 @@ __device__ __forceinline__ bool block_sees_any(const SeqPolicy& pol, const ModPa
 // column positions its row sees, computed once per row, and `visible` tests one column. In a
 // tile of packed query heads (fwd_sm90's PACK heads per position) row g + 8 is 8 / PACK
 // positions further (none at PACK = 16).
-// In kernels compiled with the call's mask_mod or score_mod (mods.cuh, HAS_MODS) every tile is
-// partial, rows past the tile see nothing, and the mask carries what the user's functions
-// take besides the positions: the sequence, the query head, the aux arrays.
+// In kernels compiled with the call's mask_mod or score_mod (mods.cuh, HAS_MODS) rows past the
+// tile see nothing (never reach the user's functions, even in a full chunk), the mask_mod is
+// evaluated on the chunks its class leaves partial (`mod_partial`, UserMaskChunks), the
+// score_mod on every visible pair, and the mask carries what the user's functions take besides
+// the positions: the sequence, the query head, the aux arrays.
 template <bool ROWS_ARE_KEYS>
 struct TileMask {
     SeqPolicy pol;
@@ -107,6 +140,7 @@ struct TileMask {
     int head_row = 0;   // tile row of row g: with packed heads row r is head + (r & head_mask)
     int head_mask = 0;  // PACK - 1
     bool aux_grads = true;  // HAS_AUX_GRADS: the backward adds the aux gradients of this tile
+    bool mod_partial = true;  // HAS_MASK_MOD: the mask_mod is evaluated (the chunk's mod_partial)
 
     __device__ __forceinline__ Band band(int half) const {
         const int pos = row_pos + half_step * half;
@@ -135,9 +169,13 @@ struct TileMask {
     __device__ __forceinline__ int query_head(int half) const {
         return ROWS_ARE_KEYS ? head : head + ((head_row + 8 * half) & head_mask);
     }
-    // Whether the pair the built-in mask shows (`visible`) is shown by the mask_mod too.
+    // Whether the pair the built-in mask shows (`visible`) is shown by the mask_mod too (where
+    // its class of the chunk is partial); a row past the tile is not (on a full chunk `visible`
+    // does not test rows).
     __device__ __forceinline__ bool user_visible(bool visible, int half, int col) const {
-        return visible && user_mask(*mods, seq, q_idx(half, col), k_idx(half, col));
+        visible = visible && 8 * half < rows_left;
+        return visible && (!mod_partial || user_mask(*mods, seq, q_idx(half, col),
+                                                     k_idx(half, col)));
     }
     // The score_mod of a visible pair's score s (natural-log units), and its derivative.
     __device__ __forceinline__ float user_score(float s, int half, int col) const {
@@ -169,9 +207,10 @@ __device__ __forceinline__ TileMask<false> query_rows_mask(const SeqPolicy& pol,
     static_assert(PACK >= 1 && PACK <= 16 && (PACK & (PACK - 1)) == 0,
                   "packed rows: a power of two of heads per position, row g + 8 a whole step on");
     const int row = w.row0 + WARP_ROWS * m_tile + w.lane / 4;
-    return TileMask<false>{pol, tile.pos + row / PACK, tile.rows * PACK - row, keys.pos,
-                           keys.rows, !keys.full || HAS_MODS, 8 / PACK, &mods, tile.seq, head,
-                           row, PACK - 1};
+    TileMask<false> mask{pol, tile.pos + row / PACK, tile.rows * PACK - row, keys.pos, keys.rows,
+                         !keys.full, 8 / PACK, &mods, tile.seq, head, row, PACK - 1};
+    mask.mod_partial = keys.mod_partial;
+    return mask;
 }
 
 // Rows are the keys of a tile of BN rows (dK/dV); `queries` the chunk, of query head `head`. A
@@ -183,8 +222,10 @@ __device__ __forceinline__ TileMask<true> key_rows_mask(const SeqPolicy& pol, co
                                                         const ModParams* mods = nullptr,
                                                         int head = 0) {
     const int row = w.row0 + w.lane / 4;
-    return TileMask<true>{pol, tile.pos + row, tile.rows - row, queries.pos, queries.rows,
-                          !queries.full || tile.rows < BN || HAS_MODS, 8, mods, tile.seq, head};
+    TileMask<true> mask{pol, tile.pos + row, tile.rows - row, queries.pos, queries.rows,
+                        !queries.full || tile.rows < BN, 8, mods, tile.seq, head};
+    mask.mod_partial = queries.mod_partial;
+    return mask;
 }
 
 // Calls f(nb, i, col, visible) for every element this lane holds of a [16, 8 NB] tile under

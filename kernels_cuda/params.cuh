@@ -45,6 +45,23 @@ struct ModParams {
     // the score_mod's aux gradients (aux_grads): flat float32 buffers of its float aux arrays,
     // null for the others; read only by a dK/dV kernel compiled with VARLEN_SCORE_MOD_AUX_GRAD
     float* grad[VARLEN_MAX_AUX];
+    // nonzero (deterministic=True): each grad[i] holds uint64 fixed-point words instead,
+    // aux_fixed.WORDS per entry (aux_fixed.cuh, varlen/backends/_aux_fixed.py)
+    int grad_fixed;
+};
+
+// Attention dropout (docs/semantics.md, "Dropout"; dropout.cuh): read only by the kernels
+// compiled with DROPOUT = true, zero otherwise. A seed or offset that changes is a new value
+// here, never a new module.
+struct DropoutParams {
+    uint32_t seed_lo;          // Philox key word 0: seed & 0xFFFFFFFF
+    uint32_t seed_hi;          // seed >> 32; key word 1 is seed_hi ^ (b * SEQ_MIX)
+    uint32_t offset;           // counter word 3
+    uint32_t threshold;        // a word below it drops its pair: min(round(p 2^32), 2^32 - 1)
+    float scale;               // 1 / (1 - p), on kept probabilities
+    uint32_t head_offset;      // the global query head of local head 0 (context parallelism's
+                               // Ulysses ranks hold a slice of the heads); counter word 2 is
+                               // head_offset + the kernel's query head
 };
 
 // Where the elements of a [T, H, D] array lie: element (t, h, d) is t * row + h * head + d
@@ -77,6 +94,7 @@ struct FwdParams {
     PlanView plan;
     CallParams call;
     ModParams mods;
+    DropoutParams dropout;
 };
 
 // The backward: varlen_bwd_preprocess, varlen_bwd_dkdv, varlen_bwd_dkdv_sm90 (which reads q,
@@ -107,6 +125,7 @@ struct BwdParams {
     PlanView plan;
     CallParams call;
     ModParams mods;
+    DropoutParams dropout;
 };
 
 }  // namespace varlen

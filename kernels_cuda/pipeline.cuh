@@ -12,42 +12,98 @@ namespace varlen {
 
 constexpr int STAGES = 2;
 
-// The chunks a block computes: every one the schedule lists (`keep` below may drop some).
-struct KeepAll {
-    __device__ __forceinline__ bool operator()(const Chunk&) const { return true; }
-};
-
-// Moves `cursor` past the chunks `keep(chunk)` rejects (block_sees_any: a block vote, so every
-// thread walks alike); nothing of them is loaded.
+// The next chunk of `cursor` that `keep` takes (marked by it), the cursor moved past it; rows
+// 0 past the last. `keep` gives every thread the same answer, so every thread walks alike.
 template <int CHUNK, typename Keep>
-__device__ __forceinline__ void skip_hidden(PartnerCursor<CHUNK>& cursor, Keep&& keep) {
-    while (cursor.valid() && !keep(cursor.chunk())) cursor.advance();
+__device__ __forceinline__ Chunk next_kept(PartnerCursor<CHUNK>& cursor, Keep&& keep) {
+    while (cursor.valid()) {
+        Chunk c = cursor.chunk();
+        cursor.advance();
+        if (keep(c)) return c;
+    }
+    return Chunk{0, 0, 0, 0, false};
 }
 
-// Runs `compute(chunk, stage)` on every chunk of `cursor` once `load(chunk, stage)` has filled
-// that stage. Before, `own(chunk, stage)` runs between this thread's wait for its copies and the
-// barrier that publishes everyone's: a thread may rewrite its own copies there
-// (zero_nonfinite_chunks). The copies of the block's own tile, issued by the caller before, join
-// the first chunk's group. On return every copy has landed and every thread is past its last
-// compute, so the shared tiles may be reused.
-template <int CHUNK, typename Load, typename Own, typename Compute>
-__device__ __forceinline__ void for_each_chunk(PartnerCursor<CHUNK>& cursor, Load&& load,
-                                               Own&& own, Compute&& compute) {
-    if (cursor.valid()) load(cursor.chunk(), 0);
-    cp_async_commit();
-    int stage = 0;
+// Moves `cursor` to the next chunk `keep` takes, at or after its own, and returns it as `keep`
+// marked it (nothing past the last).
+template <int CHUNK, typename Keep>
+__device__ __forceinline__ Chunk settle_kept(PartnerCursor<CHUNK>& cursor, Keep&& keep) {
+    Chunk c{0, 0, 0, 0, false};
     while (cursor.valid()) {
-        const Chunk cur = cursor.chunk();
+        c = cursor.chunk();
+        if (keep(c)) break;
         cursor.advance();
-        // The other stage was last read one iteration ago and released by the barrier ending it.
-        if (cursor.valid()) load(cursor.chunk(), stage ^ 1);
+    }
+    return c;
+}
+
+// Chunk c with the marks `keep` gave `marked` (the same chunk).
+__device__ __forceinline__ Chunk with_marks(Chunk c, const Chunk& marked) {
+    c.full = marked.full;
+    c.mod_partial = marked.mod_partial;
+    c.mod_empty = marked.mod_empty;
+    return c;
+}
+
+// Runs `compute(chunk, stage)` on every chunk of `cursor` (that `keep` takes) once
+// `load(chunk, stage)` has filled that stage. Before, `own(chunk, stage)` runs between this
+// thread's wait for its copies and the barrier that publishes everyone's: a thread may rewrite
+// its own copies there (zero_nonfinite_chunks). The copies of the block's own tile, issued by
+// the caller before, join the first chunk's group. On return every copy has landed and every
+// thread is past its last compute, so the shared tiles may be reused. With KeepAll the loop
+// holds no chunk ahead (the cursor is its state), as it did before `keep`; with another `keep`
+// it holds the next chunk (Keep::HOLD_NEXT) or its marks only, the cursor waiting on it: the
+// choice ptxas allocates without a spill (UserMaskChunks).
+template <int CHUNK, typename Load, typename Own, typename Compute, typename Keep = KeepAll>
+__device__ __forceinline__ void for_each_chunk(PartnerCursor<CHUNK>& cursor, Load&& load,
+                                               Own&& own, Compute&& compute,
+                                               Keep keep = Keep{}) {
+    const auto step = [&](const Chunk& cur, int stage) {
         cp_async_commit();
         cp_async_wait<1>();      // every group but the prefetch: the own tile and `cur`
         own(cur, stage);
         __syncthreads();
         compute(cur, stage);
         __syncthreads();         // everyone is done with this stage before it is refilled
-        stage ^= 1;
+    };
+    int stage = 0;
+    if constexpr (Keep::ALL) {
+        if (cursor.valid()) load(cursor.chunk(), 0);
+        cp_async_commit();
+        while (cursor.valid()) {
+            const Chunk cur = cursor.chunk();
+            cursor.advance();
+            // The other stage was last read one iteration ago and released by the barrier
+            // ending it.
+            if (cursor.valid()) load(cursor.chunk(), stage ^ 1);
+            step(cur, stage);
+            stage ^= 1;
+        }
+    } else if constexpr (Keep::HOLD_NEXT) {
+        Chunk next = next_kept(cursor, keep);
+        if (next.rows > 0) load(next, 0);
+        cp_async_commit();
+        while (next.rows > 0) {
+            const Chunk cur = next;
+            next = next_kept(cursor, keep);
+            if (next.rows > 0) load(next, stage ^ 1);
+            step(cur, stage);
+            stage ^= 1;
+        }
+    } else {
+        // The cursor waits on the next chunk `keep` takes, its marks beside it: the chunk is
+        // read again from the cursor rather than held across `compute`.
+        Chunk marks = settle_kept(cursor, keep);
+        if (cursor.valid()) load(marks, 0);
+        cp_async_commit();
+        while (cursor.valid()) {
+            const Chunk cur = with_marks(cursor.chunk(), marks);
+            cursor.advance();
+            marks = settle_kept(cursor, keep);
+            if (cursor.valid()) load(with_marks(cursor.chunk(), marks), stage ^ 1);
+            step(cur, stage);
+            stage ^= 1;
+        }
     }
     // Without any chunk the own tile's copies may still be in flight: drain them.
     cp_async_wait<0>();
@@ -73,7 +129,7 @@ struct KvPipeline {
 
     // Issues the first STAGES - 1 chunks of `cursor`. Copies issued before (the block's own
     // tile) must be committed in a group of their own. Chunks `keep` rejects are skipped
-    // (skip_hidden), here and in run(), which must get the same `keep`.
+    // (next_kept), here and in run(), which must get the same `keep`.
     template <typename Kv, typename Keep = KeepAll>
     __device__ __forceinline__ void start(PartnerCursor<CHUNK>& cursor, const Kv& kv,
                                           Keep&& keep = Keep{}) {
@@ -114,17 +170,24 @@ struct KvPipeline {
     }
 
   private:
-    // The next chunk of `cursor` that `keep` takes into `into`: a K group and a V group, both
-    // committed (empty past the last chunk, so that every thread counts groups alike).
+    // The next chunk of `cursor` that `keep` takes (next_kept) into `into`: a K group and a V
+    // group, both committed (empty past the last chunk, so that every thread counts groups
+    // alike).
     template <typename Kv, typename Keep>
     __device__ __forceinline__ static Chunk fetch(PartnerCursor<CHUNK>& cursor, const Kv& kv,
                                                   int into, Keep&& keep) {
         Chunk c{0, 0, 0, 0, false};
-        skip_hidden(cursor, keep);
-        if (cursor.valid()) {
-            c = cursor.chunk();
-            cursor.advance();
-            kv.load_k(c, into);
+        if constexpr (KeepsAll<Keep>::value) {
+            // the code before `keep`, for the same allocation (next_kept spilled 4 B at D = 128
+            // with a softcap and dropout on sm_90)
+            if (cursor.valid()) {
+                c = cursor.chunk();
+                cursor.advance();
+                kv.load_k(c, into);
+            }
+        } else {
+            c = next_kept(cursor, keep);
+            if (c.rows > 0) kv.load_k(c, into);
         }
         cp_async_commit();
         if (c.rows > 0) kv.load_v(c, into);

@@ -342,9 +342,23 @@ namespace varlen {
 namespace sm90 {
 
 // Spins until the phase of parity `parity` of `bar` has completed (phases alternate 0, 1, 0...;
-// a consumer waits on parity 0 for the first fill of a stage, then 1, and so on).
-__device__ __forceinline__ void mbar_wait(u64* bar, uint32_t parity) {
-    while (!mbar_try_wait(bar, parity)) {
+// a consumer waits on parity 0 for the first fill of a stage, then 1, and so on). `name` and
+// the call site (file, line, function) name the wait in the message of a build with
+// VARLEN_POLL_LIMIT (common.cuh), which traps after that many polls.
+__device__ __forceinline__ void mbar_wait(u64* bar, uint32_t parity, const char* name = "mbarrier",
+                                          const char* file = __builtin_FILE(),
+                                          int line = __builtin_LINE(),
+                                          const char* function = __builtin_FUNCTION()) {
+    if constexpr (VARLEN_POLL_LIMIT > 0) {
+        for (int polls = 1; !mbar_try_wait(bar, parity); ++polls) {
+            if (polls == VARLEN_POLL_LIMIT) {
+                poll_limit_reached(file, line, function, "mbarrier", name, smem_addr(bar),
+                                   parity, false, 0);
+            }
+        }
+    } else {
+        while (!mbar_try_wait(bar, parity)) {
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 
@@ -71,8 +72,9 @@ __device__ __forceinline__ void mask_scores_builtin(float (&s)[NB][4], const Til
 // softcap whose tanh would turn an infinite score into a finite one; a row that sees one has a
 // NaN probability, and OnlineSoftmax carries it into the row's sum and output. Mask arithmetic
 // on partial tiles only.
-// With the user's functions (HAS_MODS) each pair is tested: the band, then the mask_mod, and
-// a visible pair's score goes through the score_mod before the base-2 scaling (-inf from it
+// With the user's functions (HAS_MODS) each pair is tested: the band (partial chunks), rows
+// present, then the mask_mod (chunks its class leaves partial: TileMask::user_visible), and a
+// visible pair's score goes through the score_mod before the base-2 scaling (-inf from it
 // hides the pair).
 template <bool HAS_SOFTCAP, int NB>
 __device__ __forceinline__ void mask_scores(float (&s)[NB][4], const TileMask<false>& mask,
@@ -184,15 +186,27 @@ __device__ __forceinline__ void load_row_stats(float& row_lse2, float& row_delta
 // lse -inf, which the preprocessing turns into a NaN delta). With aux_grads (HAS_AUX_GRADS) a
 // visible pair adds its dL/d score_mod = P (dP - delta) times each float aux read's derivative
 // into the aux gradients (mask.user_aux_grad), where `mask.aux_grads` says so.
-template <bool HAS_SOFTCAP, int NB, typename Mask, typename Stats>
+// With dropout (`drop`: TileDropout) a pair's dP and its P for dV are multiplied by its factor,
+// 1 / (1 - p) kept and 0 dropped (docs/semantics.md, "Dropout"): dS = P (dP factor - delta).
+// A mask type whose mask_mod answers were computed ahead (UserBits<Mask>::ON: the sm_90a
+// backward's KeyRowsUserBits) in a kernel without a score_mod takes the walk without user
+// functions, each pair's `visible` ANDed with its answer (mask.user_visible).
+template <typename Mask>
+struct UserBits {
+    static constexpr bool ON = false;
+};
+
+template <bool HAS_SOFTCAP, int NB, typename Mask, typename Stats, typename Drop = NoDropout>
 __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[NB][4],
                                                  const Mask& mask, const Stats& stats,
-                                                 const CallParams& call, int lane) {
-    if constexpr (HAS_MODS) {
+                                                 const CallParams& call, int lane,
+                                                 const Drop& drop = Drop{}) {
+    if constexpr (HAS_SCORE_MOD || (HAS_MASK_MOD && !UserBits<Mask>::ON)) {
         for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
             const float qk = s[nb][i];
             float th = 0.f;
             float x = score_scaled<HAS_SOFTCAP>(qk, call.softmax_scale, call.softcap, &th);
+            if constexpr (Drop::ON) dp[nb][i] *= drop.factor(nb, i);
             float t = dp[nb][i] - stats.delta(i / 2, col);
             const float dp_delta = t;
             if (HAS_SOFTCAP) t *= 1.f - th * th;
@@ -210,21 +224,23 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
             if constexpr (HAS_AUX_GRADS) {
                 if (visible && mask.aux_grads) mask.user_aux_grad(p * dp_delta, x_in, i / 2, col);
             }
-            s[nb][i] = p;
+            s[nb][i] = Drop::ON ? p * drop.factor(nb, i) : p;
             dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
         });
     } else {
         for_each_element<NB>(mask, lane, [&](int nb, int i, int col, bool visible) {
             float th = 0.f;
             float x = score_log2<HAS_SOFTCAP>(s[nb][i], call.softmax_scale, call.softcap, &th);
+            if constexpr (Drop::ON) dp[nb][i] *= drop.factor(nb, i);
             float t = dp[nb][i] - stats.delta(i / 2, col);
             if (HAS_SOFTCAP) t *= 1.f - th * th;
             // NaN for a pair with a NaN or inf operand: q or k (the dot product, before the
             // softcap's tanh), dO or v (dP), O or lse (delta)
             x += zero_or_nan(s[nb][i] + t);
+            if constexpr (UserBits<Mask>::ON) visible = mask.user_visible(visible, i / 2, col);
             if (!visible) x = neg_inf();
             const float p = exp2f(x - stats.lse2(i / 2, col));
-            s[nb][i] = p;
+            s[nb][i] = Drop::ON ? p * drop.factor(nb, i) : p;
             // a hidden pair's 0 * t stays 0 whatever its operands hold
             dp[nb][i] = p * clamp_finite(t) * call.softmax_scale;
         });
@@ -234,15 +250,16 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
 // P and dS of this warp's rows of one tile pair in the backward pass: S = X Y^T and
 // dP = dX dY^T (X, dX = K, V and Y, dY = Q, dO: transposed, in the dK/dV kernel; padded
 // shared tiles of D columns, dX and dY holding DV of them), then softmax_backward.
-template <bool HAS_SOFTCAP, typename T, int D, int DV, int NB, typename Mask, typename Stats>
+template <bool HAS_SOFTCAP, typename T, int D, int DV, int NB, typename Mask, typename Stats,
+          typename Drop = NoDropout>
 __device__ __forceinline__ void recompute_p_ds(float (&p)[NB][4], float (&ds)[NB][4],
                                                const T* s_x, const T* s_dx, const T* s_y,
                                                const T* s_dy, const Mask& mask,
                                                const Stats& stats, const CallParams& call,
-                                               const WarpSlot& w) {
+                                               const WarpSlot& w, const Drop& drop = Drop{}) {
     gemm_abt<T, D>(p, s_x, w.row0, s_y, w.lane);
     gemm_abt<T, D, DV>(ds, s_dx, w.row0, s_dy, w.lane);
-    softmax_backward<HAS_SOFTCAP>(p, ds, mask, stats, call, w.lane);
+    softmax_backward<HAS_SOFTCAP>(p, ds, mask, stats, call, w.lane, drop);
 }
 
 }  // namespace varlen

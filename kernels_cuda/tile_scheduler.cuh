@@ -32,18 +32,23 @@ __device__ __forceinline__ TileInfo load_tile(const int* p_tiles, int i_tile) {
 
 // One chunk of partner rows to visit: `rows` rows starting at packed row `row` and global
 // position `pos`, belonging to head offset `head`; `full` = every pair is visible and every
-// row present, so no mask arithmetic is needed.
+// row present, so no mask arithmetic is needed. Kernels with a mask_mod mark a chunk by its
+// class (UserMaskChunks, mask.cuh): `mod_partial`, the mask_mod is evaluated pair by pair
+// (`full` is then false too); `mod_empty`, no pair is visible and the chunk is neither loaded
+// nor computed, only walked (the ordered dQ's turn at it; other walks drop such a chunk).
 struct Chunk {
     int row;
     int rows;
     int pos;
     int head;
     bool full;
+    bool mod_partial = false;
+    bool mod_empty = false;
 
     // Its rows from `col` on as a chunk of their own (a subtile of a chunk's query columns in
     // dK/dV; none left when col >= rows: every pair masked)
     __device__ __forceinline__ Chunk from(int col) const {
-        return Chunk{row + col, rows - col, pos + col, head, full};
+        return Chunk{row + col, rows - col, pos + col, head, full, mod_partial, mod_empty};
     }
 };
 
@@ -112,6 +117,75 @@ struct PartnerCursor {
         const int* r = p_rows + seg * ROW_SCHED_FIELDS;
         return Chunk{row, min(CHUNK, row_end - row), row + r[4], head,
                      row >= r[1] && row <= r[2] - CHUNK};
+    }
+};
+
+// The chunks a block computes: every one the schedule lists. A `keep(chunk)` (UserMaskChunks,
+// mask.cuh) may drop some and mark the others; ALL: it takes every chunk unchanged.
+struct KeepAll {
+    static constexpr bool ALL = true;
+    __device__ __forceinline__ bool operator()(Chunk&) const { return true; }
+};
+
+// Keep::ALL of a `keep` passed by reference.
+template <typename Keep> struct KeepsAll { static constexpr bool value = Keep::ALL; };
+template <typename Keep> struct KeepsAll<Keep&> : KeepsAll<Keep> {};
+template <typename Keep> struct KeepsAll<const Keep> : KeepsAll<Keep> {};
+
+// The chunks of a PartnerCursor in two passes: the partial ones (a causal diagonal's, a ragged
+// end's, a window's edge: the mask arithmetic) first, then the full ones, each pass in the
+// cursor's order. The sm_90a forward walks its key chunks so (FlashAttention-3 walks them from
+// the diagonal down): the partial chunks, whose V landing and sanitising the consumers wait
+// for, come while the previous item drains, not at the item's end (docs/hopper.md, "The
+// persistent loop"). The second pass restarts the walk; a chunk of the other pass costs a
+// compare and an add to step over. With a `keep` (UserMaskChunks: ALL false) the chunks it
+// drops are in neither pass, its marks decide the pass, and the current chunk is held as
+// marked (`cur`; the class is computed in both passes).
+template <int CHUNK, typename Keep = KeepAll>
+struct PartialsFirstCursor {
+    PartnerCursor<CHUNK> walk;
+    bool full_pass;
+    Keep keep;
+    Chunk cur;          // !Keep::ALL: the current chunk, marked
+
+    __device__ __forceinline__ PartialsFirstCursor(const int* row_sched, int segments, int heads,
+                                                   const Keep& keep_ = Keep{})
+        : walk(row_sched, segments, heads), full_pass(false), keep(keep_) {
+        settle();
+    }
+
+    // On the next chunk of this pass at or after the walk's, or past the last of both.
+    __device__ __forceinline__ void settle() {
+        for (;;) {
+            if (!walk.valid()) {
+                if (full_pass) return;
+                full_pass = true;
+                walk.head = 0;
+                walk.seg = 0;
+                walk.enter();
+                continue;
+            }
+            if constexpr (Keep::ALL) {
+                if (walk.chunk().full == full_pass) return;
+            } else {
+                cur = walk.chunk();
+                if (keep(cur) && cur.full == full_pass) return;
+            }
+            walk.advance();
+        }
+    }
+
+    __device__ __forceinline__ bool valid() const { return walk.valid(); }
+    __device__ __forceinline__ void advance() {
+        walk.advance();
+        settle();
+    }
+    __device__ __forceinline__ Chunk chunk() const {
+        if constexpr (Keep::ALL) {
+            return walk.chunk();
+        } else {
+            return cur;
+        }
     }
 };
 
@@ -205,6 +279,15 @@ template <int KN>
 __device__ __forceinline__ PartnerCursor<KN> key_cursor(const PlanView& plan, int i_tile) {
     return PartnerCursor<KN>(
         plan.q_row_sched + static_cast<int64_t>(i_tile) * plan.mk * ROW_SCHED_FIELDS, plan.mk, 1);
+}
+
+// The same chunks, the partial ones first (PartialsFirstCursor), those `keep` takes.
+template <int KN, typename Keep = KeepAll>
+__device__ __forceinline__ PartialsFirstCursor<KN, Keep> key_cursor_partials_first(
+    const PlanView& plan, int i_tile, const Keep& keep = Keep{}) {
+    return PartialsFirstCursor<KN, Keep>(
+        plan.q_row_sched + static_cast<int64_t>(i_tile) * plan.mk * ROW_SCHED_FIELDS, plan.mk, 1,
+        keep);
 }
 
 // The query chunks of BQ rows of key tile i_tile (dK/dV) for each of `heads` query heads.

@@ -10,6 +10,9 @@ backend dispatches (`sm90.dispatched_specs`) for sm_90a, and report each one's b
     python scripts/compile_kernels.py             # a table; exit status 1 on a spill or an
                                                   #   over-budget kernel
     python scripts/compile_kernels.py --only 'fwd-float16-D64-*' --arch sm_80   # a subset
+    python scripts/compile_kernels.py --only '*-dropout'     # the variants with dropout
+                                                  #   (`KernelSpec.dropout`: every variant
+                                                  #   has a twin with it)
     python scripts/compile_kernels.py --only '*-float16-*' --doc-table
         # the compile-budget table of docs/cupy_backend.md (float16 kernels, both archs)
     python scripts/compile_kernels.py --arch sm_90a --only 'fwd-sm90a-bfloat16-D128-*'

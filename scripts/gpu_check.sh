@@ -39,15 +39,22 @@
 #                        parallel processes before any timed GPU step (--sm90a: the sm_90a
 #                        cubins, the mma.sync modules at D 64/128 and the default tiles, the
 #                        backward's preprocessing/conversion modules at every sm_90a head dim, the plan
-#                        kernels; default: every mma.sync module and the plan kernels). A
-#                        timeout here is not a hang: what it did not build compiles later
-#   kernel_tests  55/90  --sm90a: tests/gpu/test_sm90_gpu.py; default: tests/gpu/test_cupy_gpu.py
-#                        but its parity cases; per-test timeout $GPU_CHECK_TEST_TIMEOUT (20 s,
+#                        kernels; default: every mma.sync module and the plan kernels; both: the
+#                        primitives' harness cubin). A timeout here is not a hang: what it did
+#                        not build compiles later
+#   primitives    25/25  the `gpu` half of tests/emulation/test_sm90_primitives.py: the sm_90a
+#                        primitives one at a time (wgmma, TMA boxes, mbarriers, named barriers,
+#                        stmatrix, an attention tile, the warp-specialised pipeline), the test
+#                        bodies and expectations the emulation tier runs; skipped (default mode)
+#                        when the probed GPU is not sm_90; per-test timeout as below
+#   kernel_tests  50/70  --sm90a: tests/gpu/test_sm90_gpu.py; default: tests/gpu/test_cupy_gpu.py
+#                        but its parity cases and its aux-gradient case (a score_mod module of
+#                        its own to compile); per-test timeout $GPU_CHECK_TEST_TIMEOUT (20 s,
 #                        scripts/pytest_watchdog.py: it fires even inside a CUDA call)
 #   parity_sm90a  40/-   tests/gpu/test_cupy_gpu.py reference parity (bf16 and fp16, D 64/128),
 #                        determinism, graph capture, the caller's stream on cupy:sm90a
-#   parity_mma    30/40  its reference parity (bf16 and fp16, D 64/128) on cupy:mma
-#   timing        80/70  scripts/gpu_timing.py: the bf16 matmul peak, then sm90a (--sm90a only),
+#   parity_mma    25/40  its reference parity (bf16 and fp16, D 64/128) on cupy:mma
+#   timing        70/65  scripts/gpu_timing.py: the bf16 matmul peak, then sm90a (--sm90a only),
 #                        mma, SDPA flash and SDPA cuDNN at 8k and 16k tokens per sequence,
 #                        causal and full (bf16, D 128, 16 heads, 16k tokens), CUDA events, no
 #                        torch.compile, each figure into results.jsonl as it is measured, every
@@ -55,12 +62,13 @@
 #   ncu_fwd       20/20  ncu --section SpeedOfLight on one forward launch (8k, full), skipped
 #   ncu_bwd       20/20  with the reason when ncu is absent or cannot read the counters; then
 #                        the same on one dK/dV launch
-#   memcheck      40/40  compute-sanitizer --tool memcheck on
+#   memcheck      35/40  compute-sanitizer --tool memcheck on
 #                        tests/gpu/test_cupy_gpu.py::test_one_small_case_per_kernel
 # Passing --sm90a is what makes the sm_90a kernels the default on sm_90 (docs/hopper.md,
 # "Dispatch"). Limits add up to 390 s in both modes (--numba: install 20, numba_tests 150, gpu_tests 60,
-# bench_numba 50). Steps from kernel_tests on are GPU steps: after the first hang every later
-# GPU step is skipped, saying which step hung, so a hang costs its own limit only.
+# bench_numba 50). Steps from primitives on are GPU steps: after the first hang every later
+# GPU step is skipped, saying which step hung, so a hang costs its own limit only (a hanging
+# primitive stops the run before any kernel launches).
 #
 # Environment (the overrides let tests/test_gpu_check.py dry-run the whole script against a
 # stub GPU in seconds; none is needed on a GPU machine):
@@ -74,6 +82,7 @@
 #   GPU_CHECK_TEST_TIMEOUT     the per-test timeout of the pytest steps (default 20 s)
 #   GPU_CHECK_KILL_AFTER       seconds between a limit's TERM and its KILL (default 5)
 #   GPU_CHECK_JOBS             processes of the warm-up (default the CPU count)
+#   VARLEN_POLL_LIMIT          the kernels' poll limit (below; 0 builds them without it)
 set -u
 
 MODE=cupy
@@ -101,6 +110,18 @@ export CUPY_BACKEND=cupy:mma
 export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/varlen_cupy_cache}"
 export CUPY_CACHE_IN_MEMORY=0       # the steps reuse the modules the warm-up compiled
 export VARLEN_SM90A_CACHE="${VARLEN_SM90A_CACHE:-${TMPDIR:-/tmp}/varlen_sm90a_cache}"
+# Every wait of the kernels on another thread (mbarrier phases, the ordered-dQ turn) prints
+# where it waited and traps after this many polls, so a hang ends its launch with a diagnosis
+# (kernels_cuda/common.cuh; a define of every build here, so these modules are cached apart
+# from the default ones). 2^24 polls. A poll costs at least ~20 ns (an mbarrier try_wait that
+# answers at once: a shared-memory round trip; the dQ counter's ld.acquire.gpu is an L2 round
+# trip, ~0.5 us), so the limit fires no sooner than 0.3 s into one wait, while the longest
+# legitimate wait is shorter than the longest launch here: the 16k-token causal backward,
+# ~5.5 TFLOP, under 50 ms even at 150 TFLOP/s. A failing try_wait may suspend the thread a
+# system-dependent while first; up to 1 us a poll, a hang reports within 17 s, inside the
+# per-test timeout; beyond that the watchdog ends the test first. The trap costs the sm_90a
+# backward at D 128 and 256 spills (docs/hopper.md, "Hangs"): time it again with the limit 0.
+export VARLEN_POLL_LIMIT="${VARLEN_POLL_LIMIT-16777216}"
 PY="${PYTHON:-python3}"
 command -v "$PY" >/dev/null || PY=python
 WHEELS="${WHEELS:-$ROOT/.whl}"
@@ -264,12 +285,23 @@ gpu_pytest() {  # pytest with the per-test timeout and the names of the tests it
     fi
 }
 
+primitives() {  # the sm_90a primitives alone, before any kernel; an sm_90 GPU only
+    local cc
+    cc=$(grep -o '"compute_capability": "[0-9]*"' "$OUT_DIR/results.jsonl" 2>/dev/null \
+        | head -n 1 | tr -dc '0-9')
+    if [ -n "$cc" ] && [ "$cc" != 90 ]; then
+        echo "SKIP: compute capability $cc; the sm_90a primitives need 9.0"
+        return "$SKIP_RC"
+    fi
+    gpu_pytest -m gpu tests/emulation/test_sm90_primitives.py --junitxml="$LOGS/primitives.xml"
+}
+
 kernel_tests() {
     if [ "$MODE" = sm90a ]; then
         gpu_pytest -m gpu tests/gpu/test_sm90_gpu.py --junitxml="$LOGS/kernel_tests.xml"
     else
-        gpu_pytest tests/gpu/test_cupy_gpu.py --cupy-backend=cupy:mma -k "not matches_reference" \
-            --junitxml="$LOGS/kernel_tests.xml"
+        gpu_pytest tests/gpu/test_cupy_gpu.py --cupy-backend=cupy:mma \
+            -k "not matches_reference and not aux_grads" --junitxml="$LOGS/kernel_tests.xml"
     fi
 }
 
@@ -350,7 +382,7 @@ memcheck() {  # the small case under compute-sanitizer; it must run, not skip
     grep -q "1 passed" <<<"$log" || { echo "the case did not run"; return 4; }
 }
 
-export -f probes install_checkout gpu_pytest kernel_tests parity timing ncu_sol find_sanitizer \
+export -f probes install_checkout gpu_pytest primitives kernel_tests parity timing ncu_sol find_sanitizer \
     memcheck
 
 # ---- the steps ------------------------------------------------------------------------------
@@ -373,17 +405,18 @@ else
     run_step install 20 0 bash -c install_checkout
     [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     run_step warm $((sm90 ? 55 : 60)) 0 "$PY" scripts/gpu_warm.py --mode "$MODE" --jobs "$JOBS"
-    run_step kernel_tests $((sm90 ? 55 : 90)) 1 bash -c kernel_tests
+    run_step primitives 25 1 bash -c primitives
+    run_step kernel_tests $((sm90 ? 50 : 70)) 1 bash -c kernel_tests
     if [ "$sm90" = 1 ]; then
         run_step parity_sm90a 40 1 bash -c 'parity "$0" "$1"' cupy:sm90a \
             "matches_reference or deterministic or graph_capture or callers_stream"
     fi
-    run_step parity_mma $((sm90 ? 30 : 40)) 1 bash -c 'parity "$0" "$1"' cupy:mma \
+    run_step parity_mma $((sm90 ? 25 : 40)) 1 bash -c 'parity "$0" "$1"' cupy:mma \
         "matches_reference"
-    run_step timing $((sm90 ? 80 : 70)) 1 bash -c timing
+    run_step timing $((sm90 ? 70 : 65)) 1 bash -c timing
     run_step ncu_fwd 20 1 bash -c 'ncu_sol fwd'
     run_step ncu_bwd 20 1 bash -c 'ncu_sol bwd'
-    run_step memcheck 40 1 bash -c memcheck
+    run_step memcheck $((sm90 ? 35 : 40)) 1 bash -c memcheck
 fi
 
 # ---- verdict: one screen ----------------------------------------------------------------------

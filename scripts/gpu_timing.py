@@ -48,12 +48,17 @@ PHASES = ("fwd", "bwd")
 
 
 class Results:
-    """Appends one JSON object per line to `path` (nothing when None), flushed at once."""
+    """Appends one JSON object per line to `path` (nothing when None), flushed at once. Every
+    record names the kernels' poll limit (`$VARLEN_POLL_LIMIT`, 0 when unset): a figure from a
+    build with it on is a diagnosis build's (the sm_90a backward spills there, docs/hopper.md
+    "Hangs"), not the shipped kernels'."""
 
     def __init__(self, path: str | None):
         self.path = path
+        self.poll_limit = int(os.environ.get("VARLEN_POLL_LIMIT", "").strip() or 0)
 
     def write(self, **record) -> dict:
+        record.setdefault("poll_limit", self.poll_limit)
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")

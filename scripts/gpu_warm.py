@@ -4,8 +4,11 @@ launch, in parallel processes, so that no test, timing or profile compiles insid
 
     python scripts/gpu_warm.py --mode sm90a|cupy [--jobs N] [--list]
 
-  --mode cupy   every mma.sync variant (`mma.all_specs`: the GPU tests take every head dim and
-                tile) into CuPy's disk cache, and the plan kernels
+  --mode cupy   every mma.sync variant without dropout (`mma.all_specs`: the GPU tests take
+                every head dim and tile) and the dropout ones the GPU tests run
+                (`dropout_specs`) into CuPy's disk cache, and the plan kernels; in a process of
+                its own the sm_90a cubin of the primitives' harness (emulation/sm90_primitives.py:
+                the check's primitives step, both modes)
   --mode sm90a  the sm_90a cubins the backend dispatches (`sm90.dispatched_specs`) into the
                 cubin cache on three quarters of the processes, at the same time as the
                 mma.sync modules of the steps that run the mma.sync path beside it (D 64 and
@@ -33,7 +36,9 @@ def mma_specs(mode: str) -> list:
     from varlen.backends.cupy import mma
     from varlen.backends.cupy.traits import DTYPES, KINDS, SM90_HEAD_DIMS, default_blocks
     if mode == "cupy":
-        return mma.all_specs()
+        # every variant without dropout, and the dropout variants the GPU tests launch
+        # (tests/gpu/test_cupy_gpu.py::test_dropout_parity)
+        return [s for s in mma.all_specs() if not s.dropout] + dropout_specs()
     # at the default plan tiles, which the parity tests (plan=None) and the timing run with
     specs = [mma.KernelSpec(kind, dtype, d, *default_blocks(d), softcap) for kind in KINDS
              for dtype in DTYPES for d in MMA_HEAD_DIMS_BESIDE_SM90 for softcap in (False, True)]
@@ -41,6 +46,15 @@ def mma_specs(mode: str) -> list:
     aux = [mma.KernelSpec("bwd", dtype, d, 64, 64, False) for dtype in DTYPES
            for d in SM90_HEAD_DIMS]
     return specs + [s for s in aux if s not in specs]
+
+
+def dropout_specs() -> list:
+    """The dropout variants of tests/gpu/test_cupy_gpu.py (D 64 and 128 at the default plan
+    tiles, no softcap): warming every dropout twin would double the warm-up."""
+    from varlen.backends.cupy import mma
+    from varlen.backends.cupy.traits import DTYPES, KINDS, default_blocks
+    return [mma.KernelSpec(kind, dtype, d, *default_blocks(d), False, dropout=True)
+            for kind in KINDS for dtype in DTYPES for d in MMA_HEAD_DIMS_BESIDE_SM90]
 
 
 def sm90_specs(mode: str) -> list:
@@ -69,12 +83,14 @@ def main(argv=None) -> int:
             print("sm90a", s.label)
         for s in mmas:
             print("mma", s.label)
-        print(f"{len(sm90s)} sm_90a cubins, {len(mmas)} mma.sync modules, the plan kernels")
+        print(f"{len(sm90s)} sm_90a cubins, {len(mmas)} mma.sync modules, the plan kernels, "
+              "the primitives' harness")
         return 0
     t0 = time.perf_counter()
     # the cubins (NVRTC only, 72 big programs) and CuPy's modules (about 20 small ones)
     # compile at the same time, the CPUs split
-    sm90_jobs = max(1, args.jobs * 3 // 4) if sm90s else 0
+    # (with the primitives' harness first among them, or alone)
+    sm90_jobs = max(1, args.jobs * 3 // 4) if sm90s else 1
     errors = []
 
     def cubins():
@@ -82,18 +98,21 @@ def main(argv=None) -> int:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
+        from emulation.sm90_primitives import harness_cubin
         from varlen.backends.cupy.compile import cubin_path
         try:
             with ProcessPoolExecutor(sm90_jobs,
                                      mp_context=multiprocessing.get_context("spawn")) as pool:
+                harness = pool.submit(harness_cubin)
                 n = len(list(pool.map(cubin_path, [s.name for s in sm90s])))
-            print(f"{n} sm_90a cubins ({time.perf_counter() - t0:.0f} s)", flush=True)
+                harness.result()
+            print(f"{n} sm_90a cubins and the primitives' harness "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
         except Exception as e:  # noqa: BLE001
             errors.append(f"sm_90a cubins: {type(e).__name__}: {e}")
 
-    thread = threading.Thread(target=cubins) if sm90s else None
-    if thread:
-        thread.start()
+    thread = threading.Thread(target=cubins)
+    thread.start()
     try:
         from varlen.backends.cupy import mma
         done = mma.warm_cache(mmas, jobs=max(1, args.jobs - sm90_jobs))
@@ -102,8 +121,7 @@ def main(argv=None) -> int:
         print(f"plan kernels ({time.perf_counter() - t0:.0f} s)", flush=True)
     except Exception as e:  # noqa: BLE001
         errors.append(f"mma.sync modules: {type(e).__name__}: {e}")
-    if thread:
-        thread.join()
+    thread.join()
     for e in errors:
         print(e, file=sys.stderr)
     print(f"warm-up {'FAILED' if errors else 'done'} in {time.perf_counter() - t0:.0f} s")

@@ -103,6 +103,32 @@ def cupy_backend(request) -> str:
     return request.config.getoption("--cupy-backend")
 
 
+@pytest.fixture(scope="session")
+def cpu_kernels_compiled():
+    """The `cpu` backend's kernels compiled (or loaded from their disk cache) for float32 and
+    float64, forward and backward, before a test runs them inside in-process ranks: a first
+    compile takes about 30 s per dtype on two cores, longer under load, and would otherwise
+    count against the ranks' 60 s wait."""
+    import numpy as np
+
+    from varlen.backends import get
+    if get("cpu") is None:
+        return
+    cu = np.array([0, 3], np.int32)
+    for dt in (np.float32, np.float64):
+        q = np.ones((3, 1, 8), dt)
+        out, lse = varlen.attention_forward(q, q, q, cu, cu, backend="cpu")
+        varlen.attention_backward(q, q, q, q, out, lse, cu, cu, backend="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels_before_ranks(request):
+    """Context-parallel tests run their ranks in threads of one process (`local_group`), whose
+    waits time out: their first cpu-backend call must not be the one that compiles."""
+    if request.module.__name__.split(".")[-1].startswith(("test_comm_", "test_cp_")):
+        request.getfixturevalue("cpu_kernels_compiled")
+
+
 _TIER_OF = {}                           # nodeid -> tier
 _TIER_SECONDS = {}                      # tier -> [tests run, seconds]
 

@@ -1,6 +1,6 @@
 """Attention sinks under context parallelism on in-process ranks: the cases of
 `comm_workers/sinks_cp.py` (sampled; all of them under mpiexec, torchrun and JAX's shard_map
-in tests/multiprocess/test_cp_mods.py): every rank's shards of out, lse, dq, dk, dv and the
+in tests/multiprocess/test_cp_workers.py): every rank's shards of out, lse, dq, dk, dv and the
 sinks' gradient (summed over the group, and each rank's share) against the float64 reference,
 for ring, allgather and ulysses over zigzag and document partitions; the ranks must agree on
 passing sinks."""

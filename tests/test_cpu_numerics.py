@@ -2,6 +2,7 @@
 backward's scores are the forward's bits, rows that see one key, FlashAttention's varlen grids
 against its accuracy rule); the notice before the first compile."""
 import concurrent.futures
+import contextlib
 import os
 import subprocess
 import sys
@@ -26,20 +27,37 @@ from varlen.backends import _cpu_threads  # noqa: E402
 # The same bits from any calling thread
 # --------------------------------------------------------------------------------------------
 
-# GQA 8:1 over 90 rows: the dK/dV products' inner dimension (90 x 8 stacked query rows) is one
-# that a multi-threaded OpenBLAS splits at other points than a single-threaded one.
+# GQA 8:1 over 90 rows: the dK/dV products' inner dimension (90 x 8 stacked query rows); and a
+# float64 MHA sequence of 90 rows at D = 128, whose products OpenBLAS (0.3.34, Skylake-X) runs
+# to other bits on two threads than on one (`test_a_thread_case_reaches_blas_whose_bits_follow_
+# its_thread_count`): a call whose BLAS is not held at one thread shows there.
 THREAD_CASES = [
-    ("B1-T90-gqa8-D64-full", [90], 8, 1, 64, "full"),
-    ("B3-T517-gqa4-D97-causal", [17, 483, 17], 4, 1, 97, "causal"),
+    ("B1-T90-gqa8-D64-full", [90], 8, 1, 64, "full", "float32"),
+    ("B3-T517-gqa4-D97-causal", [17, 483, 17], 4, 1, 97, "causal", "float32"),
     ("B2-T300-gqa4-D64-sliding", [100, 200], 8, 2, 64,
-     varlen.Mask(window_left=40, window_right=0)),
+     varlen.Mask(window_left=40, window_right=0), "float32"),
+    ("B1-T90-mha-D128-full-f64", [90], 2, 2, 128, "full", "float64"),
 ]
+BLAS_THREAD_CASE = THREAD_CASES[3]
 
 
 def _thread_batch(case):
-    _, lengths, Hq, Hk, D, mask = case
+    _, lengths, Hq, Hk, D, mask, dtype = case
     return make_batch(np.random.default_rng(len(lengths) * 1000 + D), lengths, Hq=Hq, Hk=Hk,
-                      D=D, dtype="float32", mask=mask)
+                      D=D, dtype=dtype, mask=mask)
+
+
+@contextlib.contextmanager
+def _blas_on_two_threads():
+    """BLAS libraries at two threads, set from this thread (threadpoolctl), for the body: what a
+    call whose tile products were not held at one thread would run on. Yields the OpenBLAS
+    libraries' thread counts (skips without threadpoolctl or BLAS)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if not (K.BLAS_BOUND and _cpu_threads.blas_controllable()):
+        pytest.skip("no BLAS library to hold")
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        info = threadpoolctl.threadpool_info()
+        yield [lib["num_threads"] for lib in info if lib["internal_api"] == "openblas"]
 
 
 def _assert_same_bits(label, got, want):
@@ -84,25 +102,51 @@ def test_blas_held_at_one_thread_in_a_call_from_any_thread():
 @pytest.mark.parametrize("case", THREAD_CASES, ids=[c[0] for c in THREAD_CASES])
 def test_bitwise_identical_from_other_threads(case):
     """Forward and backward called from a `threading.Thread` and from a thread pool (calls
-    running concurrently) give the main thread's bits."""
+    running concurrently) give the main thread's bits, with BLAS set to two threads around
+    them (each call holds it at one)."""
     b = _thread_batch(case)
-    want = _call(b)
-    got = {}
-    t = threading.Thread(target=lambda: got.setdefault("thread", _call(b)))
-    t.start()
-    t.join()
-    _assert_same_bits(f"{case[0]} threading.Thread", got["thread"], want)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-        for n, result in enumerate(pool.map(lambda _: _call(b), range(6))):
-            _assert_same_bits(f"{case[0]} pool call {n}", result, want)
-    _assert_same_bits(f"{case[0]} main thread again", _call(b), want)
+    with _blas_on_two_threads():
+        want = _call(b)
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("thread", _call(b)))
+        t.start()
+        t.join()
+        _assert_same_bits(f"{case[0]} threading.Thread", got["thread"], want)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+            for n, result in enumerate(pool.map(lambda _: _call(b), range(6))):
+                _assert_same_bits(f"{case[0]} pool call {n}", result, want)
+        _assert_same_bits(f"{case[0]} main thread again", _call(b), want)
+
+
+@contextlib.contextmanager
+def _blas_not_held(bound):
+    yield bound
+
+
+def test_a_thread_case_reaches_blas_whose_bits_follow_its_thread_count(monkeypatch):
+    """BLAS_THREAD_CASE gives other bits when its tile products run on two BLAS threads (the
+    backend's hold on BLAS taken away) than held at one: the bitwise tests above see a call
+    whose BLAS the backend failed to hold. Skips where the machine cannot show it (one CPU,
+    an OpenBLAS whose threaded kernels agree with its single-threaded ones for this case)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: OpenBLAS runs on one thread")
+    b = _thread_batch(BLAS_THREAD_CASE)
+    with _blas_on_two_threads() as counts:
+        if not counts or min(counts) < 2:
+            pytest.skip(f"OpenBLAS thread counts {counts}: not two")
+        held = _call(b)
+        monkeypatch.setattr(_cpu_threads, "blas_scope", _blas_not_held)
+        loose = _call(b)
+    if all(np.array_equal(x, y) for x, y in zip(held, loose)):
+        pytest.skip("this BLAS gives the same bits on one and two threads for the case")
 
 
 def test_torch_adapter_bitwise_identical_from_other_threads():
-    """`varlen.torch.varlen_attention` on CPU tensors, forward and backward, from pool threads."""
+    """`varlen.torch.varlen_attention` on CPU tensors, forward and backward, from pool threads
+    (BLAS set to two threads around the calls)."""
     torch = pytest.importorskip("torch")
     import varlen.torch as vt
-    b = _thread_batch(THREAD_CASES[0])
+    b = _thread_batch(BLAS_THREAD_CASE)
     cu = torch.from_numpy(b.cu_q)
 
     def call():
@@ -111,10 +155,11 @@ def test_torch_adapter_bitwise_identical_from_other_threads():
         out.backward(torch.from_numpy(b.dout))
         return tuple(t.detach().numpy() for t in (out, lse, q.grad, k.grad, v.grad))
 
-    want = call()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        for n, result in enumerate(pool.map(lambda _: call(), range(4))):
-            _assert_same_bits(f"torch pool call {n}", result, want)
+    with _blas_on_two_threads():
+        want = call()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            for n, result in enumerate(pool.map(lambda _: call(), range(4))):
+                _assert_same_bits(f"torch pool call {n}", result, want)
 
 
 # --------------------------------------------------------------------------------------------

@@ -275,6 +275,57 @@ def test_named_sm90a_runs_both_passes_and_both_dq_modes(monkeypatch):
     assert ran == ["sm90a", ("sm90a", True)]
 
 
+def test_sm90a_backward_runs_a_mask_mod_and_refuses_a_score_mod(monkeypatch):
+    """`explain()` no longer refuses a MaskMod (alone or ANDed with a Mask) in the sm_90a
+    backward and says that it refuses a ScoreMod, and why; the family, with sm_90a
+    default-eligible, runs the backward of a mask_mod there (the functions passed on) and of a
+    score_mod on cupy:mma; named, its backward raises the reason."""
+    from varlen.backends.cupy import sm90
+    from varlen.mods import Mods
+    ran = _stub_launches(monkeypatch)
+    monkeypatch.setattr(sm90, "backward", lambda *a, deterministic, mods, **k:
+                        ran.append(("sm90a", deterministic, mods)) or "sm90a")
+    mask = varlen.MaskMod(lambda b, q, k, prefix: (k <= q) | (k < prefix[b]),
+                          np.zeros(3, np.int32))
+    score = varlen.ScoreMod(lambda s, b, h, q, k, t: s + t[h], np.zeros(2, np.float32))
+    refused = ("its sm_90a backward does not run a score_mod (a mask_mod it runs): the "
+               "score_mod's per-pair arithmetic beside the dK, dV, S and dP registers of its "
+               "consumer warpgroups spills; backend='cupy' (cupy:mma's backward) runs it")
+
+    class Backward(Problem):
+        grads = ()
+    with BACKEND.stand_in_device(H100):
+        for mods in (Mods(mask=mask), Mods(mask=varlen.Mask(window_left=8) & mask)):
+            rows = dict(backends.explain(Backward("float16", 64, 64, True, mods)))
+            assert "not chosen by default yet" in rows["cupy:sm90a"], rows
+        for mods in (Mods(score=score), Mods(mask=mask, score=score)):
+            rows = dict(backends.explain(Backward("float16", 64, 64, True, mods)))
+            assert rows["cupy:sm90a"] == refused, rows
+            assert "not chosen by default yet" in rows["cupy:mma"], rows
+        # the forward runs both; the backward a mask_mod up to head_dim 128
+        rows = dict(backends.explain(Problem("float16", 64, 64, True,
+                                             Mods(mask=mask, score=score))))
+        assert "not chosen by default yet" in rows["cupy:sm90a"], rows
+        rows = dict(backends.explain(Backward("float16", 256, 256, True, Mods(mask=mask))))
+        assert rows["cupy:sm90a"].startswith("its sm_90a backward runs a mask_mod up to "
+                                             "head_dim 128"), rows
+        assert "not chosen by default yet" in rows["cupy:mma"], rows
+
+        monkeypatch.setattr(Sm90aImplementation, "default_eligible", True)
+        q = np.zeros((4, 2, 64), np.float16)
+        lse = np.zeros((2, 4), np.float32)
+        call = dict(softmax_scale=0.125, softcap=0.0)
+        for mods, deterministic, runs in ((Mods(mask=mask), True, "sm90a"),
+                                          (Mods(mask=mask, score=score), False, "mma")):
+            assert BACKEND.backward(_Plan(), q, q, q, q, q, lse, mods=mods,
+                                    deterministic=deterministic, **call) == runs
+        with pytest.raises(ValueError, match=re.escape(f"backend 'cupy:sm90a' cannot run this "
+                                                       f"backward: {refused}")):
+            backends.get("cupy:sm90a").backward(_Plan(), q, q, q, q, q, lse,
+                                                mods=Mods(score=score), **call)
+    assert ran == [("sm90a", True, Mods(mask=mask)), ("mma", False)]
+
+
 def test_sm90a_says_which_plans_it_has_no_variant_for():
     sm90a = backends.get("cupy:sm90a")
     q = np.zeros((4, 2, 256), np.float16)

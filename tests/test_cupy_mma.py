@@ -5,10 +5,12 @@ GPU. Its NVRTC builds: tests/compile/test_cupy_compile.py; its runs through the 
 tests/emulation/."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import varlen.backends.cupy.compile as _cupy_compile
@@ -164,6 +166,32 @@ def test_spec_names_and_cache_key():
     assert KernelSpec("fwd", "float16", 64, 64, 64, False).name_expressions == (
         "varlen_fwd<__half, 64, 64, 64, false, 64, 3>",)
     assert any(o.startswith("-DVARLEN_SOURCE_HASH=") for o in _cupy_compile.compile_options())
+
+
+def test_dropout_variants_names_and_key():
+    """Dropout is a variant of its own (the DROPOUT template argument, after DV), a key of the
+    module cache; the kernels without it keep their names; the preprocessing and the dQ
+    conversion are shared. Every variant has its dropout twin in `all_specs` (the compile
+    tier checks them all)."""
+    fwd = KernelSpec("fwd", "float16", 64, 128, 128, False, dropout=True)
+    assert fwd.compiled() == KernelSpec("fwd", "float16", 64, 128, 64, False, dropout=True)
+    assert fwd.name_expressions == ("varlen_fwd<__half, 64, 128, 64, false, 64, 3, 64, true>",)
+    bwd = KernelSpec("bwd", "bfloat16", 192, 64, 64, True, None, 128, True)
+    assert bwd.name_expressions == (
+        "varlen_bwd_preprocess<__nv_bfloat16, 192, 128>",
+        "varlen_bwd_dkdv<__nv_bfloat16, 192, 64, 32, true, true, false, 128, true>",
+        "varlen_bwd_dkdv<__nv_bfloat16, 192, 64, 32, true, true, true, 128, true>",
+        "varlen_bwd_dq_convert<__nv_bfloat16, 192>")
+    assert bwd != KernelSpec("bwd", "bfloat16", 192, 64, 64, True, None, 128)
+    assert bwd.label.endswith("-softcap-dropout")
+    with pytest.raises(ValueError, match="dropout must be a bool"):
+        KernelSpec("fwd", "float16", 64, 64, 64, False, dropout=1)
+    specs = _cupy_mma.all_specs()
+    plain = {dataclasses.replace(s, dropout=True) for s in specs if not s.dropout}
+    assert plain == {s for s in specs if s.dropout}
+    assert _cupy_mma.spec_for(type("P", (), {"block_m": 64, "block_n": 64})(),
+                              np.zeros((1, 1, 64), np.float16), kind="fwd", softcap=0.0,
+                              dropout=object()).dropout
 
 
 def test_backend_interface_without_a_gpu():

@@ -5,7 +5,6 @@ backends that refuse it and bad input."""
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -33,6 +32,17 @@ KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
 def test_philox_known_answers(ctr, key, want):
     got = tuple(int(w) for w in philox4x32_10(*ctr, *key))
     assert got == want, f"philox4x32_10({ctr}, {key}) = {[hex(w) for w in got]}"
+
+
+def test_cpu_kernels_record_the_shared_philox_source():
+    """The cpu kernels' disk cache is keyed on `_cpu_kernels.py` alone: the digest it records of
+    `_philox.py` must be that file's, so an edit of the shared rounds reaches the cached kernels."""
+    import hashlib
+    from varlen.backends import _cpu_kernels as K, _philox
+    with open(_philox.__file__, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    assert K.PHILOX_SOURCE_SHA256 == digest, (
+        f"_philox.py changed (sha256 {digest}): set _cpu_kernels.PHILOX_SOURCE_SHA256 to it")
 
 
 def test_cpu_kernels_philox_known_answers():
@@ -194,7 +204,7 @@ def test_output_is_unbiased():
     assert abs(out.mean() - 1) < 0.01, f"mean output {out.mean():.4f}"
 
 
-@pytest.mark.parametrize("name", ["numba", "cupy", "cupy:mma", "cupy:sm90a"])
+@pytest.mark.parametrize("name", ["cupy:sm90a"])
 def test_device_backends_refuse_dropout(name):
     """Each device backend says why (what `explain` and an error of `backend=` show once it
     could otherwise run the call); the host backends run it."""
@@ -205,13 +215,12 @@ def test_device_backends_refuse_dropout(name):
         assert backends.get(host).supports_dropout(problem) is None
 
 
-def test_numba_by_name_refuses_dropout():
-    q = np.zeros((4, 2, 8), np.float32)
-    cu = np.array([0, 4], np.int32)
-    # host arrays: the CUDA simulator runs them, so dropout is what it refuses there
-    says = ".*dropout" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ""
-    with pytest.raises(ValueError, match="backend='numba' cannot run this call: " + says):
-        varlen.attention_forward(q, q, q, cu, cu, backend="numba", dropout_p=0.1, seed=1)
+@pytest.mark.parametrize("name", ["cupy", "cupy:mma"])
+def test_cupy_runs_dropout(name):
+    """The mma.sync kernels run dropout (tests/emulation/test_cupy_dropout.py), and the family
+    with them."""
+    problem = backends.Problem("float16", 64, 64, True, dropout=make_dropout(0.1, 1))
+    assert backends.get(name).supports_dropout(problem) is None
 
 
 def test_default_backend_runs_dropout_on_the_host():

@@ -18,12 +18,13 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-STEPS = {"sm90a": ["probes", "install", "warm", "kernel_tests", "parity_sm90a", "parity_mma",
-                   "timing", "ncu_fwd", "ncu_bwd", "memcheck"],
-         "cupy": ["probes", "install", "warm", "kernel_tests", "parity_mma", "timing",
-                  "ncu_fwd", "ncu_bwd", "memcheck"],
+STEPS = {"sm90a": ["probes", "install", "warm", "primitives", "kernel_tests", "parity_sm90a",
+                   "parity_mma", "timing", "ncu_fwd", "ncu_bwd", "memcheck"],
+         "cupy": ["probes", "install", "warm", "primitives", "kernel_tests", "parity_mma",
+                  "timing", "ncu_fwd", "ncu_bwd", "memcheck"],
          "numba": ["install", "numba_tests", "gpu_tests", "bench_numba"]}
-GPU_STEPS_FROM = {"sm90a": "kernel_tests", "cupy": "kernel_tests", "numba": "numba_tests"}
+GPU_STEPS_FROM = {"sm90a": "primitives", "cupy": "primitives", "numba": "numba_tests"}
+PRIMITIVE_TESTS = "tests/emulation/test_sm90_primitives.py"
 BUDGET_S = 390
 
 
@@ -86,6 +87,7 @@ def stub(tmp_path):
                                     "\"ok\": true}\\n' >>\"$OUT_DIR/results.jsonl\""),
            "GPU_CHECK_CMD_install": "echo varlen importable",
            "GPU_CHECK_CMD_warm": "echo warm-up done",
+           "GPU_CHECK_CMD_primitives": "echo '37 passed'",
            "GPU_CHECK_CMD_kernel_tests": f"gpu_pytest {tests / 'test_ok.py'}",
            "GPU_CHECK_CMD_parity_sm90a": "echo '12 passed'",
            "GPU_CHECK_CMD_parity_mma": "echo '8 passed'",
@@ -200,6 +202,34 @@ def test_a_test_that_hangs_stops_the_gpu_steps(stub):
     assert "VERDICT: FAIL" in verdict and "skipped: kernel_tests" in verdict
 
 
+def test_a_hanging_primitive_stops_the_run_before_any_kernel(stub):
+    """A primitive test that never returns (a wgmma or TMA layout that deadlocks a barrier)
+    ends its step at the per-test timeout, and the kernel tests, parity, timing, profiles and
+    memcheck are skipped with the reason."""
+    proc, elapsed, summary, steps, results, verdict = _run(
+        stub, "sm90a", GPU_CHECK_CMD_primitives=f"gpu_pytest {stub['tests'] / 'test_hang.py'}")
+    assert proc.returncode == 1 and elapsed < 60
+    assert steps["primitives"]["status"] == "hang", steps["primitives"]
+    assert "test_kernel_never_returns" in steps["primitives"]["reason"]
+    for s in STEPS["sm90a"][STEPS["sm90a"].index("primitives") + 1:]:
+        assert steps[s]["status"] == "skipped" and "primitives" in steps[s]["reason"], steps[s]
+    assert summary["hang"].startswith("primitives")
+
+
+def test_the_primitives_step_skips_a_gpu_that_is_not_sm90(stub):
+    """Default mode on a GPU the probes found to be of another compute capability: the step
+    says why it did not run and the kernel tests go on."""
+    probe = ("printf '{\"kind\": \"probe\", \"probe\": \"device\", \"ok\": true, "
+             "\"compute_capability\": \"80\"}\\n' >>\"$OUT_DIR/results.jsonl\"")
+    env = {k: v for k, v in stub["env"].items() if k != "GPU_CHECK_CMD_primitives"}
+    proc = subprocess.run(["bash", SCRIPT, "--cupy"], env={**env, "GPU_CHECK_CMD_probes": probe},
+                          capture_output=True, text=True, timeout=120)
+    steps = {s["step"]: s for s in json.loads((stub["out"] / "summary.json").read_text())["steps"]}
+    assert steps["primitives"]["status"] == "skipped", (steps["primitives"], proc.stdout)
+    assert "compute capability 80" in steps["primitives"]["reason"]
+    assert steps["kernel_tests"]["status"] == "pass"
+
+
 def test_a_step_killed_at_its_limit_stops_the_gpu_steps(stub):
     """A GPU step that never ends (no per-test timeout inside it) is killed at its limit and
     counts as the hang; the figures written before the step was killed stay."""
@@ -209,7 +239,7 @@ def test_a_step_killed_at_its_limit_stops_the_gpu_steps(stub):
     assert proc.returncode == 1
     assert elapsed < 60
     assert [steps[s]["status"] for s in STEPS["cupy"]] == [
-        "pass"] * 5 + ["hang", "skipped", "skipped", "skipped"]
+        "pass"] * 6 + ["hang", "skipped", "skipped", "skipped"]
     assert steps["timing"]["rc"] in (124, 137) and steps["timing"]["seconds"] <= 4
     assert steps["memcheck"]["reason"] == "skipped: timing (killed at its limit of 2s) hung"
     assert [r["kind"] for r in results] == ["probe", "matmul_peak", "check", "timing", "timing"]
@@ -290,16 +320,26 @@ def test_the_parity_and_kernel_steps_select_tests_that_exist():
     with open(os.path.join(ROOT, "tests", "gpu", "test_sm90_gpu.py")) as f:
         assert "pytest.mark.gpu" in f.read()
     assert "tests/gpu/test_sm90_gpu.py" in text
+    # the primitives step: `-m gpu` selects the GPU runner's half of the primitive tests
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                           PRIMITIVE_TESTS], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert len(collected) >= 30 and all("[gpu" in line for line in collected), proc.stdout
+    assert PRIMITIVE_TESTS in text
 
 
-def test_the_results_file_gets_each_figure_at_once(tmp_path):
+def test_the_results_file_gets_each_figure_at_once(tmp_path, monkeypatch):
     """gpu_timing.Results appends one flushed JSON line per figure (a reader sees it before the
     next is measured); the table reads a file cut short, and names failed checks."""
     import gpu_timing
     path = tmp_path / "results.jsonl"
+    monkeypatch.setenv("VARLEN_POLL_LIMIT", "16777216")
     out = gpu_timing.Results(str(path))
     out.write(kind="matmul_peak", tflops=800.0)
-    assert json.loads(path.read_text()) == {"kind": "matmul_peak", "tflops": 800.0}
+    # each figure names the build it came from (a poll-limit build's sm_90a backward spills)
+    assert json.loads(path.read_text()) == {"kind": "matmul_peak", "tflops": 800.0,
+                                            "poll_limit": 16777216}
     out.write(kind="timing", workload="L16384-full", runner="mma", phase="bwd", seconds=0.01,
               tflops=280.0, pct_of_peak=35.0, model_tflops=309.0)
     out.write(kind="check", workload="L16384-full", runner="mma", max_diff=0.5, scale=4.0,
@@ -343,7 +383,9 @@ def test_the_warm_up_covers_what_the_steps_launch():
                 for softcap in (False, True):
                     assert mma.KernelSpec(kind, dtype, d, *default_blocks(d), softcap) in specs
     assert len(specs) == len(set(specs)) < len(mma.all_specs()) // 4
-    assert gpu_warm.mma_specs("cupy") == mma.all_specs()
+    cupy = gpu_warm.mma_specs("cupy")
+    assert cupy == [s for s in mma.all_specs() if not s.dropout] + gpu_warm.dropout_specs()
+    assert {s.compiled() for s in gpu_warm.dropout_specs()} <= set(mma.all_specs())
 
 
 def test_the_probe_answers_each_question_on_a_line_of_its_own(tmp_path):
@@ -389,7 +431,9 @@ def test_the_default_commands(mode, stub, tmp_path):
         f"scripts/gpu_probe.py --json {out}/results.jsonl"
         + (" --require-sm90" if mode == "sm90a" else ""),
         "-c import varlen.comm, varlen.kernels_cuda; print('varlen importable')",
-        f"scripts/gpu_warm.py --mode {mode} --jobs 6"]
+        f"scripts/gpu_warm.py --mode {mode} --jobs 6",
+        "-m pytest -v -rfEs -p no:cacheprovider -p pytest_watchdog --watchdog-timeout=2 -m gpu "
+        f"{PRIMITIVE_TESTS}"]
     if mode == "sm90a":
         expected.append("-m pytest -v -rfEs -p no:cacheprovider -p pytest_watchdog "
                         "--watchdog-timeout=2 -m gpu tests/gpu/test_sm90_gpu.py")
@@ -417,3 +461,32 @@ def test_the_default_commands(mode, stub, tmp_path):
         assert hit is not None, f"{want!r} not called (in order) among:\n" + "\n".join(lines)
         at = hit + 1
     assert [s["status"] for s in summary["steps"]][-3:] == ["skipped", "skipped", "pass"]
+
+
+def test_the_kernels_are_built_with_the_poll_limit(stub, monkeypatch):
+    """Every step runs with VARLEN_POLL_LIMIT exported (2^24 polls, the figure the script
+    justifies), which makes it a define of every kernel build, so the modules of such a run
+    are cached apart from the default ones; 0 or unset leaves the options as they were, and
+    anything else is refused naming the variable."""
+    from varlen.backends.cupy import compile as cupy_compile
+    steps = STEPS["sm90a"]
+    env = {f"GPU_CHECK_CMD_{s}": f'echo "limit=$VARLEN_POLL_LIMIT"' for s in steps}
+    proc = subprocess.run(["bash", SCRIPT, "--sm90a"],
+                          env={k: v for k, v in {**stub["env"], **env}.items()
+                               if k != "VARLEN_POLL_LIMIT"},
+                          capture_output=True, text=True, timeout=120)
+    for s in steps:
+        log = (stub["out"] / "logs" / f"{s}.log").read_text()
+        assert "limit=16777216" in log, f"{s}: {log[-500:]}\n{proc.stdout[-1000:]}"
+    assert re.search(r"2\^24 polls", _script())
+    monkeypatch.delenv("VARLEN_POLL_LIMIT", raising=False)
+    plain = cupy_compile.compile_options()
+    assert not any("VARLEN_POLL_LIMIT" in o for o in plain)
+    monkeypatch.setenv("VARLEN_POLL_LIMIT", "0")
+    assert cupy_compile.compile_options() == plain
+    monkeypatch.setenv("VARLEN_POLL_LIMIT", "16777216")
+    assert cupy_compile.compile_options() == (*plain, "-DVARLEN_POLL_LIMIT=16777216")
+    for bad in ("-1", "many", str(2**31)):
+        monkeypatch.setenv("VARLEN_POLL_LIMIT", bad)
+        with pytest.raises(ValueError, match="VARLEN_POLL_LIMIT"):
+            cupy_compile.compile_options()

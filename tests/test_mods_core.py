@@ -86,6 +86,62 @@ def test_classification_is_exact_for_chunked_causal_tiles():
     np.testing.assert_array_equal(c, expect)
 
 
+TREE = RNG.random((16, 16)) < 0.5                          # a 2-D table: runs off one row
+LONG = np.repeat(np.arange(3, dtype=np.int64), 200)         # runs past RANGE_CAP entries
+CLASS_MASKS = {**MASKS,
+               "tree": MaskMod(lambda b, q, k, anc: anc[q, k] | (k == q), TREE),
+               "long-runs": MaskMod(lambda b, q, k, s: s[q * 20] == s[k * 20], LONG),
+               "float-aux": MaskMod(lambda b, q, k, w: w[b] * (q - k) >= 1.5, SLOPES),
+               "outside": MaskMod(lambda b, q, k, p: k < p[q], PREFIX)}
+
+
+def _class_functions(m):
+    """The generated class code of `m` as plain Python and compiled by Numba."""
+    from varlen.mods import class_graph
+    g = class_graph(m.graph)
+    scope = {"math": math}
+    exec(python_source(g, "f"), scope)
+    return scope["f"], numba_function(g)
+
+
+@pytest.mark.parametrize("name", CLASS_MASKS)
+def test_generated_class_code_is_sound_and_the_plan_s_class_where_runs_fit(name):
+    """The class code the kernels run per tile (`class_graph`): every box it calls FULL holds
+    only visible pairs, EMPTY none, a box an aux index may leave is PARTIAL; where each aux
+    read is one run of at most RANGE_CAP entries it says what the host plan says, elsewhere
+    PARTIAL or the plan's class. Plain Python and Numba agree."""
+    from varlen.mods.evaluate import RANGE_CAP
+    m = CLASS_MASKS[name]
+    py, nb = _class_functions(m)
+    b, _, q, k = (x[:, 0] for x in _grid())
+    with np.errstate(all="ignore"):
+        dense = evaluate(m.graph, {"b": b, "q_idx": q, "k_idx": k}, m.aux, check=False)
+    err = np.zeros(1, np.int32)
+    seen = set()
+    for bb in range(4):
+        for q0 in range(0, 16, 3):
+            for k0 in range(0, 16, 5):
+                for w in (0, 1, 4, 15):
+                    q1, k1 = min(q0 + w, 15), min(k0 + w + 1, 15)
+                    box = f"{name}: b{bb} q{q0}-{q1} k{k0}-{k1}"
+                    c = py(bb, q0, q1, k0, k1, *m.aux, err)
+                    assert nb(bb, q0, q1, k0, k1, *m.aux, err) == c, box
+                    host = int(classify(m, bb, q0, q1, k0, k1))
+                    block = dense[bb, q0:q1 + 1, k0:k1 + 1]
+                    assert c != FULL or block.all(), box
+                    assert c != EMPTY or not block.any(), box
+                    assert c in (host, PARTIAL), box
+                    fits = name not in ("tree", "long-runs") or (
+                        name == "tree" and q0 == q1) or (
+                        name == "long-runs" and 20 * max(q1 - q0, k1 - k0) < RANGE_CAP)
+                    if fits:
+                        assert c == host, box
+                    seen.add(c)
+    assert err[0] == 0, "class code flags nothing: a box it may read outside is PARTIAL"
+    if name in ("causal", "chunked", "prefix-lm", "segments", "tree", "long-runs"):
+        assert {EMPTY, FULL} <= seen, f"{name}: the class code found nothing: {seen}"
+
+
 @pytest.mark.parametrize("name", MASKS)
 def test_generated_python_matches_the_array_evaluation(name):
     m = MASKS[name]

@@ -8,7 +8,7 @@ no key (out 0, lse = sinks[h]), a sink of -inf (no sink) and a dominant one; NaN
 sequence; bitwise repeatability; the torch adapter (eager and torch.compile without
 recompiling for new sink values), the JAX adapter (jit, grad), the FlashAttention drop-in;
 bad input. Context parallelism: tests/comm_workers/sinks_cp.py (test_comm_sinks.py, and
-real processes in tests/multiprocess/test_cp_mods.py); Numba: tests/numba; CuPy: emulation.
+real processes in tests/multiprocess/test_cp_workers.py); Numba: tests/numba; CuPy: emulation.
 """
 import numpy as np
 import pytest

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import numpy as np
 import pytest
 
 import varlen
@@ -140,6 +141,37 @@ def test_sm90_tensor_map_arguments_are_what_the_driver_bindings_take():
             assert isinstance(err, cu.CUresult)
 
 
+@pytest.mark.parametrize("shape, dtype, view, box, swizzle, nan_fill", [
+    ((40, 88), "uint16", None, (64, 16), 3, False),
+    ((3, 5, 24), "float32", None, (8, 4, 2), 0, True),
+    ((37, 8, 64), "float16", (slice(None), slice(1, 7)), (64, 2, 32), 3, False),
+    ((128, 320), "uint16", None, (64, 128), 3, False),
+], ids=["2d-128B", "3d-nan-fill", "3d-packed-heads-view", "pipeline-a"])
+def test_sm90_primitive_maps_on_a_gpu_are_the_emulations(shape, dtype, view, box, swizzle,
+                                                          nan_fill):
+    """The primitives' GPU runner asks the driver for the maps the emulation's runner makes
+    (emulation/sm90_primitives.py, the maps of its tests): address, rank, dims, byte strides,
+    box, element size, swizzle and fill, through the launcher's `tiled_args`."""
+    cu = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-bindings")
+    import types
+    from emulation.cupy import tensor_map
+    from emulation.sm90_primitives import map_args
+    a = np.zeros(shape, dtype)
+    a = a if view is None else a[view]
+    m = tensor_map(a, box, swizzle, nan_fill)[0]
+    device = types.SimpleNamespace(data=types.SimpleNamespace(ptr=a.ctypes.data), shape=a.shape,
+                                   strides=a.strides, dtype=a.dtype)
+    args = map_args(device, box, swizzle, nan_fill)
+    rank = a.ndim
+    assert (args[1], args[2]) == (m["rank"], m["global_address"])
+    assert [int(x) for x in args[3]] == m["dims"][:rank].tolist()
+    assert [int(x) for x in args[4]] == m["strides"][:rank - 1].tolist()
+    assert [int(x) for x in args[5]] == m["box"][:rank].tolist()
+    assert int(args[8]) == m["swizzle"] and a.itemsize == m["elem_bytes"]
+    assert (args[10] == cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA
+            ) == bool(m["nan_fill"])
+
+
 def test_sm90_persistent_grid_is_one_block_per_sm_at_most():
     """The persistent forward's grid: one block per work item up to one per SM, at least one
     (the blocks also write the pad rows); the emulation's stand-in device has few SMs, so that
@@ -188,3 +220,37 @@ def test_sm90_key_chunk_is_128_where_it_fits():
     assert Sm90Spec("bfloat16", 256, 64, 64, False).key_chunk == 64
     with pytest.raises(ValueError, match="shared memory"):
         Sm90Spec("bfloat16", 256, 64, 64, False, key_chunk=128)
+
+
+def test_work_ordered_plan_runs_the_heaviest_items_first():
+    """The sm_90a forward's plan (`work_ordered_plan`): query tile slots in ascending order of
+    visible key tiles, so that its work items, taken from the last slot on, run heaviest
+    first; every slot's tile, schedule and row schedule stay together, unused slots come
+    first, ties keep slot order, and the plan is built once per plan object."""
+    import numpy as np
+    import varlen
+    from varlen.backends.cupy import sm90
+    cu = np.array([0, 300, 301, 301, 420], np.int32)
+    plan = varlen.plan(cu, cu, mask="causal", block_m=64, block_n=64)
+    ordered = sm90.work_ordered_plan(plan)
+    assert sm90.work_ordered_plan(plan) is ordered
+    sched = np.asarray(plan.q_sched)
+    work = (sched[:, :, 3] - sched[:, :, 0]).sum(axis=1)
+    got = np.asarray(ordered.q_sched)
+    got_work = (got[:, :, 3] - got[:, :, 0]).sum(axis=1)
+    assert list(got_work) == sorted(work), (list(got_work), list(work))
+    assert len(set(work.tolist())) > 2 and list(work) != sorted(work), "a plan worth ordering"
+    tiles, got_tiles = np.asarray(plan.q_tiles), np.asarray(ordered.q_tiles)
+    unused = int((tiles[:, 0] < 0).sum())
+    assert unused > 0 and (got_tiles[:unused, 0] < 0).all(), "unused slots first"
+    # each used slot once, its tile, schedule and row schedule together
+    order = [int(np.flatnonzero((tiles[:, 2] == t[2]) & (tiles[:, 0] >= 0))[0])
+             for t in got_tiles[unused:]]
+    assert sorted(order) == sorted(np.flatnonzero(tiles[:, 0] >= 0).tolist()), order
+    for name in ("q_tiles", "q_sched", "q_row_sched"):
+        assert (np.asarray(getattr(ordered, name))[unused:]
+                == np.asarray(getattr(plan, name))[order]).all(), name
+    ties = [[o for o, w in zip(order, got_work[unused:]) if w == v]
+            for v in set(got_work.tolist())]
+    assert all(t == sorted(t) for t in ties), ties
+    assert ordered.k_tiles is plan.k_tiles and ordered.k_sched is plan.k_sched

@@ -8,7 +8,9 @@ layers) and DeepSeek-V3 (MLA: query/key head dim 24, value head dim 16) in float
 parameter's gradient on padded batches (left and right padding; holes for Llama, whose layers
 have no window that would count the holes) and packed batches (documents marked by position
 ids or by `DataCollatorWithFlattening`'s kwargs, with and without a cache), greedy generation
-with a cache, and decoding without a mask.
+with a cache, and decoding without a mask. Attention dropout in training: repeatable under
+one torch.manual_seed, the core API's pairs for the drawn seed, a plausible dropped fraction,
+and eval mode still eager's.
 """
 import inspect
 
@@ -268,12 +270,105 @@ def test_decoding_with_a_cache_and_no_mask(name):
     assert_close(f"{name} decode", outs[1], outs[0], dtype)
 
 
-def test_attention_dropout_is_not_implemented():
-    config = llama()
-    config.attention_dropout = 0.1
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="varlen")
-    with pytest.raises(NotImplementedError, match="attention_dropout"):
-        model.train()(input_ids=ids(1, 5))
+# --------------------------------------------------------------------------------------------
+# Attention dropout in training (FlashAttention 2's semantics, varlen's keep bits)
+# --------------------------------------------------------------------------------------------
+
+def dropout_model(name, impl="varlen", p=0.1):
+    config = CONFIGS[name]()
+    config.attention_dropout = p
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+
+@both
+def test_training_with_attention_dropout(name):
+    """Train mode with attention_dropout = 0.1 on a padded batch: finite logits and gradients,
+    bitwise repeatable under one torch.manual_seed, other logits under another seed and in
+    eval mode."""
+    model = dropout_model(name).train()
+    mask = padding_masks(13, holes=False)
+    inputs = dict(input_ids=ids(*mask.shape), attention_mask=mask)
+    keep = mask.bool()
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        runs.append(logits_and_grads(model, keep, **inputs))
+    logits, grads = runs[0]
+    assert logits.isfinite().all() and all(g.isfinite().all() for g in grads.values())
+    assert any(g.abs().max() > 0 for n, g in grads.items() if "self_attn" in n)
+    assert torch.equal(runs[1][0], logits), "one seed, other logits"
+    assert all(torch.equal(runs[1][1][n], g) for n, g in grads.items()), "one seed, other grads"
+    assert not torch.equal(runs[2][0], logits), "another seed dropped the same pairs"
+    with torch.no_grad():
+        evaluated = model.eval()(**inputs).logits[keep]
+    assert not torch.allclose(evaluated, logits), "train mode dropped nothing"
+
+
+@both
+def test_eval_mode_with_attention_dropout_is_eager(name):
+    """attention_dropout > 0 changes nothing outside training: eager's logits and grads."""
+    dtype = torch.float32
+    reference, varlen_model = (dropout_model(name, impl).to(dtype).eval()
+                               for impl in ("eager", "varlen"))
+    mask = padding_masks(13, holes=name == "llama")
+    inputs = dict(input_ids=ids(*mask.shape), attention_mask=mask)
+    keep = mask.bool()
+    assert_same_model_outputs(f"{name} eval", logits_and_grads(varlen_model, keep, **inputs),
+                              logits_and_grads(reference, keep, **inputs), dtype)
+
+
+class Layer(torch.nn.Module):
+    is_causal = True
+
+
+def test_layer_dropout_is_the_core_api_with_the_drawn_seed():
+    """One layer call in training on a left-padded batch equals the core API on the packed
+    tokens (positions counted from each row's first token) with the seed torch's generator
+    gives after the same torch.manual_seed; in eval mode no pair is dropped."""
+    import varlen
+    from varlen.integrations.transformers import varlen_attention_forward
+    rng = torch.Generator().manual_seed(4)
+    B, Hq, Hk, S, D = 2, 4, 2, 11, 8
+    q = torch.randn(B, Hq, S, D, generator=rng, dtype=torch.float64)
+    k, v = (torch.randn(B, Hk, S, D, generator=rng, dtype=torch.float64) for _ in range(2))
+    mask = torch.stack([torch.arange(S) >= 3, torch.arange(S) >= 0]).long()
+    layer = Layer().train()
+    torch.manual_seed(9)
+    out = varlen_attention_forward(layer, q, k, v, mask, dropout=0.3)[0].view(B, S, Hq, D)
+    torch.manual_seed(9)
+    seed = vt.draw_seed()
+    lengths = mask.sum(1).tolist()
+
+    def rows(x):        # [B, H, S, D] -> the packed tokens [T, H, D]
+        return torch.cat([x[b, :, S - n:].transpose(0, 1) for b, n in enumerate(lengths)])
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32).numpy()
+    want, _ = varlen.attention_forward(*(rows(x).numpy() for x in (q, k, v)), cu, cu,
+                                       mask="causal", dropout_p=0.3, seed=seed)
+    got = torch.cat([out[b, S - n:] for b, n in enumerate(lengths)]).numpy()
+    assert abs(got - want).max() < 1e-12, "the layer drew other pairs than the core API"
+    assert (out[0, :3] == 0).all(), "padding positions get output 0"
+    undropped, _ = varlen.attention_forward(*(rows(x).numpy() for x in (q, k, v)), cu, cu,
+                                            mask="causal")
+    assert abs(got - undropped).max() > 0.1
+    evaluated = varlen_attention_forward(layer.eval(), q, k, v, mask, dropout=0.3)[0]
+    evaluated = evaluated.view(B, S, Hq, D)
+    got = torch.cat([evaluated[b, S - n:] for b, n in enumerate(lengths)]).numpy()
+    assert abs(got - undropped).max() < 1e-12, "eval mode dropped pairs"
+
+
+def test_layer_dropout_drops_a_plausible_fraction():
+    """q = 0 spreads each row evenly over its keys and v = 1, so an output entry is the row's
+    kept fraction times 1 / (1 - p): over 2 x 4 x 64 x 64 pairs about 1 - p are kept."""
+    from varlen.integrations.transformers import varlen_attention_forward
+    B, H, S, p = 2, 4, 64, 0.1
+    q = torch.zeros(B, H, S, 8)
+    layer = Layer().train()
+    layer.is_causal = False
+    torch.manual_seed(1)
+    out, _ = varlen_attention_forward(layer, q, q, torch.ones(B, H, S, 8), None, dropout=p)
+    kept = (out[..., 0] * (1 - p)).mean().item()
+    assert abs(kept - (1 - p)) < 0.01, f"kept fraction {kept:.4f} for p = {p}"
 
 
 def test_a_4d_mask_is_refused():

@@ -85,7 +85,8 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None
         dropout_p: float in [0, 1): attention dropout as in FlashAttention 2: each visible
             pair's probability is dropped with probability `dropout_p` and the kept ones are
             scaled by `1 / (1 - dropout_p)`; `lse` is that of the softmax without dropout.
-            0.0 is exactly the path without dropout. Host backends (`numpy`, `cpu`) only.
+            0.0 is exactly the path without dropout. Backends `numpy`, `cpu`, `numba` and
+            `backend="cupy"` (`cupy:mma`; `cupy:sm90a` refuses it).
         seed: int in [0, 2**64), required when `dropout_p > 0`: with `offset` it fixes which
             pairs are dropped (a Philox 4x32-10 draw per sequence, query head, query and key
             position; `varlen.reference.dropout_keep`, docs/semantics.md "Dropout"). The same
@@ -125,8 +126,9 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
     Args:
         dout: `[Tq, Hq, Dv]`, the gradient of the output, q's dtype.
         out, lse: what `attention_forward` returned for these inputs.
-        deterministic: bitwise-repeatable accumulation of dQ (device backends use atomics
-            otherwise; the host backends are always deterministic).
+        deterministic: bitwise-repeatable accumulation of dQ and of the aux gradients
+            (device backends use float32 atomics otherwise; aux gradients then go through
+            64-bit fixed point, docs/mods.md; the host backends are always deterministic).
         aux_grads: also return the gradients of `score_mod`'s float aux arrays: a last
             result, a tuple with one float32 array (the aux's shape) or None per aux array.
         sinks: the forward's sinks; `out` and `lse` must be the forward's with them.

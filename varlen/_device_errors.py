@@ -21,7 +21,8 @@ _FLAGS: dict = {}
 def record(xp, flag, message: str, error=ValueError):
     """Raise `error(message)` if the 0-d bool `flag` is set (host), or remember it on the
     device. `error` is ValueError for invalid metadata, IndexError for an aux array read out of
-    its range by a mask_mod or score_mod."""
+    its range by a mask_mod or score_mod, OverflowError for a deterministic aux gradient out of
+    the range of its fixed-point sums (`varlen.backends._aux_fixed`)."""
     if xp is np:
         if bool(flag):
             raise error(message)
@@ -43,7 +44,8 @@ def accumulator(xp, message: str, error=ValueError):
 
 def check_device_errors():
     """Raise what device code recorded since the last check, every problem named: an
-    IndexError if a mask_mod or score_mod read an aux array out of its range, else a
+    IndexError if a mask_mod or score_mod read an aux array out of its range, else an
+    OverflowError if a deterministic aux gradient left its fixed-point range, else a
     ValueError for invalid device metadata.
 
     Reads device memory (a synchronisation): call it after a step, or at the end of a run,
@@ -57,4 +59,6 @@ def check_device_errors():
     messages = "; ".join(sorted(msg for _, msg in found))
     if any(err is IndexError for err, _ in found):
         raise IndexError(messages)
+    if any(err is OverflowError for err, _ in found):
+        raise OverflowError(messages)
     raise ValueError("device metadata was invalid: " + messages)

@@ -350,9 +350,6 @@ def setup(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, seq_offsets_q=None,
     (`varlen.dropout.make_dropout`).
     """
     dropout = make_dropout(dropout_p, seed, offset)
-    if dropout is not None and part is not None:
-        raise NotImplementedError("dropout_p > 0 is not implemented under context parallelism "
-                                  "yet; pass dropout_p=0.0")
     origin, qw, kw, vw, gw = _tensors(q, k, v, grads)
     xp = array_module(qw)
     on_device = xp is not np

@@ -425,8 +425,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
             soft-capped); its gradient is accumulated in float32 and cast to its dtype.
         dropout_p: float in [0, 1): attention dropout as in FlashAttention 2 (each visible
             pair's probability dropped with probability `dropout_p`, the kept ones scaled by
-            `1 / (1 - dropout_p)`; lse without dropout). Runs on the host backends (CPU
-            tensors); the backward draws the same pairs again.
+            `1 / (1 - dropout_p)`; lse without dropout). Runs on every backend (`cupy`
+            through `cupy:mma`); the backward draws the same pairs again.
         seed: int in [0, 2**64) fixing the dropped pairs (with `offset`), the same on every
             backend. None: drawn from torch's default CPU generator (`torch.manual_seed` makes
             it repeatable); with `deterministic=True` a seed is required, and under
@@ -511,6 +511,22 @@ def _cp_group(group):
                     f"None (the default process group), got {type(group).__name__}")
 
 
+# What a rank that drew its dropout seed sends (first, as what a peer that did not draw reads
+# as the reason it stops: `varlen.comm`'s agreement takes a message there).
+_DREW = "seed=None with dropout_p > 0 (a seed drawn on every rank, rank 0's taken)"
+
+
+def _group_seed(group, drawn: int) -> int:
+    """Rank 0's drawn seed on every rank (each rank drew one: its generator advances as in a
+    single-process call); every rank must have drawn, else all raise."""
+    got = group.allgather_object((_DREW, drawn))
+    if any(not (isinstance(x, tuple) and len(x) == 2 and x[0] == _DREW) for x in got):
+        raise ValueError("ranks disagree on seed: some passed seed=None with dropout_p > 0, "
+                         "others a seed or no dropout; pass the same seed (or None) on every "
+                         "rank")
+    return got[0][1]
+
+
 class _ContextParallelAttention(torch.autograd.Function):
     """Forward: `varlen.comm.attention_forward` on this rank; backward: the method's backward
     (for the ring, K/V and the dK/dV accumulators travel the ring again) with the same step
@@ -556,7 +572,7 @@ class _ContextParallelAttention(torch.autograd.Function):
 def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
                                return_lse=False, score_mod=None, sinks=None,
-                               ulysses_size=None):
+                               ulysses_size=None, dropout_p=0.0, seed=None, offset=0):
     """Context-parallel attention on this rank, differentiable in its q, k and v shards (and
     in `sinks` and a score_mod's float aux tensors).
 
@@ -594,6 +610,14 @@ def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softma
             (Ulysses inside groups of `ulysses_size` consecutive ranks, the ring across them;
             `Hq % ulysses_size == 0`).
         ulysses_size: with `method="usp"`, the ranks of one all-to-all group.
+        dropout_p, seed, offset: attention dropout as in `varlen_attention`; the shards hold
+            what `varlen_attention` gives the whole batch with the same seed (each pair's keep
+            bit is drawn at its single-process coordinates). `seed=None` draws one from
+            torch's default generator on every rank (each generator advances as in a
+            single-process call) and every rank takes rank 0's draw (one small host exchange
+            per forward call), so ranks seeded differently still drop the same pairs. A
+            given seed must be the same on every rank (checked: the ranks raise the same
+            ValueError otherwise). With `deterministic=True` the seed is required.
         deterministic: bitwise-repeatable backward.
         return_lse: return `(out, lse)` instead of `out`.
 
@@ -614,10 +638,16 @@ def context_parallel_attention(q, k, v, part, group=None, *, mask="full", softma
     if _under_func_transform(q, k, v):
         raise NotImplementedError(_NO_FUNC_TRANSFORMS)
     q, k, v = _autocast(q, k, v)
+    cp_group = _cp_group(group)
+    p, drawn, offset = _dropout_args(dropout_p, seed, offset, deterministic)
+    drawn = _seed_of(drawn)
+    if p > 0 and seed is None:
+        drawn = _group_seed(cp_group, drawn)
     kw = dict(mask=mask, softmax_scale=softmax_scale, softcap=softcap, method=method,
-              score_mod=score_mod, ulysses_size=ulysses_size)
+              score_mod=score_mod, ulysses_size=ulysses_size, dropout_p=p, seed=drawn,
+              offset=offset)
     aux = () if score_mod is None else tuple(score_mod.aux)
-    out, lse = _ContextParallelAttention.apply(q, k, v, part, _cp_group(group), kw,
+    out, lse = _ContextParallelAttention.apply(q, k, v, part, cp_group, kw,
                                                bool(deterministic), _sinks_operand(q, sinks),
                                                *aux)
     return (out, lse) if return_lse else out

@@ -18,13 +18,13 @@ A kept probability is multiplied by `1 / (1 - p)` (FlashAttention 2).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 __all__ = ["Dropout", "make_dropout", "check_dropout", "check_seed", "check_offset",
            "philox4x32_10", "keep_bits", "threshold_of", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0",
-           "PHILOX_W1", "SEQ_MIX", "ROUNDS"]
+           "PHILOX_W1", "SEQ_MIX", "ROUNDS", "seed_of_words"]
 
 # Philox 4x32 constants (Random123's PHILOX_M4x32_0/1 and PHILOX_W32_0/1).
 PHILOX_M0 = 0xD2511F53
@@ -58,6 +58,17 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
+def seed_of_words(words) -> int:
+    """The 64-bit seed of two uint32 words `(hi, lo)`: how a framework's random key becomes a
+    seed (the JAX adapter draws the two words from `dropout_rng` inside the traced program and
+    hands them to the host or device call as an operand)."""
+    w = np.asarray(words)
+    if w.shape != (2,) or w.dtype != np.uint32:
+        raise ValueError(f"dropout seed words must be uint32 of shape (2,), got "
+                         f"{w.dtype}{list(w.shape)}")
+    return (int(w[0]) << 32) | int(w[1])
+
+
 def threshold_of(p: float) -> int:
     """The uint32 threshold of drop probability `p`: a word below it drops its pair."""
     return min(int(round(p * 2.0 ** 32)), _MASK32)
@@ -66,11 +77,23 @@ def threshold_of(p: float) -> int:
 @dataclass(frozen=True)
 class Dropout:
     """A call's dropout: probability `p` in (0, 1), the 64-bit `seed`, the 32-bit `offset`,
-    and what kernels read: `threshold` (uint32) and `scale = 1 / (1 - p)`."""
+    and what kernels read: `threshold` (uint32) and `scale = 1 / (1 - p)`.
+
+    `head_offset`: the global query head of a kernel call's local head 0 (0 for a call that
+    sees every head; under Ulysses a rank's kernels see a slice of the heads, `for_heads`):
+    a kernel draws the bits of local head `j` at head `head_offset + j`. Sequences and
+    positions need no map: a context-parallel kernel call's plan numbers its sequences as the
+    batch does and holds whole-document positions."""
 
     p: float
     seed: int
     offset: int
+    head_offset: int = 0
+
+    def for_heads(self, first: int) -> "Dropout":
+        """This dropout for a kernel call whose local query head `j` is global head
+        `first + j` (as `varlen.mods.Mods.for_heads` for the user functions)."""
+        return self if first == self.head_offset else replace(self, head_offset=int(first))
 
     @property
     def threshold(self) -> int:
@@ -91,7 +114,8 @@ class Dropout:
 
     def keep(self, b, h, q, k):
         """Bool array (the broadcast shape of the int arrays `b, h, q, k`): which pairs are
-        kept. Positions are inside the sequence (under context parallelism, the document)."""
+        kept. Positions are inside the sequence (under context parallelism, the document);
+        `h` is the kernel call's local head (global head `head_offset + h`)."""
         return keep_bits(self, b, h, q, k)
 
 
@@ -101,7 +125,8 @@ def keep_bits(d: Dropout, b, h, q, k):
     key1 = (np.uint64(d.key1) ^ ((b.astype(np.uint64) * np.uint64(SEQ_MIX)) &
                                  np.uint64(_MASK32)))
     words = philox4x32_10((k >> 2).astype(np.uint64), q.astype(np.uint64),
-                          h.astype(np.uint64), np.uint64(d.offset), np.uint64(d.key0), key1)
+                          (h + d.head_offset).astype(np.uint64), np.uint64(d.offset),
+                          np.uint64(d.key0), key1)
     lane = k & 3
     word = np.where(lane == 0, words[0], np.where(lane == 1, words[1],
                                                   np.where(lane == 2, words[2], words[3])))

@@ -13,12 +13,14 @@ platform when the computation is lowered (`jax.lax.platform_dependent`):
   `numpy` for float64 and without the `[cpu]` extra).
 * CUDA: `jax.experimental.buffer_callback` hands XLA's device buffers and stream to the callback;
   the operands become CuPy arrays through DLPack on that stream, the GPU backend runs on it, and
-  the results are copied into XLA's output buffers on it. Nothing waits on the host.
+  the results are copied into XLA's output buffers on it. Nothing waits on the host but
+  dropout's seed (its 8 bytes are read there).
 
 The adapter holds no attention math and checks nothing itself: the setup step's data-free
 checks run on the (possibly traced) arrays while tracing, its value checks inside the call.
 Metadata (`cu_seqlens`, offsets, per-sequence mask arrays) travels as integer operands of the
-custom VJP and gets `float0` (zero) cotangents; the scalar settings, the plan and the text of a
+custom VJP and gets `float0` (zero) cotangents, and so does dropout's seed (two uint32 words
+drawn from `dropout_rng`, kept for the backward); the scalar settings, the plan and the text of a
 MaskMod's or ScoreMod's graph are a hashable static argument, their aux arrays operands (a
 ScoreMod's float ones differentiable). MaskMod and ScoreMod are pytrees. See
 `docs/frameworks.md`.
@@ -45,6 +47,7 @@ from ._setup import check_ulysses_size, static_scalars
 from ._sinks import add_sinks, sink_grads
 from ._validate import (as_index_array, as_policy_array, check_qkv, check_specs,
                         check_together, scale_and_softcap)
+from .dropout import Dropout, check_dropout, seed_of_words
 from .masks import MASK_FIELDS, Mask, as_mask
 from .mods import MaskMod, Mods, ScoreMod, split_mask
 from .mods.graph import _dtype_name
@@ -70,10 +73,13 @@ class _Static:
     # two calls with functions that trace alike share a trace.
     mask_mod: str | None = None
     score_mod: str | None = None
+    # Dropout's probability and offset; its seed is an operand (`_dropout_words`).
+    dropout_p: float = 0.0
+    offset: int = 0
 
-    def keywords(self, meta, mask_aux=(), score_aux=()):
-        """The keyword arguments of the core API for metadata `meta` and the user functions'
-        aux arrays (working arrays)."""
+    def keywords(self, meta, mask_aux=(), score_aux=(), words=None):
+        """The keyword arguments of the core API for metadata `meta`, the user functions'
+        aux arrays and dropout's seed words (working arrays)."""
         cu_q, cu_k, off_q, off_k, *mask_arrays = meta
         mask = Mask.from_parts(mask_arrays, self.mask_ints)
         if self.mask_mod is not None:
@@ -84,7 +90,17 @@ class _Static:
                     seq_offsets_k=off_k, mask=mask, score_mod=score_mod,
                     softmax_scale=self.softmax_scale, softcap=self.softcap,
                     max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
-                    backend=self.backend, plan=self.plan)
+                    backend=self.backend, plan=self.plan, dropout_p=self.dropout_p,
+                    seed=_seed(words), offset=self.offset)
+
+
+def _seed(words):
+    """The core API's int seed of dropout's two words (None: none); a CuPy operand is read
+    to the host (8 bytes)."""
+    if words is None:
+        return None
+    get = getattr(words, "get", None)          # CuPy's device-to-host copy
+    return seed_of_words(get() if callable(get) else words)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,24 +226,26 @@ def _dispatch(fn, result_shapes, *args):
                                       default=host)
 
 
-def _forward(static: _Static, q, k, v, meta, mask_aux=(), score_aux=(), sinks=None):
+def _forward(static: _Static, q, k, v, meta, mask_aux=(), score_aux=(), sinks=None,
+             words=None):
     Tq, Hq, _ = q.shape
     lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     shapes = (jax.ShapeDtypeStruct((Tq, Hq, v.shape[2]), q.dtype),
               jax.ShapeDtypeStruct((Hq, Tq), lse_dtype))
 
-    def fn(q, k, v, meta, mask_aux, score_aux, sinks):
-        return attention_forward(q, k, v, **static.keywords(meta, mask_aux, score_aux),
+    def fn(q, k, v, meta, mask_aux, score_aux, sinks, words):
+        return attention_forward(q, k, v, **static.keywords(meta, mask_aux, score_aux, words),
                                  sinks=sinks)
-    args = (q, k, v, meta, mask_aux, score_aux, sinks)
+    args = (q, k, v, meta, mask_aux, score_aux, sinks, words)
     axes = frozenset().union(*map(_varying_axes, jax.tree.leaves(args)))
     return tuple(_vary(r, axes) for r in _dispatch(fn, shapes, *args))
 
 
 def _backward(static: _Static, dout, q, k, v, out, lse, meta, mask_aux=(), score_aux=(),
-              aux_grads=False, sinks=None):
+              aux_grads=False, sinks=None, words=None):
     """`(dq, dk, dv, dsinks)` (dsinks None without sinks), and with `aux_grads` a fifth
-    result: float32 gradients of the float arrays among `score_aux`, in order."""
+    result: float32 gradients of the float arrays among `score_aux`, in order. `words`: the
+    forward's dropout seed (the same pairs are drawn again)."""
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     if sinks is not None:
         acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
@@ -236,9 +254,9 @@ def _backward(static: _Static, dout, q, k, v, out, lse, meta, mask_aux=(), score
     floats = [i for i, a in enumerate(score_aux) if _floating(a)] if aux_grads else []
     shapes += tuple(jax.ShapeDtypeStruct(score_aux[i].shape, jnp.float32) for i in floats)
 
-    def fn(dout, q, k, v, out, lse, meta, mask_aux, score_aux, sinks):
+    def fn(dout, q, k, v, out, lse, meta, mask_aux, score_aux, sinks, words):
         grads = attention_backward(dout, q, k, v, out, lse,
-                                   **static.keywords(meta, mask_aux, score_aux),
+                                   **static.keywords(meta, mask_aux, score_aux, words),
                                    deterministic=static.deterministic, aux_grads=bool(floats),
                                    sinks=sinks)
         daux = tuple(grads[-1][i] for i in floats) if floats else ()
@@ -246,11 +264,28 @@ def _backward(static: _Static, dout, q, k, v, out, lse, meta, mask_aux=(), score
         daux = tuple(np.zeros(s.shape, s.dtype) if g is None else g
                      for g, s in zip(daux, shapes[first_aux:]))
         return (*grads[:first_aux], *daux)
-    res = _dispatch(fn, shapes, dout, q, k, v, out, lse, meta, mask_aux, score_aux, sinks)
+    res = _dispatch(fn, shapes, dout, q, k, v, out, lse, meta, mask_aux, score_aux, sinks,
+                    words)
     dq, dk, dv = res[:3]
     dsinks = res[3] if sinks is not None else None
     daux = tuple(res[first_aux:])
     return (dq, dk, dv, dsinks, daux) if aux_grads else (dq, dk, dv, dsinks)
+
+
+def _dropout_words(dropout_p: float, dropout_rng):
+    """The seed of a call's dropout as a traced uint32[2] operand (`varlen.dropout.seed_of_words`
+    turns it into the 64-bit seed inside the call), drawn from `dropout_rng` (a `jax.random`
+    key, typed or raw); None without dropout."""
+    if dropout_p == 0.0:
+        return None
+    if dropout_rng is None:
+        raise ValueError(f"dropout_rng is required with dropout_p={dropout_p!r}: a jax.random "
+                         f"key (e.g. jax.random.key(0)) that fixes which pairs are dropped")
+    try:
+        return jax.random.bits(dropout_rng, (2,), jnp.uint32)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"dropout_rng must be a jax.random key (jax.random.key or "
+                        f"jax.random.PRNGKey), got {type(dropout_rng).__name__}: {e}") from None
 
 
 def _floating(x) -> bool:
@@ -264,18 +299,19 @@ def _floating(x) -> bool:
 # Symbolic zeros tell the forward rule whether the score_mod's aux arrays are differentiated:
 # their gradients are computed only then.
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, meta, mask_aux, score_aux, sinks):
-    return _forward(static, q, k, v, meta, mask_aux, score_aux, sinks)
+def _attention(static, q, k, v, meta, mask_aux, score_aux, sinks, words):
+    return _forward(static, q, k, v, meta, mask_aux, score_aux, sinks, words)
 
 
 def _attention_fwd(static, *primals):
     # symbolic_zeros: every leaf comes as a CustomVJPPrimal (its value, whether it is perturbed)
     wanted = any(p.perturbed and _floating(p.value) for p in jax.tree.leaves(
-        primals[-2], is_leaf=lambda x: isinstance(x, CustomVJPPrimal)))
-    q, k, v, meta, mask_aux, score_aux, sinks = jax.tree.map(
+        primals[5], is_leaf=lambda x: isinstance(x, CustomVJPPrimal)))     # score_aux
+    q, k, v, meta, mask_aux, score_aux, sinks, words = jax.tree.map(
         lambda p: p.value, primals, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-    out, lse = _forward(static, q, k, v, meta, mask_aux, score_aux, sinks)
-    return (out, lse), (q, k, v, out, lse, meta, mask_aux, score_aux, wanted, sinks)
+    out, lse = _forward(static, q, k, v, meta, mask_aux, score_aux, sinks, words)
+    # dropout's words are kept, so the backward draws the forward's pairs
+    return (out, lse), (q, k, v, out, lse, meta, mask_aux, score_aux, wanted, sinks, words)
 
 
 def _float0_like(x):
@@ -311,12 +347,13 @@ def _varying_axes(x) -> frozenset:
 
 
 def _attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, meta, mask_aux, score_aux, wanted, sinks = residuals
+    q, k, v, out, lse, meta, mask_aux, score_aux, wanted, sinks, words = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
     if isinstance(dout, SymbolicZero):
         dout = jnp.zeros(out.shape, out.dtype)
     dq, dk, dv, dsinks, *daux = _backward(static, dout, q, k, v, out, lse, meta, mask_aux,
-                                          score_aux, aux_grads=wanted, sinks=sinks)
+                                          score_aux, aux_grads=wanted, sinks=sinks,
+                                          words=words)
     if sinks is not None:       # float32 (float64) accumulation, in the sinks' dtype
         dsinks = _vary(dsinks.astype(sinks.dtype), _varying_axes(sinks))
     dq, dk, dv = (_vary(g, _varying_axes(x)) for g, x in ((dq, q), (dk, k), (dv, v)))
@@ -326,7 +363,8 @@ def _attention_bwd(static, residuals, cotangents):
     score_cot = tuple(_vary(next(daux).astype(a.dtype), _varying_axes(a))
                       if wanted and _floating(a) else _zero_cotangent(a) for a in score_aux)
     return (dq, dk, dv, jax.tree.map(_float0_like, meta),
-            tuple(map(_zero_cotangent, mask_aux)), score_cot, dsinks)
+            tuple(map(_zero_cotangent, mask_aux)), score_cot, dsinks,
+            None if words is None else _float0_like(words))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -453,7 +491,8 @@ def _sinks_operand(q, sinks):
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
                      seq_offsets_k=None, mask="full", softmax_scale=None, softcap=0.0,
                      max_seqlen_q=None, max_seqlen_k=None, backend=None, deterministic=False,
-                     plan=None, return_lse=False, score_mod=None, sinks=None):
+                     plan=None, return_lse=False, score_mod=None, sinks=None, dropout_p=0.0,
+                     dropout_rng=None, offset=0):
     """Attention over a packed variable-length batch, differentiable in q, k and v, in the
     float aux arrays of a `score_mod`, and in `sinks`.
 
@@ -497,6 +536,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         sinks: optional float `[Hq]` JAX (or NumPy) array: attention sinks (gpt-oss), one
             logit per query head in every row's softmax with no value (not scaled, not
             soft-capped); differentiable (float32 accumulation, in its dtype).
+        dropout_p: Python float in [0, 1) (static): attention dropout as in FlashAttention 2
+            (each visible pair's probability dropped with probability `dropout_p`, the kept
+            ones scaled by `1 / (1 - dropout_p)`; lse without dropout). 0.0 is exactly the
+            path without dropout. Every backend runs it (on CUDA the device backends, which
+            have not run on a GPU yet).
+        dropout_rng: a `jax.random` key (`jax.random.key` or `jax.random.PRNGKey`, traced or
+            not), required when `dropout_p > 0`: two uint32 words drawn from it inside the
+            program are the 64-bit seed of `varlen.dropout` (`seed_of_words`), so the same key
+            drops the same pairs on every backend that runs dropout, forward and backward
+            (`varlen.reference.dropout_keep` with that seed gives them). Split it per step and
+            per layer, as for any JAX randomness; under `jax.vmap` map the key too, or every
+            element drops the same pairs.
+        offset: Python int in [0, 2**32) (static), a stream index beside the seed.
 
     Returns:
         out: `[Tq, Hq, Dv]` in q's dtype.
@@ -522,6 +574,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if isinstance(dropout_p, jax.core.Tracer) or isinstance(offset, jax.core.Tracer):
+        raise TypeError("dropout_p and offset must be Python numbers (static arguments); got "
+                        "a traced value: mark them static under jax.jit")
+    dropout_p, _, offset = check_dropout(dropout_p, None, offset)
+    words = _dropout_words(dropout_p, dropout_rng)
     mask, mask_mod = split_mask(mask)
     layout = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k)
@@ -534,9 +591,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seq_offsets_q=None,
     arrays, ints = mask.parts()
     static = _Static(ints, *static_scalars(softmax_scale, softcap, max_seqlen_q, max_seqlen_k,
                                            backend, deterministic), plan, mask_text,
-                     score_text)
+                     score_text, dropout_p, offset)
     out, lse = _attention(static, q, k, v, _operands(layout, arrays, batch), mask_aux,
-                          score_aux, _sinks_operand(q, sinks))
+                          score_aux, _sinks_operand(q, sinks), words)
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out
 
@@ -566,6 +623,7 @@ class _CPStatic:
     # the node and ring parts are this static with `axis_name` and `cp` of their level
     levels: tuple | None = None
     traffic: list | None = None     # `stats=`: what the traces move, appended per call
+    dropout: tuple | None = None    # dropout_p > 0: (p, offset); the seed is an operand
 
     @property
     def level(self) -> str:
@@ -585,12 +643,19 @@ class _CPStatic:
 class _Aux:
     """The score_mod's aux arrays in one forward or backward trace (operands of every kernel
     call), and in a backward the sum of the kernel calls' aux gradients on this rank
-    (`want`: which aux arrays get one, the float ones)."""
+    (`want`: which aux arrays get one, the float ones); `seed`: the dropout seed's uint32[2]
+    words (an operand of every kernel call too), None without dropout."""
 
-    def __init__(self, values=(), want=None):
+    def __init__(self, values=(), want=None, seed=None):
         self.values = tuple(values)
         self.want = tuple(want) if want is not None else (False,) * len(self.values)
         self.grads = None
+        self.seed = seed
+
+    @property
+    def operands(self) -> tuple:
+        """What every kernel call takes besides its arrays: the aux values, the seed words."""
+        return self.values + (() if self.seed is None else (self.seed,))
 
     def add(self, grads):
         self.grads = list(grads) if self.grads is None else [
@@ -621,6 +686,8 @@ def _kernel(static: _CPStatic, ax: _Aux, index: int, backward: bool, *args):
 
     def fn(*arrays):
         arrays, aux, rank = list(arrays[:n]), arrays[n:-1], int(arrays[-1])
+        if static.dropout is not None:
+            aux, words = aux[:-1], aux[-1]
         steps = static.steps[rank]
         if not steps.busy[index]:
             return tuple(np.full(s.shape, -np.inf if i == 1 and not backward else 0, s.dtype)
@@ -634,6 +701,8 @@ def _kernel(static: _CPStatic, ax: _Aux, index: int, backward: bool, *args):
         if static.has_mods:
             kw["mods"] = _kernel_mods(static, steps, arrays[i_k - 1], aux, rank,
                                       bool(grad_shapes))
+        if static.dropout is not None:
+            kw["dropout"] = _kernel_dropout(static, words, arrays[i_k - 1], rank)
         if backward:
             results = static.backend.backward(plan, *arrays, **kw,
                                               deterministic=static.deterministic)
@@ -642,22 +711,36 @@ def _kernel(static: _CPStatic, ax: _Aux, index: int, backward: bool, *args):
         else:
             results = static.backend.forward(plan, *arrays, **kw)
         return tuple(_rows_to(np.asarray(r, s.dtype), s) for r, s in zip(results, every))
-    results = _host_call(fn, every)(*args, *ax.values, rank)
+    results = _host_call(fn, every)(*args, *ax.operands, rank)
     results = tuple(_vary(r, static.mesh_axes) for r in results)
     if grad_shapes:
         ax.add(results[3:])
     return results[:3] if backward else results
 
 
+def _first_head(static, q, rank) -> int:
+    """The global number of the kernel's first query head: under Ulysses a rank computes heads
+    `[rank * h, (rank + 1) * h)` of q's `h` local ones (usp: its place in its node)."""
+    if static.method == "ulysses":
+        return rank * q.shape[1]
+    return (rank % static.levels[2]) * q.shape[1] if static.method == "usp" else 0
+
+
 def _kernel_mods(static, steps, q, aux, rank, aux_grads) -> Mods:
     """The kernel's `mods=`: the step plans' mask_mod, the score_mod over this call's aux
-    values, and under Ulysses the global number of this rank's first query head (it computes
-    heads `[rank * h, (rank + 1) * h)` of q's `h` local ones)."""
+    values, its `h` global (`_first_head`)."""
     score = None if static.score_mod is None else static.score_mod.with_aux(
         [np.ascontiguousarray(a) for a in aux])
-    first = rank * q.shape[1] if static.method == "ulysses" else \
-        (rank % static.levels[2]) * q.shape[1] if static.method == "usp" else 0
-    return Mods(mask=steps.mask_mod, score=score, aux_grads=aux_grads).for_heads(first)
+    return Mods(mask=steps.mask_mod, score=score,
+                aux_grads=aux_grads).for_heads(_first_head(static, q, rank))
+
+
+def _kernel_dropout(static, words, q, rank):
+    """The kernel's `dropout=`: the call's p and offset, the seed of its traced words, the
+    keep bits drawn at the global query head (`_first_head`)."""
+    p, offset = static.dropout
+    return Dropout(p, _seed(words), offset).for_heads(
+        _first_head(static, q, rank))
 
 
 def _rows_to(x, shape):
@@ -935,10 +1018,10 @@ def _record(static, call: str) -> None:
         static.traffic.append({"call": call, "ranks": [{} for _ in range(static.cp)]})
 
 
-def _cp_forward(static, q, k, v, aux, sinks):
+def _cp_forward(static, q, k, v, aux, sinks, seed):
     _record(static, "forward")
     forward = _doc_ring_forward if static.routes else _CP_FORWARD[static.method]
-    out, lse = forward(static, _Aux(aux), q, k, v)
+    out, lse = forward(static, _Aux(aux, seed=seed), q, k, v)
     out = out.astype(q.dtype)
     if sinks is not None:       # once per row, after the last merge
         out, lse = add_sinks(out, lse, sinks.astype(_acc(q.dtype)), _valid_rows(static), jnp)
@@ -950,13 +1033,13 @@ def _valid_rows(static):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cp_attention(static, q, k, v, aux, sinks):
-    return _cp_forward(static, q, k, v, aux, sinks)
+def _cp_attention(static, q, k, v, aux, sinks, seed):
+    return _cp_forward(static, q, k, v, aux, sinks, seed)
 
 
-def _cp_attention_fwd(static, q, k, v, aux, sinks):
-    out, lse = _cp_forward(static, q, k, v, aux, sinks)
-    return (out, lse), (q, k, v, out, lse, aux, sinks)
+def _cp_attention_fwd(static, q, k, v, aux, sinks, seed):
+    out, lse = _cp_forward(static, q, k, v, aux, sinks, seed)
+    return (out, lse), (q, k, v, out, lse, aux, sinks, seed)
 
 
 def _is_float(x) -> bool:
@@ -984,10 +1067,10 @@ def _aux_cotangents(static, aux, ax: _Aux) -> tuple:
 
 def _cp_attention_bwd(static, residuals, cotangents):
     _record(static, "backward")
-    q, k, v, out, lse, aux, sinks = residuals
+    q, k, v, out, lse, aux, sinks, seed = residuals
     dout, _ = cotangents        # lse is behind a stop_gradient: its cotangent is zero
     backward = _doc_ring_backward if static.routes else _CP_BACKWARD[static.method]
-    ax = _Aux(aux, want=tuple(_is_float(a) for a in aux))
+    ax = _Aux(aux, want=tuple(_is_float(a) for a in aux), seed=seed)
     grads = backward(static, ax, dout, q, k, v, out, lse)
     grads = tuple(_vary(g.astype(x.dtype), _varying_axes(x)) for g, x in zip(grads, (q, k, v)))
     dsinks = None
@@ -999,7 +1082,8 @@ def _cp_attention_bwd(static, residuals, cotangents):
         if missing:
             dsinks = jax.lax.psum(dsinks, missing)
         dsinks = _vary(dsinks, axes)
-    return grads + (_aux_cotangents(static, aux, ax), dsinks)
+    return grads + (_aux_cotangents(static, aux, ax), dsinks,
+                    None if seed is None else _float0_like(seed))
 
 
 _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
@@ -1022,7 +1106,8 @@ def _mesh_levels(method, axis_name, ulysses_size):
 def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax_scale=None,
                                softcap=0.0, method="ring", deterministic=False,
                                return_lse=False, score_mod=None, sinks=None,
-                               ulysses_size=None, stats=None):
+                               ulysses_size=None, stats=None, dropout_p=0.0, dropout_rng=None,
+                               offset=0):
     """Context-parallel attention inside `jax.shard_map`, differentiable in this device's shards
     (and in `sinks` and a score_mod's float aux arrays).
 
@@ -1058,6 +1143,14 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
         sinks: optional float `[Hq]` array, as in `varlen_attention` (the same on every rank:
             replicated, `P()` or closed over, it gets the whole gradient, `psum`med over
             `axis_name`); each row's sink enters once, after the last merge.
+        dropout_p: float in [0, 1): attention dropout (FlashAttention 2's; the single-process
+            keep rule, docs/semantics.md "Dropout"): every kernel call draws each pair's keep
+            bit at its single-process coordinates, so the shards hold the single-process
+            result for the same key. dropout_rng: a `jax.random` key, required with
+            `dropout_p > 0`, the same on every device (replicated: `P()` or closed over; one
+            that varies over the call's mesh axes is refused); the seed is two words drawn from
+            it in the traced program, so every step of a jitted loop with a new key drops new
+            pairs. offset: int in [0, 2**32), as in `varlen.attention_forward`.
         method: `"ring"` (K/V travel the ring with `lax.ppermute`, partial results merge
             through their LSE; dK/dV travel one hop behind and reach their owners last; on a
             document partition only the rows of split documents travel, between the ranks
@@ -1144,10 +1237,12 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
     dtype = np.dtype(q.dtype).name
     D, Dv = int(q.shape[2]), int(v.shape[2])
     aux = () if score_mod is None else tuple(jnp.asarray(a) for a in score_mod.aux)
+    p, _, offset = check_dropout(dropout_p, None, offset)
+    seed = _dropout_words(p, dropout_rng)
     steps = tuple(vc.plan(part, r, dtype=dtype, head_dim=D, head_dim_v=Dv, mask=mask,
                           method=method, on_device=False, score_mod=score_mod,
                           aux_grads=any(map(_is_float, aux)),
-                          ulysses_size=None if levels is None else levels[2])
+                          ulysses_size=None if levels is None else levels[2], dropout_p=p)
                   for r in range(part.cp_size))
     scale, softcap = scale_and_softcap(softmax_scale, softcap, D)
     routes = _routes(part) if method == "ring" and part.scheme == "document" else ()
@@ -1157,7 +1252,15 @@ def context_parallel_attention(q, k, v, part, *, axis_name, mask="full", softmax
                        has_mods=mask_mod is not None or score_mod is not None,
                        valid=None if sinks is None else np.stack(
                            [np.asarray(part.valid(r)) for r in range(part.cp_size)]),
-                       levels=levels, traffic=stats)
-    out, lse = _cp_attention(static, q, k, v, aux, _sinks_operand(q, sinks))
+                       levels=levels, traffic=stats,
+                       dropout=None if seed is None else (p, offset))
+    if seed is not None:
+        varying = sorted(map(str, _varying_axes(seed) & static.mesh_axes))
+        if varying:
+            raise ValueError(f"dropout_rng varies over the mesh axes {', '.join(varying)}: "
+                             f"every rank must draw the same keep bits (the single-process "
+                             f"ones); pass a key that is the same on every device (P() or "
+                             f"closed over)")
+    out, lse = _cp_attention(static, q, k, v, aux, _sinks_operand(q, sinks), seed)
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out

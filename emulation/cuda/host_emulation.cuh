@@ -23,7 +23,12 @@
 //   * Collectives: all 32 lanes must meet at the same ldmatrix / mma / shfl call site, as the
 //     same dynamic instance (per-lane count), with no lane exited; otherwise the run aborts.
 //   * Spin-waits on global counters (spin_wait_equal): blocks run in the GPU's dispatch order,
-//     so a wait that is not satisfied at once waits for a later block: the run aborts.
+//     so a wait that is not satisfied at once waits for a later block: the run aborts (in a
+//     build with VARLEN_POLL_LIMIT, after that many polls, through the kernels' own message).
+//   * printf and __trap: printf is the C library's; __trap ends the launch as a GPU does: the
+//     trapping thread unwinds, every other thread of the block unwinds at its next wait or
+//     check, no later block runs, and the launch returns an error (emu_launch: 1), which the
+//     stand-in launchers raise. The process goes on.
 //   * Alignment: ldmatrix row addresses and both cp.async addresses must be 16-byte aligned.
 //   * Bank conflicts: each 8-address phase of an ldmatrix must hit 8 distinct 16-byte bank
 //     groups (the padding invariant of common.cuh: a conflict aborts); the 16-byte cp.async
@@ -64,6 +69,10 @@
 #define __restrict__ __restrict
 #define __shared__
 #define __align__(n) __attribute__((aligned(n)))
+#define __noinline__ __attribute__((noinline))
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
 
 using std::min;
 using std::max;
@@ -96,6 +105,11 @@ inline Config g_config;
 struct BankCounts { uint64_t ldsm_phases, ldsm_conflicts, copy_phases, copy_conflicts; };
 inline BankCounts g_banks{};
 
+// Pairs the kernels have evaluated a mask_mod on since the library was loaded (the counting
+// wrapper of host_emulation_entry.cu): what the tile classes save is counted, not inferred.
+inline std::atomic<uint64_t> g_user_mask_calls{0};
+inline void count_user_mask() { g_user_mask_calls.fetch_add(1, std::memory_order_relaxed); }
+
 struct Block {
     const char* kernel = "";
     unsigned char* smem = nullptr;   // the requested bytes end at guard
@@ -106,8 +120,19 @@ struct Block {
 };
 inline Block g_block;
 
+// A __trap in the launch being run: its threads unwind (Trapped) at their next wait or check.
+struct Trapped {};
+inline std::atomic<bool> g_trapped{false};
+inline thread_local bool t_in_kernel = false;    // an emulated CUDA thread, in its kernel body
+
+inline void stop_if_trapped() {
+    if (t_in_kernel && g_trapped.load()) throw Trapped{};
+}
+
 [[noreturn]] inline void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 inline void fail(const char* fmt, ...) {
+    // After a trap, a thread may meet a check the trap broke (a warp partner gone): it unwinds.
+    stop_if_trapped();
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);
@@ -158,8 +183,16 @@ public:
     void arrive_and_wait() {
         std::unique_lock lk(m_);
         const uint64_t ph = phase_;
-        if (++arrived_ == expected_) complete();
-        else cv_.wait(lk, [&] { return phase_ != ph; });
+        if (++arrived_ == expected_) {
+            complete();
+            return;
+        }
+        while (!cv_.wait_for(lk, std::chrono::milliseconds(50), [&] { return phase_ != ph; })) {
+            if (t_in_kernel && g_trapped.load()) {
+                --arrived_;
+                throw Trapped{};
+            }
+        }
     }
     void arrive_and_drop() {
         std::unique_lock lk(m_);
@@ -343,6 +376,14 @@ __attribute__((noinline)) inline float __shfl_xor_sync(unsigned, float x, int m)
     float r = w.f[l ^ m]; w.bar.arrive_and_wait();
     return r;
 }
+// The 32-bit integer form (dropout's keep bits): the bits travel unchanged.
+__attribute__((noinline)) inline unsigned __shfl_xor_sync(unsigned, unsigned x, int m) {
+    hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
+    std::memcpy(&w.f[l], &x, sizeof(x));
+    hostemu::meet(w, l, hostemu::K_SHFL, __builtin_return_address(0));
+    unsigned r; std::memcpy(&r, &w.f[l ^ m], sizeof(r)); w.bar.arrive_and_wait();
+    return r;
+}
 
 namespace hostemu {
 // The turn a block last waited for (spin_wait_equal), written by the waiting thread and read by
@@ -378,6 +419,21 @@ inline float atomicAdd(float* p, float v) {
     return ref.fetch_add(v);
 }
 
+// 64-bit integer atomics (the deterministic aux gradients' fixed-point words, aux_fixed.cuh):
+// with random landing they yield at random too, so their order varies between runs.
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    if (hostemu::g_config.landing == hostemu::LAND_RANDOM) {
+        hostemu::ThreadState& s = hostemu::t_state;
+        s.rng = hostemu::splitmix(s.rng);
+        if (s.rng & 1) std::this_thread::yield();
+    }
+    return std::atomic_ref<unsigned long long>(*p).fetch_add(v);
+}
+
+inline unsigned long long atomicOr(unsigned long long* p, unsigned long long v) {
+    return std::atomic_ref<unsigned long long>(*p).fetch_or(v);
+}
+
 // __threadfence calls, and counter releases (bwd_dq_ordered.cuh), of the block being run
 // (reset per block), for the releases' checks.
 inline std::atomic<uint64_t> g_block_fences{0};
@@ -402,6 +458,11 @@ inline void __threadfence() {
 
 namespace varlen {
 
+// common.cuh's report of a wait past VARLEN_POLL_LIMIT polls (printf, then __trap).
+[[noreturn]] void poll_limit_reached(const char* file, int line, const char* function, const char* kind,
+                        const char* name, long long where, long long expected, bool has_seen,
+                        long long seen);
+
 // A spin-wait on a counter in global memory (bwd_dq_ordered.cuh). Blocks run one after the
 // other here, so the value a block waits for must already be there at the first poll; if it is
 // not, the block would wait for a later block (on a GPU, a possible deadlock: blocks are
@@ -409,14 +470,26 @@ namespace varlen {
 // naming the kernel, the block and the counter. On a GPU the wait may last while an earlier
 // block adds: under random landing the waiting thread lets the others run first (a few ms),
 // and an addition to the chunk made before the wait returns stops the run (a thread that did
-// not wait for its block's turn: a missing barrier after the wait).
-inline void spin_wait_equal(const int* counter, int value, const char* what, int64_t index) {
+// not wait for its block's turn: a missing barrier after the wait). With VARLEN_POLL_LIMIT the
+// wait polls that often, then reports as the kernel's own loop does (and traps).
+inline void spin_wait_equal(const int* counter, int value, const char* what, int64_t index,
+                            const char* file, int line, const char* function) {
     const uint64_t epoch = hostemu::g_block_waits.fetch_add(1) + 1;
     if (hostemu::g_config.landing == hostemu::LAND_RANDOM) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     int& value_now = *const_cast<int*>(counter);
-    const int got = std::atomic_ref<int>(value_now).load(std::memory_order_acquire);
+    int got = std::atomic_ref<int>(value_now).load(std::memory_order_acquire);
+    if constexpr (VARLEN_POLL_LIMIT > 0) {
+        for (int polls = 1; got != value; ++polls) {
+            if (polls == VARLEN_POLL_LIMIT) {
+                poll_limit_reached(file, line, function, "counter", what, index, value, true,
+                                   got);
+            }
+            std::this_thread::yield();
+            got = std::atomic_ref<int>(value_now).load(std::memory_order_acquire);
+        }
+    }
     if (got != value) {
         hostemu::fail("spin-wait on %s counter %lld: it holds %d and the block waits for %d, "
                       "which no earlier block provides (a wait on a later block, or a wrong "
@@ -458,6 +531,12 @@ inline void store_release_gpu(int* p, int value, int fenced_by) {
 
 inline void release_increment_gpu(int* p, int fenced_by) {
     check_block_fenced(fenced_by);
+    std::atomic_ref<int>(*p).fetch_add(1, std::memory_order_release);
+}
+
+// A turn passed on by a block that added nothing at the counter (OrderedDq::pass): not a
+// release of additions, so neither checked against the fences nor counted as one.
+inline void pass_increment_gpu(int* p) {
     std::atomic_ref<int>(*p).fetch_add(1, std::memory_order_release);
 }
 
@@ -701,7 +780,8 @@ inline void count_copy_banks() {
 // What a thread leaves when its kernel body returns: copies in flight land, its lanes leave
 // the warp's and block's barriers.
 inline void thread_exit() {
-    if (g_thread_exit_hook) g_thread_exit_hook();
+    t_in_kernel = false;
+    if (g_thread_exit_hook && !g_trapped.load()) g_thread_exit_hook();
     ThreadState& s = t_state;
     for (auto& g : s.committed) for (AsyncCopy& c : g) land(c);
     for (AsyncCopy& c : s.open) land(c);
@@ -725,14 +805,16 @@ inline void thread_start(unsigned t, unsigned bx, unsigned by) {
     s.copies.clear();
     s.rng = splitmix(g_config.seed ^ splitmix(((uint64_t)by << 40) ^ ((uint64_t)bx << 16) ^ t));
     if (g_sync.turnstile) g_sync.turnstile->start(t / 32);
+    t_in_kernel = true;
 }
 
 }  // namespace hostemu
 
 // Runs `body` as kernel `kernel` on a (gx, gy) grid of `threads`-thread blocks with
 // `smem_bytes` of dynamic shared memory: one pool of `threads` OS threads, block after block.
+// Returns false if a thread trapped (__trap): the launch stopped after that block.
 template <typename F>
-void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size_t smem_bytes,
+bool launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size_t smem_bytes,
             F&& body) {
     using namespace hostemu;
     install_segv_handler();
@@ -742,6 +824,7 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
     gridDim = dim3e{gx, gy, 1};
     blockDim = dim3e{threads, 1, 1};
     g_block.kernel = kernel;
+    g_trapped.store(false);
     Barrier start((int)threads + 1), end((int)threads + 1);
     unsigned bx = 0, by = 0;
     bool done = false;
@@ -752,14 +835,17 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
                 start.arrive_and_wait();
                 if (done) return;
                 thread_start(t, bx, by);
-                body();
+                try {
+                    body();
+                } catch (const Trapped&) {
+                }
                 thread_exit();
                 end.arrive_and_wait();
             }
         });
     }
-    for (by = 0; by < gy; ++by) {
-        for (bx = 0; bx < gx; ++bx) {
+    for (by = 0; by < gy && !g_trapped.load(); ++by) {
+        for (bx = 0; bx < gx && !g_trapped.load(); ++bx) {
             map_smem(smem_bytes);
             g_sync.bar = std::make_unique<Barrier>((int)threads);
             g_sync.warps = std::make_unique<Warp[]>((threads + 31) / 32);
@@ -781,11 +867,24 @@ void launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, size
                 g_banks.ldsm_phases += g_sync.warps[w].ldsm_phases;
                 g_banks.ldsm_conflicts += g_sync.warps[w].ldsm_conflicts;
             }
-            count_copy_banks();
+            if (!g_trapped.load()) count_copy_banks();
             unmap_smem();
         }
     }
     done = true;
     start.arrive_and_wait();
     for (auto& th : pool) th.join();
+    return !g_trapped.load();
+}
+
+// __trap: the message goes to stderr after the kernel's printf output; the thread unwinds and
+// the launch ends with an error (launch above).
+[[noreturn]] inline void __trap() {
+    std::fflush(stdout);
+    std::fprintf(stderr, "host emulation: kernel %s, block (%u, %u), thread %u: trap: the "
+                 "launch ends with an error, as on a GPU\n", hostemu::g_block.kernel,
+                 blockIdx.x, blockIdx.y, threadIdx.x);
+    std::fflush(stderr);
+    hostemu::g_trapped.store(true);
+    throw hostemu::Trapped{};
 }

@@ -1,26 +1,28 @@
 // Host-emulation entry points (see host_emulation.cuh): one variant per build, chosen with
 // -DEMU_T= -DEMU_D= -DEMU_BM= -DEMU_BN= -DEMU_BQ= -DEMU_SC= (-DEMU_DV=, head_dim_v, default
-// EMU_D) and the tiles of traits.tile_size
+// EMU_D; -DEMU_DROP=1, the mma.sync kernels with dropout, default 0) and the tiles of
+// traits.tile_size
 // the launchers pass as template arguments, -DEMU_KN= -DEMU_STAGES= (the mma.sync forward's
 // key chunk and stages) -DEMU_KN90= (the sm_90a forward's key chunk). Compiled with g++ -x c++
 // -DVARLEN_HOST_EMULATION, never by NVRTC.
 //
-// Arguments travel as a GPU launch passes them (cuLaunchKernel's kernelParams): an array of
-// pointers, one per kernel parameter, each to that parameter's bytes; the kernel then gets
-// every parameter by value, the FwdParams and BwdParams structs included. emu_param_sizes
-// states each parameter's size, so the caller can refuse an argument of the wrong size.
-#include <cstddef>
-#include <cstring>
-#include <type_traits>
-#include <utility>
+// Arguments travel as a GPU launch passes them (host_emulation_entry.cuh), the FwdParams and
+// BwdParams structs included.
+// The module's generated mask_mod (varlen/backends/cupy/mods.py: MASK_FN, named by
+// VARLEN_MASK_MOD in its prelude) behind a wrapper that counts the pairs it is evaluated on
+// (emu_user_mask_calls): the kernels themselves unchanged.
+#ifdef VARLEN_MASK_MOD
+#undef VARLEN_MASK_MOD
+inline bool emu_counted_user_mask(long long b, long long q_idx, long long k_idx,
+                                  const ModAux& aux) {
+    hostemu::count_user_mask();
+    return varlen_user_mask(b, q_idx, k_idx, aux);
+}
+#define VARLEN_MASK_MOD emu_counted_user_mask
+#endif
 
 #include "varlen_attention.cu"
-
-#if defined(VARLEN_MASK_MOD) || defined(VARLEN_SCORE_MOD)
-#define VARLEN_HAS_MODS_BUILD 1
-#else
-#define VARLEN_HAS_MODS_BUILD 0
-#endif
+#include "host_emulation_entry.cuh"
 
 namespace {
 
@@ -31,56 +33,26 @@ using T = EMU_T;
 constexpr int D = EMU_D, BM = EMU_BM, BN = EMU_BN, BQ = EMU_BQ, DV = EMU_DV;
 constexpr int KN = EMU_KN, STAGES = EMU_STAGES, KN90 = EMU_KN90;
 constexpr bool SC = EMU_SC;
+#ifndef EMU_DROP
+#define EMU_DROP 0
+#endif
+constexpr bool DROP = EMU_DROP;
 
-template <typename F, F KERNEL>
-struct Entry;
-
-template <typename... P, void (*KERNEL)(P...)>
-struct Entry<void (*)(P...), KERNEL> {
-    static int param_sizes(size_t* sizes) {
-        const size_t s[] = {sizeof(P)...};
-        std::memcpy(sizes, s, sizeof(s));
-        return static_cast<int>(sizeof...(P));
-    }
-
-    template <size_t... I>
-    static void call(void** args, std::index_sequence<I...>) {
-        KERNEL(*static_cast<std::remove_cv_t<P>*>(args[I])...);
-    }
-
-    static void run(const char* key, unsigned gx, unsigned gy, unsigned threads, size_t smem,
-                    void** args) {
-        launch(key, gx, gy, threads, smem, [&] { call(args, std::index_sequence_for<P...>{}); });
-    }
-};
-
-#define VARLEN_EMU_KERNEL(key, ...) \
-    {key, &Entry<decltype(&__VA_ARGS__), &__VA_ARGS__>::param_sizes, \
-     &Entry<decltype(&__VA_ARGS__), &__VA_ARGS__>::run}
-
-struct Kernel {
-    const char* key;
-    int (*param_sizes)(size_t*);
-    void (*run)(const char*, unsigned, unsigned, unsigned, size_t, void**);
-};
+using hostemu::Kernel;
 
 const Kernel KERNELS[] = {
-    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC, KN, STAGES, DV>),
+    VARLEN_EMU_KERNEL("varlen_fwd", varlen_fwd<T, D, BM, BN, SC, KN, STAGES, DV, DROP>),
     VARLEN_EMU_KERNEL("varlen_bwd_preprocess", varlen_bwd_preprocess<T, D, DV>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_atomic",
-                      varlen_bwd_dkdv<T, D, BN, BQ, SC, true, false, DV>),
-    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true, DV>),
+                      varlen_bwd_dkdv<T, D, BN, BQ, SC, true, false, DV, DROP>),
+    VARLEN_EMU_KERNEL("varlen_bwd_dkdv_ordered", varlen_bwd_dkdv<T, D, BN, BQ, SC, true, true, DV,
+                                                                    DROP>),
     VARLEN_EMU_KERNEL("varlen_bwd_dq_convert", varlen_bwd_dq_convert<T, D>),
     VARLEN_EMU_KERNEL("varlen_plan_scan", varlen_plan_scan),
     VARLEN_EMU_KERNEL("varlen_plan_tiles", varlen_plan_tiles),
 };
 
-const Kernel* find(const char* key) {
-    for (const Kernel& k : KERNELS) {
-        if (std::strcmp(k.key, key) == 0) return &k;
-    }
-    return nullptr;
-}
+const Kernel* find(const char* key) { return hostemu::find_kernel(KERNELS, key); }
 
 }  // namespace
 
@@ -92,13 +64,12 @@ extern "C" int emu_param_sizes(const char* key, size_t* sizes) {
 }
 
 // Runs kernel `key` on a (gx, gy) grid of `threads`-thread blocks with `smem` bytes of dynamic
-// shared memory each; 0, or -1 for an unknown one.
+// shared memory each; 0, 1 if a thread trapped (the launch failed), or -1 for an unknown one.
 extern "C" int emu_launch(const char* key, unsigned gx, unsigned gy, unsigned threads,
                           size_t smem, void** args) {
     const Kernel* k = find(key);
     if (!k) return -1;
-    k->run(k->key, gx, gy, threads, smem, args);
-    return 0;
+    return k->run(k->key, gx, gy, threads, smem, args) ? 0 : 1;
 }
 
 // Sets how copies land (hostemu::Landing), the turnstile, the seed and whether a cp.async bank
@@ -117,6 +88,9 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
     std::memcpy(out, v, sizeof(v));
 }
 
+// Pairs a mask_mod was evaluated on by every launch so far (user_mask, mods.cuh).
+extern "C" unsigned long long emu_user_mask_calls() { return hostemu::g_user_mask_calls.load(); }
+
 // The sm_90a forward (fwd_sm90.cuh), in variants it supports (D of 64, 128 or 256, and 192 with
 // DV = 128; BM of 64 or 128; query heads packed 1, 2, 4 or 8 per position, `_pack` P: BM the
 // kernel's rows, BM / P the plan's query tile), the sm_90a dK/dV kernel (bwd_sm90.cuh: key
@@ -131,8 +105,9 @@ const Kernel SM90_KERNELS[] = {
     VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack2", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 2, DV>),
     VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack4", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 4, DV>),
     VARLEN_EMU_KERNEL("varlen_fwd_sm90_pack8", varlen_fwd_sm90<T, D, BM, BN, SC, KN90, 8, DV>),
-// (not in a build with a call's mask_mod or score_mod: the sm_90a backward runs neither)
-#if ((EMU_D <= 128 && EMU_BN <= 128) || (EMU_D == 256 && EMU_BN == 64)) && !VARLEN_HAS_MODS_BUILD
+// (not in a build with a call's score_mod: the sm_90a backward runs a mask_mod only)
+#if ((EMU_D <= 128 && EMU_BN <= 128) || (EMU_D == 256 && EMU_BN == 64)) && \
+    !defined(VARLEN_SCORE_MOD)
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90", varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, false>),
     VARLEN_EMU_KERNEL("varlen_bwd_dkdv_sm90_ordered",
                       varlen_bwd_dkdv_sm90<T, D, BN, 64, SC, true>),
@@ -141,20 +116,30 @@ const Kernel SM90_KERNELS[] = {
 }  // namespace
 
 extern "C" int emu_sm90_param_sizes(const char* key, size_t* sizes) {
-    for (const Kernel& k : SM90_KERNELS) {
-        if (std::strcmp(k.key, key) == 0) return k.param_sizes(sizes);
-    }
-    return -1;
+    const Kernel* k = hostemu::find_kernel(SM90_KERNELS, key);
+    return k ? k->param_sizes(sizes) : -1;
 }
 
 extern "C" int emu_sm90_launch(const char* key, unsigned gx, unsigned gy, unsigned threads,
                                size_t smem, void** args) {
-    for (const Kernel& k : SM90_KERNELS) {
-        if (std::strcmp(k.key, key) != 0) continue;
-        k.run(k.key, gx, gy, threads, smem, args);
-        return 0;
-    }
-    return -1;
+    const Kernel* k = hostemu::find_kernel(SM90_KERNELS, key);
+    if (!k) return -1;
+    return k->run(k->key, gx, gy, threads, smem, args) ? 0 : 1;
+}
+
+// The TMA loads recorded since the last clear (hostemu::sm90::TmaRecord, 6 x 64 bits each):
+// up to `max` into `out`; returns how many there are.
+extern "C" size_t emu_sm90_tma_trace(void* out, size_t max) {
+    using namespace hostemu::sm90;
+    std::lock_guard lk(g_tma_trace_m);
+    if (max) std::memcpy(out, g_tma_trace.data(), std::min(max, g_tma_trace.size()) * sizeof(TmaRecord));
+    return g_tma_trace.size();
+}
+
+extern "C" void emu_sm90_tma_trace_clear() {
+    using namespace hostemu::sm90;
+    std::lock_guard lk(g_tma_trace_m);
+    g_tma_trace.clear();
 }
 
 // cuTensorMapEncodeTiled's emulated counterpart: the 128 bytes of the map into `out`.

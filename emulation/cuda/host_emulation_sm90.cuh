@@ -53,6 +53,12 @@ inline double timeout_s() {
     return t;
 }
 
+// Every TMA load since the last emu_sm90_tma_trace_clear, in issue order: the block, the map's
+// global address and the box's coordinates (the tests read the order of a kernel's chunks).
+struct TmaRecord { uint64_t bx, by, global; int64_t c[3]; };
+inline std::mutex g_tma_trace_m;
+inline std::vector<TmaRecord> g_tma_trace;
+
 inline double seconds_since(Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -86,6 +92,10 @@ public:
         }
         const auto t0 = Clock::now();
         while (!cv_.wait_for(lk, std::chrono::milliseconds(20), [&] { return phase_ != ph; })) {
+            if (t_in_kernel && g_trapped.load()) {
+                --arrived_;
+                throw Trapped{};
+            }
             lk.unlock();
             tick(seconds_since(t0));
             lk.lock();
@@ -960,6 +970,7 @@ inline bool mbar_try_wait(u64* bar, uint32_t parity) {
     BlockState& b = block();
     ThreadState& t = me();
     const long off = hostemu::smem_offset(bar);
+    hostemu::stop_if_trapped();
     std::unique_lock lk(b.m);
     auto done = [&] {
         Mbar& m = mbar_of(b, bar, "mbarrier.try_wait");
@@ -1052,6 +1063,7 @@ inline void named_barrier(uint32_t id, uint32_t threads, bool wait, const char* 
     const auto t0 = Clock::now();
     while (!b.cv.wait_for(lk, std::chrono::milliseconds(20),
                           [&] { return b.named[id].phase != phase; })) {
+        hostemu::stop_if_trapped();
         if (seconds_since(t0) > timeout_s()) {
             hostemu::fail("%s %u: %u of %u threads arrived within %.0f s (a deadlock?)", what,
                           id, b.named[id].arrived, b.named[id].threads, timeout_s());
@@ -1102,6 +1114,11 @@ inline void tma_load(void* dst, const TensorMap* map, u64* bar, int rank, const 
                       align, S ? " (the swizzle pattern's repeat)" : "");
     }
     const TensorMap m = *map;
+    {
+        std::lock_guard lk(hostemu::sm90::g_tma_trace_m);
+        hostemu::sm90::g_tma_trace.push_back(hostemu::sm90::TmaRecord{blockIdx.x, blockIdx.y, (uint64_t)m.global,
+                                        {c[0], c[1], c[2]}});
+    }
     unsigned char* base = hostemu::g_block.smem;
     Copy copy{[m, c, off, base, S] {
         const uint32_t eb = m.elem_bytes;

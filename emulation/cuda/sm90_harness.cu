@@ -1,21 +1,33 @@
-// Kernels that exercise the primitives of kernels_cuda/sm90.cuh one at a time, for
-// tests/emulation/test_emulation_sm90.py. Compiled with g++ through the host emulation (the
-// extern "C" entry points at the end launch them) and with NVRTC for sm_90a (the inline PTX
-// assembles).
-// Layout expectations live in the test, written from the PTX ISA; here only data moves.
+// Kernels that exercise the primitives of kernels_cuda/sm90.cuh one at a time. One source for
+// two builds: NVRTC for sm_90a (run on a Hopper GPU through CuPy) and g++ through the host
+// emulation (the table at the end launches them by name). emulation/sm90_primitives.py
+// launches them the same way on both (its runners) and holds the expectations, written from
+// the PTX ISA; here only data moves. Every kernel takes the block's shared memory from its
+// 1024-byte aligned base (`aligned_smem`: launches add SMEM_ALIGN bytes of slack), and the
+// wgmma descriptors are made on the device from that base's shared address.
 #include "sm90.cuh"
 
 using varlen::sm90::u64;
 namespace sm90 = varlen::sm90;
 
 constexpr int WG_THREADS = 128;
+// The 128B swizzle's repeat: the pattern is a function of the shared address, so tiles start
+// on it (on a GPU the dynamic shared window need not)
+constexpr unsigned SMEM_ALIGN = 1024;
 
-// Box of `map` at (c0, c1, c2) into shared memory at 0 (barrier at bar_off), out = its bytes.
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+    const uint32_t misalign = sm90::smem_addr(raw) % SMEM_ALIGN;
+    return raw + (misalign ? SMEM_ALIGN - misalign : 0);
+}
+
+// Box of `map` at (c0, c1, c2) into shared memory at the base (barrier at bar_off), out = its
+// bytes.
 extern "C" __global__ void sm90_tma_box(const __grid_constant__ sm90::TensorMap map, int rank,
                                         int c0, int c1, int c2, unsigned box_bytes,
                                         unsigned bar_off, unsigned char* out) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    u64* bar = reinterpret_cast<u64*>(smem_raw + bar_off);
+    unsigned char* smem = aligned_smem(smem_raw);
+    u64* bar = reinterpret_cast<u64*>(smem + bar_off);
     if (threadIdx.x == 0) {
         sm90::mbar_init(bar, 1);
         sm90::fence_barrier_init();
@@ -23,11 +35,11 @@ extern "C" __global__ void sm90_tma_box(const __grid_constant__ sm90::TensorMap 
     __syncthreads();
     if (threadIdx.x == 0) {
         sm90::mbar_arrive_expect_tx(bar, box_bytes);
-        if (rank == 2) sm90::tma_load_2d(smem_raw, &map, bar, c0, c1);
-        else sm90::tma_load_3d(smem_raw, &map, bar, c0, c1, c2);
+        if (rank == 2) sm90::tma_load_2d(smem, &map, bar, c0, c1);
+        else sm90::tma_load_3d(smem, &map, bar, c0, c1, c2);
     }
     sm90::mbar_wait(bar, 0);
-    for (unsigned i = threadIdx.x; i < box_bytes; i += WG_THREADS) out[i] = smem_raw[i];
+    for (unsigned i = threadIdx.x; i < box_bytes; i += WG_THREADS) out[i] = smem[i];
 }
 
 // Phases and transaction counts of one barrier of count 32 (warp 1 arrives), observed by
@@ -36,7 +48,8 @@ extern "C" __global__ void sm90_tma_box(const __grid_constant__ sm90::TensorMap 
 extern "C" __global__ void sm90_mbar_phases(const unsigned char* src, int* out,
                                             unsigned char* out_bytes) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    u64* bar = reinterpret_cast<u64*>(smem_raw + 128);
+    unsigned char* smem = aligned_smem(smem_raw);
+    u64* bar = reinterpret_cast<u64*>(smem + 128);
     const int tid = threadIdx.x;
     if (tid == 0) {
         sm90::mbar_init(bar, 32);
@@ -57,14 +70,14 @@ extern "C" __global__ void sm90_mbar_phases(const unsigned char* src, int* out,
     __syncthreads();
     if (tid == 0) out[3] = sm90::mbar_try_wait(bar, 1);          // still waiting for bytes
     __syncthreads();
-    if (tid == 32) sm90::bulk_load(smem_raw, src, 64, bar);
+    if (tid == 32) sm90::bulk_load(smem, src, 64, bar);
     sm90::mbar_wait(bar, 1);
     if (tid == 0) {
         out[4] = sm90::mbar_try_wait(bar, 1);
         out[5] = sm90::mbar_try_wait(bar, 0);                     // phase 2 (parity 0) open
         out[6] = 1;
     }
-    if (tid < 64) out_bytes[tid] = smem_raw[tid];
+    if (tid < 64) out_bytes[tid] = smem[tid];
 }
 
 // Misuses of an mbarrier, each of which the emulation must report (never hang):
@@ -73,13 +86,14 @@ extern "C" __global__ void sm90_mbar_phases(const unsigned char* src, int* out,
 // seeing a plain flag thread 0 set after the init, with no barrier between.
 extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    u64* bar = reinterpret_cast<u64*>(smem_raw);
+    unsigned char* smem = aligned_smem(smem_raw);
+    u64* bar = reinterpret_cast<u64*>(smem);
     if (threadIdx.x == 0) {
         sm90::mbar_init(bar, 1);
         if (what != 3) sm90::fence_barrier_init();
     }
     if (what == 4) {
-        volatile int* inited = reinterpret_cast<volatile int*>(smem_raw + 32);
+        volatile int* inited = reinterpret_cast<volatile int*>(smem + 32);
         if (threadIdx.x == 0) *inited = 1;
         while (*inited != 1) {
 #ifdef VARLEN_HOST_EMULATION
@@ -92,7 +106,7 @@ extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) 
     __syncthreads();
     if (what == 3 && threadIdx.x == 0) {
         sm90::mbar_arrive_expect_tx(bar, 16);
-        sm90::bulk_load(smem_raw + 16, src, 16, bar);
+        sm90::bulk_load(smem + 16, src, 16, bar);
     }
     if (what == 1) {
         if (threadIdx.x == 0) sm90::mbar_arrive_expect_tx(bar, 128);
@@ -113,7 +127,8 @@ extern "C" __global__ void sm90_mbar_misuse(int what, const unsigned char* src) 
 // never waits on barrier 1 (warpgroup 0 arrives there twice in one phase). 256 threads.
 extern "C" __global__ void sm90_named_pingpong(int rounds, int* out, int misuse) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    volatile int* v = reinterpret_cast<volatile int*>(smem_raw);
+    unsigned char* smem = aligned_smem(smem_raw);
+    volatile int* v = reinterpret_cast<volatile int*>(smem);
     const int wg = threadIdx.x / 128;
     if (misuse == 1) {
         if (wg == 0) sm90::named_bar_arrive(1, 256);
@@ -144,7 +159,8 @@ constexpr int WG_PEEK = 2;            // probe[t] = d[0] between commit and wait
 constexpr int WG_NO_FENCE = 4;        // skip the wgmma.fence
 constexpr int WG_CLOBBER = 8;         // zero the operands' shared memory between commit and wait
 constexpr int WG_WARP3_SKIPS = 16;    // warp 3 skips the mma_async
-constexpr int WG_SETMAXNREG = 32;     // setmaxnreg.dec / .inc around the product
+constexpr int WG_SETMAXNREG = 32;     // setmaxnreg.dec to WG_REGS_DEC before the product,
+                                      // .inc to WG_REGS_INC after it
 constexpr int WG_GROUP_PER_STEP = 64; // commit each k-step; probe[t] = d[0] after wait_group 1
 constexpr int WG_NO_PROXY_FENCE = 128; // no fence.proxy.async after the operands' stores
 constexpr int WG_FLAG_HANDOFF = 256;   // thread 0 stores and fences the operands, then hands them
@@ -154,26 +170,50 @@ constexpr int WG_A_AFTER_FENCE = 1024;     // RS: each k-step's A fragment loade
                                            // fence into the same registers
 constexpr int WG_WARP3_EXITS = 2048;       // warp 3 returns before the wgmma.fence
 constexpr int WG_MAX_KSTEPS = 8;           // of the RS modes (A fragments held in registers)
+// setmaxnreg.inc takes back only registers the block's setmaxnreg.dec released: a lone
+// warpgroup under __launch_bounds__(WG_THREADS, 1) starts at the cap (255; ptxas, setmaxnreg in
+// the kernel), gives some back, then takes part of them again
+constexpr int WG_REGS_DEC = 232, WG_REGS_INC = 240;
 
 // Operand modes: A K-major or M-major in shared memory, or in registers; B K- or N-major.
 enum WgMode { SS_KK = 0, SS_KN = 1, RS_K = 2, RS_N = 3, SS_MK = 4 };
 
+// Where sm90_wgmma's operands lie in its shared memory and how it walks them: byte offsets
+// from the block's aligned base, the canonical layout's LBO and SBO (bytes), the advance of a
+// k16 step (bytes); the descriptors are made from these on the device.
+struct WgOperands {
+    uint32_t a_off, a_lbo, a_sbo, a_step;    // A (SS modes; the RS modes read a_regs)
+    uint32_t b_off, b_lbo, b_sbo, b_step;    // B
+    uint32_t swizzle;                        // sm90::Swizzle of both
+    int ksteps;                              // k16 steps, at most WG_MAX_KSTEPS
+};
+
 // d[64, N] = sum over ksteps of A_k B_k (+ init), one warpgroup: shared memory = smem_in's
-// bytes (16 more hold WG_FLAG_HANDOFF's flag); step k uses desc_a0 / desc_b0 advanced by
-// k a_step / b_step bytes, or A fragments
-// a_regs[k][thread][4]; out[thread][N / 2] = d.
+// smem_bytes (16 more hold WG_FLAG_HANDOFF's flag); A and B where `ops` says, or the A
+// fragments a_regs[k][thread][4]; out[thread][N / 2] = d; descs = the descriptors of A and B
+// at k-step 0 and the shared address of the base (thread 0).
 template <typename T, int N, int MODE>
-__global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint32_t* a_regs,
-                           u64 desc_a0, u64 desc_b0, unsigned a_step, unsigned b_step,
-                           int ksteps, const float* init, float* out, float* probe, int flags) {
+__global__ void __launch_bounds__(WG_THREADS, 1)
+sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint32_t* a_regs, const WgOperands ops,
+           const float* init, float* out, float* probe, u64* descs, int flags) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = aligned_smem(smem_raw);
     constexpr bool RS = MODE == RS_K || MODE == RS_N;
     constexpr bool TRANS_A = MODE == SS_MK;
     constexpr bool TRANS_B = MODE == SS_KN || MODE == RS_N;
     const int tid = threadIdx.x;
-    uint4* s = reinterpret_cast<uint4*>(smem_raw);
+    const int ksteps = ops.ksteps;
+    const sm90::Swizzle swizzle = static_cast<sm90::Swizzle>(ops.swizzle);
+    const u64 desc_a0 = sm90::smem_desc(smem + ops.a_off, ops.a_lbo, ops.a_sbo, swizzle);
+    const u64 desc_b0 = sm90::smem_desc(smem + ops.b_off, ops.b_lbo, ops.b_sbo, swizzle);
+    if (tid == 0) {
+        descs[0] = desc_a0;
+        descs[1] = desc_b0;
+        descs[2] = sm90::smem_addr(smem);
+    }
+    uint4* s = reinterpret_cast<uint4*>(smem);
     if (flags & WG_FLAG_HANDOFF) {
-        volatile int* handed = reinterpret_cast<volatile int*>(smem_raw + smem_bytes);
+        volatile int* handed = reinterpret_cast<volatile int*>(smem + smem_bytes);
         if (tid == 0) {
             for (unsigned i = 0; i < smem_bytes / 16; ++i) s[i] = smem_in[i];
             sm90::fence_proxy_async();
@@ -190,7 +230,7 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
         if (!(flags & WG_NO_PROXY_FENCE)) sm90::fence_proxy_async();
         __syncthreads();
     }
-    if (flags & WG_SETMAXNREG) sm90::setmaxnreg<240, true>();
+    if (flags & WG_SETMAXNREG) sm90::setmaxnreg<WG_REGS_DEC, false>();
     // [64, N] accumulators, this thread's N / 2
     float d[N / 2];
     for (int i = 0; i < N / 2; ++i) d[i] = (flags & WG_ACCUMULATE) ? init[tid * (N / 2) + i] : 0.f;
@@ -211,13 +251,13 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
     if (!((flags & WG_WARP3_SKIPS) && tid / 32 == 3)) {
         for (int k = 0; k < ksteps; ++k) {
             const bool scale_d = k > 0 || (flags & WG_ACCUMULATE);
-            const u64 desc_b = sm90::desc_advance(desc_b0, k * b_step);
+            const u64 desc_b = sm90::desc_advance(desc_b0, k * ops.b_step);
             if constexpr (RS) {
                 uint32_t (&ak)[4] = a[(flags & WG_A_AFTER_FENCE) ? 0 : k];
                 if (flags & WG_A_AFTER_FENCE) load_a(k, ak);
                 sm90::wgmma_rs<T, N, TRANS_B>(d, ak, desc_b, scale_d);
             } else {
-                const u64 desc_a = sm90::desc_advance(desc_a0, k * a_step);
+                const u64 desc_a = sm90::desc_advance(desc_a0, k * ops.a_step);
                 sm90::wgmma_ss<T, N, TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
             }
             if (flags & WG_GROUP_PER_STEP) sm90::wgmma_commit();
@@ -237,7 +277,7 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
     }
     sm90::wgmma_wait<0>();
     sm90::wgmma_fence_operand(d);
-    if (flags & WG_SETMAXNREG) sm90::setmaxnreg<24, false>();
+    if (flags & WG_SETMAXNREG) sm90::setmaxnreg<WG_REGS_INC, true>();
     for (int i = 0; i < N / 2; ++i) out[tid * (N / 2) + i] = d[i];
 }
 
@@ -245,14 +285,15 @@ __global__ void sm90_wgmma(const uint4* smem_in, unsigned smem_bytes, const uint
 extern "C" __global__ void sm90_stmatrix(const uint32_t* regs, unsigned row_stride, int trans,
                                          unsigned char* out) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = aligned_smem(smem_raw);
     const int l = threadIdx.x;
     uint32_t r[4];
     for (int i = 0; i < 4; ++i) r[i] = regs[l * 4 + i];
-    unsigned char* row = smem_raw + l * row_stride;
+    unsigned char* row = smem + l * row_stride;
     if (trans) sm90::stmatrix_x4_trans(row, r);
     else sm90::stmatrix_x4(row, r);
     __syncwarp();
-    for (unsigned i = l; i < 32 * row_stride; i += 32) out[i] = smem_raw[i];
+    for (unsigned i = l; i < 32 * row_stride; i += 32) out[i] = smem[i];
 }
 
 // A warp-specialised pipeline as FlashAttention-3 runs one: thread 0 of the producer
@@ -260,22 +301,31 @@ extern "C" __global__ void sm90_stmatrix(const uint32_t* regs, unsigned row_stri
 // 128B swizzle) through PIPE_STAGES stages with TMA (full barriers: one arrival plus the bytes);
 // each of the C consumer warpgroups (threads 128 (1 + c) ..) waits, runs four k16 wgmmas on its
 // 64 rows of A_kt and releases the stage (empty barriers: 128 C arrivals).
-// out[c][thread][32] = D_c[64, 64] = sum_kt A_kt[64 c .., :] B_kt.
+// out[c][thread][32] = D_c[64, 64] = sum_kt A_kt[64 c .., :] B_kt. Shared memory:
+// PIPE_STAGES (C + 1) PIPE_TILE bytes of tiles, then 2 PIPE_STAGES barriers.
 constexpr int PIPE_STAGES = 2;
 constexpr unsigned PIPE_TILE = 64 * 64 * 2;
+// Registers: setmaxnreg.inc draws on what the producer's setmaxnreg.dec released, so the split
+// adds up to what the block starts with, the cap of __launch_bounds__ at two consumers (as the
+// sm_90a kernels split theirs; with one consumer the block starts with as many per thread)
+constexpr int PIPE_MAX_CONSUMERS = 2;
+constexpr int PIPE_MAX_THREADS = (1 + PIPE_MAX_CONSUMERS) * WG_THREADS;
+constexpr int PIPE_ENTRY_REGS = 65536 / PIPE_MAX_THREADS / 8 * 8;
+constexpr int PIPE_PRODUCER_REGS = 24, PIPE_CONSUMER_REGS = 240;
+static_assert(PIPE_PRODUCER_REGS + PIPE_MAX_CONSUMERS * PIPE_CONSUMER_REGS <=
+                  (1 + PIPE_MAX_CONSUMERS) * PIPE_ENTRY_REGS,
+              "the consumers' setmaxnreg.inc would wait for registers no warpgroup releases");
 
-__host__ __device__ constexpr unsigned pipe_smem(int consumers) {
-    return PIPE_STAGES * (consumers + 1) * PIPE_TILE + 2 * PIPE_STAGES * 8;
-}
-
-extern "C" __global__ void sm90_pipeline(const __grid_constant__ sm90::TensorMap map_a,
-                                         const __grid_constant__ sm90::TensorMap map_b,
-                                         int ktiles, int consumers, float* out) {
+extern "C" __global__ void __launch_bounds__(PIPE_MAX_THREADS, 1)
+sm90_pipeline(const __grid_constant__ sm90::TensorMap map_a,
+              const __grid_constant__ sm90::TensorMap map_b, int ktiles, int consumers,
+              float* out) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = aligned_smem(smem_raw);
     const unsigned a_tile = consumers * PIPE_TILE;
-    unsigned char* s_a = smem_raw;
-    unsigned char* s_b = smem_raw + PIPE_STAGES * a_tile;
-    u64* full = reinterpret_cast<u64*>(smem_raw + PIPE_STAGES * (a_tile + PIPE_TILE));
+    unsigned char* s_a = smem;
+    unsigned char* s_b = smem + PIPE_STAGES * a_tile;
+    u64* full = reinterpret_cast<u64*>(smem + PIPE_STAGES * (a_tile + PIPE_TILE));
     u64* empty = full + PIPE_STAGES;
     const int tid = threadIdx.x;
     if (tid == 0) {
@@ -287,7 +337,7 @@ extern "C" __global__ void sm90_pipeline(const __grid_constant__ sm90::TensorMap
     }
     __syncthreads();
     if (tid < WG_THREADS) {
-        sm90::setmaxnreg<24, false>();
+        sm90::setmaxnreg<PIPE_PRODUCER_REGS, false>();
         if (tid == 0) {
             for (int kt = 0; kt < ktiles; ++kt) {
                 const int s = kt % PIPE_STAGES;
@@ -300,7 +350,7 @@ extern "C" __global__ void sm90_pipeline(const __grid_constant__ sm90::TensorMap
         }
         return;
     }
-    sm90::setmaxnreg<240, true>();
+    sm90::setmaxnreg<PIPE_CONSUMER_REGS, true>();
     const int c = tid / WG_THREADS - 1, t = tid % WG_THREADS;
     // [64, 64] accumulators, this thread's 32
     float d[32];
@@ -327,20 +377,21 @@ extern "C" __global__ void sm90_pipeline(const __grid_constant__ sm90::TensorMap
 
 // The attention tile: S[64, 64] = Q K^T (wgmma, Q and K K-major in shared memory), P = S
 // rounded to T in registers (the D fragment of S read as A fragments: k-step j is registers
-// 8 j .. 8 j + 7), O[64, 64] = P V (V N-major). Shared memory: Q at 0, K at 8 KiB, V at 16 KiB,
-// 128B swizzle; out[thread][32] = O.
+// 8 j .. 8 j + 7), O[64, 64] = P V (V N-major). Shared memory: Q at the base, K 8 KiB and V
+// 16 KiB after it, 128B swizzle; out[thread][32] = O.
 template <typename T>
 __global__ void sm90_attention_tile(const uint4* smem_in, float* out) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = aligned_smem(smem_raw);
     constexpr unsigned TILE = 64 * 64 * 2;
     const int tid = threadIdx.x;
-    uint4* s_all = reinterpret_cast<uint4*>(smem_raw);
+    uint4* s_all = reinterpret_cast<uint4*>(smem);
     for (unsigned i = tid; i < 3 * TILE / 16; i += WG_THREADS) s_all[i] = smem_in[i];
     sm90::fence_proxy_async();      // these generic writes, before the async proxy reads them
     __syncthreads();
-    const u64 desc_q = sm90::smem_desc(smem_raw, 0, 1024, sm90::Swizzle::B128);
-    const u64 desc_k = sm90::smem_desc(smem_raw + TILE, 0, 1024, sm90::Swizzle::B128);
-    const u64 desc_v = sm90::smem_desc(smem_raw + 2 * TILE, TILE, 1024, sm90::Swizzle::B128);
+    const u64 desc_q = sm90::smem_desc(smem, 0, 1024, sm90::Swizzle::B128);
+    const u64 desc_k = sm90::smem_desc(smem + TILE, 0, 1024, sm90::Swizzle::B128);
+    const u64 desc_v = sm90::smem_desc(smem + 2 * TILE, TILE, 1024, sm90::Swizzle::B128);
     // [64, 64] scores, this thread's 32
     float s[32];
     sm90::wgmma_fence();
@@ -371,30 +422,54 @@ __global__ void sm90_attention_tile(const uint4* smem_in, float* out) {
 }
 
 #ifdef VARLEN_HOST_EMULATION
+#include "host_emulation_entry.cuh"
+
+// The kernels by their NVRTC name expressions (emulation/sm90_primitives.py's KERNELS), each
+// launched as a GPU launch passes its arguments (host_emulation_entry.cuh).
+#define VARLEN_HARNESS_WGMMA(T, N)                                                         \
+    VARLEN_EMU_KERNEL("sm90_wgmma<" #T ", " #N ", 0>", sm90_wgmma<T, N, SS_KK>),         \
+    VARLEN_EMU_KERNEL("sm90_wgmma<" #T ", " #N ", 1>", sm90_wgmma<T, N, SS_KN>),         \
+    VARLEN_EMU_KERNEL("sm90_wgmma<" #T ", " #N ", 2>", sm90_wgmma<T, N, RS_K>),          \
+    VARLEN_EMU_KERNEL("sm90_wgmma<" #T ", " #N ", 3>", sm90_wgmma<T, N, RS_N>),          \
+    VARLEN_EMU_KERNEL("sm90_wgmma<" #T ", " #N ", 4>", sm90_wgmma<T, N, SS_MK>)
+
 namespace {
-
-using WgKernel = void (*)(const uint4*, unsigned, const uint32_t*, u64, u64, unsigned, unsigned,
-                          int, const float*, float*, float*, int);
-
-template <typename T, int N>
-WgKernel wg_kernel(int mode) {
-    switch (mode) {
-        case SS_KK: return sm90_wgmma<T, N, SS_KK>;
-        case SS_KN: return sm90_wgmma<T, N, SS_KN>;
-        case RS_K: return sm90_wgmma<T, N, RS_K>;
-        case RS_N: return sm90_wgmma<T, N, RS_N>;
-        case SS_MK: return sm90_wgmma<T, N, SS_MK>;
-    }
-    return nullptr;
-}
-
-template <typename T>
-WgKernel wg_kernel(int n, int mode) {
-    return n == 32 ? wg_kernel<T, 32>(mode) : n == 64 ? wg_kernel<T, 64>(mode)
-         : n == 128 ? wg_kernel<T, 128>(mode) : n == 256 ? wg_kernel<T, 256>(mode) : nullptr;
-}
-
+const hostemu::Kernel HARNESS_KERNELS[] = {
+    VARLEN_EMU_KERNEL("sm90_tma_box", sm90_tma_box),
+    VARLEN_EMU_KERNEL("sm90_mbar_phases", sm90_mbar_phases),
+    VARLEN_EMU_KERNEL("sm90_mbar_misuse", sm90_mbar_misuse),
+    VARLEN_EMU_KERNEL("sm90_named_pingpong", sm90_named_pingpong),
+    VARLEN_EMU_KERNEL("sm90_stmatrix", sm90_stmatrix),
+    VARLEN_EMU_KERNEL("sm90_pipeline", sm90_pipeline),
+    VARLEN_EMU_KERNEL("sm90_attention_tile<__half>", sm90_attention_tile<__half>),
+    VARLEN_EMU_KERNEL("sm90_attention_tile<__nv_bfloat16>", sm90_attention_tile<__nv_bfloat16>),
+    VARLEN_HARNESS_WGMMA(__half, 32), VARLEN_HARNESS_WGMMA(__half, 64),
+    VARLEN_HARNESS_WGMMA(__half, 128), VARLEN_HARNESS_WGMMA(__half, 256),
+    VARLEN_HARNESS_WGMMA(__nv_bfloat16, 32), VARLEN_HARNESS_WGMMA(__nv_bfloat16, 64),
+    VARLEN_HARNESS_WGMMA(__nv_bfloat16, 128), VARLEN_HARNESS_WGMMA(__nv_bfloat16, 256),
+};
 }  // namespace
+
+// The name of kernel i of the table, or nullptr past its end.
+extern "C" const char* sm90_kernel_name(int i) {
+    constexpr int n = sizeof(HARNESS_KERNELS) / sizeof(HARNESS_KERNELS[0]);
+    return i >= 0 && i < n ? HARNESS_KERNELS[i].key : nullptr;
+}
+
+// Writes the size of each parameter of kernel `key` into `sizes` and returns their number;
+// -1 for an unknown kernel.
+extern "C" int sm90_param_sizes(const char* key, size_t* sizes) {
+    const hostemu::Kernel* k = hostemu::find_kernel(HARNESS_KERNELS, key);
+    return k ? k->param_sizes(sizes) : -1;
+}
+
+// Runs kernel `key` as one block of `threads` threads with `smem` bytes of dynamic shared
+// memory; 0, 1 if a thread trapped (the launch failed), or -1 for an unknown one.
+extern "C" int sm90_launch(const char* key, unsigned threads, size_t smem, void** args) {
+    const hostemu::Kernel* k = hostemu::find_kernel(HARNESS_KERNELS, key);
+    if (!k) return -1;
+    return k->run(k->key, 1, 1, threads, smem, args) ? 0 : 1;
+}
 
 // Landing of copies and schedule of wgmma operand reads (hostemu::Landing), seed.
 extern "C" void sm90_configure(int landing, unsigned long long seed) {
@@ -406,98 +481,18 @@ extern "C" unsigned long long sm90_make_desc(unsigned addr, unsigned lbo, unsign
     return sm90::make_smem_desc(addr, lbo, sbo, static_cast<sm90::Swizzle>(swizzle));
 }
 
-// dims, strides (bytes, dimensions 1..), box: rank entries each (rank - 1 strides).
-static sm90::TensorMap harness_map(const void* global, int rank, int elem_bytes,
-                                   const unsigned long long* dims,
-                                   const unsigned long long* strides, const unsigned* box,
-                                   int swizzle, int nan_fill) {
-    uint64_t d[3], s[2] = {0, 0};
-    for (int i = 0; i < rank; ++i) d[i] = dims[i];
-    for (int i = 0; i + 1 < rank; ++i) s[i] = strides[i];
-    return sm90::make_tensor_map(global, rank, elem_bytes, d, s, box,
-                                 static_cast<sm90::Swizzle>(swizzle), nan_fill != 0);
-}
-
-extern "C" void sm90_run_tma(const void* global, int rank, int elem_bytes,
-                             const unsigned long long* dims, const unsigned long long* strides,
-                             const unsigned* box, int swizzle, int nan_fill, const int* coords,
-                             unsigned char* out) {
-    const sm90::TensorMap map = harness_map(global, rank, elem_bytes, dims, strides, box,
-                                            swizzle, nan_fill);
-    unsigned bytes = elem_bytes;
-    for (int i = 0; i < rank; ++i) bytes *= box[i];
-    const unsigned bar_off = (bytes + 1023) / 1024 * 1024;
-    launch("sm90_tma_box", 1, 1, WG_THREADS, bar_off + 16, [&] {
-        sm90_tma_box(map, rank, coords[0], coords[1], rank > 2 ? coords[2] : 0, bytes, bar_off,
-                     out);
-    });
-}
-
-// The 128 bytes sm90_run_tma's map would have.
+// The 128 bytes of sm90::make_tensor_map's map: dims, strides (bytes, dimensions 1..), box,
+// rank entries each (rank - 1 strides).
 extern "C" void sm90_tensor_map_bytes(const void* global, int rank, int elem_bytes,
                                       const unsigned long long* dims,
                                       const unsigned long long* strides, const unsigned* box,
                                       int swizzle, int nan_fill, unsigned char* out) {
-    const sm90::TensorMap map = harness_map(global, rank, elem_bytes, dims, strides, box,
-                                            swizzle, nan_fill);
+    uint64_t d[3], st[2] = {0, 0};
+    for (int i = 0; i < rank; ++i) d[i] = dims[i];
+    for (int i = 0; i + 1 < rank; ++i) st[i] = strides[i];
+    const sm90::TensorMap map = sm90::make_tensor_map(global, rank, elem_bytes, d, st, box,
+                                                      static_cast<sm90::Swizzle>(swizzle),
+                                                      nan_fill != 0);
     std::memcpy(out, &map, sizeof(map));
-}
-
-extern "C" void sm90_run_mbar_phases(const unsigned char* src, int* out, unsigned char* bytes) {
-    launch("sm90_mbar_phases", 1, 1, 64, 256, [&] { sm90_mbar_phases(src, out, bytes); });
-}
-
-extern "C" void sm90_run_named(int rounds, int* out, int misuse) {
-    launch("sm90_named_pingpong", 1, 1, 2 * WG_THREADS, 64, [&] {
-        sm90_named_pingpong(rounds, out, misuse);
-    });
-}
-
-extern "C" void sm90_run_mbar_misuse(int what) {
-    alignas(16) static const unsigned char src[16] = {};
-    launch("sm90_mbar_misuse", 1, 1, 32, 64, [&] { sm90_mbar_misuse(what, src); });
-}
-
-// 0, or -1 for an unsupported (bf16, n, mode).
-extern "C" int sm90_run_wgmma(int bf16, int n, int mode, const void* smem_in,
-                              unsigned smem_bytes, const uint32_t* a_regs, u64 desc_a,
-                              u64 desc_b, unsigned a_step, unsigned b_step, int ksteps,
-                              const float* init, float* out, float* probe, int flags) {
-    const WgKernel k = bf16 ? wg_kernel<__nv_bfloat16>(n, mode) : wg_kernel<__half>(n, mode);
-    if (!k || ksteps > WG_MAX_KSTEPS) return -1;
-    launch("sm90_wgmma", 1, 1, WG_THREADS, smem_bytes + 16, [&] {
-        k(static_cast<const uint4*>(smem_in), smem_bytes, a_regs, desc_a, desc_b, a_step, b_step,
-          ksteps, init, out, probe, flags);
-    });
-    return 0;
-}
-
-extern "C" void sm90_run_stmatrix(const uint32_t* regs, unsigned row_stride, int trans,
-                                  unsigned char* out) {
-    launch("sm90_stmatrix", 1, 1, 32, 32 * row_stride, [&] {
-        sm90_stmatrix(regs, row_stride, trans, out);
-    });
-}
-// a: [64 consumers][64 ktiles], b: [64][64 ktiles] fp16, row-major (K innermost).
-extern "C" void sm90_run_pipeline(const void* a, const void* b, int ktiles, int consumers,
-                                  float* out) {
-    const uint64_t dims_a[2] = {64ull * ktiles, 64ull * consumers};
-    const uint64_t dims_b[2] = {64ull * ktiles, 64};
-    const uint64_t strides[1] = {128ull * ktiles};
-    const uint32_t box_a[2] = {64, 64u * consumers};
-    const uint32_t box_b[2] = {64, 64};
-    const sm90::TensorMap map_a = sm90::make_tensor_map(a, 2, 2, dims_a, strides, box_a,
-                                                        sm90::Swizzle::B128);
-    const sm90::TensorMap map_b = sm90::make_tensor_map(b, 2, 2, dims_b, strides, box_b,
-                                                        sm90::Swizzle::B128);
-    launch("sm90_pipeline", 1, 1, (1 + consumers) * WG_THREADS, pipe_smem(consumers), [&] {
-        sm90_pipeline(map_a, map_b, ktiles, consumers, out);
-    });
-}
-extern "C" void sm90_run_attention_tile(int bf16, const void* smem_in, float* out) {
-    launch("sm90_attention_tile", 1, 1, WG_THREADS, 3 * 64 * 64 * 2, [&] {
-        if (bf16) sm90_attention_tile<__nv_bfloat16>(static_cast<const uint4*>(smem_in), out);
-        else sm90_attention_tile<__half>(static_cast<const uint4*>(smem_in), out);
-    });
 }
 #endif  // VARLEN_HOST_EMULATION

@@ -36,6 +36,39 @@ def mpi_main(name: str, combos, check) -> None:
         print(f"OK {name} size={group.size} checks={n}", flush=True)
 
 
+def check_rank_shards(label: str, part, r: int, out, lse, grads, ref_out, ref_lse, ref_grads,
+                      tol) -> None:
+    """Rank `r`'s shards of out, lse and `grads` (dq, dk, dv[, dsinks]) against the
+    single-process reference; its pad rows zero in out and the gradients, -inf in lse."""
+    from cases import _assert_close
+    _assert_close(f"{label} out", out, part.shard(ref_out, r), tol)
+    _assert_close(f"{label} lse", lse, part.shard(ref_lse, r, axis=1, fill=-np.inf), tol)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _assert_close(f"{label} {name}", got, part.shard(want, r), tol)
+    if len(grads) > 3 and grads[3] is not None:
+        _assert_close(f"{label} dsinks", grads[3], ref_grads[3], tol)
+    pad = ~part.valid(r)
+    assert np.isneginf(lse[:, pad]).all(), f"{label}: pad rows' lse is not -inf"
+    for name, a in zip(("out", "dq", "dk", "dv"), (out, *grads[:3])):
+        assert not a[pad].any(), f"{label}: {name} is not zero on pad rows"
+
+
+def check_torch_shards(label: str, part, rank: int, out, inputs, t_sinks, ref_out, ref_grads,
+                       tol, group=None) -> None:
+    """A torch rank's shards of out and of the gradients of `inputs` (q, k, v), and the sinks'
+    gradient summed over the ranks (`group`: None, the world), against the single-process
+    reference `ref_out`, `ref_grads` (dq, dk, dv[, dsinks])."""
+    import torch.distributed as dist
+    from cases import _assert_close
+    _assert_close(f"{label} out", out.detach(), part.shard(ref_out, rank), tol)
+    for name, t, want in zip(("dq", "dk", "dv"), inputs, ref_grads):
+        _assert_close(f"{label} {name}", t.grad, part.shard(want, rank), tol)
+    if t_sinks is not None:
+        total = t_sinks.grad.clone()
+        dist.all_reduce(total, group=group)
+        _assert_close(f"{label} dsinks", total, ref_grads[3], tol)
+
+
 def torch_main(checks) -> None:
     """Every `check()` of `checks` on this torchrun rank (gloo); prints `rank R ok`."""
     import torch

@@ -29,7 +29,8 @@ from varlen import reference  # noqa: E402
 
 import mods_cases as gallery  # noqa: E402
 from cases import _assert_close  # noqa: E402
-from launch import global_batch, jax_main, mpi_main, torch_main  # noqa: E402
+from launch import (check_rank_shards, check_torch_shards, global_batch,  # noqa: E402
+                    jax_main, mpi_main, torch_main)
 from varlen.comm.model import call_traffic  # noqa: E402
 
 TOL = 1e-12                  # float64 data: out, lse, dq, dk, dv, dsinks
@@ -114,17 +115,10 @@ def check_sinks(group, case: SinksCase, method: str, scheme: str) -> None:
                                   **kw)[3]
     ref_out, ref_lse, ref_grads = reference_results(case, g)
     label = f"{case.id} cp={cp} {scheme} {method} rank {r}"
-    _assert_close(f"{label} out", out, part.shard(ref_out, r), TOL)
-    _assert_close(f"{label} lse", lse, part.shard(ref_lse, r, axis=1, fill=-np.inf), TOL)
-    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
-        _assert_close(f"{label} {name}", got, part.shard(want, r), TOL)
-    _assert_close(f"{label} dsinks", dsinks, ref_grads[3], TOL)
+    check_rank_shards(label, part, r, out, lse, (dq, dk, dv, dsinks), ref_out, ref_lse,
+                      ref_grads, TOL)
     summed = group.allgather(np.asarray(share)).sum(axis=0)
     _assert_close(f"{label} dsinks shares", summed, ref_grads[3], TOL)
-    pad = ~part.valid(r)
-    assert np.isneginf(lse[:, pad]).all(), f"{label}: pad rows' lse is not -inf"
-    for name, a in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert not a[pad].any(), f"{label}: {name} is not zero on pad rows"
 
 
 def combos(cp: int):
@@ -160,12 +154,8 @@ def check_torch(group, case: SinksCase, method: str, scheme: str) -> None:
     (out * torch.as_tensor(part.shard(g["dout"], rank))).sum().backward()
     ref_out, _, ref_grads = reference_results(case, g)
     label = f"torch {case.id} cp={cp} {scheme} {method} rank {rank}"
-    _assert_close(f"{label} out", out.detach(), part.shard(ref_out, rank), TOL)
-    for name, t, want in zip(("dq", "dk", "dv"), (q, k, v), ref_grads):
-        _assert_close(f"{label} {name}", t.grad, part.shard(want, rank), TOL)
-    total = t_sinks.grad.clone()
-    dist.all_reduce(total, group=group)
-    _assert_close(f"{label} dsinks", total, ref_grads[3], TOL)
+    check_torch_shards(label, part, rank, out, (q, k, v), t_sinks, ref_out, ref_grads, TOL,
+                       group)
 
 
 # --------------------------------------------------------------------------------------------

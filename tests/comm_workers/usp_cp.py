@@ -27,7 +27,8 @@ import varlen.comm as vc  # noqa: E402
 from varlen import reference  # noqa: E402
 
 from cases import _assert_close  # noqa: E402
-from launch import global_batch, jax_main, mpi_main, torch_main  # noqa: E402
+from launch import (check_rank_shards, check_torch_shards, global_batch,  # noqa: E402
+                    jax_main, mpi_main, torch_main)
 from varlen.comm.model import call_traffic  # noqa: E402
 
 TOL = 1e-12
@@ -108,15 +109,7 @@ def check_usp(group, case: UspCase, u: int, scheme: str) -> None:
                                               return_stats=True, **kw)
     ref_out, ref_lse, ref_grads = reference_results(case, g)
     label = f"{case.id} cp={cp} u={u} {scheme} rank {r}"
-    _assert_close(f"{label} out", out, part.shard(ref_out, r), TOL)
-    _assert_close(f"{label} lse", lse, part.shard(ref_lse, r, axis=1, fill=-np.inf), TOL)
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        _assert_close(f"{label} {name}", got, part.shard(want, r), TOL)
-    if sinks is not None:
-        _assert_close(f"{label} dsinks", grads[3], ref_grads[3], TOL)
-    pad = ~part.valid(r)
-    for name, a in (("out", out), ("dq", grads[0]), ("dk", grads[1]), ("dv", grads[2])):
-        assert not a[pad].any(), f"{label}: {name} is not zero on pad rows"
+    check_rank_shards(label, part, r, out, lse, grads, ref_out, ref_lse, ref_grads, TOL)
     # all-to-alls inside the node when u > 1, the ring across nodes when there are several;
     # the bytes exactly what the traffic model predicts
     for what, moved in (("forward", fwd_bytes), ("backward", bwd_bytes)):
@@ -157,13 +150,7 @@ def check_torch(case: UspCase, u: int, scheme: str) -> None:
     (out * torch.as_tensor(part.shard(g["dout"], rank))).sum().backward()
     ref_out, _, ref_grads = reference_results(case, g)
     label = f"torch {case.id} cp={cp} u={u} {scheme} rank {rank}"
-    _assert_close(f"{label} out", out.detach(), part.shard(ref_out, rank), TOL)
-    for name, t, want in zip(("dq", "dk", "dv"), (q, k, v), ref_grads):
-        _assert_close(f"{label} {name}", t.grad, part.shard(want, rank), TOL)
-    if t_sinks is not None:
-        total = t_sinks.grad.clone()
-        dist.all_reduce(total)
-        _assert_close(f"{label} dsinks", total, ref_grads[3], TOL)
+    check_torch_shards(label, part, rank, out, (q, k, v), t_sinks, ref_out, ref_grads, TOL)
 
 
 # --------------------------------------------------------------------------------------------

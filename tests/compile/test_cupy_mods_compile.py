@@ -1,9 +1,10 @@
 """The CuPy kernels compiled with a call's mask_mod and score_mod (varlen/backends/cupy/mods.py,
 kernels_cuda/mods.cuh): gallery functions (tests/mods_cases.py) generated into the module
 source, built by NVRTC for sm_80 and sm_90 (mma.sync forward and dK/dV kernels) and sm_90a
-(the forward) within the budgets of the kernels without them: no spills, registers within the
-register file, shared memory within each architecture's opt-in (unchanged: the functions add
-registers, not shared memory); the dK/dV kernel with aux gradients too. Also: variants of
+(the forward; the dK/dV kernel with a mask_mod) within the budgets of the kernels without
+them: no spills, registers within the register file, shared memory within each
+architecture's opt-in (unchanged: the functions add registers, not shared memory); the dK/dV
+kernel with aux gradients too. Also: variants of
 other functions never share a module or a cubin, and the params structs carry the aux
 arrays."""
 from __future__ import annotations
@@ -64,30 +65,62 @@ def test_mma_kernels_with_user_functions_within_budget(gid, kind, head_dim, bloc
                                       _mods.module_source(hooks))
     for k in launches:
         u = usage[k.name]
-        print(f"{arch} {k.name} [{gid}]: {u['registers']} registers, spills "
-              f"{u['spill_stores']}/{u['spill_loads']}, {k.smem + u['static_smem']} B shared")
-        assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{k.name} spills: {u}"
-        assert 0 < u["registers"] <= 255, u
+        _within_budget(f"{arch} {k.name} [{gid}]", u,
+                       f", {k.smem + u['static_smem']} B shared")
         assert k.smem + u["static_smem"] <= traits.SMEM_BUDGET[arch], (k.name, u)
+
+
+def _within_budget(label: str, u: dict, more: str = "") -> None:
+    """Prints a kernel's registers and spills (`usage` of `compile_names`); asserts no spill
+    and a register count the register file allows."""
+    print(f"{label}: {u['registers']} registers, spills {u['spill_stores']}/"
+          f"{u['spill_loads']}{more}")
+    assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{label} spills: {u}"
+    assert 0 < u["registers"] <= 255, u
+
+
+@pytest.mark.parametrize("arch", traits.ARCHS)
+def test_mma_kernels_with_user_functions_and_dropout_within_budget(arch):
+    """The dropout variants (`KernelSpec.dropout`) with the per-token mask_mod and the table
+    score_mod at D = 128, tiles (128, 128): forward and both dK/dV kernels without a spill
+    (250-255 registers when measured; 247-254 at D = 64)."""
+    hooks = _hooks(*GALLERY["segments+relative-bias"])
+    names = [KernelSpec(kind, "bfloat16", 128, 128, 128, False, hooks, None, True).compiled()
+             .kernels()[role].name
+             for kind, role in (("fwd", "fwd"), ("bwd", "dkdv_atomic"), ("bwd", "dkdv_ordered"))]
+    assert all(n.endswith(", 128, true>") for n in names), names
+    _, usage = _compile.compile_names(names, arch, _mods.module_source(hooks))
+    for name in names:
+        _within_budget(f"{arch} {name} [dropout, segments+relative-bias]", usage[name])
 
 
 @pytest.mark.parametrize("arch", traits.ARCHS)
 def test_mma_backward_with_aux_grads_within_budget(arch):
-    """The dK/dV kernel (atomic dQ: aux gradients are refused with deterministic=True) adding
-    the aux gradients of a [Hq, 13] relative-bias table under a segments mask_mod, at D = 64:
-    no spills (242 registers on sm_80, 249 on sm_90 when measured)."""
+    """The dK/dV kernels, atomic dQ and ordered dQ (deterministic=True: the aux gradients in
+    fixed point, `ModParams::grad_fixed`), adding the aux gradients of a [Hq, 13]
+    relative-bias table under a segments mask_mod, at D = 64: no spills (docs/cupy_backend.md
+    has the registers measured)."""
     masks, scores = dict(mask_cases([0, 5, 70])), dict(score_cases(4))
     hooks = _mods.hooks_for(Mods(mask=masks["segments"], score=scores["relative-bias"],
                                  aux_grads=True), backward=True)
     assert hooks.aux_grads and _mods.AUX_GRAD_FN in hooks.source
     spec = KernelSpec("bwd", "bfloat16", 64, 128, 64, False, hooks).compiled()
-    k = spec.kernels()["dkdv_atomic"]
-    _, usage = _compile.compile_names([k.name], arch, _mods.module_source(hooks))
-    u = usage[k.name]
-    print(f"{arch} {k.name} [aux grads]: {u['registers']} registers, spills "
-          f"{u['spill_stores']}/{u['spill_loads']}")
-    assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{k.name} spills: {u}"
-    assert 0 < u["registers"] <= 255, u
+    names = [spec.kernels()[role].name for role in ("dkdv_atomic", "dkdv_ordered")]
+    _, usage = _compile.compile_names(names, arch, _mods.module_source(hooks))
+    for name in names:
+        _within_budget(f"{arch} {name} [aux grads]", usage[name])
+
+
+def _sm90_within_budget(spec) -> None:
+    """An sm_90a variant compiled: registers at entry and spills printed; no spill, its threads'
+    registers within the register file, its shared memory within the opt-in, no warning."""
+    u = sm90.compile_report([spec])[spec.name]
+    print(f"sm_90a {spec.label}: {u['registers']} registers at entry, spills "
+          f"{u['spill_stores']}/{u['spill_loads']}, {u['smem']} B shared")
+    assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{spec.label} spills: {u}"
+    assert u["registers"] * u["threads"] <= 65536, u
+    assert u["smem"] + u["static_smem"] <= sm90.OPTIN_SMEM, u
+    assert not u["warnings"], u["warnings"]
 
 
 @pytest.mark.parametrize("gid, head_dim, block_m, block_n, pack", [
@@ -96,13 +129,44 @@ def test_mma_backward_with_aux_grads_within_budget(arch):
 def test_sm90a_forward_with_user_functions_within_budget(gid, head_dim, block_m, block_n, pack):
     spec = sm90.FwdSpec("bfloat16", head_dim, block_m, block_n, False, pack=pack,
                         key_chunk=sm90.MODS_KEY_CHUNK, mods=_hooks(*GALLERY[gid]))
-    u = sm90.compile_report([spec])[spec.name]
-    print(f"sm_90a {spec.label}: {u['registers']} registers at entry, spills "
-          f"{u['spill_stores']}/{u['spill_loads']}, {u['smem']} B shared")
-    assert u["spill_stores"] == 0 and u["spill_loads"] == 0, f"{spec.name} spills: {u}"
-    assert u["registers"] * u["threads"] <= 65536, u
-    assert u["smem"] + u["static_smem"] <= sm90.OPTIN_SMEM, u
-    assert not u["warnings"], u["warnings"]
+    _sm90_within_budget(spec)
+
+
+# The sm_90a dK/dV kernel with a mask_mod (its answers taken before S^T and dP^T, in query
+# subtiles of 32: kernels_cuda/bwd_sm90.cuh, user_bits; each chunk's class computed by the
+# producer): the heaviest consumers (two of 232 registers at D = 128, BN = 128) with the
+# gallery's per-token (segments), 2D table (tree) and per-sequence (prefix-LM) aux reads, both
+# dQ modes, with and without a softcap; one consumer of 240 at D = 64 and 128. At D = 256 the
+# backend refuses a mask_mod there (84 B of spills; `mods.refusal`).
+SM90_BWD = [("segments", 128, 128, True, True), ("tree", 128, 128, False, False),
+            ("prefix-lm", 64, 64, True, True), ("sliding-global", 64, 128, True, False),
+            ("chunked", 64, 128, True, False), ("segments", 128, 64, True, True),
+            ("tree", 128, 64, False, True), ("sliding-global", 128, 128, False, False)]
+
+
+@pytest.mark.parametrize("mask_id, head_dim, block_n, softcap, ordered", [
+    pytest.param(*p, id=f"{p[0]}-D{p[1]}-BN{p[2]}{'-softcap' if p[3] else ''}"
+                 f"{'-ordered' if p[4] else ''}") for p in SM90_BWD])
+def test_sm90a_backward_with_mask_mod_within_budget(mask_id, head_dim, block_n, softcap,
+                                                    ordered):
+    spec = sm90.BwdSpec("bfloat16", head_dim, block_n, softcap, ordered,
+                        mods=_hooks(mask_id, None))
+    _sm90_within_budget(spec)
+
+
+def test_sm90a_backward_spec_carries_the_mask_mod():
+    """The dK/dV variant of a call with a mask_mod: its hooks key it and its cubin (the same
+    kernel name, another module source); a score_mod (with or without aux gradients) is
+    refused before (`mods.refusal`), by the spec and by the kernel's static_assert."""
+    hooks = _hooks("prefix-lm", None)
+    plain = sm90.BwdSpec("float16", 64, 64, False)
+    spec = sm90.BwdSpec("float16", 64, 64, False, mods=hooks)
+    assert spec != plain and spec.name == plain.name and plain.source is None
+    assert spec.source == _mods.module_source(hooks) and hooks.label in spec.label
+    alibi = dict(score_cases(4))["alibi"]
+    for mods in (Mods(score=alibi), Mods(score=alibi, aux_grads=True)):
+        with pytest.raises(ValueError, match="runs a mask_mod, no score_mod"):
+            sm90.BwdSpec("float16", 64, 64, False, mods=_mods.hooks_for(mods, backward=True))
 
 
 def test_other_functions_never_share_a_module_or_cubin(tmp_path, monkeypatch):

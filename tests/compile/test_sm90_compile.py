@@ -9,13 +9,12 @@ on disk between processes, and the primitive harness assembled for sm_90a."""
 from __future__ import annotations
 
 import itertools
-import os
 import re
 
 import pytest
 
-from emulation.cupy import EMULATION_DIR
 from varlen.backends.cupy import sm90, traits
+from varlen.backends.cupy.compile import parse_ptxas_log
 from varlen.backends.cupy.sm90 import BwdSpec, FwdSpec
 
 from helpers import cases
@@ -52,9 +51,6 @@ def variants():
 
 
 VARIANTS = variants()
-# the primitives' harness (tests/emulation/test_emulation_sm90.py) and its wgmma modes
-HARNESS = os.path.join(EMULATION_DIR, "sm90_harness.cu")
-WGMMA_MODES = range(5)
 
 
 @pytest.fixture(scope="module")
@@ -117,30 +113,27 @@ def test_sm90_cubins_are_kept_on_disk_between_processes(tmp_path, monkeypatch):
 
 
 def test_harness_assembles_for_sm90a():
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
-    import varlen.backends.cupy.compile as _cupy_compile
-    with open(HARNESS, "rb") as f:
-        src = f.read()
-    err, prog = nvrtc.nvrtcCreateProgram(src, b"emulation_sm90_harness.cu", 0, [], [])
-    names = [f"sm90_wgmma<{t}, {n}, {m}>" for t in ("__half", "__nv_bfloat16")
-             for n in (32, 64, 128, 256) for m in WGMMA_MODES]
-    names += ["sm90_attention_tile<__half>", "sm90_attention_tile<__nv_bfloat16>"]
-    try:
-        for name in names:
-            nvrtc.nvrtcAddNameExpression(prog, name.encode())
-        opts = [b"--gpu-architecture=sm_90a", b"--std=c++17", b"-Xptxas=-v",
-                *(o.encode() for o in _cupy_compile.compile_options())]
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.rstrip(b"\x00").decode(errors="replace")
-        assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"NVRTC for sm_90a failed:\n{log}"
-        cubin_size = nvrtc.nvrtcGetCUBINSize(prog)[1]
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    assert cubin_size > 0, "no cubin: ptxas did not run"
-    for kernel in ("sm90_tma_box", "sm90_mbar_phases", "sm90_stmatrix", "sm90_wgmma",
-                   "sm90_pipeline", "sm90_attention_tile", "sm90_named_pingpong"):
-        assert f"Compiling entry function '{kernel}" in log or kernel in log, f"{kernel} missing"
+    """The primitives' harness (emulation/sm90_primitives.py) as the GPU runner builds it: every
+    kernel of its table, NVRTC for sm_90a with the kernels' options, no spills, and the
+    registers its setmaxnreg splits draw on."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (NVRTC)")
+    from emulation.sm90_primitives import (KERNELS, PIPE_CONSUMER_REGS, PIPE_MAX_CONSUMERS,
+                                           PIPE_PRODUCER_REGS, WG_REGS_INC, build_harness_cubin)
+    cubin, lowered, log = build_harness_cubin()
+    assert cubin[:4] == b"\x7fELF", "no cubin: ptxas did not run"
+    usage = parse_ptxas_log(log)
+    missing = [k for k in KERNELS if lowered[k] not in usage]
+    assert not missing, f"not compiled for sm_90a: {missing}"
+    spills = {k: usage[lowered[k]] for k in KERNELS
+              if usage[lowered[k]]["spill_stores"] or usage[lowered[k]]["spill_loads"]}
+    assert not spills, f"register spills: {spills}"
     assert not re.search(r"[1-9]\d* bytes spill", log), f"register spills:\n{log}"
+    # setmaxnreg.inc takes only what a setmaxnreg.dec released: the registers at entry hold
+    # the split (else a GPU waits forever at the .inc)
+    for k in KERNELS:
+        regs = usage[lowered[k]]["registers"]
+        if k.startswith("sm90_wgmma"):
+            assert regs >= WG_REGS_INC, f"{k}: {regs} registers at entry, .inc to {WG_REGS_INC}"
+    regs = usage[lowered["sm90_pipeline"]]["registers"]
+    need = PIPE_PRODUCER_REGS + PIPE_MAX_CONSUMERS * PIPE_CONSUMER_REGS
+    assert need <= (1 + PIPE_MAX_CONSUMERS) * regs, f"sm90_pipeline: {regs} registers at entry"

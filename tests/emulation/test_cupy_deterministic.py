@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -86,6 +87,26 @@ def _run_mutated(tmp_path, right, wrong, env=None):
     src = mutated_sources(tmp_path, "bwd_dq_ordered.cuh", right, wrong)
     return run_mutated([os.path.abspath(__file__), "repeat", "B7-perseq-gqa-fp16-D64", "once"],
                        src, env)
+
+
+@needs_cxx
+def test_poll_limit_names_the_counter_of_a_missing_release(tmp_path):
+    """The leader never hands the turn on, the kernels built with a small poll limit
+    (VARLEN_POLL_LIMIT, kernels_cuda/common.cuh): the next block's wait for its turn reaches
+    the limit, prints the kernel's line, the block, the counter and the value it waits for,
+    and traps; the launch fails (as on a GPU) and the process goes on to raise."""
+    from varlen.kernels_cuda import SOURCE_DIR
+    with open(os.path.join(SOURCE_DIR, "bwd_dkdv.cuh")) as f:
+        line = next(i for i, text in enumerate(f, 1) if "order.acquire(c)" in text)
+    proc = _run_mutated(tmp_path, "        if (leader) {\n            if constexpr (CARRY_RANK)",
+                        "        if (false) {\n            if constexpr (CARRY_RANK)",
+                        {"VARLEN_POLL_LIMIT": "1000"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"a missing release went unnoticed:\n{out[-2000:]}"
+    says = (rf"varlen: poll limit: bwd_dkdv\.cuh:{line} \(.*\), block \(\d+, \d+\), thread 0: "
+            r"counter dq_order \d+ still holds \d+, waiting for \d+, after 1000 polls; trap")
+    assert re.search(says, out), out[-3000:]
+    assert "LaunchError" in out and "which no earlier block provides" not in out, out[-3000:]
 
 
 @needs_cxx

@@ -8,9 +8,14 @@ float64 reference with the STYLE.md tolerances (`varlen.testing`).
   aux arrays and a transcendental one under a softcap; a row that a score_mod leaves without a
   key (out 0, lse -inf); zero- and one-row sequences, lengths that are no multiple of a tile,
   GQA 4/2, D = 64.
+* the device tile classes (forward and backward, both dQ modes): the emulation's count of
+  mask_mod evaluations equals the pairs of the tiles the plan classifies partial (none in full
+  or empty ones), and empty chunks are not loaded (ldmatrix and cp.async counts).
 * the forward's skip of key chunks a mask_mod empties: results, and the emulation's ldmatrix
   and cp.async counts against a mask_mod that shows every pair.
 * the sm_90a forward with packed query heads (each packed row's score_mod sees its own head).
+* aux gradients with deterministic=True (fixed-point sums): bitwise equal across emulation
+  schedules, near the reference.
 * an aux index out of range: the kernels' flag, raised by `varlen.check_device_errors()`.
 * what the implementations refuse and why (`supports_mods`, no emulation).
 """
@@ -160,8 +165,8 @@ def _case_index_error():
 
 
 def _case_aux_grads(mask_id, score_id, dtype, softcap, block_m):
-    """The backward's aux gradients (atomic dQ; `deterministic` is refused), with the forward
-    and dq, dk, dv, against the reference's (`aux_grads=True`)."""
+    """The backward's aux gradients (atomic dQ, float32 atomics), with the forward and dq, dk,
+    dv, against the reference's (`aux_grads=True`)."""
     _mma_run(mask_id, score_id, dtype, softcap, block_m, seed=5, aux_grads=True)
 
 
@@ -199,8 +204,134 @@ def _case_skip(mask_id):
     print(f"counts {ldsm} {copies}")
 
 
+def _slopes_and_table(score, b, h, q_idx, k_idx, slopes, table):
+    """Learnable ALiBi slopes [Hq] and a relative-bias table [Hq, 2R + 1]."""
+    import varlen
+    R = (table.shape[1] - 1) // 2
+    rel = varlen.minimum(varlen.maximum(q_idx - k_idx, -R), R) + R
+    return score - slopes[h] * abs(q_idx - k_idx) + table[h, rel]
+
+
+# The emulation schedules of the repeated deterministic runs: (landing, seed).
+AUX_SCHEDULES = (("random", 1), ("random", 2))
+
+
+def _case_aux_grads_deterministic(dtype):
+    """deterministic=True with aux gradients (fixed-point sums): the first run against the
+    reference, with no host read of device data (the words' conversion is device array
+    code), then one per schedule of AUX_SCHEDULES (copies landing and warps running in seeded
+    random orders, so float32 atomics would add in other orders): every gradient, the aux
+    ones included, equal bit for bit."""
+    import os
+
+    import varlen
+    from emulation.cupy import DeviceArray, install_fake_cupy, watch_host_reads
+    from varlen.backends.cupy import BACKEND, launch
+    from varlen.mods import Mods
+    from varlen.testing import make_batch
+    install_fake_cupy(64, 64)
+    Hq, Hk, D = 4, 2, 64
+    rng = np.random.default_rng(6)
+    score = varlen.ScoreMod(_slopes_and_table, (0.1 * rng.random(Hq)).astype(np.float32),
+                            (0.3 * rng.standard_normal((Hq, 13))).astype(np.float32))
+    b = make_batch(rng, LENGTHS, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask="causal", gaps=True)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       mask="causal", num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0],
+                       block_m=64, block_n=64)
+    mods = Mods(score=score, aux_grads=True)
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=0.0)
+    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=mods, **kw)
+
+    def backward():
+        return BACKEND.backward(plan, b.dout, b.q, b.k, b.v, out, lse, mods=mods,
+                                deterministic=True, **kw)
+    with watch_host_reads() as reads:
+        first = BACKEND.backward(plan, *(x.view(DeviceArray) for x in (b.dout, b.q, b.k, b.v,
+                                                                      out, lse)),
+                                 mods=mods, deterministic=True, **kw)
+    assert not reads, f"host reads of device data: {dict(reads)}"
+    first = (*(np.asarray(g).view(np.ndarray) for g in first[:3]),
+             tuple(np.asarray(g).view(np.ndarray) for g in first[3]))
+    label = f"slopes+table aux grads deterministic {dtype} (emulated)"
+    _compare(label, b, (out, lse), score, grads=first, **kw)
+    varlen.check_device_errors()
+    names = ("dq", "dk", "dv", "dslopes", "dtable")
+    for landing, seed in AUX_SCHEDULES:
+        os.environ["VARLEN_EMULATION_SCHEDULE"] = landing
+        os.environ["VARLEN_EMULATION_SEED"] = str(seed)
+        launch._modules.clear()           # the next launches read the schedule again
+        again = backward()
+        for name, x, y in zip(names, (*first[:3], *first[3]), (*again[:3], *again[3])):
+            x, y = np.asarray(x), np.asarray(y)
+            assert x.tobytes() == y.tobytes(), (
+                f"{label}: {name} differs under schedule {landing} seed {seed} in "
+                f"{int((x != y).sum())} of {x.size} elements")
+    print(f"ok {label}")
+
+
+def _partial_pairs(b, mask_mod, lengths, Hq):
+    """Pairs (times the Hq query heads) of the tile pairs the host plan with `mask_mod`
+    classifies partial: without a built-in mask, with tiles of 64 = the kernels' chunks at
+    D = 64, the pairs the device classes leave to the mask_mod (the same interval rules, aux
+    runs under RANGE_CAP)."""
+    import varlen
+    from varlen.mods import PARTIAL
+    h = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                    num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], mask=mask_mod,
+                    block_m=64, block_n=64)
+    start, classes = h.tile_classes("q")
+    q_tiles, q_sched = np.asarray(h.q_tiles), np.asarray(h.q_sched)
+    n = 0
+    for i, (seq, _, _, rows, _) in enumerate(q_tiles):
+        if seq < 0:
+            continue
+        begin, end = int(q_sched[i, 0, 0]), int(q_sched[i, 0, 3])
+        for t in range(begin, end):
+            if classes[start[i, 0] + t - begin] == PARTIAL:
+                n += int(rows) * min(64, int(lengths[seq]) - 64 * t)
+    return Hq * n
+
+
+def _case_classes(mask_id, deterministic):
+    """The device's tile classes in the mma.sync forward and backward (dQ ordered with
+    `deterministic`): chunked causal with chunks of 128 ("chunked128": tiles off the diagonal
+    inside a chunk full, across chunks empty), prefix-LM (a per-sequence aux array), or a
+    mask_mod that shows every pair ("always": every tile full) over sequences of a few hundred
+    rows, a zero-length one and NaN padding rows between them, GQA 2/1. Checked against the
+    reference; prints the pairs the mask_mod was evaluated on in the forward and in the
+    backward, the pairs (times Hq) of the tiles the plan classifies partial, and the
+    emulation's ldmatrix phases and cp.async writes of the forward and of the backward."""
+    import varlen
+    from emulation.cupy import bank_counts, install_fake_cupy, user_mask_calls
+    from mods_cases import chunked_causal, prefix_lm
+    from varlen.backends.cupy import BACKEND
+    from varlen.mods import Mods
+    from varlen.testing import make_batch
+    install_fake_cupy(64, 64)
+    lengths, Hq, Hk, D = [192, 0, 70, 5], 2, 1, 64
+    mask_mod = {"chunked128": varlen.MaskMod(chunked_causal, np.array([128], np.int32)),
+                "prefix-lm": varlen.MaskMod(prefix_lm, np.array([70, 0, 64, 2], np.int32)),
+                "always": varlen.MaskMod(_always)}[mask_id]
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=0.0)
+    b = make_batch(np.random.default_rng(6), lengths, Hq=Hq, Hk=Hk, D=D, dtype="float16",
+                   mask=mask_mod, gaps=True, garbage=np.nan)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=64,
+                       block_n=64)
+    mods = Mods(mask=mask_mod)
+    out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=mods, **kw)
+    fwd = [user_mask_calls(), *bank_counts()[::2]]
+    grads = BACKEND.backward(plan, b.dout, b.q, b.k, b.v, out, lse, mods=mods,
+                             deterministic=deterministic == "True", **kw)
+    bwd = [user_mask_calls() - fwd[0], *(x - y for x, y in zip(bank_counts()[::2], fwd[1:]))]
+    _compare(f"classes {mask_id} (emulated)", b, (out, lse), None, grads=grads, **kw)
+    varlen.check_device_errors()
+    print("counts", *fwd, *bwd, _partial_pairs(b, mask_mod, lengths, Hq))
+
+
 CASES = {"mma": _case_mma, "sm90": _case_sm90, "index-error": _case_index_error,
-         "skip": _case_skip, "aux-grads": _case_aux_grads}
+         "skip": _case_skip, "aux-grads": _case_aux_grads,
+         "aux-grads-deterministic": _case_aux_grads_deterministic, "classes": _case_classes}
 
 
 def _main(argv):
@@ -250,6 +381,36 @@ def test_mma_forward_skips_chunks_the_mask_mod_empties():
     assert (counts["chunked"] < 0.6 * counts["always"]).all(), counts
 
 
+def _class_counts(mask_id, deterministic):
+    out = emulate_script(__file__, "classes", mask_id, deterministic, timeout=900)
+    line = [x for x in out.splitlines() if x.startswith("counts ")][-1]
+    fwd_calls, fwd_ldsm, fwd_copies, bwd_calls, bwd_ldsm, bwd_copies, partial = map(
+        int, line.split()[1:])
+    return dict(fwd_calls=fwd_calls, bwd_calls=bwd_calls, partial=partial,
+                fwd=np.array([fwd_ldsm, fwd_copies]), bwd=np.array([bwd_ldsm, bwd_copies]))
+
+
+@needs_cxx
+def test_mma_tile_classes_skip_empty_and_leave_full_unevaluated():
+    """With a mask_mod the mma.sync kernels classify each chunk against their tile on the
+    device: the mask_mod is evaluated exactly on the pairs of the tiles the classes leave
+    partial, in the forward and in the backward (ordered dQ for one mask, atomic for the
+    other), not on full ones; empty chunks are neither loaded nor computed (against a mask_mod
+    that shows every pair, all tiles full: no pair evaluated); results match the reference."""
+    chunked = _class_counts("chunked128", "True")
+    prefix = _class_counts("prefix-lm", "False")
+    always = _class_counts("always", "False")
+    print(chunked, prefix, always)
+    for c in (chunked, prefix):
+        assert 0 < c["partial"] and c["fwd_calls"] == c["partial"], c
+        assert c["bwd_calls"] == c["partial"], c
+    assert always["fwd_calls"] == always["bwd_calls"] == always["partial"] == 0, always
+    # chunked causal over 192 + 70 + 5 rows computes 7 of the 10 tile pairs a mask_mod showing
+    # every pair does (of them 2 full), forward and backward
+    assert (chunked["fwd"] < 0.75 * always["fwd"]).all(), (chunked, always)
+    assert (chunked["bwd"] < 0.75 * always["bwd"]).all(), (chunked, always)
+
+
 @needs_cxx
 @pytest.mark.parametrize("mask_id, score_id, dtype, softcap, block_m", [
     pytest.param("causal-builtin", "alibi", "float16", "0", "64", id="causal-alibi-fp16"),
@@ -260,6 +421,14 @@ def test_mma_aux_grads(mask_id, score_id, dtype, softcap, block_m):
     """Gradients of the score_mod's float aux arrays (per-head ALiBi slopes, a [Hq, 13]
     relative-bias table), float32 atomics in the dK/dV kernel."""
     _emulate("aux-grads", mask_id, score_id, dtype, softcap, block_m)
+
+
+@needs_cxx
+def test_mma_aux_grads_deterministic():
+    """deterministic=True with the gradients of learnable ALiBi slopes and a relative-bias
+    table (fixed-point sums): bitwise equal across emulation schedules, and near the
+    reference; GQA 4/2, a zero-length sequence, pad gaps."""
+    _emulate("aux-grads-deterministic", "float16")
 
 
 @needs_cxx
@@ -276,8 +445,9 @@ def test_out_of_range_aux_index_is_recorded():
 
 def test_implementations_say_what_they_refuse():
     """The family and cupy:mma run mask_mod and score_mod forward and backward, and aux
-    gradients but not with deterministic=True (float32 atomics); no user functions in the
-    sm_90a backward (the device questions answered by a stand-in H100)."""
+    gradients, with deterministic=True too (fixed-point sums); the sm_90a backward runs a
+    mask_mod (alone or ANDed with a Mask, either dQ mode) and no score_mod (the device
+    questions answered by a stand-in H100)."""
     import varlen
     from varlen.backends.base import Problem
     from varlen.backends.cupy import BACKEND, DeviceInfo
@@ -299,14 +469,18 @@ def test_implementations_say_what_they_refuse():
         for b in (BACKEND, mma):
             assert b.supports_mods(fwd) is None and b.supports_mods(bwd) is None, b
             assert b.supports_mods(grads) is None, b
-            why = b.supports_mods(repeatable)
-            assert "aux_grads=True" in why and "deterministic=True" in why, b
+            assert b.supports_mods(repeatable) is None, b
             assert "aux_grads" in b.runs_mods, b
         assert "sm_90a backward does not compute gradients" in sm90a.supports_mods(grads)
         assert "aux_grads" not in sm90a.runs_mods
         assert sm90a.supports_mods(fwd) is None
-        assert "sm_90a backward does not run a mask_mod or score_mod" in sm90a.supports_mods(bwd)
-        assert "backend='cupy'" in sm90a.supports_mods(bwd)
+        for mods in (Mods(mask=mask), Mods(mask=varlen.Mask(window_left=3) & mask)):
+            for b in (Backward, Deterministic):
+                assert sm90a.supports_mods(b("float16", 64, 64, True, mods)) is None, mods
+        for mods in (Mods(mask=mask, score=score), Mods(score=score)):
+            why = sm90a.supports_mods(Backward("float16", 64, 64, True, mods))
+            assert why.startswith("its sm_90a backward does not run a score_mod (a mask_mod it "
+                                  "runs)") and "backend='cupy'" in why, why
         many = varlen.MaskMod(lambda b, q, k, *a: k <= q, *[np.zeros(1, np.int32)] * 9)
         assert "at most 8 aux arrays" in mma.supports_mods(
             Problem("float16", 64, 64, True, Mods(mask=many)))

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from emulation.sm90_cases import FIRST, PACKED, PERSISTENT, PIPELINE, QUICK, RUNS
+from emulation.sm90_cases import FIRST, MASK_MOD, PACKED, PERSISTENT, PIPELINE, QUICK, RUNS
 
 from helpers import (assert_mutant_caught, cases, emulate, mutated_sources, needs_cxx,
                      run_mutated)
@@ -74,6 +74,18 @@ def test_forward_under_landing_schedules(label, schedule, seed):
                                            VARLEN_EMULATION_SEED=seed))
 
 
+@pytest.mark.parametrize("label", cases([PIPELINE, PERSISTENT], [PERSISTENT]))
+def test_forward_walks_partial_chunks_first(label):
+    """Each work item's key chunks in the order of the TMA loads of K: the partial ones (a
+    causal diagonal's, a ragged end's) first, then the full ones (emulation.sm90_cases'
+    `check_chunk_order` against `chunk_order`, on every emulated forward); here, on cases where
+    that order differs from the schedule's for some items."""
+    out = _run(label, "fwd")
+    walked, reordered = map(int, re.search(rf"chunk order {label}: (\d+) work items, (\d+) "
+                                           "reordered", out).groups())
+    assert walked > 0 and reordered > 0, f"{label}: {walked} items, {reordered} reordered"
+
+
 def test_deterministic_backward_is_bitwise_repeatable():
     """The deterministic case gives the same bits under two more schedules (copies landing and
     wgmma operands read at seeded random points, threads free-running). Under these two seeds
@@ -112,14 +124,18 @@ MUTATIONS = {
     # the producer refills a V stage the consumers still read: the barrier phases go wrong,
     # reported at an mbarrier, or as a deadlock of the ping-pong's turn when a consumer holding
     # the turn waits for a v_full phase that never comes (V is waited for inside the turn)
-    "fwd-no-v-empty-wait": ("fwd_sm90.cuh", "    sm90::mbar_wait(sm.v_empty(s), parity ^ 1u);\n",
+    "fwd-no-v-empty-wait": ("fwd_sm90.cuh",
+                            "    sm90::mbar_wait(sm.v_empty(s), parity ^ 1u, \"v_empty\");\n",
                             "", PIPELINE, ("mbarrier", "(a deadlock?)")),
     "fwd-no-deferred-rescale": ("fwd_sm90.cuh", "            rescale(acc_o, corr);\n", "",
                                 PIPELINE, "max abs error"),
-    # the persistent loop: the next item's Q loaded over the one the consumers still read
+    # the persistent loop: the next item's Q loaded over the one the consumers still read:
+    # reported at an mbarrier, or as a deadlock of the ping-pong's turn when a consumer waits
+    # for a Q phase that never comes while holding the turn (seen once, in a CI run)
     "fwd-no-q-empty-wait": ("fwd_sm90.cuh",
-                            "            sm90::mbar_wait(sm.q_empty(), ring.q_parity() ^ 1u);\n",
-                            "", PERSISTENT, "mbarrier"),
+                            "            sm90::mbar_wait(sm.q_empty(), ring.q_parity() ^ 1u, "
+                            "\"q_empty\");\n",
+                            "", PERSISTENT, ("mbarrier", "(a deadlock?)")),
     # the ring restarted at stage 0, round 0 for every item (on both sides)
     "fwd-ring-reset-per-item": ("fwd_sm90.cuh", "void next_item() { ++item; }",
                                 "void next_item() { ++item; chunk = 0; }", PERSISTENT,
@@ -152,7 +168,8 @@ MUTATIONS = {
     # that skipped one the others met (seen under heavy load), or, with the two consumers' dS
     # barriers shared (dQ by columns), as a collective whose threads never all arrive (seen
     # once, in a CI run)
-    "bwd-no-empty-wait": ("bwd_sm90.cuh", "        sm90::mbar_wait(sm.empty(s), parity ^ 1u);\n",
+    "bwd-no-empty-wait": ("bwd_sm90.cuh",
+                          "        sm90::mbar_wait(sm.empty(s), parity ^ 1u, \"empty\");\n",
                           "", "B2-bf16-D128-BN128-full-gqa",
                           ("mbarrier", "of the warp has exited", "threads of the warp starting at",
                            "exited without executing it")),
@@ -169,6 +186,16 @@ MUTATIONS = {
     "bwd-subtile-stats-at-row-0": ("bwd_sm90.cuh", "ColStats{sm.lse2(s) + col, sm.delta(s) + col}",
                                    "ColStats{sm.lse2(s), sm.delta(s)}",
                                    "B3-bf16-D256-softcap-gqa-nan", "dq: NaN pattern differs"),
+    # the mask_mod ignored in the backward (each pair's bit from the built-in band alone), and
+    # every chunk taken as one the mask_mod shows whole (TILE_FULL)
+    "bwd-mask-mod-ignored": ("bwd_sm90.cuh",
+                             "if (visible && (full || user_mask(",
+                             "if (visible && (true || user_mask(", f"{MASK_MOD}:bwd",
+                             "NaN pattern differs"),
+    "bwd-class-taken-as-full": ("bwd_sm90.cuh",
+                                "StagedChunk{c, 1 + chunk_class<Cfg>(mods, c, tile)}",
+                                "StagedChunk{c, 1 + TILE_FULL}", f"{MASK_MOD}:bwd",
+                                "NaN pattern differs"),
 }
 
 
@@ -209,3 +236,39 @@ def test_removed_synchronisation_is_caught(name):
     by, seconds = emulation_mutations.check(chosen[0], timeout=900)
     assert by is not None and (says is None or says in by), (
         f"removing {emulation_mutations.site_id(chosen[0])}: {by or 'went unnoticed'}")
+
+
+
+# Consumer arrivals removed, the kernels built with a small poll limit (VARLEN_POLL_LIMIT,
+# kernels_cuda/common.cuh): the producer, the first to wait on the stage the consumers never
+# release, reaches the limit, prints where it waits and traps, and the launch fails (as on a
+# GPU) instead of hanging until the emulation's deadlock timeout: name -> (kernel source, the
+# arrival removed, case, the producer's wait that must report (its line's text), its barrier).
+POLL_LIMIT = "1000"
+POLL_MUTATIONS = {
+    "fwd-no-k-release": ("fwd_sm90.cuh",
+                         "            sm90::mbar_arrive(sm.k_empty(n % STAGES));\n", PIPELINE,
+                         "sm90::mbar_wait(sm.k_empty(s)", "k_empty"),
+    "bwd-no-stage-release": ("bwd_sm90.cuh", "        sm90::mbar_arrive(sm.empty(s));\n",
+                             "B2-bf16-D128-BN128-full-gqa", "sm90::mbar_wait(sm.empty(s)",
+                             "empty"),
+}
+
+
+@pytest.mark.parametrize("name", cases(POLL_MUTATIONS, ["fwd-no-k-release",
+                                                        "bwd-no-stage-release"]))
+def test_poll_limit_names_the_barrier_of_a_removed_arrive(name, tmp_path):
+    from varlen.kernels_cuda import SOURCE_DIR
+    source, old, label, wait, barrier = POLL_MUTATIONS[name]
+    with open(f"{SOURCE_DIR}/{source}") as f:
+        line = next(i for i, text in enumerate(f, 1) if wait in text)
+    src = mutated_sources(tmp_path, source, old, "")
+    proc = run_mutated(["-m", "emulation.sm90_cases", label], src,
+                       {"VARLEN_POLL_LIMIT": POLL_LIMIT})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"{name}: the mutated kernel passed {label}"
+    says = (rf"varlen: poll limit: {re.escape(source)}:{line} \({source[:-4]}_producer<.*\), "
+            rf"block \(\d+, \d+\), thread \d+: mbarrier {barrier} at shared 0x[0-9a-f]+: "
+            rf"phase of parity [01] not completed after {POLL_LIMIT} polls; trap")
+    assert re.search(says, out), f"{name}: no report of the {barrier} wait:\n{out[-3000:]}"
+    assert "LaunchError" in out and "(a deadlock?)" not in out, out[-3000:]

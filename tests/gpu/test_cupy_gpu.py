@@ -79,8 +79,9 @@ def _require(backend, dtype, head_dim, head_dim_v=None):
         pytest.skip(f"{backend}: {why}")
 
 
-def _run(b, backend, *, softcap=0.0, deterministic=False, plan=None):
-    """Forward and backward of batch `b` on the device through the public API."""
+def _run(b, backend, *, softcap=0.0, deterministic=False, plan=None, **dropout):
+    """Forward and backward of batch `b` on the device through the public API; `dropout`:
+    `dropout_p`, `seed`, `offset` of both."""
     _require(backend, b.dtype, b.q.shape[2], b.v.shape[2])
     dev = {n: _device(getattr(b, n)) for n in ("q", "k", "v", "dout")}
     cu = dict(cu_seqlens_q=_device(b.cu_q), cu_seqlens_k=_device(b.cu_k))
@@ -88,10 +89,10 @@ def _run(b, backend, *, softcap=0.0, deterministic=False, plan=None):
                seq_offsets_k=None if b.off_k is None else _device(b.off_k),
                mask=_device_mask(b.mask))
     out, lse = varlen.attention_forward(dev["q"], dev["k"], dev["v"], **cu, **lay,
-                                        softcap=softcap, backend=backend, plan=plan)
+                                        softcap=softcap, backend=backend, plan=plan, **dropout)
     grads = varlen.attention_backward(dev["dout"], dev["q"], dev["k"], dev["v"], out, lse, **cu,
                                       **lay, softcap=softcap, backend=backend, plan=plan,
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, **dropout)
     return out, lse, grads
 
 
@@ -119,6 +120,29 @@ def test_matches_reference(case, D, dtype, cupy_backend):
     assert (grads[0].astype(np.float64)[pad_q] == 0).all(), "pad query rows: dq not zero"
     assert (grads[1].astype(np.float64)[pad_k] == 0).all(), "pad key rows: dk not zero"
     assert (grads[2].astype(np.float64)[pad_k] == 0).all(), "pad key rows: dv not zero"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dropout_parity(D, dtype, cupy_backend):
+    """Attention dropout (docs/cupy_backend.md, "Dropout") on the GQA case with per-sequence
+    windows and gaps: the reference draws the same keep set from the same seed; both dQ modes.
+    An implementation that refuses dropout skips. (Run by gpu_check.sh's kernel_tests step;
+    scripts/gpu_warm.py compiles its modules: D 64 and 128 at the default tiles.)"""
+    from varlen.dropout import make_dropout
+    drop = dict(dropout_p=0.25, seed=(3 << 33) + 17, offset=5)
+    why = varlen.backends.get(cupy_backend).supports_dropout(
+        Problem(dtype, D, D, True, dropout=make_dropout(**drop)))
+    if why:
+        pytest.skip(f"{cupy_backend}: {why}")
+    name, lq, lk, Hq, Hk, mask, gaps, softcap = CASES[1]
+    rng = np.random.default_rng(zlib.crc32(f"dropout{name}{D}{dtype}".encode()))
+    b = make_batch(rng, lq, lk, Hq=Hq, Hk=Hk, D=D, dtype=dtype, mask=mask, gaps=gaps)
+    for det in (False, True):
+        out, lse, grads = _run(b, cupy_backend, softcap=softcap, deterministic=det, **drop)
+        check_against_reference(b, _host(out), _host(lse), [_host(g) for g in grads],
+                                softcap=softcap, label=f"dropout {name}/D{D}/{dtype}/det={det}",
+                                **drop)
 
 
 @pytest.mark.parametrize("D, dtype", [(32, "bfloat16"), (96, "float16")], ids=["D32", "D96"])
@@ -194,6 +218,60 @@ def test_deterministic_backward_is_bitwise_repeatable(dtype, cupy_backend):
     dq_fast = fast[0].astype(np.float64)
     scale = np.abs(dq_det).max()
     assert np.abs(dq_det - dq_fast).max() <= 2 ** -6 * scale, "atomic and deterministic dQ"
+
+
+def _slopes_and_table(score, b, h, q_idx, k_idx, slopes, table):
+    """Learnable ALiBi slopes [Hq] and a relative-bias table [Hq, 2R + 1]."""
+    R = (table.shape[1] - 1) // 2
+    rel = varlen.minimum(varlen.maximum(q_idx - k_idx, -R), R) + R
+    return score - slopes[h] * abs(q_idx - k_idx) + table[h, rel]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_deterministic_aux_grads_are_bitwise_repeatable(dtype, cupy_backend):
+    """deterministic=True with the gradients of learnable slopes and a bias table (64-bit
+    fixed-point sums): bitwise equal over three runs, against the float64 reference, and
+    close to the float32 atomics' sums (deterministic=False). Not in scripts/gpu_check.sh
+    (its score_mod module compiles for longer than that script's per-test timeout)."""
+    from varlen.mods import Mods
+    rng = np.random.default_rng(5)
+    Hq = 8
+    aux = ((0.1 * rng.random(Hq)).astype(np.float32),
+           (0.3 * rng.standard_normal((Hq, 33))).astype(np.float32))
+    score = varlen.ScoreMod(_slopes_and_table, *aux)
+    on_device = varlen.ScoreMod(_slopes_and_table, *(_device(a) for a in aux))
+    why = varlen.backends.get(cupy_backend).supports_mods(types.SimpleNamespace(
+        mods=Mods(score=on_device, aux_grads=True), grads=(), deterministic=True))
+    if why:
+        pytest.skip(f"{cupy_backend}: {why}")
+    b = make_batch(rng, [300, 0, 513, 77], None, Hq=Hq, Hk=2, D=64, dtype=dtype,
+                   mask="causal", gaps=True)
+    _require(cupy_backend, dtype, 64)
+    dev = {n: _device(getattr(b, n)) for n in ("q", "k", "v", "dout")}
+    kw = dict(cu_seqlens_q=_device(b.cu_q), cu_seqlens_k=_device(b.cu_k),
+              seq_offsets_q=_device(b.off_q), seq_offsets_k=_device(b.off_k), mask="causal",
+              backend=cupy_backend, score_mod=on_device)
+    out, lse = varlen.attention_forward(dev["q"], dev["k"], dev["v"], **kw)
+
+    def backward(deterministic):
+        dq, dk, dv, daux = varlen.attention_backward(
+            dev["dout"], dev["q"], dev["k"], dev["v"], out, lse, **kw, aux_grads=True,
+            deterministic=deterministic)
+        return [_host(g) for g in (dq, dk, dv)], [_host(g) for g in daux]
+    runs = [backward(True) for _ in range(3)]
+    for grads, daux in runs[1:]:
+        for name, x, y in zip(("dq", "dk", "dv", "dslopes", "dtable"), (*runs[0][0],
+                              *runs[0][1]), (*grads, *daux)):
+            assert x.tobytes() == y.tobytes(), f"{name} differs between deterministic runs"
+    grads, daux = runs[0]
+    check_against_reference(b, _host(out), _host(lse), (*grads, tuple(daux)), score_mod=score,
+                            label=f"deterministic aux grads {dtype}")
+    fast = backward(False)[1]
+    for name, x, y in zip(("dslopes", "dtable"), daux, fast):
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        assert np.abs(x64 - y64).max() <= 2 ** -12 * np.abs(x64).max(), (
+            f"{name}: fixed-point and float32 atomic sums differ")
+    varlen.check_device_errors()
 
 
 def test_rejects_what_it_cannot_run(cupy_backend):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from test_cp_mods import MPIEXEC, ROOT, _free_port, _run
+from test_cp_workers import MPIEXEC, ROOT, _free_port, _run
 
 from helpers import cases
 

@@ -6,8 +6,11 @@ its own with NUMBA_ENABLE_CUDASIM=0 (the simulator replaces `numba.cuda` process
     NUMBA_ENABLE_CUDASIM=0 python tests/numba/compile_check.py [--quick]
 
 Prints one JSON line: {"ok": [...], "failed": {name: error}, "narrow": {name: [place, ...]},
-"audited": n, "f64": {name: [instruction, ...]}, "functions": n, "seconds": ...}; exit status 1
-when anything failed, is narrow or computes in f64.
+"audited": n, "f64": {name: [instruction, ...]}, "functions": n, "philox": [...],
+"seconds": ...}; exit status 1 when anything failed, is narrow or computes in f64.
+
+`philox` names the kernels (at sm_90) whose PTX holds a Philox multiplier: the dropout variants
+must, the kernels without dropout must not (their Philox draws are compiled out).
 
 `narrow` is the 64-bit audit: every kernel is typed once more and its typed IR, and that of
 every device function it calls, is searched for signed integer arithmetic or `range()`
@@ -71,6 +74,12 @@ VIEW = nt.NamedTuple([a2(i32), a3(i32), a2(i32), a3(i32)] + [a2(i32)] * 6 + [a1(
 SEQ_MASK = nt.NamedUniTuple(a1(i32), len(K.SeqMask._fields), K.SeqMask)
 # A user function's `(aux arrays..., err)`: the error flag alone for a function a variant lacks.
 NO_FN = nt.Tuple((a1(i32),))
+# The dropout record (`_numba_launch.dropout_args`): threshold, seed lo, seed hi, offset, scale,
+# head offset.
+DROP = nt.Tuple((nt.uint32,) * 4 + (f32, nt.uint32))
+# Philox 4x32's first multiplier as PTX writes an immediate (unsigned or signed 32-bit, or
+# zero-extended to 64 bits).
+PHILOX_IMMEDIATES = re.compile(r"(?<![\w.])(3528531795|-766435501|0xD2511F53)(?!\w)", re.I)
 
 
 def _fn_args(mod):
@@ -80,7 +89,7 @@ def _fn_args(mod):
 def _user_functions():
     """A MaskMod reading 1-D int arrays at a sequence-dependent index and a ScoreMod with an
     int table and a 2-D float table (aux gradients on): `(fns, mask args, score args, aux
-    gradient args)`."""
+    gradient args: float32 atomics, fixed-point words)`."""
     doc, start = np.zeros(64, np.int32), np.zeros(4, np.int32)
     mask = varlen.MaskMod(lambda b, q, k, doc, start: (doc[start[b] + q] == doc[start[b] + k]) &
                           (k <= q), doc, start)
@@ -88,7 +97,8 @@ def _user_functions():
     score = varlen.ScoreMod(lambda s, b, h, q, k, bucket, bias: s + bias[
         h, bucket[varlen.minimum(abs(q - k), 8)] + varlen.where(k > q, 8, 0)], buckets, bias)
     fns = K.UserFns.of(Mods(mask=mask, score=score, aux_grads=True))
-    return fns, _fn_args(mask), _fn_args(score), nt.Tuple((a1(f32), a1(f32)))
+    return (fns, _fn_args(mask), _fn_args(score),
+            (nt.Tuple((a1(f32), a1(f32))), nt.Tuple((a2(nt.uint64), a2(nt.uint64)))))
 
 
 def kernels(quick: bool):
@@ -109,27 +119,33 @@ def kernels(quick: bool):
         out.append((f"convert[{dt}]", K.convert_kernel(dt), (a1(f32), a1(el))))
         out.append((f"delta[{dt}]", K.delta_kernel(dt), (a3(el), a3(el), a2(f32))))
     out.append(("fill[int32]", K.fill, (a1(i32), i32)))
-    # Every dtype, and both sides of the softcap branch.
-    variants = [("float16", True), ("bfloat16", True), ("float32", False)]
+    out.append(("aux_fixed", K.aux_fixed_kernel, (a2(nt.uint64), a1(f32), a1(i32))))
+    # Every dtype, both sides of the softcap branch, and dropout (float32: the variant that
+    # also types that dtype's loads and stores, so dropout costs no extra compile).
+    variants = [("float16", True, False), ("bfloat16", True, False), ("float32", False, True)]
     if quick:
         variants = variants[:1]
     fns, mask_args, score_args, grads = _user_functions()
-    variants = [(dt, softcap, K.UserFns(), NO_FN, NO_FN, NO_FN) for dt, softcap in variants]
+    variants = [(dt, softcap, K.UserFns(), NO_FN, NO_FN, (NO_FN, NO_FN), dropout)
+                for dt, softcap, dropout in variants]
     # The user functions once (their code does not depend on the dtype of q, k, v).
-    variants.append(("float16", True, fns, mask_args, score_args, grads))
-    for dt, softcap, var_fns, margs, sargs, gargs in variants:
+    variants.append(("float16", True, fns, mask_args, score_args, grads, False))
+    for dt, softcap, var_fns, margs, sargs, gargs, dropout in variants:
         el = ELEM[dt]
-        var = K.Variant(dt, 64, 64, 32, 32, softcap, var_fns)
-        tag = f"{dt},softcap={softcap}" + (",mods" if var_fns.mask else "")
+        var = K.Variant(dt, 64, 64, 32, 32, softcap, var_fns, dropout)
+        tag = (f"{dt},softcap={softcap}" + (",mods" if var_fns.mask else "") +
+               (",dropout" if dropout else ""))
         out.append((f"forward[{tag}]", K.forward_kernel(var),
-                    (a3(el), a3(el), a3(el), a3(el), a2(f32), VIEW, f32, f32, margs, sargs)))
-        for atomic in (True, False):
+                    (a3(el), a3(el), a3(el), a3(el), a2(f32), VIEW, f32, f32, margs, sargs,
+                     DROP)))
+        # deterministic (atomic_dq=False): the aux gradients in fixed-point words
+        for atomic, g in ((True, gargs[0]), (False, gargs[1])):
             out.append((f"dkdv[{tag},atomic_dq={atomic}]", K.dkdv_kernel(var, atomic),
                         (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(f32), a3(el),
-                         a3(el), VIEW, f32, f32, margs, sargs, gargs)))
+                         a3(el), VIEW, f32, f32, margs, sargs, g, DROP)))
         out.append((f"dq[{tag}]", K.dq_kernel(var),
                     (a3(el), a3(el), a3(el), a3(el), a2(f32), a2(f32), a3(el), VIEW, f32,
-                     f32, margs, sargs)))
+                     f32, margs, sargs, DROP)))
     return out
 
 
@@ -204,7 +220,7 @@ def user_functions_f64():
 def main(argv):
     quick = "--quick" in argv
     t0 = time.time()
-    ok, failed, narrow, audited = [], {}, {}, 0
+    ok, failed, narrow, audited, philox = [], {}, {}, 0, []
     for name, kern, sig in kernels(quick):
         fn = getattr(kern, "py_func", kern)
         for cc in CCS:
@@ -214,6 +230,8 @@ def main(argv):
                 ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
                 assert f".target sm_{cc[0]}{cc[1]}" in ptx, "unexpected PTX target"
                 ok.append(label)
+                if cc == CCS[-1] and PHILOX_IMMEDIATES.search(ptx):
+                    philox.append(name)
             except Exception as e:  # noqa: BLE001
                 failed[label] = f"{type(e).__name__}: {e}"[:2000]
                 traceback.print_exc(file=sys.stderr)
@@ -226,7 +244,8 @@ def main(argv):
             narrow[name] = found
     f64, functions = user_functions_f64()
     print(json.dumps({"ok": ok, "failed": failed, "narrow": narrow, "audited": audited,
-                      "f64": f64, "functions": functions, "seconds": round(time.time() - t0, 1)}))
+                      "f64": f64, "functions": functions, "philox": philox,
+                      "seconds": round(time.time() - t0, 1)}))
     return 1 if failed or narrow or f64 else 0
 
 

@@ -17,9 +17,12 @@ from numba import cuda   # a module global: the simulator swaps it inside kernel
 import varlen
 from varlen import MaskMod, ScoreMod, reference
 from varlen.mods import Mods
+from varlen.backends import _aux_fixed as FX
+from varlen.backends import _numba_kernels as K
 from varlen.backends import _numba_launch as L
 from varlen.backends.numba_backend import BACKEND as NUMBA, plan_from_cu_seqlens, variant
 
+from numba_testing import SIM
 from helpers import (assert_close, assert_lse, covered_rows, make_batch, naive_same_dtype,
                      np_dtype)
 from mods_cases import mask_cases, score_cases
@@ -48,6 +51,9 @@ CASES = {
     "B2-L5,17-fp16-sliding_global": ([5, 17], "float16", "sliding-global", None, {}),
     "B2-L17,0-fp32-causal-alibi-score_only": ([17, 0], "float32", None, "alibi",
                                               dict(mask="causal", aux_grads=True)),
+    "B3-L0,17,5-fp16-relative_bias-aux-deterministic": (
+        [0, 17, 5], "float16", None, "relative-bias",
+        dict(mask="causal", aux_grads=True, deterministic=True)),
 }
 
 
@@ -91,14 +97,19 @@ def _check(label, batch, mods_kw, got, *, softmax_scale, softcap, grads=True):
         names += [f"daux{i}" for i in range(len(ref[3]))]
         mine += list(got[2][3])
         want += list(ref[3])
+    # an aux gradient entry sums up to every pair of its head in float32, in the atomics' order:
+    # its rounding grows as the square root of that count
+    pairs = int(np.sum(np.diff(batch.cu_q) * np.diff(batch.cu_k))) * HQ
     for name, g, r in zip(names, mine, want):
         if r is None:
             assert g is None, f"{label} {name}: a gradient for an int or bool aux array"
             continue
+        floor = 16.0
         if name.startswith("daux"):
             assert g.dtype == np.float32 and g.shape == r.shape, f"{label} {name}: {g.dtype}"
+            floor = max(floor, 4.0 * np.sqrt(pairs))
         assert_close(f"{label} {name}", g, r, dtype=batch.dtype,
-                     naive_err=rel * max(_amax(r), 1e-30), factor=3.0, floor=16.0,
+                     naive_err=rel * max(_amax(r), 1e-30), factor=3.0, floor=floor,
                      magnitude=magnitude)
 
 
@@ -139,7 +150,11 @@ def test_gallery_matches_reference(case):
                            plan=plan)
     if deterministic:
         again = _run(batch, mods_kw, softcap=softcap, deterministic=True, plan=plan)[2]
-        for name, a, b in zip(("dq", "dk", "dv"), grads, again):
+        pairs = list(zip(("dq", "dk", "dv"), grads, again))
+        if mods_kw["aux_grads"]:
+            pairs += [(f"daux{i}", a, b) for i, (a, b) in enumerate(zip(grads[3], again[3]))
+                      if a is not None]
+        for name, a, b in pairs:
             assert a.tobytes() == b.tobytes(), f"deterministic {name} differs between two runs"
     assert out.dtype == batch.q.dtype and lse.dtype == np.float32
     _check(case, batch, mods_kw, (out, lse, grads), softmax_scale=1.0 / np.sqrt(D),
@@ -259,16 +274,134 @@ def test_aux_index_out_of_range_is_a_device_error():
         varlen.check_device_errors()
 
 
-def test_aux_grads_with_deterministic_are_refused():
-    """Aux gradients are float32 atomics: `deterministic=True` is refused, saying so."""
+@pytest.mark.skipif(not SIM, reason="counts calls of a device function: the simulator only")
+def test_mask_mod_is_evaluated_in_partial_tiles_only(monkeypatch):
+    """The kernels classify each tile by the generated class code: an EMPTY tile is skipped and
+    a FULL one runs without the mask_mod, so the mask_mod runs once per pair of the PARTIAL
+    tiles (the host plan's classes, `Plan.tile_classes`), in the forward and in each pass of
+    the backward; and the results match the reference."""
+    import math
+    from varlen.mods import PARTIAL
+    from varlen.mods import codegen
+    chunk = 8 + len(codegen._NUMBA_CACHE)      # a graph no earlier test compiled
+    mask = MaskMod(lambda b, q, k: (k <= q) & (q // chunk == k // chunk))
+    calls = []
+    scope = {"math": math, "float32": np.float32}
+    exec(codegen.python_source(mask.graph, "f", packed=True, float_type="float32"), scope)
+
+    def counted(b, i, j, args):
+        calls.append(1)
+        return scope["f"](b, i, j, args)
+    monkeypatch.setitem(codegen._NUMBA_CACHE, (mask.graph.digest, True, True, True),
+                        cuda.jit(device=True)(counted))
+    rng = np.random.default_rng(3)
+    lengths = [3 * chunk + 2, 5]
+    batch = make_batch(rng, lengths, lengths, Hq=1, Hk=1, D=D, dtype="float32", mask=mask)
+    plan = varlen.plan(batch.cu_q, batch.cu_k, num_rows_q=batch.q.shape[0],
+                       num_rows_k=batch.k.shape[0], mask=mask, block_m=4, block_n=4,
+                       backend="numba")
+    host = plan.to_host()
+    start, classes = host.tile_classes("q")
+    partial_pairs = 0
+    for i in np.flatnonzero(host.q_tiles[:, 0] >= 0):
+        b, rows = host.q_tiles[i, 0], host.q_tiles[i, 3]
+        bg, en = host.q_sched[i, 0, 0], host.q_sched[i, 0, 3]
+        for t in range(bg, en):
+            if classes[start[i, 0] + t - bg] == PARTIAL:
+                partial_pairs += rows * min(4, int(host.k.length[b, 0]) - 4 * t)
+    kept = sum(int(host.q_sched[i, 0, 3] - host.q_sched[i, 0, 0])
+               for i in np.flatnonzero(host.q_tiles[:, 0] >= 0))
+    assert 0 < (classes == PARTIAL).sum() < kept / 2, "the case must hold EMPTY and FULL tiles"
+    kw = dict(**batch.layout, backend="numba", plan=plan)
+    out, lse = varlen.attention_forward(batch.q, batch.k, batch.v, batch.cu_q, batch.cu_k, **kw)
+    assert len(calls) == partial_pairs, (len(calls), partial_pairs)
+    calls.clear()
+    grads = varlen.attention_backward(batch.dout, batch.q, batch.k, batch.v, out, lse,
+                                      batch.cu_q, batch.cu_k, **kw, deterministic=True)
+    assert len(calls) == 2 * partial_pairs, (len(calls), partial_pairs)   # dK/dV and dQ
+    _check("partial only", batch, {}, (out, lse, grads), softmax_scale=1.0 / np.sqrt(D),
+           softcap=0.0)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["fixed_point", "atomics"])
+def test_nan_in_an_aux_entry_reaches_its_gradient(deterministic):
+    """A NaN in a relative-bias entry that visible pairs read: the rows that read it are NaN,
+    and so is every aux gradient entry those rows read (the reference's pattern: NaN exactly
+    there), the other entries finite and matching; `deterministic=True` (fixed-point sums)
+    and float32 atomics alike. Also a table entry no visible pair reads stays finite."""
     rng = np.random.default_rng(13)
-    batch = make_batch(rng, [3], [3], Hq=HQ, Hk=HK, D=D, dtype="float32")
-    score = score_cases(HQ)[0][1]
-    kw = dict(**batch.layout, backend="numba", score_mod=score)
-    with pytest.raises(ValueError, match="atomics.*deterministic=False"):
-        varlen.attention_backward(batch.dout, batch.q, batch.k, batch.v, batch.dout,
-                                  np.zeros((HQ, 3), np.float32), batch.cu_q, batch.cu_k, **kw,
-                                  deterministic=True, aux_grads=True)
+    score = score_cases(HQ)[1][1]           # relative-bias: table[h, clip(q - k, -6, 6) + 6]
+    table = score.aux[0].copy()
+    table[1, 6 - 2] = np.nan                # head 1, q - k = -2: hidden by the causal mask
+    table[0, 6 + 1] = np.nan                # head 0, q - k = 1: read by visible pairs
+    score = ScoreMod(score.fn, table)
+    batch = make_batch(rng, [5, 0, 3], [5, 0, 3], Hq=HQ, Hk=HK, D=D, dtype="float32",
+                       mask="causal", gaps=True)
+    out, lse, grads = _run(batch, dict(score_mod=score, aux_grads=True),
+                           deterministic=deterministic)
+    kw = dict(**batch.layout, score_mod=score, softmax_scale=1.0 / np.sqrt(D))
+    ref = reference.attention_dense(batch.q, batch.k, batch.v, batch.cu_q, batch.cu_k, **kw)
+    ref_grads = reference.attention_dense_backward(batch.dout, batch.q, batch.k, batch.v,
+                                                   batch.cu_q, batch.cu_k, **kw, out=ref[0],
+                                                   lse=ref[1], aux_grads=True)
+    got, want = np.asarray(grads[3][0], np.float64), ref_grads[3][0]
+    assert np.array_equal(np.isnan(got), np.isnan(want)), (
+        f"NaN at {np.argwhere(np.isnan(got)).tolist()}, reference {np.argwhere(np.isnan(want))}")
+    assert np.isnan(got[0, 6 + 1]) and not np.isnan(got[1]).any(), got
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-5)
+
+
+def test_aux_grads_past_the_fixed_point_range_raise():
+    """deterministic=True: a contribution of 2^39 or more (here d/dt = 1e30) leaves the range
+    of the fixed-point sums: an OverflowError at once for host data, never a wrapped value."""
+    rng = np.random.default_rng(19)
+    score = ScoreMod(lambda s, b, h, q, k, t: s + 1e30 * t[h], np.zeros(HQ, np.float32))
+    batch = make_batch(rng, [4], [4], Hq=HQ, Hk=HK, D=D, dtype="float32", mask="causal")
+    with pytest.raises(OverflowError, match="fixed-point"):
+        _run(batch, dict(score_mod=score, aux_grads=True), deterministic=True)
+
+
+@cuda.jit
+def _add_each(words, entry, values):
+    """Thread t adds values[t] to entry entry[t] of the fixed-point words."""
+    t = cuda.grid(1)
+    if t < values.size and values[t] != 0:
+        K.fixed_add(words, entry[t], values[t])
+
+
+def test_fixed_point_sums_and_their_conversions():
+    """The deterministic aux gradients' fixed point (`varlen.backends._aux_fixed`): sums of
+    float32 contributions within 2^-49 per term of the float64 sum, in any order the same
+    bits; NaN, +inf, -inf and both infinities as float addition gives them; the Numba
+    conversion kernel and the array code (`to_float32`, CuPy's) agree bit for bit, and both
+    flag an entry out of range."""
+    rng = np.random.default_rng(23)
+    finite = np.concatenate([rng.standard_normal(40) * 10.0 ** rng.integers(-12, 8, 40),
+                             [3e-20, -1.5, 2.0 ** 38, 2.0 ** -49]]).astype(np.float32)
+    cases = [finite, [1.0, np.nan, 2.0], [np.inf, 1.0], [-np.inf, -3.0], [np.inf, -np.inf],
+             [2.0 ** 39, 1.0], [-(2.0 ** 30)] * 600, [0.0]]
+    entry = np.concatenate([np.full(len(c), i) for i, c in enumerate(cases)]).astype(np.int64)
+    values = np.concatenate(cases).astype(np.float32)
+    results = []
+    for order in (np.arange(values.size), rng.permutation(values.size)):
+        words = np.zeros((len(cases), FX.WORDS), np.uint64)
+        _add_each[-(-values.size // 64), 64](words, entry[order], values[order])
+        out, err = np.full(len(cases), np.nan, np.float32), np.zeros(1, np.int32)
+        K.aux_fixed_kernel[1, 32](words, out, err)
+        array_out, array_err = FX.to_float32(np, words)
+        assert out.tobytes() == array_out.tobytes(), (out, array_out)
+        assert bool(err[0]) and bool(array_err), "an entry out of range is flagged"
+        results.append(out)
+    assert results[0].tobytes() == results[1].tobytes(), "the order changed the sums"
+    out = results[0]
+    exact = np.sum(finite.astype(np.float64))
+    assert abs(out[0] - exact) <= finite.size * 2.0 ** -49 + abs(exact) * 2.0 ** -24, (
+        out[0], exact)
+    assert np.isnan(out[1]) and out[2] == np.inf and out[3] == -np.inf and np.isnan(out[4])
+    assert np.isnan(out[5]), "a single contribution of 2^39 is out of range"
+    assert np.isnan(out[6]), "600 contributions of -2^30 sum past the range"
+    assert out[7] == 0.0
 
 
 def test_variants_are_specialised_per_function():

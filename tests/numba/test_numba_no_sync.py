@@ -4,8 +4,9 @@ In the simulator, device arrays are `FakeCUDAArray`s wrapping NumPy. The test ma
 the host could read one (copy to host, indexing, iteration, conversion, printing, comparisons)
 raise when it happens outside a simulated CUDA thread, and forbids host-to-device copies too;
 then it builds a plan from device `cu_seqlens`, offsets and per-sequence mask arrays, runs the
-forward and both backward modes, and checks the results afterwards. On a GPU the same
-guarantee is tested by capturing the whole step in a CUDA graph (`test_numba_graph.py`).
+forward and both backward modes, then the forward and backward with dropout, and checks the
+results afterwards. On a GPU the same guarantee is tested by capturing the whole step in a
+CUDA graph (`test_numba_graph.py`).
 """
 import contextlib
 import threading
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from varlen import Mask
+from varlen.dropout import make_dropout
 from varlen.backends.numba_backend import BACKEND as NUMBA, plan_from_cu_seqlens
 
 from numba_testing import SIM
@@ -109,6 +111,11 @@ def test_plan_forward_backward_without_host_reads(monkeypatch):
         grads = NUMBA.backward(plan, d["dout"], d["q"], d["k"], d["v"], out, lse, **kw)
         grads_det = NUMBA.backward(plan, d["dout"], d["q"], d["k"], d["v"], out, lse, **kw,
                                    deterministic=True)
+        # dropout: its seed, offset, threshold and scale are plain kernel arguments
+        drop = make_dropout(0.25, 2**40 + 7, 3)
+        out_d, lse_d = NUMBA.forward(plan, d["q"], d["k"], d["v"], **kw, dropout=drop)
+        grads_d = NUMBA.backward(plan, d["dout"], d["q"], d["k"], d["v"], out_d, lse_d, **kw,
+                                 dropout=drop)
     assert not seen, f"host reads: {seen}"
     for a in (out, lse, *grads, plan.q_tiles):
         assert type(a).__name__ == "FakeCUDAArray", f"{type(a).__name__} is not a device array"
@@ -117,3 +124,6 @@ def test_plan_forward_backward_without_host_reads(monkeypatch):
                             label="sync-free")
     check_against_reference(batch, host[0], host[1], [g.copy_to_host() for g in grads_det],
                             softmax_scale=0.3, softcap=2.5, label="sync-free deterministic")
+    check_against_reference(batch, out_d.copy_to_host(), lse_d.copy_to_host(),
+                            [g.copy_to_host() for g in grads_d], softmax_scale=0.3, softcap=2.5,
+                            dropout_p=0.25, seed=2**40 + 7, offset=3, label="sync-free dropout")

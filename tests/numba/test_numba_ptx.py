@@ -42,15 +42,29 @@ def test_every_kernel_compiles_for_sm80_and_sm90(compile_check):
     names = {label.split("@")[0] for label in result["ok"]}
     for kernel in ("segments_from_cu", "to_int32[bool]", "or_flag", "tile_scan",
                    "tiles_and_schedule", "fill[bfloat16]", "convert[float16]", "delta[bfloat16]",
-                   "forward[bfloat16,softcap=True]", "forward[float32,softcap=False]",
+                   "forward[bfloat16,softcap=True]", "forward[float32,softcap=False,dropout]",
                    "dkdv[float16,softcap=True,atomic_dq=True]",
-                   "dkdv[float32,softcap=False,atomic_dq=False]",
+                   "dkdv[float32,softcap=False,dropout,atomic_dq=False]",
+                   "dkdv[float32,softcap=False,dropout,atomic_dq=True]",
+                   "dq[float32,softcap=False,dropout]",
                    "dq[bfloat16,softcap=True]", "forward[float16,softcap=True,mods]",
                    "dkdv[float16,softcap=True,mods,atomic_dq=True]",
                    "dq[float16,softcap=True,mods]"):
         assert kernel in names, f"{kernel} was not compiled"
     for cc in ("sm_80", "sm_90"):
         assert sum(label.endswith(cc) for label in result["ok"]) == len(names), cc
+
+
+def test_only_dropout_kernels_draw_philox(compile_check):
+    """The dropout variants hold Philox's multiplier in their PTX; the kernels without dropout
+    do not: their draws are compiled out (HAS_DROPOUT), not skipped at run time."""
+    result, _ = _result(compile_check)
+    names = {label.split("@")[0] for label in result["ok"]}
+    dropout = {n for n in names if ",dropout" in n}
+    assert dropout, "no dropout kernel was compiled"
+    assert set(result["philox"]) == dropout, (
+        f"Philox in {sorted(set(result['philox']) - dropout)} (no dropout there), missing in "
+        f"{sorted(dropout - set(result['philox']))}")
 
 
 def test_address_arithmetic_is_64_bit(compile_check):

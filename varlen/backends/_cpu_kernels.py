@@ -39,6 +39,7 @@ from numba.extending import intrinsic, overload
 
 from ..masks import UNBOUNDED
 from ..mods import EMPTY, FULL, PARTIAL
+from ._philox import philox_bump, philox_round, philox_sequence_key
 
 LOG2E = 1.4426950408889634          # 1/ln(2)
 LN2 = 0.6931471805599453            # ln(2)
@@ -173,6 +174,9 @@ _N, _T = ord("N"), ord("T")
 # in turn: a float32 sum runs sequentially along it (BLAS's micro-kernels and the loops
 # alike), and its rounding error grows with its length (docs/cpu_backend.md, "Accuracy").
 KBLOCK = 128
+# `mm_nn`'s chunks (the backward's dK/dV products, whose inner dimension is up to
+# PRODUCT_ROWS x G stacked query rows): twice as long, half the BLAS calls.
+NN_KBLOCK = 2 * KBLOCK
 # `mm_nt` (the scores, forward and backward) sends products of at most this many
 # multiply-adds to its loops even where BLAS is used: BLAS libraries run small products
 # through kernels that sum in another order than their large ones (OpenBLAS's Skylake-X
@@ -235,11 +239,13 @@ def mm_nt(a, b, c, beta, blas_min, bt):
 
 @kernel(cache=True)
 def mm_nn(a, b, c, beta, blas_min):
-    """Row-major `c[M, N] = a[M, K] @ b[K, N] (+ c if beta)`; contiguous operands."""
+    """Row-major `c[M, N] = a[M, K] @ b[K, N] (+ c if beta)`; contiguous operands. Its inner
+    dimension is a backward product's stacked query rows (dV's `P dO`, dK's `dS Q`), cut into
+    chunks of NN_KBLOCK."""
     M, K = a.shape
     N = b.shape[1]
-    for k0 in range(0, max(K, 1), KBLOCK):
-        kn, bk = min(KBLOCK, K - k0), beta if k0 == 0 else 1.0
+    for k0 in range(0, max(K, 1), NN_KBLOCK):
+        kn, bk = min(NN_KBLOCK, K - k0), beta if k0 == 0 else 1.0
         if M * N * kn >= blas_min:
             _xgemm(_N, _N, N, M, kn, 1.0, b[k0:], N, a[:, k0:], K, bk, c, N)
         elif M > 0 and N > 0:
@@ -485,14 +491,33 @@ def pack_rows(x, G, out, flag, top):
             top[kh, r] = m
 
 
+@kernel(fastmath=FASTMATH)
+def _dot64(x, y):
+    """`sum_e x[e] * y[e]` in float64 (each product exact for float32 inputs) in four
+    interleaved partial sums added pairwise: a fixed order, and four independent chains where
+    one would wait on each add."""
+    d = x.size
+    s0 = s1 = s2 = s3 = 0.0
+    full = d - d % 4
+    for e in range(0, full, 4):
+        s0 += np.float64(x[e]) * np.float64(y[e])
+        s1 += np.float64(x[e + 1]) * np.float64(y[e + 1])
+        s2 += np.float64(x[e + 2]) * np.float64(y[e + 2])
+        s3 += np.float64(x[e + 3]) * np.float64(y[e + 3])
+    for e in range(full, d):
+        s0 += np.float64(x[e]) * np.float64(y[e])
+    return (s0 + s2) + (s1 + s3)
+
+
 @kernel(parallel=True, cache=True)
 def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, lse2_lo, flag, top):
-    """Backward query side: `dout_w [Hk, Tq * G, Dv]` as `pack_rows`, `delta = rowsum(dO * O)`,
-    `lse * log2(e)` as the working-dtype pair `lse2 + lse2_lo` (the product in float64, split;
-    `lse2 = +inf` where lse is not finite, so such a row's P is 0), `flag` raised where
-    dout, out or lse of the row is not finite (OR-ed into `flag`), and `top [2, Hk, Tq * G]`
-    the row's largest finite magnitudes of dout and out (as `pack_rows`'). Rows in parallel,
-    each summed in a fixed order."""
+    """Backward query side: `dout_w [Hk, Tq * G, Dv]` as `pack_rows`, `delta = rowsum(dO * O)`
+    (float64, `_dot64`; 0 on a row whose dout or out is not finite, which is flagged), `lse *
+    log2(e)` as the working-dtype pair `lse2 + lse2_lo` (the product in float64, split;
+    `lse2 = +inf` where lse is not finite, so such a row's P is 0), `flag` raised where dout,
+    out or lse of the row is not finite (OR-ed into `flag`), and `top [2, Hk, Tq * G]` the
+    row's largest finite magnitudes of dout and out (as `pack_rows`'). Rows in parallel, each
+    summed in a fixed order."""
     T, H, d = dout.shape
     zero = like(dout_w, 0.0)
     for t in prange(T):
@@ -500,18 +525,20 @@ def pack_grad_rows(dout, o, lse, G, dout_w, delta, lse2, lse2_lo, flag, top):
             kh, g = h // G, h % G
             r = t * G + g
             bad = False
-            acc = 0.0                       # float64: delta = rowsum(dO * O) cancels against dP
             m_a = m_b = float_bits(zero)
+            a_row, b_row, w_row = dout[t, h], o[t, h], dout_w[kh, r]
+            # no short-circuit `and` here: a branch would keep the loop from vectorising
             for e in range(d):
-                a, b = dout[t, h, e], o[t, h, e]
+                a, b = a_row[e], b_row[e]
                 ok_a, ok_b = np.isfinite(a), np.isfinite(b)
-                bad |= not (ok_a and ok_b)
+                bad |= not ok_a
+                bad |= not ok_b
                 a = a if ok_a else zero
-                b = b if ok_b else zero
-                dout_w[kh, r, e] = a
-                acc += a * b
-                m_a, m_b = max(m_a, float_bits(abs(a))), max(m_b, float_bits(abs(b)))
-            delta[kh, r] = acc
+                w_row[e] = a
+                m_a = max(m_a, float_bits(abs(a)))
+                m_b = max(m_b, float_bits(abs(b if ok_b else zero)))
+            # delta cancels against dP: float64
+            delta[kh, r] = 0.0 if bad else _dot64(w_row, b_row)
             top[0, kh, r], top[1, kh, r] = m_a, m_b
             s = lse[h, t]
             if np.isfinite(s):
@@ -851,13 +878,14 @@ def forward(pv, order, chunks, nw, kstep, rows_max, Qw, Kw, Vw, q_flag, k_cum, c
 # Dropout: the Philox 4x32-10 keep bits of `varlen.dropout`, drawn inside the products
 # --------------------------------------------------------------------------------------------
 
-@kernel(inline="always")
-def _philox_round(c0, c1, c2, c3, k0, k1):
-    """One Philox 4x32 round on uint32 words: two 32 x 32 -> 64-bit products (hi, lo)."""
-    p0 = np.uint64(c0) * np.uint64(0xD2511F53)             # PHILOX_M0
-    p1 = np.uint64(c2) * np.uint64(0xCD9E8D57)             # PHILOX_M1
-    return (np.uint32(p1 >> np.uint64(32)) ^ c1 ^ k0, np.uint32(p1),
-            np.uint32(p0 >> np.uint64(32)) ^ c3 ^ k1, np.uint32(p0))
+# The round and key schedule are shared with the Numba CUDA kernels (`_philox.py`). Numba keys
+# this module's disk cache on this file alone, so this line names the digest of the shared one
+# (sha256, first 16 hex digits): an edit there fails tests/test_dropout.py until the digest here
+# is updated, and that edit invalidates the cache of the kernels compiled with the old rounds.
+PHILOX_SOURCE_SHA256 = "f859b22fd39c3de0"
+_philox_round = kernel(inline="always")(philox_round)
+_philox_bump = kernel(inline="always")(philox_bump)
+_philox_sequence_key = kernel(inline="always")(philox_sequence_key)
 
 
 @kernel
@@ -868,8 +896,7 @@ def philox_keys(k0, k1):
     a, b = np.uint32(k0), np.uint32(k1)
     for r in range(10):
         ks0[r], ks1[r] = a, b
-        a = a + np.uint32(0x9E3779B9)                       # PHILOX_W0
-        b = b + np.uint32(0xBB67AE85)                       # PHILOX_W1
+        a, b = _philox_bump(a, b)
     return ks0, ks1
 
 
@@ -906,18 +933,18 @@ def dropout_rows(X, n, R, dp, G, kh, b, qpos, kpos, bits):
     `kh * G + i % G`; key `j` at position `kpos + j`) times `scale` where the pair is kept and
     0 where it is dropped (`varlen.dropout`'s rule: one Philox draw per four keys of a row);
     the keep bits also go to `bits [n, R]` unless it is empty. `dp = (threshold, seed lo,
-    seed hi, offset, scale)`: four uint64 words, a float."""
-    thr_, k0, seed_hi, off_, scale = dp
+    seed hi, offset, scale, head offset)`: four uint64 words, a float, a uint64 word (the
+    global head of local head 0, `Dropout.head_offset`)."""
+    thr_, k0, seed_hi, off_, scale, h0 = dp
     thr, off = np.uint32(thr_), np.uint32(off_)
     sw, zero = like(X, scale), like(X, 0.0)
-    k1 = seed_hi ^ ((np.uint64(b) * np.uint64(0x85EBCA6B)) & np.uint64(0xFFFFFFFF))  # SEQ_MIX
-    ks0, ks1 = philox_keys(k0, k1)
+    ks0, ks1 = philox_keys(k0, _philox_sequence_key(seed_hi, b))
     c1 = np.empty(R, np.uint32)                        # query position of each stacked row
     c2 = np.empty(R, np.uint32)                        # its query head
     for i in range(R):
         t = i // G
         c1[i] = np.uint32(qpos + t)
-        c2[i] = np.uint32(kh * G + i - t * G)
+        c2[i] = np.uint32(h0 + np.uint64(kh * G + i - t * G))
     W = np.empty((4, R), np.uint32)
     store = bits.size > 0
     for g in range(kpos >> 2, (kpos + n + 3) >> 2):

@@ -26,8 +26,10 @@ The attention kernels read the plan as one record, `varlen.plan.KernelView` (its
 device), and are built from named device-function steps: stage a tile, score it, mask it,
 update the online softmax or the gradients, store. Each is specialised per `Variant` (dtype,
 head dims, tile sizes, softcap) by a cached factory whose closure constants become
-compile-time constants, and per user function (`UserFns`: mask_mod and score_mod by graph
-digest). Launches live in `_numba_launch.py`.
+compile-time constants, per user function (`UserFns`: mask_mod and score_mod by graph
+digest) and per dropout (HAS_DROPOUT: the Philox draws are compiled in only then; the seed,
+offset, threshold and scale are kernel arguments, so a new seed runs the same code). Launches
+live in `_numba_launch.py`.
 """
 from __future__ import annotations
 
@@ -37,10 +39,14 @@ from collections import namedtuple
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint16, uint32
+from numba import cuda, float32, float64, int32, int64, uint16, uint32, uint64
 
+from ..dropout import ROUNDS
 from ..masks import MASK_FIELDS, UNBOUNDED
+from ..mods.evaluate import EMPTY, FULL
 from ..plan import TILE_POS, TILE_ROW, TILE_ROWS, TILE_SEG, TILE_SEQ
+from . import _aux_fixed as FX
+from ._philox import philox_bump, philox_round, philox_sequence_key
 
 DTYPES = ("float16", "bfloat16", "float32")
 # Threads of the single-block prefix-sum kernel (its shared scratch is sized by this).
@@ -197,6 +203,11 @@ def _sees_all(b, i, j, args):
 
 
 @cuda.jit(device=True)
+def _full_class(b, q0, q1, k0, k1, args):
+    return FULL
+
+
+@cuda.jit(device=True)
 def _same_score(s, b, h, i, j, args):
     return s
 
@@ -236,28 +247,105 @@ def _flat_index(index_fns):
     return flat_nd
 
 
-def _scatter_step(prev, slot: int, d_fn, flat):
-    """`prev`, then `grads[slot][flat] += ds * d_fn` (float32 atomics) for one load of float
-    aux array `slot`: its share of the aux gradient (`ScoreMod.d_aux`)."""
-    SLOT = slot
+# Deterministic aux gradients: integer atomics into fixed-point words (`_aux_fixed`).
+_FX_SCALE = float64(2.0 ** FX.HI_BITS)               # HI units, and LO units per HI unit
+_FX_LIMIT = float64(FX.LIMIT)
+_FX_LIMIT_WORD = uint64(FX.LIMIT)
+_FX_FLAGS = FX.FLAGS
+_FX_NAN, _FX_POS_INF, _FX_NEG_INF, _FX_RANGE = (uint64(x) for x in (FX.NAN, FX.POS_INF,
+                                                                        FX.NEG_INF, FX.RANGE))
+
+
+@cuda.jit(device=True)
+def _fixed_word_add(words, e, w, x):
+    """words[e, w] += x; the addition that takes the word to 2^63 or past flags RANGE."""
+    if x != uint64(0):
+        old = cuda.atomic.add(words, (e, w), x)
+        if uint64(old + x) >= _FX_LIMIT_WORD:
+            cuda.atomic.or_(words, (e, _FX_FLAGS), _FX_RANGE)
+
+
+@cuda.jit(device=True)
+def fixed_add(words, e, g):
+    """Adds the float32 `g` (nonzero) to entry `e` of the words `[n, WORDS]`
+    (kernels_cuda/aux_fixed.cuh's fixed_add)."""
+    if g != g:
+        cuda.atomic.or_(words, (e, _FX_FLAGS), _FX_NAN)
+        return
+    a = abs(float64(g)) * _FX_SCALE                   # exact
+    if a >= _FX_LIMIT:      # an infinity, or one contribution past the range
+        bit = _FX_RANGE
+        if math.isinf(a):
+            bit = _FX_POS_INF if g > 0 else _FX_NEG_INF
+        cuda.atomic.or_(words, (e, _FX_FLAGS), bit)
+        return
+    hi = math.floor(a)
+    side = 2 if g < 0 else 0
+    _fixed_word_add(words, e, side, uint64(hi))
+    _fixed_word_add(words, e, side + 1, uint64(math.floor((a - hi) * _FX_SCALE + 0.5)))
+
+
+@cuda.jit(device=True)
+def _aux_fixed_entry(words, out, err, e):
+    # each word < 2^63: exact as int64, and so is the difference
+    hi = float64(int64(words[e, FX.POS_HI]) - int64(words[e, FX.NEG_HI]))
+    lo = float64(int64(words[e, FX.POS_LO]) - int64(words[e, FX.NEG_LO]))
+    value = hi * (1.0 / _FX_SCALE) + lo * (1.0 / (_FX_SCALE * _FX_SCALE))
+    flags = words[e, _FX_FLAGS]
+    pos = (flags & _FX_POS_INF) != uint64(0)
+    neg = (flags & _FX_NEG_INF) != uint64(0)
+    if pos:
+        value = math.inf
+    elif neg:
+        value = -math.inf
+    if (flags & (_FX_NAN | _FX_RANGE)) != uint64(0) or (pos and neg):
+        value = math.nan
+    if (flags & _FX_RANGE) != uint64(0):
+        err[0] = 1
+    out[e] = float32(value)
+
+
+@cuda.jit
+def aux_fixed_kernel(words, out, err):
+    """out[e] = the float32 sum of entry e's fixed-point words (`_aux_fixed.to_float32`);
+    err[0] = 1 when an entry set RANGE (that entry NaN). A grid-stride loop."""
+    for e in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        _aux_fixed_entry(words, out, err, e)
+
+
+def _scatter_step(prev, slot: int, d_fn, flat, fixed: bool):
+    """`prev`, then `grads[slot][flat] += ds * d_fn` for one load of float aux array `slot`:
+    its share of the aux gradient (`ScoreMod.d_aux`); float32 atomics, or with `fixed` the
+    deterministic fixed-point words (`fixed_add`; `grads[slot]` uint64 `[n, WORDS]`)."""
+    SLOT, FIXED = slot, fixed
 
     @cuda.jit(device=True)
     def scatter(ds, s, b, h, i, j, args, grads):
         prev(ds, s, b, h, i, j, args, grads)
-        g = ds * d_fn(s, b, h, i, j, args)
+        g = float32(ds * d_fn(s, b, h, i, j, args))
         if g != float32(0.0):
-            cuda.atomic.add(grads[SLOT], flat(s, b, h, i, j, args, args[SLOT]), float32(g))
+            e = flat(s, b, h, i, j, args, args[SLOT])
+            if FIXED:
+                fixed_add(grads[SLOT], e, g)
+            else:
+                cuda.atomic.add(grads[SLOT], e, g)
     return scatter
 
 
 @functools.lru_cache(maxsize=None)
-def user_functions(fns: UserFns):
-    """`(mask, score, d_score, scatter)` device functions of `fns`; stubs for what it lacks
-    (every pair seen, the score unchanged, derivative 1, no scatter).
+def user_functions(fns: UserFns, fixed: bool = False):
+    """`(mask, score, d_score, scatter, mask_class)` device functions of `fns`; stubs for what
+    it lacks (every pair seen, the score unchanged, derivative 1, no scatter, every tile FULL).
+
+    `mask_class(b, q0, q1, k0, k1, args)` is the mask_mod's class of the box of queries
+    `[q0, q1]` and keys `[k0, k1]` (`varlen.mods.class_graph`: interval arithmetic, O(1) per
+    tile, computed alike by every thread of a block).
 
     `scatter(ds, s, b, h, i, j, args, grads)` adds `ds * d(score_mod)/d(aux[index])` of each
-    float aux load at its (clamped) index into `grads[aux number]`, a flat float32 array.
+    float aux load at its (clamped) index into `grads[aux number]`, a flat float32 array, or
+    with `fixed` (deterministic=True) its uint64 fixed-point words `[n, WORDS]`.
     """
+    from ..mods import class_graph
     from ..mods.codegen import numba_function
     from ..mods.derive import aux_derivatives, derivative
     from ..mods.graph import Graph
@@ -267,6 +355,8 @@ def user_functions(fns: UserFns):
 
     mask_graph, score_graph = fns.graphs
     mask = compiled(mask_graph) if fns.mask else _sees_all
+    mask_class = (numba_function(class_graph(mask_graph), cuda=True, packed=True)
+                  if fns.mask else _full_class)
     score, d_score, scatter = _same_score, _d_one, _no_scatter
     if fns.score:
         score = compiled(score_graph)
@@ -276,37 +366,104 @@ def user_functions(fns: UserFns):
         for load, d_graph in aux_derivatives(g):
             index = [compiled(Graph(arg, g.leaves, g.aux, f"{g.role}_index"))
                      for arg in load.args]
-            scatter = _scatter_step(scatter, load.value, compiled(d_graph), _flat_index(index))
-    return mask, score, d_score, scatter
+            scatter = _scatter_step(scatter, load.value, compiled(d_graph), _flat_index(index),
+                                    fixed)
+    return mask, score, d_score, scatter, mask_class
 
 
 @functools.lru_cache(maxsize=None)
 def _mask_tile(fns: UserFns):
-    """`(mask_keys, mask_queries)`: one thread's row of a tile pair under the built-in
-    predicate (partial tiles only) and the mask_mod, into a float32 row `m_r` (0 seen, -inf
-    hidden); each returns whether the row sees any pair of the tile."""
-    mask = user_functions(fns)[0]
+    """`(mask_keys, mask_queries, tile_class)`: one thread's row of a tile pair under the
+    built-in predicate (partial tiles only) and, where the tile's class is PARTIAL, the
+    mask_mod, into a float32 row `m_r` (0 seen, -inf hidden); each returns whether the row
+    sees any pair of the tile. `tile_class` is `user_functions`' `mask_class`."""
+    mask, *_, tile_class = user_functions(fns)
 
     @cuda.jit(device=True)
-    def mask_keys(m_r, n, partial, b, i, j0, pol, mask_args):
-        """Query `i` against the n keys at positions j0 + j."""
+    def mask_keys(m_r, n, partial, cls, b, i, j0, pol, mask_args):
+        """Query `i` against the n keys at positions j0 + j (tile class `cls`)."""
         any_seen = False
         for j in range(n):
-            seen = (not partial or visible(i, j0 + j, pol)) and mask(b, i, j0 + j, mask_args)
+            seen = ((not partial or visible(i, j0 + j, pol)) and
+                    (cls == FULL or mask(b, i, j0 + j, mask_args)))
             m_r[j] = float32(0.0) if seen else NEG_INF
             any_seen = any_seen or seen
         return any_seen
 
     @cuda.jit(device=True)
-    def mask_queries(m_r, n, partial, b, i0, j, pol, mask_args):
-        """Key `j` against the n queries at positions i0 + i."""
+    def mask_queries(m_r, n, partial, cls, b, i0, j, pol, mask_args):
+        """Key `j` against the n queries at positions i0 + i (tile class `cls`)."""
         any_seen = False
         for i in range(n):
-            seen = (not partial or visible(i0 + i, j, pol)) and mask(b, i0 + i, j, mask_args)
+            seen = ((not partial or visible(i0 + i, j, pol)) and
+                    (cls == FULL or mask(b, i0 + i, j, mask_args)))
             m_r[i] = float32(0.0) if seen else NEG_INF
             any_seen = any_seen or seen
         return any_seen
-    return mask_keys, mask_queries
+    return mask_keys, mask_queries, tile_class
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout: the keep bits of `varlen.dropout` (Philox 4x32-10), drawn again wherever needed
+# --------------------------------------------------------------------------------------------
+
+# The round and key schedule are those of the `cpu` backend's kernels (`_philox.py`).
+_philox_round = cuda.jit(device=True)(philox_round)
+_philox_bump = cuda.jit(device=True)(philox_bump)
+_philox_sequence_key = cuda.jit(device=True)(philox_sequence_key)
+
+
+@cuda.jit(device=True)
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """The four uint32 words of Philox 4x32-10 of counter `(c0, c1, c2, c3)` under key
+    `(k0, k1)` (`varlen.dropout.philox4x32_10`, bit for bit), the round keys in registers."""
+    for r in range(ROUNDS):
+        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
+        if r < ROUNDS - 1:
+            k0, k1 = _philox_bump(k0, k1)
+    return np.uint32(c0), np.uint32(c1), np.uint32(c2), np.uint32(c3)
+
+
+@cuda.jit(device=True)
+def _lane(words, lane):
+    """Word `lane` (0..3) of a Philox output."""
+    if lane == 0:
+        return words[0]
+    if lane == 1:
+        return words[1]
+    if lane == 2:
+        return words[2]
+    return words[3]
+
+
+@cuda.jit(device=True)
+def dropout_keys(d_r, n, b, h, i, j0, drop):
+    """d_r[j] = the dropout factor of query `i` (head `h`, sequence `b`) and the n keys at
+    positions j0 + j: `scale` where the pair is kept, 0 where it is dropped. One Philox draw
+    per four keys (counter `(j >> 2, i, h + head offset, offset)`, word `j & 3`). `drop =
+    (threshold, seed lo, seed hi, offset, scale, head offset)`: uint32 words and a float32 scale
+    (`_numba_launch`); the head offset makes `h` the global query head (`Dropout.head_offset`)."""
+    thr, k0, seed_hi, off, scale, h0 = drop
+    k1 = _philox_sequence_key(seed_hi, b)
+    ci, ch = np.uint32(i), np.uint32(h + h0)
+    words = (np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0))
+    for j in range(n):
+        pos = j0 + j
+        if j == 0 or (pos & 3) == 0:
+            words = philox4x32_10(np.uint32(pos >> 2), ci, ch, off, k0, k1)
+        d_r[j] = scale if _lane(words, pos & 3) >= thr else float32(0.0)
+
+
+@cuda.jit(device=True)
+def dropout_queries(d_r, n, b, h, i0, j, drop):
+    """d_r[i] = the dropout factor of key `j` and the n queries at positions i0 + i (head
+    `h`, sequence `b`), as `dropout_keys`; the query is a counter word, so one draw per pair."""
+    thr, k0, seed_hi, off, scale, h0 = drop
+    k1 = _philox_sequence_key(seed_hi, b)
+    cj, ch, lane = np.uint32(j >> 2), np.uint32(h + h0), j & 3
+    for i in range(n):
+        words = philox4x32_10(cj, np.uint32(i0 + i), ch, off, k0, k1)
+        d_r[i] = scale if _lane(words, lane) >= thr else float32(0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -561,6 +718,7 @@ class Variant:
     block_n: int        # key rows per tile: threads of the dK/dV kernel
     has_softcap: bool   # HAS_SOFTCAP
     fns: UserFns = UserFns()    # mask_mod / score_mod (HAS_MASK_MOD, HAS_SCORE_MOD)
+    has_dropout: bool = False   # HAS_DROPOUT: attention dropout (`varlen.dropout`)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -610,6 +768,13 @@ def thread_row(tiles, t, tid):
     """Row `tid` of tile slot `t`: `(seq, packed row, position, valid)`; seq -1: unused slot."""
     b, row0, rows, pos0 = tile_of(tiles, t)
     return b, row0 + tid, pos0 + tid, tid < rows
+
+
+@cuda.jit(device=True)
+def tile_positions(tiles, t):
+    """`(first, last)` position of the rows of tile slot `t` (used slots only)."""
+    _, _, rows, pos0 = tile_of(tiles, t)
+    return int64(pos0), int64(pos0) + rows - 1
 
 
 @cuda.jit(device=True)
@@ -680,26 +845,35 @@ def stage_stats(lse_s, dl_s, lse, delta, head, bos, n, tid, nthreads):
         dl_s[r] = delta[head, bos + r]
 
 
-@cuda.jit(device=True)
-def softmax_update(acc, s_r, v_s, n, m_i, l_i):
-    """One tile of the online softmax (FlashAttention-2, Alg. 1, lines 9-10): rescale the
-    accumulator to the new row max, add `exp(s - m) @ V` over the keys with a score (-inf:
-    hidden, skipped so that their values take no part); returns the new `(m, l)`."""
-    m_new = m_i
-    for j in range(n):
-        m_new = max(m_new, s_r[j])
-    if m_new == NEG_INF:
-        return m_i, l_i
-    alpha = math.exp(m_i - m_new)
-    l_i = l_i * alpha
-    for d in range(acc.shape[0]):
-        acc[d] = acc[d] * alpha
-    for j in range(n):
-        if s_r[j] > NEG_INF:
-            p = math.exp(s_r[j] - m_new)
-            l_i += p
-            axpy(acc, p, v_s[j])
-    return m_new, l_i
+@functools.lru_cache(maxsize=None)
+def _softmax_update(has_dropout: bool):
+    HAS_DROPOUT = has_dropout
+
+    @cuda.jit(device=True)
+    def softmax_update(acc, s_r, v_s, d_r, n, m_i, l_i):
+        """One tile of the online softmax (FlashAttention-2, Alg. 1, lines 9-10): rescale the
+        accumulator to the new row max, add `exp(s - m) @ V` over the keys with a score (-inf:
+        hidden, skipped so that their values take no part); returns the new `(m, l)`. With
+        HAS_DROPOUT, `d_r` holds the row's dropout factors (`dropout_keys`): they weigh the
+        values, not the row sum `l` (FlashAttention 2: lse is that of the undropped softmax)."""
+        m_new = m_i
+        for j in range(n):
+            m_new = max(m_new, s_r[j])
+        if m_new == NEG_INF:
+            return m_i, l_i
+        alpha = math.exp(m_i - m_new)
+        l_i = l_i * alpha
+        for d in range(acc.shape[0]):
+            acc[d] = acc[d] * alpha
+        for j in range(n):
+            if s_r[j] > NEG_INF:
+                p = math.exp(s_r[j] - m_new)
+                l_i += p
+                if HAS_DROPOUT:
+                    p = p * d_r[j]
+                axpy(acc, p, v_s[j])
+        return m_new, l_i
+    return softmax_update
 
 
 @cuda.jit(device=True)
@@ -763,11 +937,11 @@ def _logit(has_softcap: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _pair_grad(has_softcap: bool, fns: UserFns, scatter_aux: bool):
+def _pair_grad(has_softcap: bool, fns: UserFns, scatter_aux: bool, fixed: bool = False):
     logit = _logit(has_softcap)
     HAS_SCORE_MOD = bool(fns.score)
     SCATTER = scatter_aux and fns.aux_grads
-    _, score_mod, d_score, scatter = user_functions(fns)
+    _, score_mod, d_score, scatter, _ = user_functions(fns, fixed and SCATTER)
 
     @cuda.jit(device=True)
     def pair_grad(x, dp, lse_i, delta_i, scale, softcap, b, h, i, j, score_args, grads):
@@ -775,11 +949,13 @@ def _pair_grad(has_softcap: bool, fns: UserFns, scatter_aux: bool):
         `h`) from `x = q . k` and `dp = dO . v` (FlashAttention-2, Alg. 2: `p = exp(s - lse)`,
         `dS = p (dP - delta)`; the score_mod's d/d(score) and, under softcap, d/dx
         c*tanh(x/c) = 1 - th^2 scale dS). With SCATTER, `dS` before those factors goes into
-        the aux gradients (`grads`). `ok` is False when an operand is not finite: a NaN or
-        inf in q, k, dO, v (through the dots), O (through delta) or lse, including lse =
-        -inf, which no row that sees a key has, or a score_mod value NaN or +inf. Then `p`
-        and `dS` are NaN. A pair the score_mod hides (-inf) takes no part, whatever its
-        operands and the row's lse (-inf when it hides all of them): `p = dS = 0`."""
+        the aux gradients (`grads`; in fixed point with `fixed`). `ok` is False when an
+        operand is not finite: a NaN or inf in q, k, dO, v (through the dots), O (through
+        delta) or lse, including lse = -inf, which no row that sees a key has, or a score_mod
+        value NaN or +inf. Then `p` and `dS` are NaN, and so is what the pair adds to the aux
+        gradients, as in the reference. A pair the score_mod hides (-inf) takes no part,
+        whatever its operands and the row's lse (-inf when it hides all of them):
+        `p = dS = 0`."""
         s, th = logit(x, scale, softcap)
         if HAS_SCORE_MOD:
             sm = float32(score_mod(s, b, h, i, j, score_args))
@@ -787,6 +963,8 @@ def _pair_grad(has_softcap: bool, fns: UserFns, scatter_aux: bool):
                 return True, float32(0.0), float32(0.0)
             if not (math.isfinite(x) and math.isfinite(dp) and math.isfinite(delta_i) and
                     math.isfinite(sm) and math.isfinite(lse_i)):
+                if SCATTER:
+                    scatter(NAN, s, b, h, i, j, score_args, grads)
                 return False, NAN, NAN
             p = math.exp(sm - lse_i)
             ds = p * (dp - delta_i)
@@ -855,26 +1033,33 @@ def forward_kernel(var: Variant):
     """FlashAttention-2 forward (Alg. 1) over the plan's query tiles; grid (q tiles, Hq).
 
     `mask_args`, `score_args`: the user functions' `(aux arrays..., err)` (`UserFns`; a
-    one-flag tuple for a function the variant lacks).
+    one-flag tuple for a function the variant lacks). `drop`: the dropout record
+    (`dropout_keys`), read only with HAS_DROPOUT.
     """
     BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
     HAS_MASK_MOD = bool(var.fns.mask)
+    HAS_DROPOUT = var.has_dropout
+    DR = BN if HAS_DROPOUT else 1
     stage, load_row, store_row = _rows(var.dtype)
     score_tile = _score_tile(var.has_softcap, var.fns)
-    mask_keys = _mask_tile(var.fns)[0]
+    mask_keys, _, tile_class = _mask_tile(var.fns)
+    softmax_update = _softmax_update(HAS_DROPOUT)
 
-    def _forward(q, k, v, out, lse, view, scale, softcap, mask_args, score_args):
+    def _forward(q, k, v, out, lse, view, scale, softcap, mask_args, score_args, drop):
         # [BN, D] key tile, [BN, DV] value tile
         k_s = cuda.shared.array((BN, D), float32)
         v_s = cuda.shared.array((BN, DV), float32)
         # [D] this thread's query row, [DV] its output accumulator, [BN] its scores of a tile
+        # and (with dropout) its dropout factors
         q_r = cuda.local.array(D, float32)
         acc = cuda.local.array(DV, float32)
         s_r = cuda.local.array(BN, float32)
+        d_r = cuda.local.array(DR, float32)
         i_t, i_h, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         b, row, pos, valid = thread_row(view.q_tiles, i_t, tid)
         if b < 0:
             return
+        q_first, q_last = tile_positions(view.q_tiles, i_t)
         i_kh = i_h // (q.shape[1] // k.shape[1])
         pol = seq_mask(view, b)
         m_i, l_i = NEG_INF, float32(0.0)
@@ -888,12 +1073,17 @@ def forward_kernel(var: Variant):
                 row_n, n, pos_n = tile_in(seg, i_n, BN)
                 partial = is_partial(ranges, i_n)
                 if HAS_MASK_MOD:
-                    # Every tile is partial for the mask_mod: the row's mask into s_r; the
-                    # barrier that frees the previous tile also says whether any row of the
-                    # block sees a key of this one, and a tile no row sees is skipped.
+                    # The mask_mod's class of the tile (the same in every thread): EMPTY is
+                    # skipped; otherwise the row's mask goes into s_r, the mask_mod evaluated
+                    # in a PARTIAL tile only, where the barrier that frees the previous tile
+                    # also says whether any row of the block sees a key of this one.
+                    cls = tile_class(int64(b), q_first, q_last, pos_n, pos_n + n - 1,
+                                     mask_args)
+                    if cls == EMPTY:
+                        continue
                     seen = False
                     if valid:
-                        seen = mask_keys(s_r, n, partial, int64(b), pos, pos_n, pol,
+                        seen = mask_keys(s_r, n, partial, cls, int64(b), pos, pos_n, pol,
                                          mask_args)
                     if cuda.syncthreads_or(int32(seen)) == 0:
                         continue
@@ -905,7 +1095,9 @@ def forward_kernel(var: Variant):
                 if valid:
                     bad |= score_tile(s_r, q_r, k_s, n, partial, int64(b), int64(i_h), pos,
                                       pos_n, pol, scale, softcap, score_args)
-                    m_i, l_i = softmax_update(acc, s_r, v_s, n, m_i, l_i)
+                    if HAS_DROPOUT:
+                        dropout_keys(d_r, n, int64(b), int64(i_h), pos, pos_n, drop)
+                    m_i, l_i = softmax_update(acc, s_r, v_s, d_r, n, m_i, l_i)
         if valid:
             # out = acc / l, lse = m + log l (Alg. 1, line 12). A non-finite value the row sees
             # (in q or a key's k, flagged by score_tile; in a value row, which leaves acc
@@ -919,18 +1111,21 @@ def forward_kernel(var: Variant):
 
 
 @functools.lru_cache(maxsize=None)
-def _key_grads(has_softcap: bool, atomic_dq: bool, fns: UserFns):
-    pair_grad = _pair_grad(has_softcap, fns, True)
+def _key_grads(has_softcap: bool, atomic_dq: bool, fns: UserFns, has_dropout: bool):
+    pair_grad = _pair_grad(has_softcap, fns, True, fixed=not atomic_dq)
     ATOMIC_DQ = atomic_dq
     HAS_MASK_MOD = bool(fns.mask)
+    HAS_DROPOUT = has_dropout
 
     @cuda.jit(device=True)
-    def key_grads(dk_r, dv_r, k_r, v_r, q_s, do_s, lse_s, dl_s, ds_s, m_r, n, tid, i0, j,
+    def key_grads(dk_r, dv_r, k_r, v_r, q_s, do_s, lse_s, dl_s, ds_s, m_r, d_r, n, tid, i0, j,
                   partial, b, h, pol, scale, softcap, score_args, grads):
         """dK, dV of key `j` (this thread's row) over the n staged query rows at positions
         i0 + i (query head `h`); with ATOMIC_DQ, each pair's dS into ds_s[i, tid] for the dQ
         reduction (0 for pairs the mask hides). With a mask_mod, `m_r` holds the key's mask
-        (`mask_queries`), which replaces the built-in predicate. Returns whether a query that
+        (`mask_queries`), which replaces the built-in predicate. With HAS_DROPOUT, `d_r` holds
+        the key's dropout factors over the queries (`dropout_queries`): dV takes P times the
+        factor, dP the factor (FlashAttention 2's backward). Returns whether a query that
         sees the key brought a non-finite operand (`pair_grad`): then dK and dV of the key are
         NaN, and so is that pair's dS."""
         bad = False
@@ -941,11 +1136,14 @@ def _key_grads(has_softcap: bool, atomic_dq: bool, fns: UserFns):
             else:
                 seen = not partial or visible(i0 + i, j, pol)
             if seen:
-                ok, p, ds = pair_grad(dot(q_s[i], k_r), dot(do_s[i], v_r), lse_s[i], dl_s[i],
+                dp = dot(do_s[i], v_r)
+                if HAS_DROPOUT:
+                    dp = dp * d_r[i]
+                ok, p, ds = pair_grad(dot(q_s[i], k_r), dp, lse_s[i], dl_s[i],
                                       scale, softcap, b, h, i0 + i, j, score_args, grads)
                 if ok and p != 0.0:
                     # p = 0: a pair the score_mod hides, whose rows may hold anything
-                    axpy(dv_r, p, do_s[i])
+                    axpy(dv_r, p * d_r[i] if HAS_DROPOUT else p, do_s[i])
                     axpy(dk_r, ds, q_s[i])
                 bad = bad or not ok
             if ATOMIC_DQ:
@@ -967,12 +1165,14 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
     DS_M, DS_N = (BM, BN + 1) if atomic_dq else (1, 1)    # +1: no bank conflicts on rows
     HAS_MASK_MOD = bool(var.fns.mask)
     MR = BM if HAS_MASK_MOD else 1
+    HAS_DROPOUT = var.has_dropout
+    DR = BM if HAS_DROPOUT else 1
     stage, load_row, store_row = _rows(var.dtype)
-    key_grads = _key_grads(var.has_softcap, atomic_dq, var.fns)
-    mask_queries = _mask_tile(var.fns)[1]
+    key_grads = _key_grads(var.has_softcap, atomic_dq, var.fns, HAS_DROPOUT)
+    _, mask_queries, tile_class = _mask_tile(var.fns)
 
     def _dkdv(q, k, v, dout, lse, delta, dq_acc, dk, dv, view, scale, softcap, mask_args,
-              score_args, grads):
+              score_args, grads, drop):
         # [BN, D] keys of this tile; [BM, D] queries, [BM, DV] output gradients, [BM] lse and
         # delta of a query tile; [BM, BN] dS of the tile pair, for the dQ reduction
         k_s = cuda.shared.array((BN, D), float32)
@@ -982,11 +1182,12 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
         dl_s = cuda.shared.array(BM, float32)
         ds_s = cuda.shared.array((DS_M, DS_N), float32)
         # [DV] this thread's value row; [D], [DV] its gradient accumulators; [BM] its key's
-        # mask over a query tile (with a mask_mod)
+        # mask over a query tile (with a mask_mod) and its dropout factors (with dropout)
         v_r = cuda.local.array(DV, float32)
         dk_r = cuda.local.array(D, float32)
         dv_r = cuda.local.array(DV, float32)
         m_r = cuda.local.array(MR, float32)
+        d_r = cuda.local.array(DR, float32)
         i_t, i_kh, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         b, bos, cols, pos0 = tile_of(view.k_tiles, i_t)
         if b < 0:
@@ -1008,12 +1209,17 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
                     row_m, n, pos_m = tile_in(seg, i_m, BM)
                     partial = is_partial(ranges, i_m)
                     if HAS_MASK_MOD:
-                        # as in the forward: the key's mask into m_r, and a query tile that
-                        # no key of the block sees is skipped
+                        # as in the forward: an EMPTY query tile is skipped, the key's mask
+                        # goes into m_r, and a query tile that no key of the block sees is
+                        # skipped
+                        cls = tile_class(int64(b), pos_m, pos_m + n - 1, pos0,
+                                         pos0 + cols - 1, mask_args)
+                        if cls == EMPTY:
+                            continue
                         seen = False
                         if valid:
-                            seen = mask_queries(m_r, n, partial, int64(b), pos_m, pos0 + tid,
-                                                pol, mask_args)
+                            seen = mask_queries(m_r, n, partial, cls, int64(b), pos_m,
+                                                pos0 + tid, pol, mask_args)
                         if cuda.syncthreads_or(int32(seen)) == 0:
                             continue
                     else:
@@ -1023,8 +1229,11 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
                     stage_stats(lse_s, dl_s, lse, delta, i_h, row_m, n, tid, BN)
                     cuda.syncthreads()
                     if valid:
+                        if HAS_DROPOUT:
+                            dropout_queries(d_r, n, int64(b), int64(i_h), pos_m, pos0 + tid,
+                                            drop)
                         bad |= key_grads(dk_r, dv_r, k_s[tid], v_r, q_s, do_s, lse_s, dl_s,
-                                         ds_s, m_r, n, tid, pos_m, pos0 + tid, partial,
+                                         ds_s, m_r, d_r, n, tid, pos_m, pos0 + tid, partial,
                                          int64(b), int64(i_h), pol, scale, softcap,
                                          score_args, grads)
                     if ATOMIC_DQ:
@@ -1039,15 +1248,17 @@ def dkdv_kernel(var: Variant, atomic_dq: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _query_grads(has_softcap: bool, fns: UserFns):
+def _query_grads(has_softcap: bool, fns: UserFns, has_dropout: bool):
     pair_grad = _pair_grad(has_softcap, fns, False)
     HAS_MASK_MOD = bool(fns.mask)
+    HAS_DROPOUT = has_dropout
 
     @cuda.jit(device=True)
-    def query_grads(dq_r, q_r, do_r, k_s, v_s, m_r, n, lse_i, dl_i, i, j0, partial, b, h, pol,
-                    scale, softcap, score_args):
+    def query_grads(dq_r, q_r, do_r, k_s, v_s, m_r, d_r, n, lse_i, dl_i, i, j0, partial, b, h,
+                    pol, scale, softcap, score_args):
         """dQ of query `i` (this thread's row, head `h`) over the n staged keys at positions
-        j0 + j; with a mask_mod, `m_r` holds the row's mask (`mask_keys`). Returns whether a
+        j0 + j; with a mask_mod, `m_r` holds the row's mask (`mask_keys`); with HAS_DROPOUT,
+        `d_r` the row's dropout factors (`dropout_keys`), which weigh dP. Returns whether a
         pair it sees holds a non-finite operand (`pair_grad`)."""
         bad = False
         for j in range(n):
@@ -1056,7 +1267,10 @@ def _query_grads(has_softcap: bool, fns: UserFns):
             else:
                 seen = not partial or visible(i, j0 + j, pol)
             if seen:
-                ok, _, ds = pair_grad(dot(q_r, k_s[j]), dot(do_r, v_s[j]), lse_i, dl_i, scale,
+                dp = dot(do_r, v_s[j])
+                if HAS_DROPOUT:
+                    dp = dp * d_r[j]
+                ok, _, ds = pair_grad(dot(q_r, k_s[j]), dp, lse_i, dl_i, scale,
                                       softcap, b, h, i, j0 + j, score_args, score_args)
                 if ok and ds != 0.0:
                     # dS = 0 for a pair the score_mod hides, whose key may hold anything
@@ -1072,24 +1286,28 @@ def dq_kernel(var: Variant):
     BM, BN, D, DV = var.block_m, var.block_n, var.head_dim, var.head_dim_v
     HAS_MASK_MOD = bool(var.fns.mask)
     MR = BN if HAS_MASK_MOD else 1
+    HAS_DROPOUT = var.has_dropout
+    DR = BN if HAS_DROPOUT else 1
     stage, load_row, store_row = _rows(var.dtype)
-    query_grads = _query_grads(var.has_softcap, var.fns)
-    mask_keys = _mask_tile(var.fns)[0]
+    query_grads = _query_grads(var.has_softcap, var.fns, HAS_DROPOUT)
+    mask_keys, _, tile_class = _mask_tile(var.fns)
 
-    def _dq(q, k, v, dout, lse, delta, dq, view, scale, softcap, mask_args, score_args):
+    def _dq(q, k, v, dout, lse, delta, dq, view, scale, softcap, mask_args, score_args, drop):
         # [BN, D] key tile, [BN, DV] value tile
         k_s = cuda.shared.array((BN, D), float32)
         v_s = cuda.shared.array((BN, DV), float32)
         # [D] query row, [DV] output-gradient row, [D] dQ accumulator; [BN] the row's mask
-        # over a key tile (with a mask_mod)
+        # over a key tile (with a mask_mod) and its dropout factors (with dropout)
         q_r = cuda.local.array(D, float32)
         do_r = cuda.local.array(DV, float32)
         dq_r = cuda.local.array(D, float32)
         m_r = cuda.local.array(MR, float32)
+        d_r = cuda.local.array(DR, float32)
         i_t, i_h, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         b, row, pos, valid = thread_row(view.q_tiles, i_t, tid)
         if b < 0:
             return
+        q_first, q_last = tile_positions(view.q_tiles, i_t)
         i_kh = i_h // (q.shape[1] // k.shape[1])
         pol = seq_mask(view, b)
         lse_i, dl_i = NEG_INF, float32(0.0)
@@ -1104,10 +1322,14 @@ def dq_kernel(var: Variant):
             for i_n in range(ranges[0], ranges[3]):
                 row_n, n, pos_n = tile_in(seg, i_n, BN)
                 partial = is_partial(ranges, i_n)
-                if HAS_MASK_MOD:
-                    seen = False            # as in the forward
+                if HAS_MASK_MOD:            # as in the forward
+                    cls = tile_class(int64(b), q_first, q_last, pos_n, pos_n + n - 1,
+                                     mask_args)
+                    if cls == EMPTY:
+                        continue
+                    seen = False
                     if valid:
-                        seen = mask_keys(m_r, n, partial, int64(b), pos, pos_n, pol,
+                        seen = mask_keys(m_r, n, partial, cls, int64(b), pos, pos_n, pol,
                                          mask_args)
                     if cuda.syncthreads_or(int32(seen)) == 0:
                         continue
@@ -1117,7 +1339,9 @@ def dq_kernel(var: Variant):
                 stage(v_s, v, row_n, n, i_kh, tid, BM)
                 cuda.syncthreads()
                 if valid:
-                    bad |= query_grads(dq_r, q_r, do_r, k_s, v_s, m_r, n, lse_i, dl_i, pos,
+                    if HAS_DROPOUT:
+                        dropout_keys(d_r, n, int64(b), int64(i_h), pos, pos_n, drop)
+                    bad |= query_grads(dq_r, q_r, do_r, k_s, v_s, m_r, d_r, n, lse_i, dl_i, pos,
                                        pos_n, partial, int64(b), int64(i_h), pol, scale,
                                        softcap, score_args)
         if valid:

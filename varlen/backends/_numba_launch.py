@@ -32,6 +32,7 @@ from .._array import alloc, bfloat16_dtype, nan_fill_enabled
 from .._device_errors import record
 from ..masks import MASK_FIELDS, as_mask
 from ..plan import KernelView, Plan, Segments, tile_bound
+from . import _aux_fixed as FX
 from . import _numba_kernels as K
 
 
@@ -297,22 +298,37 @@ def _scalars(softmax_scale, softcap):
     return np.float32(softmax_scale), np.float32(softcap if softcap > 0 else 1.0)
 
 
+def dropout_args(dropout) -> tuple:
+    """The kernels' dropout record (`_numba_kernels.dropout_keys`) of a `varlen.dropout.Dropout`:
+    `(threshold, seed lo, seed hi, offset)` as uint32, `scale` as float32 and the global query
+    head of local head 0 (`Dropout.head_offset`, under Ulysses) as uint32: plain kernel
+    arguments (a new seed or offset runs the same compiled kernel, with no host read). A call
+    without dropout passes zeros, which a kernel compiled without HAS_DROPOUT never reads."""
+    if dropout is None:
+        return (np.uint32(0),) * 4 + (np.float32(1.0), np.uint32(0))
+    return (np.uint32(dropout.threshold), np.uint32(dropout.key0), np.uint32(dropout.key1),
+            np.uint32(dropout.offset), np.float32(dropout.scale), np.uint32(dropout.head_offset))
+
+
 class UserArgs:
     """The kernel arguments of a call's user functions (`varlen.mods.Mods`): per function the
     tuple its generated code reads, `(aux arrays..., err)`, with a fresh error flag (a flag
-    alone for a function the call lacks); `grads`, the flat float32 aux gradients."""
+    alone for a function the call lacks); `grads`, the aux gradients: flat float32, or with
+    `fixed` (deterministic=True) uint64 fixed-point words `[n, WORDS]` (`_aux_fixed`)."""
 
-    def __init__(self, ctx: Context, mods, *, aux_grads: bool = False):
+    def __init__(self, ctx: Context, mods, *, aux_grads: bool = False, fixed: bool = False):
         self.ctx = ctx
+        self.fixed = fixed
         self.mask_mod = None if mods is None else mods.mask
         self.score_mod = None if mods is None else mods.score
         self.mask = self._args(self.mask_mod, "mask_mod")
         self.score = self._args(self.score_mod, "score_mod")
         self.grads = self.score
         if aux_grads:
+            shape, dtype = ((lambda n: (n, FX.WORDS)), np.uint64) if fixed else \
+                ((lambda n: (n,)), np.float32)
             self.grads = tuple(
-                ctx.alloc((int(a.size),), np.float32, fill=0) if kind == "float" else
-                ctx.alloc((1,), np.float32, fill=0)
+                ctx.alloc(shape(int(a.size) if kind == "float" else 1), dtype, fill=0)
                 for (kind, _, _), a in zip(self.score_mod.graph.aux, self.score_mod.aux))
 
     def _args(self, mod, role):
@@ -332,10 +348,21 @@ class UserArgs:
                                           f"out of range (the kernels clamped it)", IndexError)
 
     def aux_grads(self) -> tuple:
-        """Per score_mod aux: its gradient (float32, the aux's shape) or None."""
-        return tuple(self.ctx.result(g, np.float32).reshape(a.shape) if kind == "float" else None
-                     for (kind, _, _), a, g in zip(self.score_mod.graph.aux, self.score_mod.aux,
-                                                   self.grads))
+        """Per score_mod aux: its gradient (float32, the aux's shape) or None; fixed-point
+        words converted by a kernel, an entry out of their range recorded (`ctx.record`)."""
+        result = []
+        for (kind, _, _), a, g in zip(self.score_mod.graph.aux, self.score_mod.aux, self.grads):
+            if kind != "float":
+                result.append(None)
+                continue
+            if self.fixed:
+                words, g = g, self.ctx.alloc((int(a.size),), np.float32)
+                err = self.ctx.flag()
+                if g.size:
+                    self.ctx.launch(K.aux_fixed_kernel, *self.ctx.grid1d(g.size), words, g, err)
+                self.ctx.record(err, FX.RANGE_ERROR, OverflowError)
+            result.append(self.ctx.result(g, np.float32).reshape(a.shape))
+        return tuple(result)
 
 
 def _readable(a):
@@ -346,8 +373,9 @@ def _readable(a):
 
 
 def forward(var: K.Variant, plan: Plan, q, k, v, *, softmax_scale: float, softcap: float,
-            mods=None):
-    """`out [Tq, Hq, Dv]` in q's dtype and float32 `lse [Hq, Tq]`, beside the inputs."""
+            mods=None, dropout=None):
+    """`out [Tq, Hq, Dv]` in q's dtype and float32 `lse [Hq, Tq]`, beside the inputs; with
+    `dropout` (a `var.has_dropout` variant) the output of the dropped probabilities."""
     ctx = Context(q)
     Tq, Hq, _ = q.shape
     # Pad rows (and rows that see no key) keep these: output 0, lse -inf.
@@ -357,7 +385,8 @@ def forward(var: K.Variant, plan: Plan, q, k, v, *, softmax_scale: float, softca
     if plan.num_q_tiles and Hq:
         ctx.launch(K.forward_kernel(var), (plan.num_q_tiles, Hq), var.block_m, ctx.dev(q, "q"),
                    ctx.dev(k, "k"), ctx.dev(v, "v"), out, lse, ctx.view(plan),
-                   *_scalars(softmax_scale, softcap), user.mask, user.score)
+                   *_scalars(softmax_scale, softcap), user.mask, user.score,
+                   dropout_args(dropout))
     user.check()
     return ctx.result(out, q.dtype), ctx.result(lse, np.float32)
 
@@ -377,11 +406,13 @@ def _dq_buffers(ctx: Context, q, var: K.Variant, deterministic: bool):
 
 
 def backward(var: K.Variant, plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float,
-             softcap: float, deterministic: bool, mods=None):
+             softcap: float, deterministic: bool, mods=None, dropout=None):
     """`(dq, dk, dv)` beside the inputs (FlashAttention-2, Alg. 2), and with
-    `var.fns.aux_grads` the score_mod's aux gradients as a fourth result (`UserArgs`)."""
+    `var.fns.aux_grads` the score_mod's aux gradients as a fourth result (`UserArgs`; in
+    fixed point, bitwise repeatable, with `deterministic`). With
+    `dropout`, the forward's keep set is drawn again (nothing of it was stored)."""
     ctx = Context(q)
-    user = UserArgs(ctx, mods, aux_grads=var.fns.aux_grads)
+    user = UserArgs(ctx, mods, aux_grads=var.fns.aux_grads, fixed=deterministic)
     Tq, Hq, _ = q.shape
     Hk = k.shape[1]
     if ctx.kind != "numba" and lse.dtype != np.float32:
@@ -398,13 +429,14 @@ def backward(var: K.Variant, plan: Plan, dout, q, k, v, out, lse, *, softmax_sca
     dq, dq_acc = _dq_buffers(ctx, q, var, deterministic)
     view = ctx.view(plan)
     scalars = _scalars(softmax_scale, softcap)
+    drop = dropout_args(dropout)
     if plan.num_k_tiles and Hk:
         ctx.launch(K.dkdv_kernel(var, not deterministic), (plan.num_k_tiles, Hk), var.block_n,
                    *data, delta, dq_acc, dk, dv, view, *scalars, user.mask, user.score,
-                   user.grads)
+                   user.grads, drop)
     if deterministic and plan.num_q_tiles and Hq:
         ctx.launch(K.dq_kernel(var), (plan.num_q_tiles, Hq), var.block_m, *data, delta, dq,
-                   view, *scalars, user.mask, user.score)
+                   view, *scalars, user.mask, user.score, drop)
     elif not deterministic and dq is not dq_acc and dq.size:
         ctx.launch(K.convert_kernel(var.dtype), *ctx.grid1d(dq.size), dq_acc.reshape(-1),
                    dq.reshape(-1))

@@ -77,8 +77,7 @@ class Backend(abc.ABC):
         """None when this backend runs the call's dropout (`call.dropout`), else why not."""
         if getattr(call, "dropout", None) is None or self.runs_dropout:
             return None
-        return ("it does not run attention dropout yet (dropout_p > 0 runs on the host "
-                "backends 'numpy' and 'cpu')")
+        return "it does not run attention dropout (dropout_p > 0)"
 
     def default_blocks(self, dtype: str, head_dim: int) -> tuple[int, int]:
         """`(block_m, block_n)` of the plans this backend builds for a call."""

@@ -137,7 +137,18 @@ def _as(x, wdt):
 
 def _view(plan: Plan):
     """The plan's KernelView with every array C-contiguous int32 (one compiled signature)."""
-    return plan.view().map_arrays(lambda a: np.ascontiguousarray(a, dtype=np.int32))
+    return _kept(plan, "view", lambda: plan.view().map_arrays(
+        lambda a: np.ascontiguousarray(a, dtype=np.int32)))
+
+
+def _kept(plan: Plan, key, make):
+    """`make()`, kept on `plan` under `key` for the next call with it: the work lists and row
+    tables below depend only on the plan and the head counts, and a model reuses its plan in
+    every layer (as `Plan.tile_classes` keeps its classes). Never written by the kernels."""
+    kept = plan.__dict__.setdefault("_cpu_backend", {})
+    if key not in kept:
+        kept[key] = make()
+    return kept[key]
 
 
 class _Workspace(threading.local):
@@ -346,11 +357,12 @@ def backward_items(plan: Plan, Hk: int, G: int):
 
 def _dropout_data(dropout):
     """The kernels' record of a call's dropout (`_cpu_kernels.dropout_rows`), None without:
-    `(threshold, seed lo, seed hi, offset)` as uint64 words, then the float scale."""
+    `(threshold, seed lo, seed hi, offset)` as uint64 words, the float scale, then the head
+    offset (uint64)."""
     if dropout is None:
         return None
     return (np.uint64(dropout.threshold), np.uint64(dropout.key0), np.uint64(dropout.key1),
-            np.uint64(dropout.offset), float(dropout.scale))
+            np.uint64(dropout.offset), float(dropout.scale), np.uint64(dropout.head_offset))
 
 
 def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=None,
@@ -362,7 +374,7 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=
     wdt = _working_dtype(q.dtype)
     work_out, lse = forward_buffers(plan, q, Dv, out_dtype=wdt, lse_dtype=wdt)
     c, cap = _scalars(softmax_scale, softcap)
-    order, chunks = forward_items(plan, Hk, G)
+    order, chunks = _kept(plan, ("forward", Hk, G), lambda: forward_items(plan, Hk, G))
     rows_max = int(chunks[:, 1].max(initial=1)) * plan.block_m * G
     _announce_compile("forward", wdt)
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
@@ -405,7 +417,7 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     G = Hq // Hk
     wdt = _working_dtype(q.dtype)
     c, cap = _scalars(softmax_scale, softcap)
-    order, parts = backward_items(plan, Hk, G)
+    order, parts = _kept(plan, ("backward", Hk, G), lambda: backward_items(plan, Hk, G))
     grads = None
     _announce_compile("backward", wdt)
     with th.worker_scope(order.size) as nw, th.blas_scope(K.BLAS_BOUND) as use_blas:
@@ -442,6 +454,13 @@ def _backward(plan: Plan, dout, q, k, v, out, lse, *, softmax_scale: float, soft
     return grads
 
 
+def _one_key_prefix(plan: Plan, G: int, shortcut: bool):
+    """Prefix count `[Tq * G + 1]` of the stacked rows that see one key (`one_key_rows`; none
+    without the `shortcut`)."""
+    one = one_key_rows(plan) if shortcut else np.zeros(plan.q.num_rows, bool)
+    return np.concatenate([[0], np.cumsum(np.repeat(one, G))])
+
+
 def _empty_rows_are_not_flagged(q_flag, dout, out, lse, G: int):
     """A score_mod may hide every pair of a row: the forward gives it lse -inf (no pair), which
     is not a non-finite input then. Its P is 0 (`pack_grad_rows` sets `lse2 = +inf`), so the
@@ -467,8 +486,7 @@ def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2
     # rows that see one key of the built-in mask (a mask_mod may hide it, a sink joins it: no
     # such shortcut)
     shortcut = not (mods and mods.mask is not None) and not lse_has_sinks
-    one = one_key_rows(plan) if shortcut else np.zeros(Tq, bool)
-    one_cum = np.concatenate([[0], np.cumsum(np.repeat(one, G))])   # prefix count
+    one_cum = _kept(plan, ("one_cum", G, shortcut), lambda: _one_key_prefix(plan, G, shortcut))
     q_cum, k_cum = K.flag_prefix(q_flag), K.flag_prefix(k_flag)
     dQ = _workspace.get("dq", (Hk, Tq * G, D), wdt)
     dK = _workspace.get("dk", (Hk, Tk, D), wdt)

@@ -44,13 +44,13 @@ def simulated() -> bool:
     return _launch().simulated()
 
 
-def variant(plan: Plan, q, v, softcap: float, mods=None):
+def variant(plan: Plan, q, v, softcap: float, mods=None, dropout=None):
     """The compiled kernel variant that runs this plan on these inputs (and the call's
-    mask_mod / score_mod, by graph digest)."""
+    mask_mod / score_mod, by graph digest; with dropout, the variant that draws it)."""
     K = _kernels()
     try:
         return K.Variant(dtype_name(q.dtype), int(q.shape[2]), int(v.shape[2]), plan.block_m,
-                         plan.block_n, softcap > 0, K.UserFns.of(mods))
+                         plan.block_n, softcap > 0, K.UserFns.of(mods), dropout is not None)
     except ValueError as e:
         raise ValueError(f"plan tiles do not fit the numba kernels: {e}") from None
 
@@ -60,6 +60,7 @@ class NumbaBackend(Backend):
 
     name = "numba"
     runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
+    runs_dropout = True
 
     def supports(self, call):
         missing = _numba_missing()
@@ -78,15 +79,6 @@ class NumbaBackend(Backend):
         if not cuda.is_available():
             return "no CUDA device is available to Numba"
         return None
-
-    def supports_mods(self, call):
-        """All of them, but aux gradients only by atomics: not with `deterministic=True`."""
-        why = super().supports_mods(call)
-        mods = getattr(call, "mods", None)
-        if why is None and mods and mods.aux_grads and getattr(call, "deterministic", False):
-            why = ("it sums the gradients of a score_mod's aux arrays with float32 atomics, "
-                   "which are not bitwise repeatable: call with deterministic=False")
-        return why
 
     def default_blocks(self, dtype, head_dim):
         """The largest tiles (of a fixed ladder) whose shared memory fits, assuming Dv = D."""
@@ -148,27 +140,32 @@ class NumbaBackend(Backend):
             return f"its arrays are {type(plan.q_tiles).__name__}; expected NumPy, CuPy or Numba"
         return None
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None, dropout=None):
         """`out [Tq, Hq, Dv]` in q's dtype and float32 `lse [Hq, Tq]`, beside the inputs; pad
         rows and rows that see no key 0 and -inf, rows a NaN or inf reaches NaN
         (docs/semantics.md, "Non-finite values"). `mods`: the call's mask_mod and score_mod,
-        run in the kernels (docs/numba_backend.md, "User functions")."""
-        return _launch().forward(variant(plan, q, v, softcap, mods), plan, q, k, v,
-                                 softmax_scale=softmax_scale, softcap=softcap, mods=mods)
+        run in the kernels (docs/numba_backend.md, "User functions"). `dropout`: the call's
+        `varlen.dropout.Dropout`, its keep bits drawn in the kernels ("Dropout" there)."""
+        return _launch().forward(variant(plan, q, v, softcap, mods, dropout), plan, q, k, v,
+                                 softmax_scale=softmax_scale, softcap=softcap, mods=mods,
+                                 dropout=dropout)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False, mods=None):
+                 deterministic=False, mods=None, dropout=None):
         """`(dq, dk, dv)` beside the inputs (FlashAttention-2, Alg. 2); with `mods.aux_grads`
         a fourth result, the score_mod's aux gradients (one float32 array or None per aux).
 
         dK/dV: one pass over key tiles (`k_sched`), GQA groups reduced in registers. dQ: float32
         atomics from that same pass, or with `deterministic=True` a separate pass over query
         tiles (`q_sched`) whose per-row accumulation order is fixed: bitwise repeatable. Aux
-        gradients: float32 atomics from the dK/dV pass.
+        gradients: from the dK/dV pass, float32 atomics, or with `deterministic=True` integer
+        atomics in fixed point (`_aux_fixed`), bitwise repeatable. With `dropout`, every pass
+        draws the forward's keep bits again.
         """
-        return _launch().backward(variant(plan, q, v, softcap, mods), plan, dout, q, k, v, out,
-                                  lse, softmax_scale=softmax_scale, softcap=softcap,
-                                  deterministic=bool(deterministic), mods=mods)
+        return _launch().backward(variant(plan, q, v, softcap, mods, dropout), plan, dout, q, k,
+                                  v, out, lse, softmax_scale=softmax_scale, softcap=softcap,
+                                  deterministic=bool(deterministic), mods=mods,
+                                  dropout=dropout)
 
 
 BACKEND = NumbaBackend()

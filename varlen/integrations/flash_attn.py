@@ -14,7 +14,7 @@ difference: a query that sees no key gets lse `-inf` (FlashAttention 3's value; 
 writes `+inf`); its output is 0 in both. `alibi_slopes` runs as a ScoreMod
 (`varlen.mods.alibi`) with FlashAttention 2's bias; `dropout_p` drops pairs as FlashAttention 2
 does (kept probabilities scaled by `1 / (1 - dropout_p)`) with varlen's own Philox stream (so
-not FlashAttention's pattern), on the host backends; `return_attn_probs=True` with dropout raises
+not FlashAttention's pattern), on every backend; `return_attn_probs=True` with dropout raises
 `NotImplementedError`. Besides float16/bfloat16 (FlashAttention's dtypes), float32 works
 everywhere and float64 on the CPU. See `docs/dropin.md`.
 """
@@ -132,8 +132,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         dropout_p: float in [0, 1): attention dropout (FlashAttention 2's: each visible pair's
             probability dropped with probability `dropout_p`, kept ones scaled by
             `1 / (1 - dropout_p)`); set it to 0.0 for evaluation. The pairs come from varlen's
-            Philox stream (`varlen.reference.dropout_keep`), not FlashAttention's. Host
-            (CPU) tensors only for now.
+            Philox stream (`varlen.reference.dropout_keep`), not FlashAttention's. Tested
+            on CPU tensors; CUDA tensors run the device backends (not yet run on a GPU).
         softmax_scale: float, scale of `q @ k^T`; default `1/sqrt(D)`.
         causal: bool, bottom-right aligned causal mask.
         window_size: `(left, right)` ints; `(-1, -1)` is no window.

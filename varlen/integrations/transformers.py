@@ -22,7 +22,11 @@ needs no `repeat_kv`). The batch arrives in one of three forms:
 Causal layers are causal (bottom-right aligned) and a layer's `sliding_window` `W` lets a query
 see itself and the `W - 1` keys before it, as transformers defines it; `softcap` and `scaling`
 pass through, and so do a layer's attention sinks (`s_aux`, gpt-oss: learnable, their gradient
-included). Attention dropout during training and `output_attentions` are not available (each layer returns no weights: with
+included). In training mode a layer's attention dropout runs as FlashAttention 2's (kept
+probabilities scaled by `1 / (1 - p)`), with varlen's own keep bits (docs/semantics.md,
+"Dropout") and a seed drawn from torch's default generator per layer call, so
+`torch.manual_seed` makes a step repeatable; not the pairs eager's `nn.functional.dropout`
+drops. `output_attentions` is not available (each layer returns no weights: with
 `output_attentions=True` the model's `attentions` is an empty tuple, as with transformers'
 sdpa implementation). Models that add their own mask functions on top of
 causal/sliding (bidirectional image tokens, chunked attention) need another implementation.
@@ -144,7 +148,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
         module: the attention layer (`module.is_causal` when `is_causal` is None).
         query: `[B, Hq, Sq, D]`; key, value: `[B, Hk, Sk, D]` (after the cache update).
         attention_mask: None or the 2-D padding mask `[B, Sk]` from `padding_mask_2d`.
-        dropout: must be 0 (`NotImplementedError` otherwise).
+        dropout: the layer's attention dropout probability (transformers passes 0.0 outside
+            training); applied only while `module.training`, as eager applies it: kept
+            probabilities scaled by `1 / (1 - dropout)`, the seed drawn from torch's default
+            generator (`varlen.torch.varlen_attention`'s `seed=None`).
         scaling: softmax scale (default `1/sqrt(D)`); sliding_window: int or None;
         softcap: float or None; is_causal: bool or None.
         kwargs: without a mask, `cu_seq_lens_q`, `cu_seq_lens_k` (and `max_length_q`,
@@ -154,13 +161,11 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout=
     Returns:
         `(out [B, Sq, Hq, Dv], None)`.
     """
-    if dropout:
-        raise NotImplementedError(f"dropout={dropout}: varlen has no attention dropout; set "
-                                  f"the config's attention_dropout to 0.0")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     left = sliding_window - 1 if sliding_window else -1
     kw = dict(mask=fa_mask(bool(is_causal), (left, left)), softmax_scale=scaling,
-              softcap=softcap or 0.0, sinks=kwargs.get("s_aux"))
+              softcap=softcap or 0.0, sinks=kwargs.get("s_aux"),
+              dropout_p=(dropout or 0.0) if getattr(module, "training", True) else 0.0)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     (B, Sq), Sk = q.shape[:2], k.shape[1]
     position_ids, cu_q, cu_k = (kwargs.get(n) for n in ("position_ids", "cu_seq_lens_q",

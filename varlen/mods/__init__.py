@@ -18,18 +18,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from .derive import aux_derivatives, derivative
-from .evaluate import AuxRanges, evaluate, interval, may_read_outside
+from .evaluate import EMPTY, FULL, PARTIAL, RANGE_CAP, AuxRanges, box_class, class_graph, \
+    evaluate, interval, may_read_outside
 from .graph import Graph, Node, const, exp, log, maximum, minimum, sqrt, substitute, tanh, \
     trace, where
 
-__all__ = ["MaskMod", "ScoreMod", "Mods", "split_mask", "classify", "where", "exp", "log",
-           "tanh", "sqrt", "minimum", "maximum", "EMPTY", "PARTIAL", "FULL", "alibi"]
+__all__ = ["MaskMod", "ScoreMod", "Mods", "split_mask", "classify", "class_graph", "where",
+           "exp", "log", "tanh", "sqrt", "minimum", "maximum", "EMPTY", "PARTIAL", "FULL",
+           "RANGE_CAP", "alibi"]
 
 MASK_LEAVES = ("b", "q_idx", "k_idx")
 SCORE_LEAVES = ("score", "b", "h", "q_idx", "k_idx")
-
-# Tile classes (`classify`, `Plan.tile_kinds`).
-EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 class _Mod:
@@ -222,10 +221,8 @@ def classify(mask_mod: MaskMod, b, q0, q1, k0, k1, ranges: AuxRanges | None = No
     b = np.asarray(b, np.int64)
     boxes = {"b": (b, b), "q_idx": (np.asarray(q0, np.int64), np.asarray(q1, np.int64)),
              "k_idx": (np.asarray(k0, np.int64), np.asarray(k1, np.int64))}
-    lo, hi = interval(mask_mod.graph, boxes, ranges)
-    unsure = may_read_outside(mask_mod.graph, boxes, ranges)
-    return np.where(unsure, PARTIAL, np.where(lo == 1, FULL, np.where(hi == 0, EMPTY, PARTIAL))
-                    ).astype(np.int8)
+    shape = np.broadcast(*(x for v in boxes.values() for x in v)).shape
+    return np.broadcast_to(box_class(mask_mod.graph, boxes, ranges), shape).astype(np.int8)
 
 
 def _alibi(score, b, h, q_idx, k_idx, slopes, shift):

@@ -8,6 +8,7 @@ clamped into its array with the out-of-range case flagged in `err[0]` (the host 
 """
 from __future__ import annotations
 
+from .evaluate import RANGE_CAP, RANGE_OPS, DtypeRanges
 from .graph import Graph, Node
 
 __all__ = ["python_source", "cuda_source", "numba_function", "CUDA_PRELUDE"]
@@ -49,7 +50,8 @@ def python_source(graph: Graph, name: str, *, packed: bool = False,
     for n in graph.nodes():
         t = f"t{len(names)}"
         names[n.key()] = t
-        lines.extend("    " + s for s in _py_stmt(n, t, [names[a.key()] for a in n.args], fl))
+        lines.extend("    " + s for s in _py_stmt(n, t, [names[a.key()] for a in n.args], fl,
+                                                 graph))
     ret = names[graph.root.key()]
     kind = graph.kind
     cast = {"float": fl.conv, "int": "int", "bool": "bool"}[kind]
@@ -82,12 +84,16 @@ def _py_num(n: Node, x: str, fl: _Floats) -> str:
     return f"{fl.conv}({x})" if n.kind == "float" else f"int({x})" if n.kind == "int" else x
 
 
-def _py_stmt(n: Node, t: str, a: list, fl: _Floats) -> list:
+def _py_stmt(n: Node, t: str, a: list, fl: _Floats, graph: Graph) -> list:
     op, kind = n.op, n.kind
     if op == "const":
         if kind == "float":
             return [f"{t} = {fl.lit(n.value)}"]
         return [f"{t} = {n.value!r}"]
+    if op == "dim":
+        return [f"{t} = a{n.value[0]}.shape[{n.value[1]}]"]
+    if op in RANGE_OPS:
+        return _py_range(n, t, a, fl, graph)
     if not n.args:
         return [f"{t} = {op}"]
     if op == "load":
@@ -154,6 +160,32 @@ def _py_stmt(n: Node, t: str, a: list, fl: _Floats) -> list:
     if op in ("exp", "tanh"):
         return [f"{t} = math.{op}({arg})"]
     raise AssertionError(op)
+
+
+def _range_fallback(n: Node, graph: Graph):
+    """The bound of a `range_lo` / `range_hi` node past its cap: the aux dtype's (`DtypeRanges`)."""
+    lo, hi = DtypeRanges.of_dtype(graph.aux[n.value][2])
+    v = lo if n.op == "range_lo" else hi
+    return float(v) if n.kind == "float" else int(v)
+
+
+def _py_range(n: Node, t: str, a: list, fl: _Floats, graph: Graph) -> list:
+    """A run's min (`range_lo`) or max (`range_hi`): `a = (contiguous, leading indices...,
+    first, last)` of aux `n.value`'s last dimension, read entry by entry (NaN propagates), or
+    its dtype's bound past `RANGE_CAP` entries or off one run."""
+    contiguous, lead, first, last = a[0], a[1:-2], a[-2], a[-1]
+    aux = f"a{n.value}"
+    conv = fl.conv if n.kind == "float" else "int"
+    bound = _range_fallback(n, graph)
+    cmp = "<" if n.op == "range_lo" else ">"
+    at = ", ".join([*lead, "{}"])
+    return [f"{t} = {fl.lit(bound) if n.kind == 'float' else repr(bound)}",
+            f"if {contiguous} and {last} - {first} < {RANGE_CAP}:",
+            f"    {t} = {conv}({aux}[{at.format(first)}])",
+            f"    for {t}_j in range({first} + 1, {last} + 1):",
+            f"        {t}_v = {conv}({aux}[{at.format(t + '_j')}])",
+            f"        if {t}_v != {t}_v or ({t} == {t} and {t}_v {cmp} {t}):",
+            f"            {t} = {t}_v"]
 
 
 _NUMBA_CACHE: dict = {}
@@ -313,6 +345,10 @@ def _c_expr(n: Node, a: list, ctype, graph: Graph) -> str:
         if kind == "bool":
             return "true" if n.value else "false"
         return f"{n.value}" if T == "int" else f"{n.value}LL"
+    if op == "dim":
+        return f"({T})aux.shape[{n.value[0]}][{n.value[1]}]"
+    if op in RANGE_OPS:
+        return _c_range(n, a, T, graph)
     if not n.args:
         return f"({T}){op}"
     if op == "load":
@@ -357,6 +393,36 @@ def _c_expr(n: Node, a: list, ctype, graph: Graph) -> str:
     if op in ("exp", "log", "tanh", "sqrt"):
         return f"{op}({cast[0]})"
     raise AssertionError(op)
+
+
+def _c_literal(v, T: str) -> str:
+    if isinstance(v, float):
+        return f"({T})({'-' if v < 0 else ''}INFINITY)" if abs(v) == float("inf") else f"({T}){v!r}"
+    return f"({T}){v}LL"
+
+
+def _c_range(n: Node, a: list, T: str, graph: Graph) -> str:
+    """`_py_range` in CUDA C: an immediately called lambda over the run's entries."""
+    contiguous, lead, first, last = a[0], a[1:-2], a[-2], a[-1]
+    i, dt = n.value, graph.aux[n.value][2]
+    shape = f"aux.shape[{i}]"
+    base = "0LL"
+    for d, x in enumerate(lead):
+        base = f"({base}) * {shape}[{d}] + {x}"
+    base = f"({base}) * {shape}[{len(lead)}]"
+    half = "(float)" if dt in ("float16", "bfloat16") else ""
+    cmp = "<" if n.op == "range_lo" else ">"
+    return (f"[&]() -> {T} {{\n"
+            f"        if (!({contiguous}) || {last} - {first} >= {RANGE_CAP}) "
+            f"return {_c_literal(_range_fallback(n, graph), T)};\n"
+            f"        const {_AUX_C[dt]}* p = (const {_AUX_C[dt]}*)aux.ptr[{i}] + {base};\n"
+            f"        {T} m = ({T})({half}p[{first}]);\n"
+            f"        for (long long j = {first} + 1; j <= {last}; ++j) {{\n"
+            f"            const {T} v = ({T})({half}p[j]);\n"
+            f"            if (v != v || (m == m && v {cmp} m)) m = v;\n"
+            f"        }}\n"
+            f"        return m;\n"
+            f"    }}()")
 
 
 def _promote_kind(kinds) -> str:

@@ -2,7 +2,7 @@
 
 A user function is called once with symbolic arguments (`Sym`); every operator on them records a
 `Node`. The graph is the one description every backend is generated from (`codegen.py`), the
-plan classifies tiles with (`interval.py`) and the backward differentiates (`derive.py`).
+plan classifies tiles with (`evaluate.py`'s interval rules) and the backward differentiates (`derive.py`).
 
 Values have one of three kinds: `bool`, `int` (64-bit) and `float`. Python's rules promote
 (`bool < int < float`), `/` is true division, `//` and `%` floor (Python's signs) and give 0 for
@@ -49,7 +49,7 @@ class Node:
                 inner = f"{self.kind}:{v}"
             else:
                 inner = ",".join(a.key() for a in self.args)
-                if self.op == "load":
+                if self.value is not None:      # a load's aux, a generated op's operand
                     inner = f"{self.value};{inner}"
             self._key = f"{self.op}({inner})"
         return self._key

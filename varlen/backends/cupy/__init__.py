@@ -21,9 +21,13 @@ structs and data arguments every launch shares, the module cache), `plan`, `mma`
 here imports CuPy before a call needs it, and nothing reads device memory on the host.
 
 User functions (`runs_mods`): both implementations run a mask_mod and a score_mod in the
-forward, `cupy:mma` in the backward too, with the gradients of a score_mod's aux arrays
-(float32 atomics: not with deterministic=True; `mods.refusal` says why, and
-`varlen.backends.explain()` shows it).
+forward and a mask_mod in the backward; `cupy:mma`'s backward runs a score_mod too, with the
+gradients of its aux arrays (float32 atomics; with deterministic=True integer atomics in fixed
+point, bitwise repeatable: `varlen.backends._aux_fixed`).
+
+Attention dropout (`runs_dropout`): `cupy:mma` runs it, forward and backward (kernels_cuda/
+dropout.cuh, a DROPOUT variant of its forward and dK/dV kernels); the sm_90a kernels do not
+(`SM90_DROPOUT_REFUSAL`), so `backend="cupy"` runs a call with dropout on `cupy:mma`.
 """
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ __all__ = ["BACKEND", "CupyBackend", "MmaImplementation", "Sm90aImplementation",
            "device_info"]
 
 _stand_in: list = []        # the device every implementation answers for (tests on a CPU)
+
+SM90_DROPOUT_REFUSAL = ("its sm_90a kernels do not run attention dropout (dropout_p > 0); "
+                        "backend='cupy' runs it on cupy:mma's kernels")
 
 
 def _cupy_missing():
@@ -71,13 +78,12 @@ class _CupyBase(Backend):
     runs_mods = frozenset({"mask_mod", "score_mod", "aux_grads"})
 
     def supports_mods(self, call):
-        """None when the kernels run the call's mask_mod / score_mod (`mods.refusal`: aux
-        gradients by float32 atomics, not with deterministic=True; the sm_90a backward runs
-        neither)."""
+        """None when the kernels run the call's mask_mod / score_mod (`mods.refusal`: the
+        sm_90a backward runs a mask_mod, no score_mod)."""
         from .mods import refusal
         return refusal(getattr(call, "mods", None), impl=self.IMPL,
                        backward=getattr(call, "grads", None) is not None,
-                       deterministic=bool(getattr(call, "deterministic", False)))
+                       head_dim=getattr(call, "head_dim", None))
 
     @contextlib.contextmanager
     def stand_in_device(self, device: DeviceInfo):
@@ -167,6 +173,7 @@ class MmaImplementation(_CupyBase):
     """mma.sync and cp.async kernels (sm_80 and newer; `mma`)."""
 
     name = "cupy:mma"
+    runs_dropout = True
 
     def supports(self, call):
         why = self._common_refusal(call, HEAD_DIMS)
@@ -208,26 +215,31 @@ class MmaImplementation(_CupyBase):
                              f"{spec.block_n}) on this GPU: {why}; build the plan with the "
                              f"tiles of the backend's default_blocks or use another backend")
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None, dropout=None):
         """`out [Tq, Hq, Dv]` in q's dtype and `lse [Hq, Tq]` float32; pad rows 0 and -inf.
-        `mods`: the call's mask_mod and score_mod, compiled into the kernel."""
+        `mods`: the call's mask_mod and score_mod, compiled into the kernel; `dropout`: the
+        call's `varlen.dropout.Dropout` (the kernel's DROPOUT variant)."""
         from . import mma
-        spec = mma.spec_for(plan, q, kind="fwd", softcap=softcap, mods=mods, v=v)
+        spec = mma.spec_for(plan, q, kind="fwd", softcap=softcap, mods=mods, v=v,
+                            dropout=dropout)
         self._require_fit(spec, "fwd")
         return mma.forward(spec, plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
-                           mods=mods)
+                           mods=mods, dropout=dropout)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False, mods=None):
+                 deterministic=False, mods=None, dropout=None):
         """`(dq, dk, dv)` in the input dtype. dK/dV are always deterministic (one writer per
         row); dQ uses fp32 atomics, added in a fixed order when `deterministic` (bitwise
         repeatable). `mods`: as `forward`'s; with `mods.aux_grads` a fourth result, the
-        score_mod's aux gradients (float32 atomics: not with `deterministic`)."""
+        score_mod's aux gradients (float32 atomics; fixed point with `deterministic`).
+        `dropout`: the forward's, whose keep bits the dK/dV kernel draws again."""
         from . import mma
-        spec = mma.spec_for(plan, q, kind="bwd", softcap=softcap, mods=mods, v=v)
+        spec = mma.spec_for(plan, q, kind="bwd", softcap=softcap, mods=mods, v=v,
+                            dropout=dropout)
         self._require_fit(spec, "bwd-deterministic" if deterministic else "bwd")
         return mma.backward(spec, plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                            softcap=softcap, deterministic=bool(deterministic), mods=mods)
+                            softcap=softcap, deterministic=bool(deterministic), mods=mods,
+                            dropout=dropout)
 
 
 class Sm90aImplementation(_CupyBase):
@@ -235,10 +247,16 @@ class Sm90aImplementation(_CupyBase):
 
     name = "cupy:sm90a"
     IMPL = "sm90a"
-    runs_mods = frozenset({"mask_mod", "score_mod"})     # its forward only: `mods.refusal`
+    # a score_mod in its forward only (`mods.refusal`)
+    runs_mods = frozenset({"mask_mod", "score_mod"})
     # Chosen by backend="cupy" on an H100/H200 once scripts/gpu_check.sh --sm90a has passed on
     # one (docs/hopper.md, "The GPU side"); until then only when named.
     default_eligible = False
+
+    def supports_dropout(self, call):
+        """Dropout is refused (`SM90_DROPOUT_REFUSAL`): `backend="cupy"` falls back on
+        `cupy:mma`, `backend="cupy:sm90a"` raises."""
+        return None if getattr(call, "dropout", None) is None else SM90_DROPOUT_REFUSAL
 
     def supports(self, call):
         """Its forward also takes the pairs of `traits.SM90_FWD_HEAD_DIM_V_PAIRS` (D = 192 with
@@ -271,24 +289,32 @@ class Sm90aImplementation(_CupyBase):
             return str(e)
         return None
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
-        """As `MmaImplementation.forward`, by the sm_90a kernel (`sm90.forward`)."""
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None, dropout=None):
+        """As `MmaImplementation.forward`, by the sm_90a kernel (`sm90.forward`); no dropout."""
+        if dropout is not None:
+            raise ValueError(f"backend {self.name!r} cannot run this forward: "
+                             f"dropout_p={dropout.p!r}: {SM90_DROPOUT_REFUSAL}")
         from . import sm90
         return sm90.forward(plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
                             mods=mods)
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False, mods=None):
+                 deterministic=False, mods=None, dropout=None):
         """As `MmaImplementation.backward`, the sm_90a dK/dV kernel in place of the mma.sync one
-        (`sm90.backward`). It runs no mask_mod or score_mod (`supports_mods` refuses them)."""
+        (`sm90.backward`), with the call's mask_mod; no score_mod (`supports_mods` refuses it)
+        and no dropout."""
+        if dropout is not None:
+            raise ValueError(f"backend {self.name!r} cannot run this backward: "
+                             f"dropout_p={dropout.p!r}: {SM90_DROPOUT_REFUSAL}")
         from . import sm90
         from .mods import refusal
-        why = refusal(mods, impl=self.IMPL, backward=True) or sm90_backward_refusal(
-            int(q.shape[2]), int(v.shape[2]))
+        why = refusal(mods, impl=self.IMPL, backward=True,
+                      head_dim=int(q.shape[2])) or sm90_backward_refusal(int(q.shape[2]),
+                                                                         int(v.shape[2]))
         if why:
             raise ValueError(f"backend {self.name!r} cannot run this backward: {why}")
         return sm90.backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                             softcap=softcap, deterministic=bool(deterministic))
+                             softcap=softcap, deterministic=bool(deterministic), mods=mods)
 
 
 class CupyBackend(_CupyBase):
@@ -321,40 +347,50 @@ class CupyBackend(_CupyBase):
         """The user functions of the implementation every pass can fall back on (`cupy:mma`)."""
         return self.implementations[-1].supports_mods(call)
 
-    def choose(self, kind: str, plan, q, softcap: float, mods=None, v=None) -> Backend:
+    def supports_dropout(self, call):
+        """The dropout of the implementation every pass can fall back on (`cupy:mma`)."""
+        return self.implementations[-1].supports_dropout(call)
+
+    def choose(self, kind: str, plan, q, softcap: float, mods=None, v=None,
+               dropout=None) -> Backend:
         """The implementation that runs pass `kind` ("fwd" | "bwd") of a call with `plan`, user
-        functions `mods` and values `v` (its head dim is head_dim_v; None: q's): the first
-        default-eligible one that has a variant for it (the last one otherwise)."""
-        probe = _Probe(q, on_device=True, mods=mods, backward=kind == "bwd", v=v)
+        functions `mods`, values `v` (its head dim is head_dim_v; None: q's) and `dropout`: the
+        first default-eligible one that has a variant for it (the last one otherwise)."""
+        probe = _Probe(q, on_device=True, mods=mods, backward=kind == "bwd", v=v,
+                       dropout=dropout)
         for impl in self.implementations[:-1]:
             if impl.default_eligible and impl.runs(kind, plan, q, softcap, v) is None and \
-                    impl.supports(probe) is None and impl.supports_mods(probe) is None:
+                    impl.supports(probe) is None and impl.supports_mods(probe) is None and \
+                    impl.supports_dropout(probe) is None:
                 return impl
         return self.implementations[-1]
 
-    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None):
-        return self.choose("fwd", plan, q, softcap, mods, v).forward(
+    def forward(self, plan, q, k, v, *, softmax_scale, softcap, mods=None, dropout=None):
+        return self.choose("fwd", plan, q, softcap, mods, v, dropout).forward(
             plan, q, k, v, softmax_scale=softmax_scale, softcap=softcap,
-            **({"mods": mods} if mods else {}))
+            **({"mods": mods} if mods else {}),
+            **({"dropout": dropout} if dropout is not None else {}))
 
     def backward(self, plan, dout, q, k, v, out, lse, *, softmax_scale, softcap,
-                 deterministic=False, mods=None):
-        return self.choose("bwd", plan, q, softcap, mods, v).backward(
+                 deterministic=False, mods=None, dropout=None):
+        return self.choose("bwd", plan, q, softcap, mods, v, dropout).backward(
             plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale, softcap=softcap,
-            deterministic=deterministic, **({"mods": mods} if mods else {}))
+            deterministic=deterministic, **({"mods": mods} if mods else {}),
+            **({"dropout": dropout} if dropout is not None else {}))
 
 
 class _Probe:
-    """What `supports` and `supports_mods` read, from a working array and the call's user
-    functions (the family's choice inside a pass)."""
+    """What `supports`, `supports_mods` and `supports_dropout` read, from a working array and
+    the call's user functions and dropout (the family's choice inside a pass)."""
 
-    def __init__(self, q, *, on_device, mods=None, backward=False, v=None):
+    def __init__(self, q, *, on_device, mods=None, backward=False, v=None, dropout=None):
         from ..._validate import dtype_name
         self.dtype = dtype_name(q.dtype)
         self.head_dim = int(q.shape[2])
         self.head_dim_v = self.head_dim if v is None else int(v.shape[2])
         self.on_device = on_device
         self.mods = mods
+        self.dropout = dropout
         self.grads = () if backward else None
 
 

@@ -24,10 +24,12 @@ from .traits import ARCHS, SMEM_BUDGET
 # Entry file of the CUDA sources (it includes every header in kernels_cuda/).
 ENTRY_FILE = "varlen_attention.cu"
 CACHE_ENV = "VARLEN_SM90A_CACHE"      # where sm_90a cubins are kept (default: under the temp dir)
+POLL_LIMIT_ENV = "VARLEN_POLL_LIMIT"  # waits trap after that many polls (default 0: off)
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+_PROPS = re.compile(r"Function properties for (\S+)")
 
 
 class SmLimits(NamedTuple):
@@ -70,15 +72,29 @@ def _check(res, what):
 
 
 def parse_ptxas_log(log: str) -> dict:
-    """{mangled name: {registers, spill_stores, spill_loads, static_smem}}."""
-    out, cur = {}, None
+    """{mangled name: {registers, spill_stores, spill_loads, static_smem}} of each kernel. A
+    function the kernels call (`__noinline__`) has properties of its own: its spills are added
+    to every kernel's (conservative: any of them may call it)."""
+    out, cur, called, entry = {}, None, [0, 0], None
     for line in log.splitlines():
         if m := _ENTRY.search(line):
+            entry = m[1]
             cur = out.setdefault(m[1], {"arch": m[2]})
-        elif cur is not None and (m := _FRAME.search(line)):
-            cur.update(spill_stores=int(m[2]), spill_loads=int(m[3]))
+        elif m := _PROPS.search(line):
+            cur = out.get(entry) if m[1] == entry else None
+            if cur is None:
+                entry = None
+        elif m := _FRAME.search(line):
+            if cur is not None:
+                cur.update(spill_stores=int(m[2]), spill_loads=int(m[3]))
+            else:
+                called[0] += int(m[2])
+                called[1] += int(m[3])
         elif cur is not None and (m := _USED.search(line)):
             cur.update(registers=int(m[1]), static_smem=int(m[3] or 0))
+    for u in out.values():
+        u["spill_stores"] = u.get("spill_stores", 0) + called[0]
+        u["spill_loads"] = u.get("spill_loads", 0) + called[1]
     return out
 
 
@@ -190,11 +206,29 @@ def cuda_include_dirs():
     return ("/usr/local/cuda/include",)
 
 
+def poll_limit() -> int:
+    """The poll limit of the kernels' waits (`VARLEN_POLL_LIMIT` in common.cuh): after that
+    many polls of an mbarrier or the ordered-dQ counter a thread prints where it waited and
+    traps. From $VARLEN_POLL_LIMIT (scripts/gpu_check.sh sets it); 0, the default, is off."""
+    raw = os.environ.get(POLL_LIMIT_ENV, "").strip()
+    if not raw:
+        return 0
+    n = int(raw) if raw.isdigit() else -1
+    if not 0 <= n < 2**31 - 1:
+        raise ValueError(f"{POLL_LIMIT_ENV}={raw!r}: expected 0 (off) or a poll count below "
+                         "2**31")
+    return n
+
+
 def compile_options():
     """NVRTC options of every build of the kernels: the runtime's (CuPy adds -arch itself) and
-    the compile check's (scripts/compile_kernels.py), so both find the same headers."""
+    the compile check's (scripts/compile_kernels.py), so both find the same headers. A poll
+    limit (`poll_limit`) is a define of its own, so CuPy's module cache and the sm_90a cubin
+    cache key builds with and without it apart."""
+    limit = poll_limit()
     return ("--use_fast_math", f"-I{SOURCE_DIR}", *(f"-I{d}" for d in cuda_include_dirs()),
-            f"-DVARLEN_SOURCE_HASH=0x{source_hash()}")
+            f"-DVARLEN_SOURCE_HASH=0x{source_hash()}",
+            *((f"-D{POLL_LIMIT_ENV}={limit}",) if limit else ()))
 
 
 def module_source() -> str:

@@ -39,6 +39,10 @@ PLAN_VIEW_DTYPE = np.dtype([(name, np.uint64 if i < KernelView.NUM_ARRAYS else n
 CALL_PARAMS_DTYPE = np.dtype([("Hq", np.int32), ("Hk", np.int32), ("softmax_scale", np.float32),
                               ("softcap", np.float32)], align=True)
 STRIDES_DTYPE = np.dtype([("row", np.int32), ("head", np.int32)], align=True)
+DROPOUT_PARAMS_DTYPE = np.dtype([("seed_lo", np.uint32), ("seed_hi", np.uint32),
+                                 ("offset", np.uint32), ("threshold", np.uint32),
+                                 ("scale", np.float32), ("head_offset", np.uint32)],
+                                align=True)
 # Strides are 32-bit (params.cuh; the offsets computed from them 64-bit): a view whose rows or
 # heads lie further apart is copied.
 MAX_STRIDE = 2 ** 31 - 1
@@ -46,12 +50,13 @@ MAX_STRIDE = 2 ** 31 - 1
 
 def _params_dtype(arrays, strided):
     """A params struct: the addresses of `arrays`, the Strides fields `strided` ({field: the
-    array whose strides it holds}), lse's stride, the plan, the call and the aux arrays of its
-    mask_mod and score_mod (`mods.MOD_PARAMS_DTYPE`)."""
+    array whose strides it holds}), lse's stride, the plan, the call, the aux arrays of its
+    mask_mod and score_mod (`mods.MOD_PARAMS_DTYPE`) and its dropout."""
     return np.dtype([(name, np.uint64) for name in arrays]
                     + [(field, STRIDES_DTYPE) for field in strided]
                     + [("lse_stride", np.int64), ("plan", PLAN_VIEW_DTYPE),
-                       ("call", CALL_PARAMS_DTYPE), ("mods", MOD_PARAMS_DTYPE)], align=True)
+                       ("call", CALL_PARAMS_DTYPE), ("mods", MOD_PARAMS_DTYPE),
+                       ("dropout", DROPOUT_PARAMS_DTYPE)], align=True)
 
 
 FWD_ARRAYS = ("q", "k", "v", "out", "lse")
@@ -63,7 +68,8 @@ BWD_STRIDED = {f"{name}_strides": name for name in ("q", "k", "v", "out", "dout"
 FWD_PARAMS_DTYPE = _params_dtype(FWD_ARRAYS, FWD_STRIDED)
 BWD_PARAMS_DTYPE = _params_dtype(BWD_ARRAYS, BWD_STRIDED)
 STRUCT_DTYPES = {"PlanView": PLAN_VIEW_DTYPE, "CallParams": CALL_PARAMS_DTYPE,
-                 "Strides": STRIDES_DTYPE, "ModAux": MOD_AUX_DTYPE, "ModParams": MOD_PARAMS_DTYPE,
+                 "Strides": STRIDES_DTYPE, "DropoutParams": DROPOUT_PARAMS_DTYPE,
+                 "ModAux": MOD_AUX_DTYPE, "ModParams": MOD_PARAMS_DTYPE,
                  "FwdParams": FWD_PARAMS_DTYPE, "BwdParams": BWD_PARAMS_DTYPE}
 # cp.async and ldmatrix move 16-byte chunks, TMA boxes start at 16-byte aligned addresses: the
 # alignment of a row of an input they read, and of its row and head strides, in bytes.
@@ -160,6 +166,17 @@ def call_params_arg(Hq: int, Hk: int, softmax_scale: float, softcap: float) -> n
     return struct(CALL_PARAMS_DTYPE, (Hq, Hk, softmax_scale, softcap))
 
 
+def dropout_params_arg(dropout) -> np.ndarray:
+    """The kernels' `DropoutParams` of a call's `varlen.dropout.Dropout` (None: all zero, never
+    read by kernels compiled without dropout): values, so a new seed or offset recompiles
+    nothing."""
+    if dropout is None:
+        return np.zeros((), DROPOUT_PARAMS_DTYPE)
+    return struct(DROPOUT_PARAMS_DTYPE, (dropout.key0, dropout.key1, dropout.offset,
+                                         dropout.threshold, dropout.scale,
+                                         dropout.head_offset))
+
+
 def strides(a) -> tuple:
     """(row, head) strides in elements of a [T, H, D] array (0, 0 for None). A dim of size 1
     gets its packed stride: the kernels never step along it, and a tensor map is given only
@@ -173,7 +190,7 @@ def strides(a) -> tuple:
 
 
 def _params_arg(dtype, strided, plan_arg: PlanArg, call, arrays: dict, mods=None,
-                mod_err=None, aux_grads=None) -> np.ndarray:
+                mod_err=None, aux_grads=None, dropout=None) -> np.ndarray:
     arg = alloc(np, (), dtype, fill=0)
     for name, a in arrays.items():
         arg[name] = address(a)
@@ -185,27 +202,30 @@ def _params_arg(dtype, strided, plan_arg: PlanArg, call, arrays: dict, mods=None
     arg["plan"] = plan_arg.struct
     arg["call"] = call
     arg["mods"] = mod_params_arg(mods, mod_err, address, aux_grads)
+    arg["dropout"] = dropout_params_arg(dropout)
     return arg
 
 
 def fwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, lse, mods=None,
-                   mod_err=None) -> np.ndarray:
+                   mod_err=None, dropout=None) -> np.ndarray:
     """The forward kernels' `FwdParams`: q, k, v [T, H, D] where they lie (`data`), out and
-    lse, the plan's struct (`plan_view_arg`), `CallParams` (`call_params_arg`) and the aux
-    arrays of the call's `mods` with the flag `mod_err` (`mods.mod_params_arg`)."""
+    lse, the plan's struct (`plan_view_arg`), `CallParams` (`call_params_arg`), the aux
+    arrays of the call's `mods` with the flag `mod_err` (`mods.mod_params_arg`) and its
+    `dropout` (`dropout_params_arg`)."""
     return _params_arg(FWD_PARAMS_DTYPE, FWD_STRIDED, plan_arg, call,
-                       dict(q=q, k=k, v=v, out=out, lse=lse), mods, mod_err)
+                       dict(q=q, k=k, v=v, out=out, lse=lse), mods, mod_err, dropout=dropout)
 
 
 def bwd_params_arg(plan_arg: PlanArg, call, *, q, k, v, out, dout, lse, lse2, delta, dq_accum,
                    dq_order, dq, dk, dv, mods=None, mod_err=None,
-                   aux_grads=None) -> np.ndarray:
+                   aux_grads=None, dropout=None) -> np.ndarray:
     """The backward kernels' `BwdParams` (every field; None: a null pointer, an argument the
-    kernels of this launch never touch); `aux_grads`: the score_mod's aux gradient buffers."""
+    kernels of this launch never touch); `aux_grads`: the score_mod's aux gradient buffers;
+    `dropout`: as `fwd_params_arg`'s."""
     return _params_arg(BWD_PARAMS_DTYPE, BWD_STRIDED, plan_arg, call,
                        dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse, lse2=lse2, delta=delta,
                             dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk, dv=dv),
-                       mods, mod_err, aux_grads)
+                       mods, mod_err, aux_grads, dropout)
 
 
 def check_heads(Hq: int):

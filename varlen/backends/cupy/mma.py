@@ -33,7 +33,9 @@ class KernelSpec(Variant):
     type, a head dim, the plan's tiles, the softcap flag, the call's mask_mod and score_mod
     (`mods.ModHooks`, None without: the module is compiled with their generated code) and the
     head dim of v (`head_dim_v`, None: `head_dim`; a pair of `traits.HEAD_DIM_V_PAIRS`
-    otherwise); the kernels' own steps come from `traits.tile_size` (those of `head_dim`: V's
+    otherwise) and the dropout flag (`dropout`: the forward and dK/dV kernels with their
+    DROPOUT template argument; the call's seed, offset and p reach them as values, in the
+    params); the kernels' own steps come from `traits.tile_size` (those of `head_dim`: V's
     rows lie in the shared-memory rows of K's width). Invalid combinations raise ValueError
     here, before compiling."""
 
@@ -45,11 +47,14 @@ class KernelSpec(Variant):
     softcap: bool
     mods: ModHooks | None = None
     head_dim_v: int | None = None
+    dropout: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"KernelSpec.kind={self.kind!r}; expected one of {KINDS}")
         self.check_common()
+        if not isinstance(self.dropout, bool):
+            raise ValueError(f"KernelSpec.dropout must be a bool, got {self.dropout!r}")
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         why = head_dim_v_refusal(self.head_dim, self.head_dim_v, "mma")
@@ -133,31 +138,35 @@ class KernelSpec(Variant):
         64-key tiles (fwd_block_n); every other spec its own."""
         if self.kind == "fwd" and self.block_n != self.fwd_block_n:
             return KernelSpec(self.kind, self.dtype, self.head_dim, self.block_m,
-                              self.fwd_block_n, self.softcap, self.mods, self.head_dim_v)
+                              self.fwd_block_n, self.softcap, self.mods, self.head_dim_v,
+                              self.dropout)
         return self
 
     @property
     def _dv(self) -> str:
-        """The trailing DV template argument: none (its default, D) when head_dim_v == head_dim,
-        so those kernels keep their names."""
+        """The trailing DV and DROPOUT template arguments: none (their defaults, D and false)
+        when head_dim_v == head_dim without dropout, so those kernels keep their names."""
+        if self.dropout:
+            return f", {self.head_dim_v}, true"
         return "" if self.head_dim_v == self.head_dim else f", {self.head_dim_v}"
 
     def fwd_name(self) -> str:
-        """`varlen_fwd<T, D, BM, BN, HAS_SOFTCAP, KN, STAGES[, DV]>`: the key chunk and stages
-        of `traits.tile_size`, which FwdConfig checks."""
+        """`varlen_fwd<T, D, BM, BN, HAS_SOFTCAP, KN, STAGES[, DV[, DROPOUT]]>`: the key chunk
+        and stages of `traits.tile_size`, which FwdConfig checks."""
         return (f"varlen_fwd<{self.ctype}, {self.head_dim}, {self.block_m}, {self.fwd_block_n}, "
                 f"{cxx_bool(self.softcap)}, {self.fwd_chunk}, {self.fwd_stages}{self._dv}>")
 
     def dkdv_name(self, ordered_dq: bool = False) -> str:
-        """`varlen_bwd_dkdv<T, D, BN, BQ, HAS_SOFTCAP, ATOMIC_DQ, ORDERED_DQ[, DV]>`, BQ the
-        query chunk of `traits.tile_size`. Both dQ modes add dQ in the kernel (ATOMIC_DQ =
-        true); ordered_dq fixes the order."""
+        """`varlen_bwd_dkdv<T, D, BN, BQ, HAS_SOFTCAP, ATOMIC_DQ, ORDERED_DQ[, DV[, DROPOUT]]>`,
+        BQ the query chunk of `traits.tile_size`. Both dQ modes add dQ in the kernel
+        (ATOMIC_DQ = true); ordered_dq fixes the order."""
         ordered = f", {cxx_bool(ordered_dq)}" if ordered_dq or self._dv else ""
         return (f"varlen_bwd_dkdv<{self.ctype}, {self.head_dim}, {self.block_n}, "
                 f"{self.bwd_query_chunk}, {cxx_bool(self.softcap)}, true{ordered}{self._dv}>")
 
     def preprocess_name(self) -> str:
-        return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}{self._dv}>"
+        dv = "" if self.head_dim_v == self.head_dim else f", {self.head_dim_v}"
+        return f"varlen_bwd_preprocess<{self.ctype}, {self.head_dim}{dv}>"
 
     def convert_name(self) -> str:
         return f"varlen_bwd_dq_convert<{self.ctype}, {self.head_dim}>"
@@ -181,6 +190,7 @@ class KernelSpec(Variant):
         dv = f"-Dv{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
         return (f"{self.kind}-{self.dtype}-D{self.head_dim}{dv}-BM{self.block_m}-BN{self.block_n}"
                 f"{'-softcap' if self.softcap else ''}"
+                f"{'-dropout' if self.dropout else ''}"
                 f"{'-' + self.mods.label if self.mods else ''}")
 
 
@@ -190,13 +200,15 @@ ROLES = {"fwd": ("fwd",), "bwd": ("preprocess", "dkdv_atomic", "dq_convert"),
          "bwd-deterministic": ("preprocess", "dkdv_ordered", "dq_convert")}
 
 
-def spec_for(plan, q, *, kind: str, softcap: float, mods=None, v=None) -> KernelSpec:
+def spec_for(plan, q, *, kind: str, softcap: float, mods=None, v=None,
+             dropout=None) -> KernelSpec:
     """The compiled variant that runs `kind` ("fwd"/"bwd") for this plan and input (`v`: its
-    head dim is head_dim_v; None: q's), and the call's `mods` (`varlen.mods.Mods` or None)."""
+    head dim is head_dim_v; None: q's), the call's `mods` (`varlen.mods.Mods` or None) and
+    its `dropout` (`varlen.dropout.Dropout` or None)."""
     from ..._validate import dtype_name
     return KernelSpec(kind, dtype_name(q.dtype), int(q.shape[2]), plan.block_m, plan.block_n,
                       softcap > 0, hooks_for(mods, backward=kind == "bwd"),
-                      None if v is None else int(v.shape[2]))
+                      None if v is None else int(v.shape[2]), dropout is not None)
 
 
 def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tuple):
@@ -223,12 +235,12 @@ def choose_blocks(device: DeviceInfo, dtype: str, head_dim: int, preferred: tupl
 
 def all_specs():
     """Every variant the implementation ships: each head dim with head_dim_v == head_dim, then
-    the (head_dim, head_dim_v) pairs of `traits.HEAD_DIM_V_PAIRS`."""
+    the (head_dim, head_dim_v) pairs of `traits.HEAD_DIM_V_PAIRS`; without dropout, then with."""
     from .traits import DTYPES, HEAD_DIM_V_PAIRS, HEAD_DIMS
     dims = [(d, d) for d in HEAD_DIMS] + list(HEAD_DIM_V_PAIRS)
-    return [KernelSpec(kind, dtype, d, bm, bn, sc, None, dv)
-            for kind in KINDS for dtype in DTYPES for d, dv in dims for bm, bn in blocks_for(d)
-            for sc in (False, True)]
+    return [KernelSpec(kind, dtype, d, bm, bn, sc, None, dv, drop)
+            for drop in (False, True) for kind in KINDS for dtype in DTYPES for d, dv in dims
+            for bm, bn in blocks_for(d) for sc in (False, True)]
 
 
 def module(spec: KernelSpec) -> L.Module:
@@ -238,7 +250,7 @@ def module(spec: KernelSpec) -> L.Module:
 
 
 def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: float,
-            mods=None):
+            mods=None, dropout=None):
     """`out [Tq, Hq, Dv]` (q's dtype, pad rows 0) and `lse [Hq, Tq]` (float32, pad rows -inf);
     Dv = v.shape[2], spec.head_dim_v.
 
@@ -247,7 +259,8 @@ def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: f
     and v are read where they lie (`launch.data`: views whose last dim is contiguous and rows
     16-byte aligned). `mods`: the call's mask_mod and score_mod (those `spec` was made for),
     their aux arrays in the params; an out-of-range aux index is recorded for
-    `varlen.check_device_errors()` (a zeroed flag and an or after the launch).
+    `varlen.check_device_errors()` (a zeroed flag and an or after the launch). `dropout`: the
+    call's `varlen.dropout.Dropout` (`spec.dropout` set) or None.
     """
     import cupy
     q, k, v = L.data(q, "q"), L.data(k, "k"), L.data(v, "v")
@@ -262,14 +275,15 @@ def forward(spec: KernelSpec, plan, q, k, v, *, softmax_scale: float, softcap: f
     plan_arg = L.plan_view_arg(plan)          # referenced until the launch is enqueued
     err = error_flag(mods)
     params = L.fwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
-                              q=q, k=k, v=v, out=out, lse=lse, mods=mods, mod_err=err)
+                              q=q, k=k, v=v, out=out, lse=lse, mods=mods, mod_err=err,
+                              dropout=dropout)
     mod.launch("fwd", grid=_tile_grid(mod, "fwd", plan.num_q_tiles, Tq, Hq), args=(params,))
     record_errors(err)
     return out, lse
 
 
 def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: float,
-             softcap: float, deterministic: bool, dkdv=None, mods=None):
+             softcap: float, deterministic: bool, dkdv=None, mods=None, dropout=None):
     """`(dq, dk, dv)` in the input dtype; dQ by fp32 atomics, added in a fixed order when
     `deterministic` (bitwise repeatable).
 
@@ -282,8 +296,10 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
 
     `mods`: as `forward`'s (the dK/dV kernel recomputes P with them and multiplies dS by the
     score_mod's derivative). With `mods.aux_grads` it also adds dS * d(score_mod)/d(aux) into
-    zeroed float32 buffers (`mods.aux_grad_buffers`, atomics; `deterministic` is refused
-    before: `mods.refusal`) and returns them as a fourth result (`mods.aux_grads_result`).
+    zeroed buffers (`mods.aux_grad_buffers`: float32 atomics, or with `deterministic` 64-bit
+    fixed-point words, `varlen.backends._aux_fixed`) and returns them as a fourth result in
+    float32 (`mods.aux_grads_result`, which converts the words on the device).
+    `dropout`: the forward's (the dK/dV kernel draws the same keep bits again).
 
     Three launches, no fill. The preprocessing computes delta and the base-2 lse and writes
     what the next two kernels do not: the zeroed fp32 dQ accumulator, the pad rows of dk and dv
@@ -305,10 +321,12 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     dk = alloc(cupy, k.shape, k.dtype)
     dv = alloc(cupy, v.shape, v.dtype)
     queries, keys = Tq * Hq > 0, Tk * Hk > 0
-    grads = aux_grad_buffers(mods)
+    grads = aux_grad_buffers(mods, deterministic=deterministic)
 
     def result():
-        return (dq, dk, dv) if grads is None else (dq, dk, dv, aux_grads_result(mods, grads))
+        if grads is None:
+            return dq, dk, dv
+        return dq, dk, dv, aux_grads_result(mods, grads, deterministic=deterministic)
     if not (queries or keys):
         return result()
     mod = module(spec)
@@ -324,7 +342,7 @@ def backward(spec: KernelSpec, plan, dout, q, k, v, out, lse, *, softmax_scale: 
     params = L.bwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
                               q=q, k=k, v=v, out=out, dout=dout, lse=lse, lse2=lse2,
                               delta=delta, dq_accum=dq_accum, dq_order=dq_order, dq=dq, dk=dk,
-                              dv=dv, mods=mods, mod_err=err, aux_grads=grads)
+                              dv=dv, mods=mods, mod_err=err, aux_grads=grads, dropout=dropout)
     slot_rows = plan.num_q_tiles * plan.block_m if deterministic else 0
     threads = mod.kernels["preprocess"].threads
     items = max(Tq * Hq * threads // PREPROCESS_WARPS, _pad_windows(Tk), slot_rows)

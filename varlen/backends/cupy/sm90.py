@@ -193,8 +193,10 @@ class FwdSpec(_Sm90Variant):
 
 @dataclass(frozen=True)
 class BwdSpec(_Sm90Variant):
-    """One variant of `varlen_bwd_dkdv_sm90`: element type, head dim, key tile, softcap, and
-    whether dQ is added in a fixed order (`deterministic=True`)."""
+    """One variant of `varlen_bwd_dkdv_sm90`: element type, head dim, key tile, softcap,
+    whether dQ is added in a fixed order (`deterministic=True`), and the call's mask_mod
+    (`mods.ModHooks`, None without: the cubin is built with its generated code, as
+    `FwdSpec`'s; never a score_mod, which `mods.refusal` refuses here)."""
 
     ROLE = "dkdv"
     KERNEL = BWD_KERNEL
@@ -203,11 +205,14 @@ class BwdSpec(_Sm90Variant):
     block_n: int
     softcap: bool
     ordered_dq: bool = False
+    mods: ModHooks | None = None
 
     def __post_init__(self):
         self.check_common()
         if self.block_n not in (64, 128):
             raise ValueError(f"{self.block_n=}: one or two consumer warpgroups of 64 key rows")
+        if self.mods is not None and self.mods.score:
+            raise ValueError(f"{self.mods=}: the sm_90a backward runs a mask_mod, no score_mod")
         if self.head_dim >= SPLIT_HEAD_DIM and self.block_n != WG_ROWS:
             raise ValueError(f"{self.block_n=} at D = {self.head_dim}: the sm_90a backward's two "
                              f"consumer warpgroups split the columns of a {WG_ROWS}-key tile")
@@ -247,7 +252,13 @@ class BwdSpec(_Sm90Variant):
     @property
     def label(self) -> str:
         return self._label("bwd", f"D{self.head_dim}", f"BN{self.block_n}",
+                           *([self.mods.label] if self.mods else []),
                            softcap=self.softcap, ordered=self.ordered_dq)
+
+    @property
+    def source(self) -> str | None:
+        """The module source of its cubin, as `FwdSpec.source`."""
+        return module_source(self.mods) if self.mods else None
 
 
 def fwd_spec_for(plan, q, softcap: float, mods=None, v=None) -> FwdSpec:
@@ -261,12 +272,15 @@ def fwd_spec_for(plan, q, softcap: float, mods=None, v=None) -> FwdSpec:
                    head_dim_v=None if v is None else int(v.shape[2]))
 
 
-def bwd_spec_for(plan, q, softcap: float, deterministic: bool = False, v=None) -> BwdSpec:
+def bwd_spec_for(plan, q, softcap: float, deterministic: bool = False, v=None,
+                 mods=None) -> BwdSpec:
+    """The dK/dV variant for a call with `plan`, values `v` (None: q's head dim) and `mods`
+    (`varlen.mods.Mods` or None; a score_mod is refused before: `mods.refusal`)."""
     why = None if v is None else sm90_backward_refusal(int(q.shape[2]), int(v.shape[2]))
     if why:
         raise ValueError(why)
     spec = BwdSpec(str(q.dtype), int(q.shape[2]), int(plan.block_n), bool(softcap > 0),
-                   bool(deterministic))
+                   bool(deterministic), hooks_for(mods))
     if plan.block_m % spec.query_chunk:
         raise ValueError(f"{plan.block_m=} does not split into query chunks of "
                          f"{spec.query_chunk}")
@@ -334,6 +348,32 @@ def packed_plan(plan, pack: int):
     return per_plan[pack]
 
 
+_work_ordered = weakref.WeakKeyDictionary()
+
+
+def work_ordered_plan(plan):
+    """`plan` with its query tile slots in ascending order of work, for the sm_90a forward,
+    which takes its work items from the last slot on (`WorkItem`): so the items run in
+    descending order of work and the static stride of the persistent grid bounds the spread of
+    the blocks' finishing times by one item (docs/hopper.md, "The persistent loop"). A slot's
+    work is its visible key tiles (q_sched's `end - begin` summed over the key segments);
+    equal work keeps slot order, unused slots (no work) come first. The same tiles, schedules
+    and row schedules, permuted together on the device (no host read), once per plan object;
+    everything else is `plan`'s."""
+    got = _work_ordered.get(plan)
+    if got is None:
+        sched = plan.q_sched
+        work = (sched[:, :, 3] - sched[:, :, 0]).astype("int64").sum(axis=1)
+        slots = work.shape[0]
+        # unique keys: the order does not depend on the sort's stability
+        index = (work * 0 + 1).cumsum() - 1           # 0 .. slots - 1, where work lies
+        order = (work * slots + index).argsort()
+        got = _work_ordered[plan] = dataclasses.replace(
+            plan, q_tiles=plan.q_tiles[order], q_sched=sched[order],
+            q_row_sched=plan.q_row_sched[order])
+    return got
+
+
 def persistent_grid(work_items: int, sm_count: int) -> int:
     """Blocks of the persistent grid: one per work item up to `CTAS_PER_SM` per SM, at least one
     (it also writes the pad rows)."""
@@ -351,21 +391,53 @@ def map_layout(a, box_rows: int, box_heads: int = 1):
     return (D, H, T), (head * e, row * e), (BOX_COLS, box_heads, box_rows)
 
 
-def encode_args(a, box_rows: int, box_heads: int = 1) -> tuple:
-    """The arguments of the driver's `cuTensorMapEncodeTiled` (cuda-bindings) for the map of a
-    [T, H, D] CuPy array (`map_layout`): the dims and strides as `cuuint64_t`, the box and
-    element strides as `cuuint32_t` (the bindings refuse plain ints in those lists), 128B
-    swizzle, zero fill."""
+# cuTensorMapEncodeTiled's element types (CUtensorMapDataType) of the dtypes a map may have
+TENSOR_MAP_TYPES = {"float16": "FLOAT16", "bfloat16": "BFLOAT16", "float32": "FLOAT32",
+                    "uint16": "UINT16"}
+
+
+def tiled_args(address: int, dtype, dims, strides, box, swizzle: int = 3,
+               nan_fill: bool = False) -> tuple:
+    """The arguments of the driver's `cuTensorMapEncodeTiled` (cuda-bindings) for a map of
+    len(dims) dimensions at device `address`: `dims` and `box` innermost first, `strides` the
+    byte strides of dims 1.. as `cuuint64_t`, the box and element strides (1) as `cuuint32_t`
+    (the bindings refuse plain ints in those lists), no interleave, `swizzle` a
+    CUtensorMapSwizzle (3: 128B), out-of-bounds elements zero (`nan_fill`: NaN)."""
     from cuda.bindings import driver as cu
-    dims, strides, box = map_layout(a, box_rows, box_heads)
-    return (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if a.dtype.name == "bfloat16"
-            else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-            3, a.data.ptr, [cu.cuuint64_t(x) for x in dims], [cu.cuuint64_t(x) for x in strides],
-            [cu.cuuint32_t(x) for x in box], [cu.cuuint32_t(1)] * 3,
+    name = dtype.name if hasattr(dtype, "name") else np.dtype(dtype).name
+    if name not in TENSOR_MAP_TYPES:
+        raise ValueError(f"a tensor map of {name} elements: one of {tuple(TENSOR_MAP_TYPES)}")
+    fill = cu.CUtensorMapFloatOOBfill
+    return (getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{TENSOR_MAP_TYPES[name]}"),
+            len(dims), address, [cu.cuuint64_t(x) for x in dims],
+            [cu.cuuint64_t(x) for x in strides], [cu.cuuint32_t(x) for x in box],
+            [cu.cuuint32_t(1)] * len(dims),
             cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapSwizzle(swizzle),
             cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+            fill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if nan_fill
+            else fill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
+def encode_args(a, box_rows: int, box_heads: int = 1) -> tuple:
+    """`tiled_args` of the map of a [T, H, D] CuPy array (`map_layout`): 128B swizzle, zero
+    fill."""
+    dims, strides, box = map_layout(a, box_rows, box_heads)
+    return tiled_args(a.data.ptr, a.dtype, dims, strides, box)
+
+
+def encode_tensor_map(args: tuple) -> np.ndarray:
+    """The driver's `cuTensorMapEncodeTiled(*args)` (`tiled_args`) as the 128-byte kernel
+    argument (`TENSOR_MAP_DTYPE`); a RuntimeError naming the dims and box if it refuses."""
+    from cuda.bindings import driver as cu
+    err, tmap = cu.cuTensorMapEncodeTiled(*args)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled(dims={[int(x) for x in args[3]]}, "
+                           f"strides={[int(x) for x in args[4]]}, "
+                           f"box={[int(x) for x in args[5]]}) failed: {err}")
+    arg = np.zeros((), TENSOR_MAP_DTYPE)
+    arg["opaque"] = np.asarray(tmap.opaque, dtype=np.uint64)
+    return arg
 
 
 class Runtime:
@@ -395,14 +467,7 @@ class Runtime:
         return self._functions[spec]
 
     def tensor_map(self, a, box_rows: int, box_heads: int = 1) -> np.ndarray:
-        from cuda.bindings import driver as cu
-        err, tmap = cu.cuTensorMapEncodeTiled(*encode_args(a, box_rows, box_heads))
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuTensorMapEncodeTiled({a.shape=}, "
-                               f"{map_layout(a, box_rows, box_heads)=}) failed: {err}")
-        arg = np.zeros((), TENSOR_MAP_DTYPE)
-        arg["opaque"] = np.asarray(tmap.opaque, dtype=np.uint64)
-        return arg
+        return encode_tensor_map(encode_args(a, box_rows, box_heads))
 
     def sm_count(self) -> int:
         """The current device's SMs (`cudaDevAttrMultiProcessorCount`), read once per device
@@ -511,7 +576,7 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | 
         return out, lse
     rt = runtime()
     rt.prepare(spec)
-    kplan = packed_plan(plan, pack)
+    kplan = work_ordered_plan(packed_plan(plan, pack))
     plan_arg = L.plan_view_arg(kplan)         # referenced until the launch is enqueued
     err = error_flag(mods)
     params = L.fwd_params_arg(plan_arg, L.call_params_arg(Hq, Hk, softmax_scale, softcap),
@@ -525,14 +590,16 @@ def forward(plan, q, k, v, *, softmax_scale: float, softcap: float, pack: int | 
 
 
 def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: float,
-             deterministic: bool = False):
+             deterministic: bool = False, mods=None):
     """`(dq, dk, dv)` in the input dtype, as `mma.backward`: dq [Tq, Hq, D], dk and dv
     [Tk, Hk, D]; pad rows and rows without a visible pair 0; dQ's additions in a fixed order
     with `deterministic` (bitwise repeatable). The same three launches, `varlen_bwd_dkdv_sm90`
     in place of the mma.sync dK/dV kernel. q, k, v and dout are read where they lie
-    (`launch.data` with the tensor maps' rules), out where the preprocessing can."""
+    (`launch.data` with the tensor maps' rules), out where the preprocessing can. `mods`: the
+    call's mask_mod, as in `mma.backward` (a score_mod is refused before: `mods.refusal`); an
+    out-of-range aux index is flagged as there."""
     from . import mma
-    spec = bwd_spec_for(plan, q, softcap, deterministic, v)
+    spec = bwd_spec_for(plan, q, softcap, deterministic, v, mods)
     # the preprocessing and the conversion depend on the element type and head dim only
     aux = mma.KernelSpec("bwd", spec.dtype, spec.head_dim, 64, 64, False)
     q, k, v, dout = (L.data(a, name, tma=True)
@@ -546,7 +613,8 @@ def backward(plan, dout, q, k, v, out, lse, *, softmax_scale: float, softcap: fl
         rt.launch(spec, grid=(plan.num_k_tiles, k.shape[1]), args=(*maps, params))
 
     return mma.backward(aux, plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                        softcap=softcap, deterministic=bool(deterministic), dkdv=dkdv)
+                        softcap=softcap, deterministic=bool(deterministic), dkdv=dkdv,
+                        mods=mods)
 
 
 def main(argv=None) -> int:

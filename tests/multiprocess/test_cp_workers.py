@@ -1,10 +1,12 @@
-"""MaskMod and ScoreMod (`tests/comm_workers/mods_cp.py`) and attention sinks
-(`tests/comm_workers/sinks_cp.py`) under context parallelism on real processes: every case,
-method and scheme under `mpiexec -n 2` and `-n 4` (MPI group, NumPy backend, float64),
-`varlen.torch.context_parallel_attention` with learnable aux tensors and sinks under torchrun
-(gloo), and `varlen.jax.context_parallel_attention` inside shard_map on 4 host devices. Each
-rank's shards match the single-process float64 reference; the aux and sink gradients, summed
-over the ranks, match the reference's."""
+"""The context-parallel workers on real processes: MaskMod and ScoreMod
+(`tests/comm_workers/mods_cp.py`), attention sinks (`sinks_cp.py`) and attention dropout
+(`dropout_cp.py`: ring, allgather, ulysses, usp and auto, the same seed as the single-process
+call). Every case, method and scheme under `mpiexec -n 2` and `-n 4` (`-n 3` too at full size;
+MPI group, NumPy backend, float64), `varlen.torch.context_parallel_attention` under torchrun
+(gloo, 2 ranks: learnable aux tensors and sinks; dropout with a seed drawn on ranks whose torch
+generators differ), and `varlen.jax.context_parallel_attention` inside shard_map on 4 host
+devices. Each rank's shards match the single-process float64 reference; the aux and sink
+gradients, summed over the ranks, match the reference's."""
 import os
 import shutil
 import socket
@@ -19,7 +21,8 @@ from helpers import cases
 ROOT = Path(__file__).resolve().parents[2]
 # worker -> (script, what its MPI run prints, its JAX run's checks)
 WORKERS = {"mods": (ROOT / "tests" / "comm_workers" / "mods_cp.py", "OK mods", 5),
-           "sinks": (ROOT / "tests" / "comm_workers" / "sinks_cp.py", "OK sinks", 4)}
+           "sinks": (ROOT / "tests" / "comm_workers" / "sinks_cp.py", "OK sinks", 4),
+           "dropout": (ROOT / "tests" / "comm_workers" / "dropout_cp.py", "OK dropout", 5)}
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
@@ -34,7 +37,7 @@ def _run(args, timeout):
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 @pytest.mark.parametrize("worker", WORKERS)
 @pytest.mark.parametrize("n", cases([2, 3, 4], [2, 4]))
-def test_gallery_under_mpiexec(n, worker):
+def test_worker_under_mpiexec(n, worker):
     pytest.importorskip("mpi4py")
     script, ok, _ = WORKERS[worker]
     run = _run([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(script), "mpi"],
@@ -50,7 +53,7 @@ def _free_port():
 
 
 @pytest.mark.parametrize("worker", WORKERS)
-def test_torch_learnable_aux_under_torchrun(worker):
+def test_torch_worker_under_torchrun(worker):
     pytest.importorskip("torch")
     run = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
@@ -61,7 +64,7 @@ def test_torch_learnable_aux_under_torchrun(worker):
 
 
 @pytest.mark.parametrize("worker", WORKERS)
-def test_jax_learnable_aux_inside_shard_map(worker):
+def test_jax_worker_inside_shard_map(worker):
     pytest.importorskip("jax")
     script, _, checks = WORKERS[worker]
     run = _run([sys.executable, str(script), "jax"], timeout=300)
