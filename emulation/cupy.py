@@ -397,6 +397,13 @@ class _Device:
         self.id = 0
 
 
+# Blocks of a grid-stride kernel (preprocessing, dQ conversion) in the emulation: a GPU gets up
+# to `launch.MAX_STRIDE_BLOCKS`, enough to fill it; here each block's threads are started and
+# joined, which for thousands of near-empty blocks cost minutes. Few blocks also make the kernels'
+# stride loops take several passes, which every case then checks.
+STRIDE_BLOCKS = 37
+
+
 def install_fake_cupy(block_m: int, block_n: int = 64):
     """Replace `cupy` by NumPy plus an emulating RawModule (this process only), for plans of
     tiles (block_m, block_n)."""
@@ -441,6 +448,7 @@ def install_fake_cupy(block_m: int, block_n: int = 64):
     cupy_launch._modules.clear()
     cupy_plan._modules.clear()
     cupy_launch.data = _host_data                    # host arrays as stand-in device arrays
+    cupy_launch.MAX_STRIDE_BLOCKS = STRIDE_BLOCKS
     cupy_launch.address = lambda a: 0 if a is None else a.ctypes.data
     set_nan_fill(True)                               # an unwritten output element shows
     return fake

@@ -203,13 +203,21 @@ public:
 // Where a lane is: the collective's kind, its call site and how many collectives it has met.
 struct Tag { int kind; const void* site; uint64_t count; };
 
-struct Warp {
-    Barrier bar{32};
+// What the lanes of a warp hand each other at a collective, in two copies used in turns (by the
+// parity of the lanes' collective count): one barrier per collective then suffices. A lane
+// writes the copy of collective n + 2 only after the barrier of collective n + 1, which every
+// lane reaches after it has read the copy of collective n.
+struct Exchange {
     Tag tag[32];
     const void* ptr[32];
     uint32_t a[32][4];
     uint32_t b[32][2];
     float f[32];
+};
+
+struct Warp {
+    Barrier bar{32};
+    Exchange x[2];
     uint64_t ldsm_phases = 0, ldsm_conflicts = 0;
 };
 
@@ -320,9 +328,9 @@ inline void sync_point() {
 
 // Every lane of the warp must be at the same collective (kind, call site, count); lane l
 // compares itself with lane l + 1, so an exited lane is seen by its neighbour.
-inline void check_collective(const Warp& w, int l) {
-    const Tag& me = w.tag[l];
-    const Tag& next = w.tag[(l + 1) % 32];
+inline void check_collective(const Exchange& x, int l) {
+    const Tag& me = x.tag[l];
+    const Tag& next = x.tag[(l + 1) % 32];
     if (me.kind != next.kind || me.site != next.site || me.count != next.count) {
         fail("warp %u: lanes %d and %d disagree at a warp collective: lane %d at %s #%llu "
              "(call site %p), lane %d at %s #%llu (call site %p)",
@@ -332,12 +340,16 @@ inline void check_collective(const Warp& w, int l) {
     }
 }
 
-// Prologue of a warp collective: publish where this lane is, wait for the warp, check.
-inline void meet(Warp& w, int l, int kind, const void* site) {
+// The copy of the exchange this lane's next collective uses.
+inline Exchange& next_exchange(Warp& w) { return w.x[(t_state.collectives + 1) % 2]; }
+
+// Prologue of a warp collective whose operands this lane has put in `x` (next_exchange):
+// publish where this lane is, wait for the warp, check.
+inline void meet(Warp& w, Exchange& x, int l, int kind, const void* site) {
     sync_point();
-    w.tag[l] = Tag{kind, site, ++t_state.collectives};
+    x.tag[l] = Tag{kind, site, ++t_state.collectives};
     w.bar.arrive_and_wait();
-    check_collective(w, l);
+    check_collective(x, l);
 }
 
 // Extra wavefronts of n 16-byte accesses served together: the most that fall into one 16-byte
@@ -371,17 +383,18 @@ inline void __syncwarp() { hostemu::sync_point(); hostemu::my_warp().bar.arrive_
 
 __attribute__((noinline)) inline float __shfl_xor_sync(unsigned, float x, int m) {
     hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
-    w.f[l] = x;
-    hostemu::meet(w, l, hostemu::K_SHFL, __builtin_return_address(0));
-    float r = w.f[l ^ m]; w.bar.arrive_and_wait();
-    return r;
+    hostemu::Exchange& e = hostemu::next_exchange(w);
+    e.f[l] = x;
+    hostemu::meet(w, e, l, hostemu::K_SHFL, __builtin_return_address(0));
+    return e.f[l ^ m];
 }
 // The 32-bit integer form (dropout's keep bits): the bits travel unchanged.
 __attribute__((noinline)) inline unsigned __shfl_xor_sync(unsigned, unsigned x, int m) {
     hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
-    std::memcpy(&w.f[l], &x, sizeof(x));
-    hostemu::meet(w, l, hostemu::K_SHFL, __builtin_return_address(0));
-    unsigned r; std::memcpy(&r, &w.f[l ^ m], sizeof(r)); w.bar.arrive_and_wait();
+    hostemu::Exchange& e = hostemu::next_exchange(w);
+    std::memcpy(&e.f[l], &x, sizeof(x));
+    hostemu::meet(w, e, l, hostemu::K_SHFL, __builtin_return_address(0));
+    unsigned r; std::memcpy(&r, &e.f[l ^ m], sizeof(r));
     return r;
 }
 
@@ -561,11 +574,11 @@ inline void check_aligned16(const void* p, const char* what) {
 
 // The four 8-address phases of an x4 ldmatrix (lanes 8i .. 8i+7 address matrix i): each must
 // hit 8 distinct 16-byte bank groups. Lane 0 counts, for the warp.
-inline void count_ldmatrix_banks(hostemu::Warp& w, int l) {
+inline void count_ldmatrix_banks(hostemu::Warp& w, const hostemu::Exchange& x, int l) {
     if (l != 0) return;
     for (int i = 0; i < 4; ++i) {
         long off[8];
-        for (int j = 0; j < 8; ++j) off[j] = hostemu::smem_offset(w.ptr[8 * i + j]);
+        for (int j = 0; j < 8; ++j) off[j] = hostemu::smem_offset(x.ptr[8 * i + j]);
         const int extra = hostemu::extra_wavefronts(off, 8);
         ++w.ldsm_phases;
         if (extra > 0) {
@@ -585,17 +598,17 @@ inline void count_ldmatrix_banks(hostemu::Warp& w, int l) {
 inline void ldmatrix_x4_at(uint32_t (&r)[4], const void* p, bool trans, const void* site) {
     hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
     check_aligned16(p, trans ? "ldmatrix.trans row" : "ldmatrix row");
-    w.ptr[l] = p;
-    hostemu::meet(w, l, trans ? hostemu::K_LDSM_T : hostemu::K_LDSM, site);
-    count_ldmatrix_banks(w, l);
+    hostemu::Exchange& x = hostemu::next_exchange(w);
+    x.ptr[l] = p;
+    hostemu::meet(w, x, l, trans ? hostemu::K_LDSM_T : hostemu::K_LDSM, site);
+    count_ldmatrix_banks(w, x, l);
     for (int i = 0; i < 4; ++i) {
-        const void* const* rows = w.ptr + 8 * i;
+        const void* const* rows = x.ptr + 8 * i;
         r[i] = trans ? ld16(rows[2 * (l % 4)], l / 4) |
                            ((uint32_t)ld16(rows[2 * (l % 4) + 1], l / 4) << 16)
                      : ld16(rows[l / 4], 2 * (l % 4)) |
                            ((uint32_t)ld16(rows[l / 4], 2 * (l % 4) + 1) << 16);
     }
-    w.bar.arrive_and_wait();
 }
 
 __attribute__((noinline)) inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
@@ -618,9 +631,10 @@ template <typename T>
 __attribute__((noinline)) void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
     hostemu::Warp& w = hostemu::my_warp(); int l = hostemu::my_lane();
-    for (int i = 0; i < 4; ++i) w.a[l][i] = a[i];
-    w.b[l][0] = b0; w.b[l][1] = b1;
-    hostemu::meet(w, l, hostemu::K_MMA, __builtin_return_address(0));
+    hostemu::Exchange& x = hostemu::next_exchange(w);
+    for (int i = 0; i < 4; ++i) x.a[l][i] = a[i];
+    x.b[l][0] = b0; x.b[l][1] = b1;
+    hostemu::meet(w, x, l, hostemu::K_MMA, __builtin_return_address(0));
     const int g = l / 4, t = l % 4;
     auto half = [](uint32_t reg, int k) {
         return to_f<T>((uint16_t)(k % 2 ? reg >> 16 : reg & 0xffff));
@@ -629,11 +643,10 @@ __attribute__((noinline)) void mma_16816(float (&d)[4], const uint32_t (&a)[4], 
     float a_row[2][16], b_col[2][16];
     for (int k = 0; k < 16; ++k) {
         for (int h = 0; h < 2; ++h) {
-            a_row[h][k] = half(w.a[4 * g + (k % 8) / 2][h + 2 * (k >= 8)], k);
-            b_col[h][k] = half(w.b[4 * (2 * t + h) + (k % 8) / 2][k >= 8], k);
+            a_row[h][k] = half(x.a[4 * g + (k % 8) / 2][h + 2 * (k >= 8)], k);
+            b_col[h][k] = half(x.b[4 * (2 * t + h) + (k % 8) / 2][k >= 8], k);
         }
     }
-    w.bar.arrive_and_wait();
     for (int e = 0; e < 4; ++e) d[e] = mma_dot16(d[e], a_row[e / 2], b_col[e % 2]);
 }
 
@@ -787,8 +800,10 @@ inline void thread_exit() {
     for (AsyncCopy& c : s.open) land(c);
     s.committed.clear();
     s.open.clear();
+    // Marked in the copy of the collective it would meet next, where a neighbour still at
+    // that collective looks; the other copy may still be read for the one before.
     Warp& w = my_warp();
-    w.tag[my_lane()] = Tag{K_EXITED, nullptr, 0};
+    next_exchange(w).tag[my_lane()] = Tag{K_EXITED, nullptr, 0};
     w.bar.arrive_and_drop();
     if (g_sync.turnstile) g_sync.turnstile->done(threadIdx.x / 32, true);
     else g_sync.bar->arrive_and_drop();

@@ -439,7 +439,8 @@ inline void check_generic_write(long off, const char* what, Site site) {
 // Whether thread t of the block has left its kernel (read only where TSan does not watch: the
 // exit writes the tag unsynchronised).
 inline bool exited(unsigned t) {
-    return g_sync.warps[t / 32].tag[t % 32].kind == K_EXITED;
+    const Warp& w = g_sync.warps[t / 32];
+    return w.x[0].tag[t % 32].kind == K_EXITED || w.x[1].tag[t % 32].kind == K_EXITED;
 }
 
 // A warpgroup instruction (wgmma.*, setmaxnreg: .sync.aligned): .sync makes a thread wait for
