@@ -212,6 +212,13 @@ BACKWARD_MASK_MOD = {
         lengths_q=[40, 0, 260], lengths_k=[30, 5, 260], Hq=2, Hk=1, D=128, dtype="bfloat16",
         mask=("mod", "chunked&causal"), gaps=True, softcap=5.0, block_m=128, block_n=128,
         nan_in_pad=True, deterministic=True),
+    # D = 256 (two consumer warpgroups, each with half the columns; every chunk tested pair by
+    # pair), prefix-LM (prefixes 0, 1, 9, 0), atomic dQ, GQA 2:1, a zero-length and a length-1
+    # sequence, pad gaps with NaN, NaN in a key of sequence 2 past its prefix
+    "B4-bf16-D256-BN64-prefix-lm-gqa-nan": dict(
+        lengths_q=[0, 1, 75, 20], lengths_k=[0, 1, 75, 20], Hq=2, Hk=1, D=256,
+        dtype="bfloat16", mask=("mod", "prefix-lm"), gaps=True, softcap=0.0, block_m=64,
+        block_n=64, nan_in_pad=True, nan={"k": (2, 50)}),
 }
 BACKWARD.update(BACKWARD_MASK_MOD)
 

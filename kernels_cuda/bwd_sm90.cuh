@@ -336,25 +336,39 @@ __device__ __forceinline__ void store_fragment_rows(const float (&acc)[NB][4],
     }
 }
 
-// A key-rows TileMask whose mask_mod answers come from bits computed before S^T and dP^T hold
-// registers (`user_bits`): the mask_mod's per-pair arithmetic and aux loads then run beside
-// dK and dV only. Bit 2 NB half + 2 nb + e holds the pair of row g + 8 half and column
-// nb 8 + 2 (lane % 4) + e, as for_each_element walks them.
+// Whether each pair this lane holds of a [16, 8 NB] key-rows tile is visible, the band's answer
+// and the mask_mod's together, computed before S^T and dP^T hold registers (`user_bits`): the
+// mask_mod's per-pair arithmetic and aux loads then run beside dK and dV only, and no field of
+// the tile's mask stays live across the products (at D = 256 those spilled 84 B). Bit
+// 2 NB half + 2 nb + e holds the pair of row g + 8 half and column nb 8 + 2 (lane % 4) + e.
 template <int NB>
-struct KeyRowsUserBits : TileMask<true> {
+struct KeyRowsUserBits {
     uint32_t bits = 0;
-    int lane_col = 0;       // 2 (lane % 4): the lane's first column of each 8
-
-    __device__ __forceinline__ bool user_visible(bool visible, int half, int col) const {
-        const int c = col - lane_col;         // 8 nb + e
-        return visible && ((bits >> (2 * NB * half + (c >> 2) + (c & 1))) & 1u);
-    }
 };
 
 template <int NB>
 struct UserBits<KeyRowsUserBits<NB>> {
     static constexpr bool ON = true;
 };
+
+// for_each_element's walk over the pairs of `m`, each pair's visibility its bit.
+template <int NB, int NBITS, typename F>
+__device__ __forceinline__ void for_each_element(const KeyRowsUserBits<NBITS>& m, int lane,
+                                                 F&& f) {
+    static_assert(NB == NBITS, "the bits of the tile being walked");
+    const int t = lane % 4;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                f(nb, 2 * half + e, nb * 8 + 2 * t + e,
+                  ((m.bits >> (2 * NB * half + 2 * nb + e)) & 1u) != 0);
+            }
+        }
+    }
+}
 
 // `mask` with the mask_mod's answer for each pair this lane holds of a [16, 8 NB] tile, each
 // tested as a partial chunk's TileMask::user_visible tests it (the band first: pairs it hides,
@@ -364,14 +378,13 @@ template <int NB>
 __device__ __forceinline__ KeyRowsUserBits<NB> user_bits(const TileMask<true>& mask, int lane,
                                                          bool full) {
     static_assert(4 * NB <= 32, "one bit per element of the lane's fragment");
-    KeyRowsUserBits<NB> m{mask};
-    m.lane_col = 2 * (lane % 4);
+    KeyRowsUserBits<NB> m;
     if constexpr (HAS_MASK_MOD) {
         // for_each_element's walk, four pairs at a time: unrolled, the compiler hoists every
         // pair's aux loads together beside dK and dV, and one at a time spilled at D = 256
         #pragma unroll 4
         for (int n = 0; n < 4 * NB; ++n) {
-            const int half = n / (2 * NB), col = n % (2 * NB) / 2 * 8 + m.lane_col + n % 2;
+            const int half = n / (2 * NB), col = n % (2 * NB) / 2 * 8 + 2 * (lane % 4) + n % 2;
             const bool visible = mask.visible(mask.band(half), col);
             // the class is `full`'s (the producer stages no chunk marks); band(half) already
             // hides rows past the key tile

@@ -188,9 +188,9 @@ __device__ __forceinline__ void load_row_stats(float& row_lse2, float& row_delta
 // into the aux gradients (mask.user_aux_grad), where `mask.aux_grads` says so.
 // With dropout (`drop`: TileDropout) a pair's dP and its P for dV are multiplied by its factor,
 // 1 / (1 - p) kept and 0 dropped (docs/semantics.md, "Dropout"): dS = P (dP factor - delta).
-// A mask type whose mask_mod answers were computed ahead (UserBits<Mask>::ON: the sm_90a
-// backward's KeyRowsUserBits) in a kernel without a score_mod takes the walk without user
-// functions, each pair's `visible` ANDed with its answer (mask.user_visible).
+// A mask type whose pairs' answers, the mask_mod's included, were computed ahead
+// (UserBits<Mask>::ON: the sm_90a backward's KeyRowsUserBits, whose for_each_element gives
+// them) in a kernel without a score_mod takes the walk without user functions.
 template <typename Mask>
 struct UserBits {
     static constexpr bool ON = false;
@@ -237,7 +237,6 @@ __device__ __forceinline__ void softmax_backward(float (&s)[NB][4], float (&dp)[
             // NaN for a pair with a NaN or inf operand: q or k (the dot product, before the
             // softcap's tanh), dO or v (dP), O or lse (delta)
             x += zero_or_nan(s[nb][i] + t);
-            if constexpr (UserBits<Mask>::ON) visible = mask.user_visible(visible, i / 2, col);
             if (!visible) x = neg_inf();
             const float p = exp2f(x - stats.lse2(i / 2, col));
             s[nb][i] = Drop::ON ? p * drop.factor(nb, i) : p;

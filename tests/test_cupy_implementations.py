@@ -302,14 +302,14 @@ def test_sm90a_backward_runs_a_mask_mod_and_refuses_a_score_mod(monkeypatch):
             rows = dict(backends.explain(Backward("float16", 64, 64, True, mods)))
             assert rows["cupy:sm90a"] == refused, rows
             assert "not chosen by default yet" in rows["cupy:mma"], rows
-        # the forward runs both; the backward a mask_mod up to head_dim 128
+        # the forward runs both; the backward a mask_mod at every head dim
         rows = dict(backends.explain(Problem("float16", 64, 64, True,
                                              Mods(mask=mask, score=score))))
         assert "not chosen by default yet" in rows["cupy:sm90a"], rows
-        rows = dict(backends.explain(Backward("float16", 256, 256, True, Mods(mask=mask))))
-        assert rows["cupy:sm90a"].startswith("its sm_90a backward runs a mask_mod up to "
-                                             "head_dim 128"), rows
-        assert "not chosen by default yet" in rows["cupy:mma"], rows
+        for head_dim in (64, 128, 256):
+            rows = dict(backends.explain(Backward("float16", head_dim, head_dim, True,
+                                                  Mods(mask=mask))))
+            assert "not chosen by default yet" in rows["cupy:sm90a"], (head_dim, rows)
 
         monkeypatch.setattr(Sm90aImplementation, "default_eligible", True)
         q = np.zeros((4, 2, 64), np.float16)

@@ -136,12 +136,15 @@ def test_sm90a_forward_with_user_functions_within_budget(gid, head_dim, block_m,
 # subtiles of 32: kernels_cuda/bwd_sm90.cuh, user_bits; each chunk's class computed by the
 # producer): the heaviest consumers (two of 232 registers at D = 128, BN = 128) with the
 # gallery's per-token (segments), 2D table (tree) and per-sequence (prefix-LM) aux reads, both
-# dQ modes, with and without a softcap; one consumer of 240 at D = 64 and 128. At D = 256 the
-# backend refuses a mask_mod there (84 B of spills; `mods.refusal`).
+# dQ modes, with and without a softcap; one consumer of 240 at D = 64 and 128; two consumers
+# splitting the columns at D = 256 (80-100 B of spills while the tile's mask stayed live across
+# S^T and dP^T beside the per-pair answers).
 SM90_BWD = [("segments", 128, 128, True, True), ("tree", 128, 128, False, False),
             ("prefix-lm", 64, 64, True, True), ("sliding-global", 64, 128, True, False),
             ("chunked", 64, 128, True, False), ("segments", 128, 64, True, True),
-            ("tree", 128, 64, False, True), ("sliding-global", 128, 128, False, False)]
+            ("tree", 128, 64, False, True), ("sliding-global", 128, 128, False, False),
+            ("segments", 256, 64, True, True), ("tree", 256, 64, False, False),
+            ("sliding-global", 256, 64, True, False)]
 
 
 @pytest.mark.parametrize("mask_id, head_dim, block_n, softcap, ordered", [

@@ -82,8 +82,7 @@ class _CupyBase(Backend):
         sm_90a backward runs a mask_mod, no score_mod)."""
         from .mods import refusal
         return refusal(getattr(call, "mods", None), impl=self.IMPL,
-                       backward=getattr(call, "grads", None) is not None,
-                       head_dim=getattr(call, "head_dim", None))
+                       backward=getattr(call, "grads", None) is not None)
 
     @contextlib.contextmanager
     def stand_in_device(self, device: DeviceInfo):
@@ -308,9 +307,8 @@ class Sm90aImplementation(_CupyBase):
                              f"dropout_p={dropout.p!r}: {SM90_DROPOUT_REFUSAL}")
         from . import sm90
         from .mods import refusal
-        why = refusal(mods, impl=self.IMPL, backward=True,
-                      head_dim=int(q.shape[2])) or sm90_backward_refusal(int(q.shape[2]),
-                                                                         int(v.shape[2]))
+        why = refusal(mods, impl=self.IMPL, backward=True) or sm90_backward_refusal(
+            int(q.shape[2]), int(v.shape[2]))
         if why:
             raise ValueError(f"backend {self.name!r} cannot run this backward: {why}")
         return sm90.backward(plan, dout, q, k, v, out, lse, softmax_scale=softmax_scale,

@@ -146,10 +146,9 @@ def module_source(hooks: ModHooks | None = None) -> str:
     return (hooks.source if hooks is not None else "") + f'#include "{ENTRY_FILE}"\n'
 
 
-def refusal(mods, *, impl: str, backward: bool, head_dim: int | None = None) -> str | None:
+def refusal(mods, *, impl: str, backward: bool) -> str | None:
     """Why the kernels of `impl` ("mma" | "sm90a") cannot run a call's `mods` (None: they can);
-    `backward`: the call wants gradients (aux gradients run with deterministic=True too);
-    `head_dim`: q's (None: not known yet)."""
+    `backward`: the call wants gradients (aux gradients run with deterministic=True too)."""
     if not mods:
         return None
     if mods.aux_grads and impl == "sm90a" and backward:
@@ -159,10 +158,6 @@ def refusal(mods, *, impl: str, backward: bool, head_dim: int | None = None) -> 
         return ("its sm_90a backward does not run a score_mod (a mask_mod it runs): the "
                 "score_mod's per-pair arithmetic beside the dK, dV, S and dP registers of its "
                 "consumer warpgroups spills; backend='cupy' (cupy:mma's backward) runs it")
-    if impl == "sm90a" and backward and mods.mask is not None and head_dim == 256:
-        return ("its sm_90a backward runs a mask_mod up to head_dim 128: at 256 its per-pair "
-                "answers beside the two consumers' dK and dV spill (84 B); backend='cupy' "
-                "(cupy:mma's backward) runs it")
     for role, mod in (("mask_mod", mods.mask), ("score_mod", mods.score)):
         if mod is None:
             continue
