@@ -190,12 +190,14 @@ def bank_counts():
 
 
 def user_mask_calls():
-    """Summed over the kernels run so far: the pairs a mask_mod was evaluated on."""
-    total = 0
+    """Summed over the kernels run so far: the pairs a mask_mod was evaluated on (each counter
+    once: builds loaded together may share one)."""
+    counts = {}
     for lib in _libs.values():
         lib.emu_user_mask_calls.restype = ctypes.c_ulonglong
-        total += int(lib.emu_user_mask_calls())
-    return total
+        lib.emu_user_mask_counter.restype = ctypes.c_void_p
+        counts[lib.emu_user_mask_counter()] = int(lib.emu_user_mask_calls())
+    return sum(counts.values())
 
 
 class _Kernel:

@@ -88,8 +88,10 @@ extern "C" void emu_bank_counts(unsigned long long* out) {
     std::memcpy(out, v, sizeof(v));
 }
 
-// Pairs a mask_mod was evaluated on by every launch so far (user_mask, mods.cuh).
+// Pairs a mask_mod was evaluated on by every launch so far (user_mask, mods.cuh), and where the
+// count lives: the dynamic linker may bind two loaded builds to one inline counter.
 extern "C" unsigned long long emu_user_mask_calls() { return hostemu::g_user_mask_calls.load(); }
+extern "C" const void* emu_user_mask_counter() { return &hostemu::g_user_mask_calls; }
 
 // The sm_90a forward (fwd_sm90.cuh), in variants it supports (D of 64, 128 or 256, and 192 with
 // DV = 128; BM of 64 or 128; query heads packed 1, 2, 4 or 8 per position, `_pack` P: BM the
