@@ -81,12 +81,17 @@ struct FwdSm90Config {
     static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
     static constexpr int OFF_OUT = OFF_V + STAGES * V_BYTES;
     static constexpr int OFF_BARS = (OFF_OUT + OUT_BYTES + 7) / 8 * 8;
-    // q_full, q_empty, then k_full, v_full, ready, k_empty, v_empty per stage
-    static constexpr int NUM_BARS = 2 + 5 * STAGES;
+    // q_full, q_empty, then k_full, v_full, ready, k_empty, v_empty per stage; with a mask_mod
+    // cls_full and cls_empty per class table
+    static constexpr int NUM_BARS = 2 + 5 * STAGES + (HAS_MASK_MOD ? 4 : 0);
+    // With a mask_mod two tables of the key chunks' classes (ClassTable, mask.cuh), one per
+    // work item by its parity, after the barriers
+    static constexpr int OFF_CLS = OFF_BARS + 8 * NUM_BARS;
+    static constexpr int CLS_BYTES = HAS_MASK_MOD ? 2 * ClassTable::CAP : 0;
     // + ALIGN: the block rounds its base up to the swizzle's repeat (tiles start on it, the
     // descriptors' base offset is 0), whatever alignment the dynamic window has
     static constexpr int ALIGN = 1024;
-    static constexpr int SMEM_BYTES = OFF_BARS + 8 * NUM_BARS + ALIGN;
+    static constexpr int SMEM_BYTES = OFF_CLS + CLS_BYTES + ALIGN;
     // Registers per thread after setmaxnreg: the producer gives its share to the consumers
     // (FlashAttention-3's split). setmaxnreg.inc draws on what the block's setmaxnreg.dec
     // released, so the split adds up to what the block is launched with: ENTRY_REGS per
@@ -94,11 +99,12 @@ struct FwdSm90Config {
     // two consumers (CUTLASS's split). The persistent producer (the item loop's state beside the
     // chunk cursor, the partial chunk's sanitising) spills at 24 and 32 registers, not at 40;
     // the consumers (O, S and P at once: 160 registers at D = KN = 128) fit 232 without a spill
-    // (NVRTC, every variant; docs/hopper.md, "What is proven").
+    // (NVRTC, every variant; docs/hopper.md, "What is proven"). With a mask_mod the producer
+    // walks the class table too (at 40 registers that spilled 12 B): 56 + 2 x 224.
     static constexpr int ENTRY_REGS = 65536 / NUM_THREADS / 8 * 8 < 256
                                           ? 65536 / NUM_THREADS / 8 * 8 : 256;
-    static constexpr int PRODUCER_REGS = 40;
-    static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 256 : 232;
+    static constexpr int PRODUCER_REGS = HAS_MASK_MOD ? 56 : 40;
+    static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 256 : (HAS_MASK_MOD ? 224 : 232);
     // The ping-pong of two consumer warpgroups: named barrier TURN_BAR + c is consumer c's turn
     // at the tensor cores, counted over both consumer warpgroups (c waits, the other arrives).
     // Id 0 is __syncthreads'.
@@ -154,6 +160,18 @@ struct Sm90Smem {
     __device__ __forceinline__ sm90::u64* v_empty(int s) const {
         return bar(2 + 4 * Cfg::STAGES + s);
     }
+    // with a mask_mod: class table p (of the items of parity p), filled by the consumers
+    // (cls_full: every consumer thread arrives), read by every thread of the block (cls_empty:
+    // every thread arrives once its walk of the item is over)
+    __device__ __forceinline__ sm90::u64* cls_full(int p) const {
+        return bar(2 + 5 * Cfg::STAGES + p);
+    }
+    __device__ __forceinline__ sm90::u64* cls_empty(int p) const {
+        return bar(4 + 5 * Cfg::STAGES + p);
+    }
+    __device__ __forceinline__ unsigned char* cls(int p) const {
+        return base + Cfg::OFF_CLS + p * ClassTable::CAP;
+    }
 };
 
 // Where a warpgroup stands in the block's barrier phases, carried from one work item to the
@@ -166,6 +184,11 @@ struct Sm90Ring {
 
     __device__ __forceinline__ uint32_t q_parity() const {
         return static_cast<uint32_t>(item) & 1u;
+    }
+    // the item's class table, and the parity of that table's phases at this item's use of it
+    __device__ __forceinline__ int table() const { return item & 1; }
+    __device__ __forceinline__ uint32_t table_parity() const {
+        return static_cast<uint32_t>(item >> 1) & 1u;
     }
     __device__ __forceinline__ void next_item() { ++item; }
 };
@@ -210,8 +233,10 @@ __device__ __forceinline__ uint32_t round_parity(int i) {
 // chunks; when KN is two tiles, a chunk is two consecutive tiles of one partner segment (full
 // when both are), and the last tile of a segment's range, alone, makes a partial chunk: its
 // rows past the tile are masked and their V rows zeroed like those past a sequence's end.
-// With a mask_mod every chunk is partial (UserMaskUnclassified, mask.cuh): sanitised, its pairs
-// tested; the chunks are not classified here (the mma.sync kernels do it).
+// With a mask_mod both sides walk the chunks through the item's class table (ClassTable,
+// mask.cuh), which the consumers fill at the item's start (classify_chunks): an empty chunk is
+// neither loaded nor computed, a full one keeps the schedule's flags (no mask_mod evaluated), a
+// partial one is sanitised and its pairs tested.
 
 // FlashAttention-3's ping-pong (section 3.1) of the two consumer warpgroups of BM = 128: each
 // issues a block of GEMMs only on its turn and then hands the turn over, so that one's softmax
@@ -340,7 +365,11 @@ __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
             sm90::mbar_arrive_expect_tx(sm.q_full(), Cfg::Q_BYTES);
             load_rows<Cfg, Cfg::BM>(sm.q(), map_q, sm.q_full(), i_head, tile.row);
         }
-        auto keys = key_cursor_partials_first<Cfg::KN>(plan, i_tile, UserMaskUnclassified{});
+        const int table = ring.table();       // with a mask_mod: the item's class table
+        if constexpr (HAS_MASK_MOD) {
+            sm90::mbar_wait(sm.cls_full(table), ring.table_parity(), "cls_full");
+        }
+        auto keys = key_cursor_partials_first<Cfg::KN>(plan, i_tile, ClassTable{sm.cls(table)});
         Chunk prev{};       // rows 0: none yet (a chunk has rows)
         for (; keys.valid(); keys.advance(), ++ring.chunk) {
             const Chunk c = keys.chunk();
@@ -357,7 +386,29 @@ __device__ __forceinline__ void fwd_sm90_producer(const sm90::TensorMap* map_q,
             prev = c;
         }
         if (prev.rows > 0) produce_v<T, Cfg>(map_v, sm, prev, ring.chunk - 1, i_khead, t);
+        if constexpr (HAS_MASK_MOD) sm90::mbar_arrive(sm.cls_empty(table));
         ring.next_item();
+    }
+}
+
+// The mask_mod's class of each key chunk of a work item (query tile i_tile, `tile`) against
+// its queries, chunk n of the item's key walk (key_cursor) into table[n] for the first
+// ClassTable::CAP: consumer thread t (of NUM_CONSUMERS x 128) takes chunks t, t + 128
+// NUM_CONSUMERS, ... At an item's start no accumulator is live, so the class code, inlined, has
+// the consumers' registers.
+template <typename Cfg>
+__device__ __forceinline__ void classify_chunks(unsigned char* table, const PlanView& plan,
+                                                int i_tile, const TileInfo& tile,
+                                                const ModParams& mods, int t) {
+    constexpr int THREADS = Cfg::NUM_CONSUMERS * Cfg::WG_THREADS;
+    int n = 0;
+    #pragma unroll 1
+    for (auto keys = key_cursor<Cfg::KN>(plan, i_tile); keys.valid() && n < ClassTable::CAP;
+         keys.advance(), ++n) {
+        if (n % THREADS == t) {
+            table[n] = static_cast<unsigned char>(chunk_class<false, false>(mods, tile,
+                                                                            keys.chunk()));
+        }
     }
 }
 
@@ -466,8 +517,18 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
         return query_rows_mask<Cfg::PACK>(pol, tile, w, c, 0, params.mods, i_head);
     };
 
+    const int table = ring.table();           // with a mask_mod: the item's class table
+    if constexpr (HAS_MASK_MOD) {
+        // the table's item before (two items back) is over in every thread (the first two
+        // uses pass); this item's classes, then everybody's
+        sm90::mbar_wait(sm.cls_empty(table), ring.table_parity() ^ 1u, "cls_empty");
+        classify_chunks<Cfg>(sm.cls(table), plan, i_tile, tile, params.mods,
+                             static_cast<int>(threadIdx.x) - Cfg::WG_THREADS);
+        sm90::mbar_arrive(sm.cls_full(table));
+        sm90::mbar_wait(sm.cls_full(table), ring.table_parity(), "cls_full");
+    }
     sm90::mbar_wait(sm.q_full(), ring.q_parity(), "q_full");
-    auto keys = key_cursor_partials_first<Cfg::KN>(plan, i_tile, UserMaskUnclassified{});
+    auto keys = key_cursor_partials_first<Cfg::KN>(plan, i_tile, ClassTable{sm.cls(table)});
     // Mask and softmax of the retired S of the cursor's chunk, its O rescaling deferred to
     // `corr`; moves the cursor on. After the item's last S it releases Q: the producer loads
     // the next item's under this softmax, the last P V and the epilogue.
@@ -549,6 +610,7 @@ __device__ __forceinline__ void fwd_sm90_consume_item(const Sm90Smem<T, Cfg>& sm
     // the warp's rows of the output stage were read back by other lanes: the next item's
     // staging must follow those reads
     __syncwarp();
+    if constexpr (HAS_MASK_MOD) sm90::mbar_arrive(sm.cls_empty(table));
     ring.chunk = i;
     ring.next_item();
 }
@@ -611,6 +673,13 @@ varlen_fwd_sm90(const __grid_constant__ sm90::TensorMap map_q,   // q [Tq, Hq, D
     if (threadIdx.x == 0) {
         sm90::mbar_init(sm.q_full(), 1);
         sm90::mbar_init(sm.q_empty(), Cfg::NUM_CONSUMERS * Cfg::WG_THREADS);
+        if constexpr (HAS_MASK_MOD) {
+            #pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                sm90::mbar_init(sm.cls_full(p), Cfg::NUM_CONSUMERS * Cfg::WG_THREADS);
+                sm90::mbar_init(sm.cls_empty(p), Cfg::NUM_THREADS);
+            }
+        }
         #pragma unroll
         for (int s = 0; s < Cfg::STAGES; ++s) {
             sm90::mbar_init(sm.k_full(s), 1);

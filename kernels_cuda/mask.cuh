@@ -60,16 +60,16 @@ __device__ __forceinline__ Band query_band(const SeqPolicy& pol, int j, int q_lo
 // sequence (under context parallelism, the document's: TileInfo::pos, Chunk::pos), whatever the
 // built-in band shows of it. KEY_TILE: the tile's rows are keys (dK/dV), else queries. O(1) per
 // chunk, no table, no barrier: every thread computes it from the same values, so the block
-// agrees on it. TILE_FULL without a mask_mod.
-template <bool KEY_TILE>
+// agrees on it. TILE_FULL without a mask_mod. CALLED: user_mask_class's.
+template <bool KEY_TILE, bool CALLED = true>
 __device__ __forceinline__ int chunk_class(const ModParams& mods, const TileInfo& tile,
                                            const Chunk& c) {
     if constexpr (!HAS_MASK_MOD) {
         return TILE_FULL;
     } else {
         const int t1 = tile.pos + tile.rows - 1, c1 = c.pos + c.rows - 1;
-        return KEY_TILE ? user_mask_class(mods, tile.seq, c.pos, c1, tile.pos, t1)
-                        : user_mask_class(mods, tile.seq, tile.pos, t1, c.pos, c1);
+        return KEY_TILE ? user_mask_class<CALLED>(mods, tile.seq, c.pos, c1, tile.pos, t1)
+                        : user_mask_class<CALLED>(mods, tile.seq, tile.pos, t1, c.pos, c1);
     }
 }
 
@@ -99,19 +99,40 @@ struct UserMaskChunks {
     }
 };
 
-// The sm_90a forward's `keep` with a mask_mod: every chunk kept and partial (each pair tested,
-// operands sanitised): its warp-specialised walk does not classify chunks (the class code,
-// inlined into the 40-register producer, spilled 348 B; called, it leaves setmaxnreg's
-// register split unallocatable). Without a mask_mod every chunk is kept unchanged (ALL).
-struct UserMaskUnclassified {
-    static constexpr bool ALL = !HAS_MASK_MOD;
+// The sm_90a forward's `keep` with a mask_mod: each chunk's class read from the work item's
+// table in shared memory, one byte per chunk in the order of the item's key walk (key_cursor),
+// which its consumer warpgroups fill when the item starts (fwd_sm90.cuh, classify_chunks): the
+// class code does not fit the producer (inlined into its 40 registers it spilled 348 B; called,
+// it left setmaxnreg's register split unallocatable). Marks and drops as UserMaskChunks does.
+// The walk calls it once per chunk and pass in walk order, and `restart` at the second pass;
+// chunks past the table's CAP are taken as partial (coarser, never wrong). Without a mask_mod
+// every chunk is kept unchanged (ALL; an empty type, so that such kernels are as they were).
+constexpr int CLASS_TABLE_CAP = 2048;        // chunks of an item with a class (128 Ki keys of 64)
 
-    __device__ __forceinline__ bool operator()(Chunk& c) const {
-        c.mod_partial = true;
-        c.full = false;
-        return true;
+template <bool ON>
+struct ClassTableOf {
+    static constexpr bool ALL = false;
+    static constexpr int CAP = CLASS_TABLE_CAP;
+    const unsigned char* table;
+    int n = 0;                               // the walk's next chunk
+
+    __device__ __forceinline__ void restart() { n = 0; }
+    __device__ __forceinline__ bool operator()(Chunk& c) {
+        const int cls = n < CAP ? static_cast<int>(table[n]) : TILE_PARTIAL;
+        ++n;
+        c.mod_partial = cls == TILE_PARTIAL;
+        c.full = c.full && cls == TILE_FULL;
+        return cls != TILE_EMPTY;
     }
 };
+
+template <>
+struct ClassTableOf<false> : KeepAll {
+    static constexpr int CAP = CLASS_TABLE_CAP;
+    __device__ __forceinline__ explicit ClassTableOf(const unsigned char*) {}
+};
+
+using ClassTable = ClassTableOf<HAS_MASK_MOD>;
 
 // The mask of a warp's [16, N] tile in C-fragment layout, whose columns are one partner chunk:
 // rows are queries and columns keys (forward, dQ), or, transposed, rows are keys and columns

@@ -138,9 +138,10 @@ template <typename Keep> struct KeepsAll<const Keep> : KeepsAll<Keep> {};
 // the diagonal down): the partial chunks, whose V landing and sanitising the consumers wait
 // for, come while the previous item drains, not at the item's end (docs/hopper.md, "The
 // persistent loop"). The second pass restarts the walk; a chunk of the other pass costs a
-// compare and an add to step over. With a `keep` (UserMaskChunks: ALL false) the chunks it
-// drops are in neither pass, its marks decide the pass, and the current chunk is held as
-// marked (`cur`; the class is computed in both passes).
+// compare and an add to step over. With a `keep` (ClassTable: ALL false) the chunks it drops
+// are in neither pass, its marks decide the pass, and the current chunk is held as marked
+// (`cur`; the keep is asked in both passes, once per chunk in walk order, and told to
+// `restart` where the second pass does).
 template <int CHUNK, typename Keep = KeepAll>
 struct PartialsFirstCursor {
     PartnerCursor<CHUNK> walk;
@@ -163,6 +164,7 @@ struct PartialsFirstCursor {
                 walk.head = 0;
                 walk.seg = 0;
                 walk.enter();
+                if constexpr (!Keep::ALL) keep.restart();
                 continue;
             }
             if constexpr (Keep::ALL) {

@@ -123,12 +123,21 @@ def _sm90_within_budget(spec) -> None:
     assert not u["warnings"], u["warnings"]
 
 
-@pytest.mark.parametrize("gid, head_dim, block_m, block_n, pack", [
-    pytest.param("segments+relative-bias", 64, 128, 64, 2, id="segments+relative-bias-D64-P2"),
-    pytest.param("prefix-lm+soft-clip", 128, 128, 128, 1, id="prefix-lm+soft-clip-D128-P1")])
-def test_sm90a_forward_with_user_functions_within_budget(gid, head_dim, block_m, block_n, pack):
+# The sm_90a forward with user functions: its consumers classify each work item's key chunks
+# into a table in shared memory (56 + 2 x 224 registers with a mask_mod), the producer walks
+# the table; D = 64 packed by 2, D = 128, D = 256 and D = 192 / 128 packed by 2 (a tree mask's
+# 2-D table).
+@pytest.mark.parametrize("gid, head_dim, block_m, block_n, pack, head_dim_v", [
+    pytest.param("segments+relative-bias", 64, 128, 64, 2, None,
+                 id="segments+relative-bias-D64-P2"),
+    pytest.param("prefix-lm+soft-clip", 128, 128, 128, 1, None, id="prefix-lm+soft-clip-D128-P1"),
+    pytest.param("prefix-lm", 256, 64, 64, 1, None, id="prefix-lm-D256-P1"),
+    pytest.param("tree", 192, 128, 64, 2, 128, id="tree-D192-Dv128-P2")])
+def test_sm90a_forward_with_user_functions_within_budget(gid, head_dim, block_m, block_n, pack,
+                                                        head_dim_v):
+    mods = _hooks(*GALLERY[gid]) if gid in GALLERY else _hooks(gid, None)
     spec = sm90.FwdSpec("bfloat16", head_dim, block_m, block_n, False, pack=pack,
-                        key_chunk=sm90.MODS_KEY_CHUNK, mods=_hooks(*GALLERY[gid]))
+                        key_chunk=sm90.MODS_KEY_CHUNK, mods=mods, head_dim_v=head_dim_v)
     _sm90_within_budget(spec)
 
 

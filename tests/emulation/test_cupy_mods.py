@@ -27,7 +27,8 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import emulate_script, needs_cxx
+from helpers import (assert_mutant_caught, emulate_script, mutated_sources, needs_cxx,
+                     run_mutated)
 
 LENGTHS = [0, 1, 70]          # a zero- and a one-row sequence, one of two partial tiles
 
@@ -174,6 +175,11 @@ def _always(b, q_idx, k_idx):
     return q_idx >= 0
 
 
+def _first_tile(b, q_idx, k_idx):
+    """Causal for the first 64 queries of a sequence; the others see no key."""
+    return (q_idx < 64) & (k_idx <= q_idx)
+
+
 def _case_skip(mask_id):
     """The forward on a plan without a built-in mask, with the mask_mod `mask_id`:
     "chunked", chunked causal with chunks of 32 rows (tiles of 64: every tile off the diagonal
@@ -292,6 +298,65 @@ def _partial_pairs(b, mask_mod, lengths, Hq):
     return Hq * n
 
 
+def _kept_tiles(b, mask_mod, Hq, pack):
+    """Tile pairs the host plan with `mask_mod` schedules and does not classify empty, times
+    the work items per query tile (Hq / pack): the sm_90a forward's, whose key chunks with a
+    mask_mod are 64 rows and whose query tiles, `pack` heads packed, 64 / pack positions."""
+    import varlen
+    from varlen.mods import EMPTY
+    h = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                    num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], mask=mask_mod,
+                    block_m=64 // pack, block_n=64)
+    return Hq // pack * int((h.tile_classes("q")[1] != EMPTY).sum())
+
+
+def _classes_batch(mask_id):
+    """The class cases' batch: sequences of a few hundred rows, a zero-length one, NaN padding
+    rows between them, GQA 2/1, D = 64, and its mask_mod ("chunked128", "prefix-lm", "always",
+    "first-tile")."""
+    import varlen
+    from mods_cases import chunked_causal, prefix_lm
+    from varlen.testing import make_batch
+    lengths, Hq, Hk, D = [192, 0, 70, 5], 2, 1, 64
+    mask_mod = {"chunked128": varlen.MaskMod(chunked_causal, np.array([128], np.int32)),
+                "prefix-lm": varlen.MaskMod(prefix_lm, np.array([70, 0, 64, 2], np.int32)),
+                "always": varlen.MaskMod(_always),
+                "first-tile": varlen.MaskMod(_first_tile)}[mask_id]
+    b = make_batch(np.random.default_rng(6), lengths, Hq=Hq, Hk=Hk, D=D, dtype="float16",
+                   mask=mask_mod, gaps=True, garbage=np.nan)
+    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
+                       num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=64,
+                       block_n=64)
+    return b, plan, mask_mod, lengths, Hq, dict(softmax_scale=1.0 / math.sqrt(D), softcap=0.0)
+
+
+def _case_sm90_classes(mask_id, pack="1"):
+    """The sm_90a forward's chunk classes (its consumers classify each work item's key chunks
+    into a table in shared memory, one of two by the item's parity) on the class cases' batch,
+    on 2 SMs (each block loops over several items, reusing each table), `pack` query heads per
+    position (2: two consumer warpgroups in ping-pong): checked against the reference; prints
+    the pairs the mask_mod was evaluated on, the pairs (times Hq) of the tiles the plan
+    classifies partial, the K loads (TMA) and the kernel's tile pairs the plan does not classify
+    empty (`_kept_tiles`)."""
+    import varlen
+    from emulation import sm90 as emulated_sm90
+    from emulation.cupy import install_fake_cupy, user_mask_calls
+    from varlen.backends.cupy import sm90
+    from varlen.mods import Mods
+    install_fake_cupy(64, 64)
+    runtime = emulated_sm90.install(2)
+    b, plan, mask_mod, lengths, Hq, kw = _classes_batch(mask_id)
+    pack = int(pack)
+    got = sm90.forward(plan, b.q, b.k, b.v, pack=pack, mods=Mods(mask=mask_mod), **kw)
+    calls = user_mask_calls()
+    trace = runtime.tma_trace()
+    k_loads = int((trace[:, 2] == b.k.ctypes.data).sum())
+    _compare(f"sm90a classes {mask_id} (emulated)", b, got, None, **kw)
+    varlen.check_device_errors()
+    print("counts", calls, _partial_pairs(b, mask_mod, lengths, Hq), k_loads,
+          _kept_tiles(b, mask_mod, Hq, pack))
+
+
 def _case_classes(mask_id, deterministic):
     """The device's tile classes in the mma.sync forward and backward (dQ ordered with
     `deterministic`): chunked causal with chunks of 128 ("chunked128": tiles off the diagonal
@@ -303,21 +368,10 @@ def _case_classes(mask_id, deterministic):
     emulation's ldmatrix phases and cp.async writes of the forward and of the backward."""
     import varlen
     from emulation.cupy import bank_counts, install_fake_cupy, user_mask_calls
-    from mods_cases import chunked_causal, prefix_lm
     from varlen.backends.cupy import BACKEND
     from varlen.mods import Mods
-    from varlen.testing import make_batch
     install_fake_cupy(64, 64)
-    lengths, Hq, Hk, D = [192, 0, 70, 5], 2, 1, 64
-    mask_mod = {"chunked128": varlen.MaskMod(chunked_causal, np.array([128], np.int32)),
-                "prefix-lm": varlen.MaskMod(prefix_lm, np.array([70, 0, 64, 2], np.int32)),
-                "always": varlen.MaskMod(_always)}[mask_id]
-    kw = dict(softmax_scale=1.0 / math.sqrt(D), softcap=0.0)
-    b = make_batch(np.random.default_rng(6), lengths, Hq=Hq, Hk=Hk, D=D, dtype="float16",
-                   mask=mask_mod, gaps=True, garbage=np.nan)
-    plan = varlen.plan(b.cu_q, b.cu_k, seq_offsets_q=b.off_q, seq_offsets_k=b.off_k,
-                       num_rows_q=b.q.shape[0], num_rows_k=b.k.shape[0], block_m=64,
-                       block_n=64)
+    b, plan, mask_mod, lengths, Hq, kw = _classes_batch(mask_id)
     mods = Mods(mask=mask_mod)
     out, lse = BACKEND.forward(plan, b.q, b.k, b.v, mods=mods, **kw)
     fwd = [user_mask_calls(), *bank_counts()[::2]]
@@ -331,7 +385,8 @@ def _case_classes(mask_id, deterministic):
 
 CASES = {"mma": _case_mma, "sm90": _case_sm90, "index-error": _case_index_error,
          "skip": _case_skip, "aux-grads": _case_aux_grads,
-         "aux-grads-deterministic": _case_aux_grads_deterministic, "classes": _case_classes}
+         "aux-grads-deterministic": _case_aux_grads_deterministic, "classes": _case_classes,
+         "sm90-classes": _case_sm90_classes}
 
 
 def _main(argv):
@@ -429,6 +484,53 @@ def test_mma_aux_grads_deterministic():
     table (fixed-point sums): bitwise equal across emulation schedules, and near the
     reference; GQA 4/2, a zero-length sequence, pad gaps."""
     _emulate("aux-grads-deterministic", "float16")
+
+
+@needs_cxx
+def test_sm90a_forward_tile_classes_skip_empty_and_leave_full_unevaluated():
+    """The sm_90a forward classifies each work item's key chunks on the device too: the
+    mask_mod is evaluated exactly on the pairs of the tiles the classes leave partial, an empty
+    chunk's K is not loaded (the TMA loads of K are the tile pairs not classified empty), and
+    against a mask_mod that shows every pair no pair is evaluated; results match the
+    reference, the queries of items left without a chunk ("first-tile") included; one and two
+    consumer warpgroups (two heads packed per position)."""
+    for mask_id, pack in (("chunked128", "1"), ("prefix-lm", "2"), ("always", "1"),
+                          ("first-tile", "2")):
+        out = emulate_script(__file__, "sm90-classes", mask_id, pack, timeout=900)
+        line = [x for x in out.splitlines() if x.startswith("counts ")][-1]
+        calls, partial, k_loads, kept = map(int, line.split()[1:])
+        assert calls == partial, (mask_id, calls, partial)
+        assert k_loads == kept, (mask_id, k_loads, kept)
+        assert (partial > 0) == (mask_id != "always"), (mask_id, partial)
+        if mask_id == "chunked128":
+            assert kept == 7 * 2, kept              # 7 of the 10 tile pairs, per head
+
+
+# Mutations of the sm_90a forward's chunk classes that its class case ("first-tile": items left
+# without a chunk, blocks reusing both tables) must catch: name -> (kernel source, old, new, what
+# the failure says).
+SM90_CLASS_MUTATIONS = {
+    # a partial chunk taken as full: its pairs are not tested against the mask_mod
+    "partial-as-full": ("mask.cuh",
+                        "const int cls = n < CAP ? static_cast<int>(table[n]) : TILE_PARTIAL;",
+                        "const int cls = n < CAP && table[n] != TILE_PARTIAL ? "
+                        "static_cast<int>(table[n]) : TILE_FULL;", "max abs error"),
+    # the producer loads the chunks the consumers skip: the ring's phases part (reported at
+    # an mbarrier, or as a deadlock)
+    "producer-loads-empty": ("fwd_sm90.cuh",
+                             "(plan, i_tile, ClassTable{sm.cls(table)});\n        Chunk prev{};",
+                             "(plan, i_tile, KeepAll{});\n        Chunk prev{};",
+                             ("mbarrier", "(a deadlock?)")),
+}
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", list(SM90_CLASS_MUTATIONS))
+def test_sm90a_forward_class_mutation_is_caught(name, tmp_path):
+    source, old, new, says = SM90_CLASS_MUTATIONS[name]
+    src = mutated_sources(tmp_path, source, old, new)
+    assert_mutant_caught(run_mutated([__file__, "sm90-classes", "first-tile"], src), name,
+                         "first-tile", says)
 
 
 @needs_cxx

@@ -54,6 +54,10 @@ ARCH = "sm_90a"
 WG_THREADS = 128              # a warpgroup
 BOX_COLS = 64                 # head-dim columns per TMA box: 128 bytes, the 128B swizzle width
 FWD_BARRIERS = 2 + 5 * SM90_STAGES  # q_full, q_empty; k_full, v_full, ready, k_empty, v_empty
+# With a mask_mod the forward's two tables of the key chunks' classes (a byte per chunk, the
+# first CLASS_TABLE of an item: kernels_cuda/mask.cuh, ClassTable) and their two barriers each
+CLASS_TABLE = 2048
+CLASS_BARRIERS = 4
 BWD_BARRIERS = 2 + 3 * SM90_STAGES
 SPLIT_HEAD_DIM = 256          # from this D two backward consumers split the head dim's columns
 CHUNK_BYTES = 24              # StagedChunk: the query chunk a backward stage holds
@@ -156,12 +160,14 @@ class FwdSpec(_Sm90Variant):
     @property
     def smem(self) -> int:
         """Q [BM][D], STAGES x K [KN][D] and V [KN][Dv], the output stage [BM][Dv + 8], the
-        mbarriers (FwdSm90Config's layout), and 1 KiB to align the window."""
+        mbarriers (FwdSm90Config's layout), with a mask_mod the class tables, and 1 KiB to align
+        the window."""
         e = ELEM_BYTES
         data = (self.block_m + SM90_STAGES * self.key_chunk) * self.head_dim * e
         data += SM90_STAGES * self.key_chunk * self.head_dim_v * e
         data += self.block_m * (self.head_dim_v + SMEM_PAD) * e
-        return -(-data // 8) * 8 + 8 * FWD_BARRIERS + SMEM_ALIGN
+        classes = 8 * CLASS_BARRIERS + 2 * CLASS_TABLE if self.mods and self.mods.mask else 0
+        return -(-data // 8) * 8 + 8 * FWD_BARRIERS + classes + SMEM_ALIGN
 
     @property
     def template_args(self) -> tuple:
