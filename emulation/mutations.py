@@ -94,12 +94,16 @@ SM90_CASES = {"fwd_sm90.cuh": ("B7-bf16-D64-BM128-chunks-1-2-3-6",
                                "B3-bf16-D256-softcap-gqa-nan",
                                "B3-bf16-D128-BN128-deterministic-softcap-nan")}
 SM90_ENV = {"VARLEN_EMULATION_TIMEOUT": "20", "OPENBLAS_NUM_THREADS": "1"}
-# ... and the case of a kernel's sites that run only with a mask_mod: the forward's class
+# ... and the cases of a kernel's sites that run only with a mask_mod: the forward's class
 # tables (tests/emulation/test_cupy_mods.py: chunk classes on 2 SMs, so that each block reuses
-# both tables, and items left without a chunk)
+# both tables, and items left without a chunk); the backward producer's staged classes (query
+# chunks the mask_mod empties, atomic and ordered dQ)
 SM90_MOD_CASES = {"fwd_sm90.cuh": [sys.executable,
                                    os.path.join(TESTS, "emulation", "test_cupy_mods.py"),
-                                   "sm90-classes", "first-tile"]}
+                                   "sm90-classes", "first-tile"],
+                  "bwd_sm90.cuh": [sys.executable, "-m", "emulation.sm90_cases",
+                                   "B5-fp16-D64-BN64-prefix-lm-gqa-nan:bwd",
+                                   "B3-bf16-D128-BN128-chunked-and-causal-ordered:bwd"]}
 PLAN_CASE = [sys.executable, os.path.join(TESTS, "emulation", "test_plan_device.py"), "layout",
              "B300-many-mixed-16x8-shipped-threads"]
 PLAN_RUNS = (("plan schedule", PLAN_CASE, {"VARLEN_EMULATION_SCHEDULE": "random",

@@ -470,7 +470,43 @@ def run_case(label: str, kind: str, device: bool = False) -> float:
         assert_close(f"{label} {name}", g, want, dtype=c["dtype"],
                      naive_err=rel * max(float(np.max(np.abs(want), initial=0.0)), 1e-30),
                      factor=3.0, floor=16.0, magnitude=magnitude)
+    if mods and runtime is not None:
+        loaded, skipped = check_query_loads(label, plan, b.q, runtime.tma_trace(), mods.mask,
+                                            c["Hq"] // c["Hk"])
+        print(f"query chunks {label}: {loaded} loaded, {skipped} skipped", flush=True)
     return seconds
+
+
+def check_query_loads(label, plan, q, trace, mask_mod, group: int, bq: int = 64) -> tuple:
+    """The Q loads of an emulated backward with a mask_mod (`trace`: EmulatedRuntime.tma_trace)
+    against the mask_mod's classes: each block (key tile, key head) loads exactly the query
+    chunks of its schedule (bq rows from each range's first row, for each of the `group` query
+    heads) whose class against its keys is not empty (`varlen.mods.classify`). Returns (chunks
+    loaded, chunks skipped); a case whose mask_mod empties no chunk fails."""
+    from varlen.mods import EMPTY, classify
+    tiles, row_sched = np.asarray(plan.k_tiles), np.asarray(plan.k_row_sched)
+    got = {}
+    for bx, by, addr, c0, c1, c2 in trace.tolist():
+        if addr == q.ctypes.data and c0 == 0:
+            got[(bx, by)] = got.get((bx, by), 0) + 1
+    loaded = skipped = 0
+    for i, (seq, _, _, rows, pos) in enumerate(tiles.tolist()):
+        if seq < 0:
+            continue
+        want = skip = 0
+        for begin, _, _, end, delta in row_sched[i].tolist():
+            for r in range(begin, end, bq):
+                n = min(bq, end - r)
+                cls = classify(mask_mod, seq, r + delta, r + delta + n - 1, pos, pos + rows - 1)
+                want += group * int(cls != EMPTY)
+                skip += group * int(cls == EMPTY)
+        for by in range(q.shape[1] // group):
+            assert got.get((i, by), 0) == want, (
+                f"{label}: key tile {i}, key head {by} loads {got.get((i, by), 0)} query "
+                f"chunks, the mask_mod leaves {want}")
+            loaded, skipped = loaded + want, skipped + skip
+    assert skipped > 0, f"{label}: the mask_mod empties no query chunk of a key tile"
+    return loaded, skipped
 
 
 def _mask_mods(mask):

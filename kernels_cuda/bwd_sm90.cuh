@@ -115,8 +115,10 @@ struct BwdSm90Config {
     // kv_full, kv_ready, then q_full, ready, empty per stage
     static constexpr int NUM_BARS = 2 + 3 * STAGES;
     // Named barriers: 0 is __syncthreads, 1 .. NUM_CONSUMERS one per consumer warpgroup, then
-    // one over every consumer thread (ordered dQ)
+    // one over every consumer thread (ordered dQ), then the producer warpgroup's (its threads
+    // read the class thread 0 staged)
     static constexpr uint32_t CONSUMERS_BAR = 1 + NUM_CONSUMERS;
+    static constexpr uint32_t PRODUCER_BAR = 2 + NUM_CONSUMERS;
     // The threads that add to dQ (ordered dQ: every consumer thread), and the threads of the
     // barrier around the dS stores: a warpgroup's, or with DQ_BY_COLUMNS every consumer's
     static constexpr int ADDERS = NUM_CONSUMERS * WG_THREADS;
@@ -129,11 +131,10 @@ struct BwdSm90Config {
     // ENTRY_REGS per thread (64 K over the block's threads, in units of 8, at most 255).
     static constexpr int ENTRY_REGS = (65536 / NUM_THREADS > 255 ? 255 : 65536 / NUM_THREADS)
                                       / 8 * 8;
-    // The producer classifies each query chunk by the mask_mod (chunk_class) up to D = 128:
-    // with one consumer in 56 registers (40 spilled 32 B for a tree mask_mod's class); at
-    // D = 256 not at all (its two consumers leave it 40, where a sliding + global-tokens
-    // mask_mod's class spilled 4 B): every chunk there is tested pair by pair
-    static constexpr bool CLASSIFIES = HAS_MASK_MOD && D <= 128;
+    // The producer's thread 0 classifies each query chunk by the mask_mod (chunk_class) before
+    // its loads, with one consumer in 56 registers (40 spilled 32 B for a tree mask_mod's
+    // class), with two in 40
+    static constexpr bool CLASSIFIES = HAS_MASK_MOD;
     static constexpr int PRODUCER_REGS = CLASSIFIES && NUM_CONSUMERS == 1 ? 56 : 40;
     static constexpr int CONSUMER_REGS = NUM_CONSUMERS == 1 ? 240 : 232;
 
@@ -262,7 +263,11 @@ __device__ __forceinline__ int chunk_class(const ModParams& mods, const Chunk& c
 // with the mask_mod's class (`chunk_class`: within the producer's registers, where the
 // consumers' dK and dV leave no room for its interval arithmetic); thread t < BQ loads
 // lse2 and delta of the chunk's row t (lse2 = +inf, delta = 0 past the chunk); on the key tile
-// and on a partial chunk the warpgroup sanitises the landed rows before handing them on.
+// and on a partial chunk the warpgroup sanitises the landed rows before handing them on. A
+// chunk the mask_mod hides whole (TILE_EMPTY) still takes its stage, so that the consumers pass
+// it in order (the ordered dQ's turn), but nothing of it is loaded or sanitised: thread 0
+// completes q_full's phase with a plain arrive, and the other threads learn the class from the
+// staged chunk after the warpgroup's barrier.
 template <typename T, typename Cfg>
 __device__ __forceinline__ void bwd_sm90_producer(
     const sm90::TensorMap* map_q, const sm90::TensorMap* map_k, const sm90::TensorMap* map_v,
@@ -296,11 +301,22 @@ __device__ __forceinline__ void bwd_sm90_producer(
         const Chunk c = queries.chunk();
         const int head = i_khead * group + c.head;
         if (t == 0) {
-            sm90::mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::QD_BYTES);
-            load_rows<Cfg, BQ>(sm.q(s), map_q, sm.q_full(s), head, c.row);
-            load_rows<Cfg, BQ>(sm.dout(s), map_do, sm.q_full(s), head, c.row);
-            // the class while the chunk lands
-            *sm.chunk(s) = StagedChunk{c, 1 + chunk_class<Cfg>(mods, c, tile)};
+            const int cls = chunk_class<Cfg>(mods, c, tile);
+            *sm.chunk(s) = StagedChunk{c, 1 + cls};
+            if (cls == TILE_EMPTY) {
+                sm90::mbar_arrive(sm.q_full(s));           // the phase, with no bytes
+            } else {
+                sm90::mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::QD_BYTES);
+                load_rows<Cfg, BQ>(sm.q(s), map_q, sm.q_full(s), head, c.row);
+                load_rows<Cfg, BQ>(sm.dout(s), map_do, sm.q_full(s), head, c.row);
+            }
+        }
+        if constexpr (Cfg::CLASSIFIES) {
+            sm90::named_bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
+            if (sm.chunk(s)->valid == 1 + TILE_EMPTY) {
+                sm90::mbar_arrive(sm.ready(s));
+                continue;
+            }
         }
         if (t < BQ) {
             load_row_stats(sm.lse2(s)[t], sm.delta(s)[t], lse2, delta, plan.rows_q, head,
@@ -642,8 +658,8 @@ __device__ __forceinline__ void bwd_sm90_consumer(const BwdSm90Smem<T, Cfg>& sm,
         sm90::mbar_wait(sm.ready(s), parity, "ready");
         // The mask_mod's class of the chunk's queries against the tile's keys, which the
         // producer staged with it: TILE_EMPTY skips the chunk's products and dQ additions (its
-        // P^T = dS^T = 0; the stage is released and the ordered turn passed as for any other),
-        // TILE_FULL the mask_mod's evaluation. (The chunk is loaded all the same.)
+        // P^T = dS^T = 0; nothing of it was loaded; the stage is released and the ordered turn
+        // passed as for any other), TILE_FULL the mask_mod's evaluation.
         const int staged = sm.chunk(s)->valid;
         if (!staged) break;
         const int cls = staged - 1;

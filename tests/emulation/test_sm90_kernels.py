@@ -194,9 +194,22 @@ MUTATIONS = {
                              "if (visible && (full || user_mask(",
                              "if (visible && (true || user_mask(", f"{MASK_MOD}:bwd",
                              "NaN pattern differs"),
+    # a chunk the mask_mod hides whole loaded all the same (the gradients pass; the check of
+    # the Q loads against the classes does not)
+    "bwd-loads-empty-chunks": ("bwd_sm90.cuh",
+                               "            if (cls == TILE_EMPTY) {\n"
+                               "                sm90::mbar_arrive(sm.q_full(s));"
+                               "           // the phase, with no bytes\n"
+                               "            } else {", "            {", f"{MASK_MOD}:bwd",
+                               "the mask_mod leaves"),
+    # an empty chunk's q_full phase left incomplete: the consumers wait for it
+    "bwd-no-empty-chunk-arrive": ("bwd_sm90.cuh",
+                                  "                sm90::mbar_arrive(sm.q_full(s));"
+                                  "           // the phase, with no bytes\n", "",
+                                  f"{MASK_MOD}:bwd", BWD_HANDSHAKE + ("(a deadlock?)",)),
     "bwd-class-taken-as-full": ("bwd_sm90.cuh",
-                                "StagedChunk{c, 1 + chunk_class<Cfg>(mods, c, tile)}",
-                                "StagedChunk{c, 1 + TILE_FULL}", f"{MASK_MOD}:bwd",
+                                "const int cls = chunk_class<Cfg>(mods, c, tile);",
+                                "const int cls = TILE_FULL;", f"{MASK_MOD}:bwd",
                                 "NaN pattern differs"),
 }
 
