@@ -220,6 +220,47 @@ def test_deterministic_backward_is_bitwise_repeatable(dtype, cupy_backend):
     assert np.abs(dq_det - dq_fast).max() <= 2 ** -6 * scale, "atomic and deterministic dQ"
 
 
+def _chunked_causal(b, q_idx, k_idx, chunk):
+    return (q_idx // chunk[0] == k_idx // chunk[0]) & (k_idx <= q_idx)
+
+
+def _first_tile(b, q_idx, k_idx):
+    return (q_idx < 64) & (k_idx <= q_idx)
+
+
+@pytest.mark.parametrize("mask_id", ["chunked", "first-tile"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mask_mod_tile_classes(mask_id, dtype, cupy_backend):
+    """A mask_mod whose classes empty most tiles (chunked causal, chunks of 128) or leave whole
+    query tiles without a key ("first-tile": out 0, lse -inf there): the kernels classify their
+    chunks on the device, skip the empty ones and leave the full ones unmasked (the sm_90a
+    forward through its class tables, its backward through the producer's staged classes);
+    forward and backward against the float64 reference, NaN in the padding rows. Not in
+    scripts/gpu_check.sh (a mask_mod's modules compile for longer than its per-test
+    timeout): `pytest -m gpu tests/gpu/test_cupy_gpu.py -k mask_mod --cupy-backend=...`."""
+    from varlen.mods import Mods
+    mask_mod = {"chunked": varlen.MaskMod(_chunked_causal, np.array([128], np.int32)),
+                "first-tile": varlen.MaskMod(_first_tile)}[mask_id]
+    on_device = (varlen.MaskMod(_chunked_causal, _device(np.array([128], np.int32)))
+                 if mask_id == "chunked" else mask_mod)
+    why = varlen.backends.get(cupy_backend).supports_mods(types.SimpleNamespace(
+        mods=Mods(mask=on_device), grads=()))
+    if why:
+        pytest.skip(f"{cupy_backend}: {why}")
+    b = make_batch(np.random.default_rng(9), [700, 0, 1, 130, 257], None, Hq=4, Hk=2, D=128,
+                   dtype=dtype, mask=mask_mod, gaps=True, garbage=np.nan)
+    _require(cupy_backend, dtype, 128)
+    dev = {n: _device(getattr(b, n)) for n in ("q", "k", "v", "dout")}
+    kw = dict(cu_seqlens_q=_device(b.cu_q), cu_seqlens_k=_device(b.cu_k),
+              seq_offsets_q=_device(b.off_q), seq_offsets_k=_device(b.off_k), mask=on_device,
+              backend=cupy_backend)
+    out, lse = varlen.attention_forward(dev["q"], dev["k"], dev["v"], **kw)
+    grads = varlen.attention_backward(dev["dout"], dev["q"], dev["k"], dev["v"], out, lse, **kw)
+    check_against_reference(b, _host(out), _host(lse), tuple(_host(g) for g in grads),
+                            label=f"{mask_id} {dtype} {cupy_backend}")
+    varlen.check_device_errors()
+
+
 def _slopes_and_table(score, b, h, q_idx, k_idx, slopes, table):
     """Learnable ALiBi slopes [Hq] and a relative-bias table [Hq, 2R + 1]."""
     R = (table.shape[1] - 1) // 2
