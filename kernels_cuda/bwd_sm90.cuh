@@ -355,7 +355,7 @@ __device__ __forceinline__ void store_fragment_rows(const float (&acc)[NB][4],
 // Whether each pair this lane holds of a [16, 8 NB] key-rows tile is visible, the band's answer
 // and the mask_mod's together, computed before S^T and dP^T hold registers (`user_bits`): the
 // mask_mod's per-pair arithmetic and aux loads then run beside dK and dV only, and no field of
-// the tile's mask stays live across the products (at D = 256 those spilled 84 B). Bit
+// the tile's mask stays live across the products (at D = 256 those spilled 80-100 B). Bit
 // 2 NB half + 2 nb + e holds the pair of row g + 8 half and column nb 8 + 2 (lane % 4) + e.
 template <int NB>
 struct KeyRowsUserBits {
