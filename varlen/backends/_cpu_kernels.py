@@ -182,11 +182,9 @@ NN_KBLOCK = 2 * KBLOCK
 # through kernels that sum in another order than their large ones (OpenBLAS's Skylake-X
 # kernels for this transpose up to M * N = 1200, its SVE kernels up to 64^3), and the
 # backward's scores must be bitwise the forward's, which are formed in products of other
-# shapes (docs/cpu_backend.md, "Accuracy"). The loops form each element as one FMA chain along
-# the inner dimension, and so does a large product of the BLAS kernels that chain (OpenBLAS's
-# Skylake-X kernels); on a machine whose BLAS sums in another order (OpenBLAS's Haswell kernels,
-# which it also picks for AMD Zen) the caller passes a negative `blas_min` (`blas_chains`):
-# every score product then goes to the loops, the other products to BLAS from -blas_min on.
+# shapes (docs/cpu_backend.md, "Accuracy"). The loops and a large BLAS product both form each
+# element as one FMA chain along the inner dimension where BLAS chains (`cpu_backend.blas_chains`:
+# OpenBLAS's Skylake-X kernels do, its Haswell kernels, run on AMD Zen too, do not for float32).
 NT_LOOPS_MAX = 64 ** 3
 
 
@@ -229,12 +227,12 @@ def _mm_nt_loops(a, b, c, k0, kn, beta, bt):
 @kernel(cache=True)
 def mm_nt(a, b, c, beta, blas_min, bt):
     """Row-major `c[M, N] = a[M, K] @ b[N, K].T (+ c if beta)`; contiguous operands, `bt`
-    scratch of at least `(KBLOCK + 1) * N` (`_mm_nt_loops`); `blas_min` < 0: loops only."""
+    scratch of at least `(KBLOCK + 1) * N` (`_mm_nt_loops`)."""
     M, K = a.shape
     N = b.shape[0]
     for k0 in range(0, max(K, 1), KBLOCK):
         kn, bk = min(KBLOCK, K - k0), beta if k0 == 0 else 1.0
-        if blas_min > 0 and M * N * kn >= blas_min and M * N * kn > NT_LOOPS_MAX:
+        if M * N * kn >= blas_min and M * N * kn > NT_LOOPS_MAX:
             _xgemm(_T, _N, N, M, kn, 1.0, b[:, k0:], K, a[:, k0:], K, bk, c, N)
         elif M > 0 and N > 0:
             _mm_nt_loops(a, b, c, k0, kn, bk, bt)
@@ -244,12 +242,12 @@ def mm_nt(a, b, c, beta, blas_min, bt):
 def mm_nn(a, b, c, beta, blas_min):
     """Row-major `c[M, N] = a[M, K] @ b[K, N] (+ c if beta)`; contiguous operands. Its inner
     dimension is a backward product's stacked query rows (dV's `P dO`, dK's `dS Q`), cut into
-    chunks of NN_KBLOCK. BLAS from abs(blas_min) multiply-adds on (`mm_nt`)."""
+    chunks of NN_KBLOCK."""
     M, K = a.shape
     N = b.shape[1]
     for k0 in range(0, max(K, 1), NN_KBLOCK):
         kn, bk = min(NN_KBLOCK, K - k0), beta if k0 == 0 else 1.0
-        if M * N * kn >= abs(blas_min):
+        if M * N * kn >= blas_min:
             _xgemm(_N, _N, N, M, kn, 1.0, b[k0:], N, a[:, k0:], K, bk, c, N)
         elif M > 0 and N > 0:
             _mm_loops(a.ravel()[k0:], K, 1, b.ravel()[k0 * N:], N, 1, c, M, N, kn, bk)
@@ -259,11 +257,10 @@ def mm_nn(a, b, c, beta, blas_min):
 def mm_tn(a, b, c, beta, blas_min):
     """Row-major `c[M, N] = a[K, M].T @ b[K, N] (+ c if beta)`; contiguous operands. Its inner
     dimension is a product's keys (the forward's `P^T V`, the backward's `dS^T K`), at most
-    PRODUCT_KEYS or a key tile: not cut into KBLOCK chunks. BLAS from abs(blas_min)
-    multiply-adds on (`mm_nt`)."""
+    PRODUCT_KEYS or a key tile: not cut into KBLOCK chunks."""
     K, M = a.shape
     N = b.shape[1]
-    if M * N * K >= abs(blas_min):
+    if M * N * K >= blas_min:
         _xgemm(_N, _T, N, M, K, 1.0, b, N, a, M, beta, c, N)
     elif M > 0 and N > 0:
         _mm_loops(a.ravel(), 1, M, b.ravel(), N, 1, c, M, N, K, beta)

@@ -387,8 +387,8 @@ def _forward(plan: Plan, q, k, v, *, softmax_scale: float, softcap: float, mods=
         if fits:
             k_cum = K.flag_prefix(k_flag | v_flag)
             args = (_view(plan), order, chunks, nw, max(1, PRODUCT_KEYS // plan.block_n),
-                    rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap, _blas_min(use_blas, wdt),
-                    work_out, lse)
+                    rows_max, Qw, Kw, Vw, q_flag, k_cum, c, cap,
+                    BLAS_MIN if use_blas else _NO_BLAS, work_out, lse)
             md = None
             if mods:
                 md, errors = _mods_data(plan, mods, wdt, "q", softmax_scale, softcap)
@@ -501,7 +501,7 @@ def _backward_run(plan, order, parts, nw, use_blas, Qw, dOw, Kw, Vw, delta, lse2
                                                  .sum()), D), wdt)
     view, qstep = _view(plan), max(1, PRODUCT_ROWS // plan.block_m)
     args = (Qw, dOw, Kw, Vw, delta, lse2, lse2_lo, one_cum, q_flag, k_flag, q_cum, k_cum, c, cap,
-            float(softmax_scale), _blas_min(use_blas, wdt), dQ, dq_part, dK, dV,
+            float(softmax_scale), BLAS_MIN if use_blas else _NO_BLAS, dQ, dq_part, dK, dV,
             dq_nan, dk_nan)
     daux = None
     dp = _dropout_data(dropout)
@@ -615,10 +615,10 @@ def _wider(run, q, arrays, plan, **kw):
 def blas_chains(dtype) -> bool:
     """Whether this machine's BLAS forms each element of a large product of `dtype` (float32 or
     float64) as one FMA chain along the inner dimension, as the kernels' loops do: then the
-    scores may come from BLAS and still be the same bits in the forward and the backward
+    backward's scores are the forward's bit for bit whatever the products' shapes
     (docs/cpu_backend.md, "Accuracy"). Probed once per process on a product past
-    `NT_LOOPS_MAX`, inside a BLAS scope (OpenBLAS's Skylake-X kernels chain, its Haswell
-    kernels, which it also picks for AMD Zen, do not)."""
+    `NT_LOOPS_MAX`, inside a BLAS scope. OpenBLAS's Skylake-X kernels chain; its Haswell
+    kernels, which it also runs on AMD Zen, do not for float32."""
     dtype = np.dtype(dtype)
     if dtype not in _chains:
         K = _kernels()
@@ -626,19 +626,11 @@ def blas_chains(dtype) -> bool:
         keys, rows = (rng.standard_normal((n, 64)).astype(dtype) for n in (96, 72))
         scratch = np.empty((K.KBLOCK + 1) * rows.shape[0], dtype)
         got = [np.full((96, 72), np.nan, dtype) for _ in range(2)]
-        for c, blas_min in zip(got, (BLAS_MIN, _NO_BLAS)):
-            K.mm_nt(keys, rows, c, 0.0, blas_min, scratch)
+        with _threads().blas_scope(K.BLAS_BOUND) as use_blas:
+            for c, blas_min in zip(got, (BLAS_MIN if use_blas else _NO_BLAS, _NO_BLAS)):
+                K.mm_nt(keys, rows, c, 0.0, blas_min, scratch)
         _chains[dtype] = bool(np.array_equal(*got))
     return _chains[dtype]
-
-
-def _blas_min(use_blas: bool, dtype) -> int:
-    """The kernels' `blas_min`: BLAS for products of BLAS_MIN multiply-adds and more, the scores'
-    too where BLAS chains as the loops do (`blas_chains`), else not theirs (negative:
-    `_cpu_kernels.mm_nt`); no BLAS without it."""
-    if not use_blas:
-        return _NO_BLAS
-    return BLAS_MIN if blas_chains(dtype) else -BLAS_MIN
 
 
 def _numba_missing() -> str | None:
